@@ -1,0 +1,55 @@
+#!/bin/busybox sh
+# PID 1 of the test guest. Loads the modules the initramfs carries, mounts the machine's root
+# (read-only 9p) and the run's results folder (writable 9p, mounted at the same path it has on
+# the machine), brings up rdma_rxe on a veth, runs the command and records its exit code.
+# Kernel command line: vrdma.results=PATH (required), vrdma.rxe=0 to leave rdma_rxe out.
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+
+results=
+want_rxe=1
+for arg in $(cat /proc/cmdline); do
+  case "$arg" in
+    vrdma.results=*) results=${arg#vrdma.results=} ;;
+    vrdma.rxe=*) want_rxe=${arg#vrdma.rxe=} ;;
+  esac
+done
+
+fail() { echo "guest-init: $*"; poweroff -f; }
+
+for m in $(cat /modules/order); do
+  case "$m" in *-rdma_rxe.ko) [ "$want_rxe" = 1 ] || continue ;; esac
+  insmod "/modules/$m" || echo "guest-init: insmod $m failed"
+done
+
+opts=trans=virtio,version=9p2000.L,msize=512000
+mount -t 9p -o "$opts,ro" hostroot /newroot || fail "cannot mount the machine's root over 9p"
+[ -n "$results" ] || fail "no vrdma.results= on the kernel command line"
+mount -t 9p -o "$opts" results "/newroot$results" || fail "cannot mount the results share"
+mount -t proc proc /newroot/proc
+mount -t sysfs sysfs /newroot/sys
+mount -t devtmpfs devtmpfs /newroot/dev
+mkdir -p /newroot/dev/shm /newroot/dev/pts 2>/dev/null
+mount -t tmpfs tmpfs /newroot/dev/shm
+mount -t tmpfs tmpfs /newroot/tmp
+mount -t tmpfs tmpfs /newroot/run
+
+# rxe cannot sit on lo on this kernel; one end of a veth pair works, and two processes on the
+# same rxe device reach each other through its IPv4 GID.
+chroot /newroot /bin/sh -c '
+  ip link set lo up
+  ip link add va type veth peer name vb
+  ip addr add 192.168.77.1/24 dev va
+  ip link set va up
+  ip link set vb up'
+if [ "$want_rxe" = 1 ]; then
+  chroot /newroot rdma link add rxe0 type rxe netdev va || echo "guest-init: rdma link add rxe0 failed"
+fi
+
+chroot /newroot /bin/bash "$results/cmd.sh"
+echo $? >"/newroot$results/rc"
+sync
+umount "/newroot$results"
+poweroff -f
