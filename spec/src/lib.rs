@@ -1,0 +1,35 @@
+//! The vrdma wire format: every structure the guest driver and the device exchange, as
+//! `#[repr(C)]` little-endian types. `SPEC.md` beside this crate is the normative text; each
+//! type here names the section that defines it.
+//!
+//! All multi-byte fields are little-endian ([`Le16`], [`Le32`], [`Le64`]); byte arrays (GIDs,
+//! immediate data) are in network order as on the wire. No type has implicit padding: every
+//! size is asserted at compile time against the size the specification states.
+
+pub mod config;
+pub mod ctrl;
+pub mod mem;
+pub mod ring;
+
+pub use vm_memory::endian::{Le16, Le32, Le64};
+pub use vm_memory::ByteValued;
+
+/// Virtio device id of the vrdma device (SPEC.md §1).
+pub const VIRTIO_ID_RDMA: u32 = 42;
+
+/// Version of this specification; reported in the config space (SPEC.md §3).
+pub const SPEC_VERSION: u32 = 0;
+
+/// Implements [`ByteValued`] for wire structs and asserts their specified size.
+macro_rules! wire_struct {
+    ($($ty:ty = $size:expr),+ $(,)?) => {
+        $(
+            const _: () = assert!(::core::mem::size_of::<$ty>() == $size);
+            // SAFETY: the type is `#[repr(C)]`, made only of integers, little-endian integer
+            // wrappers and byte arrays (every bit pattern is valid), and the assertion above
+            // pins its size to the sum of its fields, so it has no padding bytes.
+            unsafe impl $crate::ByteValued for $ty {}
+        )+
+    };
+}
+pub(crate) use wire_struct;
