@@ -251,12 +251,19 @@ mod tests {
     fn phase_bit_alternates_per_lap_and_a_zeroed_ring_is_empty() {
         let depth = 4;
         for index in 0..depth {
-            assert!(!cqe_is_valid(0, index, depth), "zeroed ring must read as empty");
+            assert!(
+                !cqe_is_valid(0, index, depth),
+                "zeroed ring must read as empty"
+            );
             assert!(cqe_is_valid(cqe_owner_for(index, depth), index, depth));
         }
         for index in depth..2 * depth {
             // An entry left over from the first lap is stale in the second.
-            assert!(!cqe_is_valid(cqe_owner_for(index - depth, depth), index, depth));
+            assert!(!cqe_is_valid(
+                cqe_owner_for(index - depth, depth),
+                index,
+                depth
+            ));
             assert!(cqe_is_valid(cqe_owner_for(index, depth), index, depth));
         }
     }
@@ -266,6 +273,9 @@ mod tests {
         let depth = 1 << 8;
         let last = u32::MAX;
         let first_after_wrap = last.wrapping_add(1);
-        assert_ne!(cqe_owner_for(last, depth), cqe_owner_for(first_after_wrap, depth));
+        assert_ne!(
+            cqe_owner_for(last, depth),
+            cqe_owner_for(first_after_wrap, depth)
+        );
     }
 }

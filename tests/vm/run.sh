@@ -4,12 +4,12 @@
 # there unchanged. Prints the command's output and exits with its exit code.
 #
 # usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--timeout SECONDS] -- COMMAND [ARG...]
-#   --no-rxe   boot without loading rdma_rxe (to check that tests fail when rxe is missing)
+#   --no-rxe   boot without loading rdma_rxe (also VRDMA_VM_NO_RXE=1): RDMA tests must then fail
 # Environment passed into the guest: RUST_LOG, RUST_BACKTRACE, and every VRDMA_* variable.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-rxe=1 mem=3072 limit=${VRDMA_VM_TIMEOUT:-1800}
+rxe=$([ "${VRDMA_VM_NO_RXE:-0}" = 1 ] && echo 0 || echo 1) mem=3072 limit=${VRDMA_VM_TIMEOUT:-1800}
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-rxe) rxe=0; shift ;;
@@ -31,7 +31,7 @@ trap 'rm -rf "$run"' EXIT
 {
   echo "cd $(printf '%q' "$PWD") || exit 125"
   echo "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp"
-  echo "export RUST_BACKTRACE=${RUST_BACKTRACE:-1}"
+  echo "export RUST_BACKTRACE=${RUST_BACKTRACE:-0}"
   [ -n "${RUST_LOG:-}" ] && echo "export RUST_LOG=$(printf '%q' "$RUST_LOG")"
   while IFS='=' read -r name value; do
     echo "export $name=$(printf '%q' "$value")"

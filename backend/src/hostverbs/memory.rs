@@ -1,0 +1,200 @@
+//! Memory the host NIC may access, and its registration.
+
+use std::io;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use rdma_sys::*;
+
+use super::{last_error, verbs_object_is_thread_safe, Error, ProtectionDomain, Result};
+
+/// Memory that stays mapped at one address for as long as the value lives, so that a host MR
+/// registered over it never outlives the mapping.
+///
+/// # Safety
+/// `as_ptr()..as_ptr() + len()` must be readable and writable memory of this process that is
+/// neither unmapped nor remapped while the value is alive.
+pub unsafe trait PinnedMemory: Send + Sync {
+    fn as_ptr(&self) -> *mut u8;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Page-aligned anonymous memory owned by the backend (rings it keeps, test buffers).
+pub struct AnonymousMemory {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; concurrent access through raw
+// pointers is the NIC's and callers' business, exactly as for an MR's memory in C.
+unsafe impl Send for AnonymousMemory {}
+// SAFETY: as above; `&self` methods only copy through raw pointers with bounds checks.
+unsafe impl Sync for AnonymousMemory {}
+
+impl AnonymousMemory {
+    /// `len` bytes (rounded up to whole pages) of zeroed memory.
+    pub fn new(len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("cannot map zero bytes".into()));
+        }
+        // SAFETY: an anonymous private mapping at a kernel-chosen address has no
+        // preconditions; the result is checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(last_error("mmap"));
+        }
+        Ok(AnonymousMemory {
+            ptr: NonNull::new(ptr.cast()).expect("mmap returned NULL without failing"),
+            len,
+        })
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "range {offset}+{len} outside a {}-byte buffer",
+                self.len
+            ))),
+        }
+    }
+
+    /// Copies `data` into the buffer at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check_range(offset, data.len())?;
+        // SAFETY: the range is inside the mapping (checked above) and cannot overlap `data`,
+        // which Rust owns elsewhere.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` out of the buffer.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check_range(offset, out.len())?;
+        // SAFETY: as in `write`, with source and destination swapped.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+}
+
+// SAFETY: the mapping lives exactly as long as the value (unmapped in Drop, never moved).
+unsafe impl PinnedMemory for AnonymousMemory {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for AnonymousMemory {
+    fn drop(&mut self) {
+        // SAFETY: the range is the mapping made in `new`; MRs hold an Arc of the memory, so
+        // none is registered over it any more.
+        if unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) } != 0 {
+            log::error!("munmap failed: {}", io::Error::last_os_error());
+        }
+    }
+}
+
+/// A host memory region.
+pub struct MemoryRegion {
+    raw: NonNull<ibv_mr>,
+    iova: u64,
+    _memory: Arc<dyn PinnedMemory>,
+    _pd: Arc<ProtectionDomain>,
+}
+
+verbs_object_is_thread_safe!(MemoryRegion);
+
+impl ProtectionDomain {
+    /// Registers all of `memory` so that the NIC sees it at `iova` (`ibv_reg_mr_iova2`):
+    /// work requests then address it by `iova..iova + memory.len()`, whatever its host address.
+    pub fn reg_mr(
+        self: &Arc<Self>,
+        memory: Arc<dyn PinnedMemory>,
+        iova: u64,
+        access: u32,
+    ) -> Result<MemoryRegion> {
+        if memory.is_empty() {
+            return Err(Error::InvalidArgument("cannot register zero bytes".into()));
+        }
+        if iova.checked_add(memory.len() as u64).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "IOVA {iova:#x} + {} overflows",
+                memory.len()
+            )));
+        }
+        // SAFETY: the PD is alive; the memory is valid for `len` bytes and, through the Arc
+        // kept in the MR, stays mapped until after ibv_dereg_mr.
+        let raw = NonNull::new(unsafe {
+            ibv_reg_mr_iova2(
+                self.as_ptr(),
+                memory.as_ptr().cast(),
+                memory.len(),
+                iova,
+                access,
+            )
+        })
+        .ok_or_else(|| last_error("ibv_reg_mr_iova2"))?;
+        Ok(MemoryRegion {
+            raw,
+            iova,
+            _memory: memory,
+            _pd: Arc::clone(self),
+        })
+    }
+}
+
+impl MemoryRegion {
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: the MR is alive; lkey is set at registration and never changes.
+        unsafe { (*self.raw.as_ptr()).lkey }
+    }
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: as for lkey.
+        unsafe { (*self.raw.as_ptr()).rkey }
+    }
+    /// The address work requests use for the first byte of the region.
+    pub fn iova(&self) -> u64 {
+        self.iova
+    }
+    pub fn len(&self) -> usize {
+        // SAFETY: as for lkey.
+        unsafe { (*self.raw.as_ptr()).length }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: the MR was registered by reg_mr and is deregistered once; its memory is
+        // still mapped (the Arc is dropped after this).
+        let ret = unsafe { ibv_dereg_mr(self.raw.as_ptr()) };
+        if ret != 0 {
+            log::error!("ibv_dereg_mr failed: {ret}");
+        }
+    }
+}

@@ -1,0 +1,560 @@
+//! Safe wrappers over the host's libibverbs: the only module that touches `rdma-sys`.
+//!
+//! Every verbs object is an RAII value that destroys its host object on drop and holds an
+//! `Arc` of what it depends on (a QP keeps its PD and CQs alive, an MR its PD and the memory
+//! it covers), so no drop order can free a parent while a child still uses it.
+
+mod memory;
+mod qp;
+
+use std::ffi::CStr;
+use std::fmt;
+use std::io;
+use std::os::raw::c_int;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use rdma_sys::*;
+
+pub use memory::{AnonymousMemory, MemoryRegion, PinnedMemory};
+pub use qp::{
+    qp_attr_mask, AddressHandle, AhAttr, Payload, QpAttr, QpCaps, QpInit, QpState, QpType,
+    QueuePair, RecvWr, SendOp, SendWr, Sge, UdDest,
+};
+
+/// Errors of host verbs calls.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "RDMA device '{name}' not found (present: {}); is the rdma_rxe module loaded and an rxe link added?",
+        if present.is_empty() { "none".to_string() } else { present.join(", ") }
+    )]
+    DeviceNotFound { name: String, present: Vec<String> },
+    #[error("{call} failed: {source}")]
+    Verbs {
+        call: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{call} failed after {posted} work requests were accepted: {source}")]
+    Post {
+        call: &'static str,
+        posted: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{0}")]
+    InvalidArgument(String),
+}
+
+impl Error {
+    /// The errno a failed verbs call reported, if any.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            Error::Verbs { source, .. } | Error::Post { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Error from a call that reports failure through errno (NULL or -1 returns).
+fn last_error(call: &'static str) -> Error {
+    Error::Verbs {
+        call,
+        source: io::Error::last_os_error(),
+    }
+}
+
+/// Error from a call that returns a positive errno (0 on success).
+fn check(call: &'static str, ret: c_int) -> Result<()> {
+    match ret {
+        0 => Ok(()),
+        // Some providers return -1 and set errno instead.
+        r if r < 0 => Err(last_error(call)),
+        r => Err(Error::Verbs {
+            call,
+            source: io::Error::from_raw_os_error(r),
+        }),
+    }
+}
+
+/// libibverbs objects may be used from any thread (the library serialises internally).
+macro_rules! verbs_object_is_thread_safe {
+    ($($ty:ty),+) => {
+        $(
+            // SAFETY: libibverbs documents all verbs on an object as thread safe; the wrapper
+            // owns the pointer exclusively and only frees it in Drop.
+            unsafe impl Send for $ty {}
+            // SAFETY: as above; shared references only issue thread-safe verbs.
+            unsafe impl Sync for $ty {}
+        )+
+    };
+}
+pub(crate) use verbs_object_is_thread_safe;
+
+/// A 128-bit GID, in network order.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Gid(pub [u8; 16]);
+
+impl Gid {
+    /// True for the all-zero GID of an unused table entry.
+    pub fn is_zero(&self) -> bool {
+        self.0 == [0; 16]
+    }
+
+    /// The IPv4 address of an IPv4-mapped GID (`::ffff:a.b.c.d`), as RoCEv2 uses for IPv4.
+    pub fn ipv4(&self) -> Option<std::net::Ipv4Addr> {
+        std::net::Ipv6Addr::from(self.0).to_ipv4_mapped()
+    }
+}
+
+impl fmt::Display for Gid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        std::net::Ipv6Addr::from(self.0).fmt(f)
+    }
+}
+
+impl fmt::Debug for Gid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Gid({self})")
+    }
+}
+
+/// GID types, as the kernel reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GidType {
+    Ib,
+    RoceV1,
+    RoceV2,
+}
+
+/// Device attributes the backend uses (a subset of `ibv_device_attr`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceAttr {
+    pub fw_ver: String,
+    pub node_guid: u64,
+    pub sys_image_guid: u64,
+    pub max_mr_size: u64,
+    pub page_size_cap: u64,
+    pub vendor_id: u32,
+    pub vendor_part_id: u32,
+    pub hw_ver: u32,
+    pub max_qp: u32,
+    pub max_qp_wr: u32,
+    pub device_cap_flags: u32,
+    pub max_sge: u32,
+    pub max_cq: u32,
+    pub max_cqe: u32,
+    pub max_mr: u32,
+    pub max_pd: u32,
+    pub max_qp_rd_atom: u32,
+    pub max_qp_init_rd_atom: u32,
+    pub max_ah: u32,
+    pub max_srq: u32,
+    pub max_srq_wr: u32,
+    pub max_srq_sge: u32,
+    pub atomic_cap: u32,
+    pub phys_port_cnt: u8,
+}
+
+/// Port attributes the backend uses (a subset of `ibv_port_attr`; enums keep ibverbs values).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortAttr {
+    pub state: u32,
+    pub max_mtu: u32,
+    pub active_mtu: u32,
+    pub gid_tbl_len: u32,
+    pub port_cap_flags: u32,
+    pub max_msg_sz: u32,
+    pub pkey_tbl_len: u16,
+    pub lid: u16,
+    pub active_width: u8,
+    pub active_speed: u8,
+    pub phys_state: u8,
+    pub link_layer: u8,
+}
+
+/// `ibv_port_state` value of an active port.
+pub const PORT_ACTIVE: u32 = ibv_port_state::IBV_PORT_ACTIVE;
+/// `link_layer` value of an Ethernet (RoCE) port.
+pub const LINK_LAYER_ETHERNET: u8 = 2; // IBV_LINK_LAYER_ETHERNET, a #define bindgen skips
+
+/// Names of the RDMA devices the host has.
+pub fn device_names() -> Vec<String> {
+    let mut count: c_int = 0;
+    // SAFETY: `count` is a valid out-pointer; the list is freed below.
+    let list = unsafe { ibv_get_device_list(&mut count) };
+    if list.is_null() {
+        // No uverbs support at all (ENOSYS) reads as "no devices".
+        return Vec::new();
+    }
+    let names = (0..count as usize)
+        .map(|i| {
+            // SAFETY: the list holds `count` valid device pointers while it is not freed, and
+            // each name is a NUL-terminated string owned by the device.
+            unsafe { CStr::from_ptr(ibv_get_device_name(*list.add(i))) }
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    // SAFETY: `list` came from ibv_get_device_list and is freed once.
+    unsafe { ibv_free_device_list(list) };
+    names
+}
+
+extern "C" {
+    // Exported by libibverbs behind the static inline ibv_query_gid_ex(); rdma-sys's allowlist
+    // does not bind names with a leading underscore.
+    fn _ibv_query_gid_ex(
+        context: *mut ibv_context,
+        port_num: u32,
+        gid_index: u32,
+        entry: *mut ibv_gid_entry,
+        flags: u32,
+        entry_size: usize,
+    ) -> c_int;
+}
+
+/// An open host RDMA device.
+pub struct Context {
+    raw: NonNull<ibv_context>,
+    name: String,
+}
+
+verbs_object_is_thread_safe!(Context);
+
+impl Context {
+    /// Opens the host device called `name` (e.g. `rxe0`).
+    pub fn open(name: &str) -> Result<Arc<Context>> {
+        let mut count: c_int = 0;
+        // SAFETY: `count` is a valid out-pointer; the list is freed before returning.
+        let list = unsafe { ibv_get_device_list(&mut count) };
+        if list.is_null() {
+            return Err(Error::DeviceNotFound {
+                name: name.to_string(),
+                present: Vec::new(),
+            });
+        }
+        let mut present = Vec::new();
+        let mut opened = None;
+        for i in 0..count as usize {
+            // SAFETY: `list` holds `count` valid device pointers until it is freed.
+            let device = unsafe { *list.add(i) };
+            // SAFETY: the device's name is a NUL-terminated string it owns.
+            let device_name = unsafe { CStr::from_ptr(ibv_get_device_name(device)) }
+                .to_string_lossy()
+                .into_owned();
+            if device_name == name {
+                // SAFETY: `device` is valid; the context outlives the list by design.
+                opened = Some(NonNull::new(unsafe { ibv_open_device(device) }));
+            }
+            present.push(device_name);
+        }
+        // SAFETY: `list` came from ibv_get_device_list and is freed once.
+        unsafe { ibv_free_device_list(list) };
+        match opened {
+            None => Err(Error::DeviceNotFound {
+                name: name.to_string(),
+                present,
+            }),
+            Some(None) => Err(last_error("ibv_open_device")),
+            Some(Some(raw)) => Ok(Arc::new(Context {
+                raw,
+                name: name.to_string(),
+            })),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut ibv_context {
+        self.raw.as_ptr()
+    }
+
+    pub fn query_device(&self) -> Result<DeviceAttr> {
+        // SAFETY: all-zero is a valid ibv_device_attr (integers and byte arrays).
+        let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: the context is open and `attr` is a valid out-pointer.
+        check("ibv_query_device", unsafe {
+            ibv_query_device(self.as_ptr(), &mut attr)
+        })?;
+        // SAFETY: fw_ver is a NUL-terminated string inside the struct.
+        let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) };
+        let clamp = |v: c_int| v.max(0) as u32;
+        Ok(DeviceAttr {
+            fw_ver: fw_ver.to_string_lossy().into_owned(),
+            node_guid: u64::from_be(attr.node_guid),
+            sys_image_guid: u64::from_be(attr.sys_image_guid),
+            max_mr_size: attr.max_mr_size,
+            page_size_cap: attr.page_size_cap,
+            vendor_id: attr.vendor_id,
+            vendor_part_id: attr.vendor_part_id,
+            hw_ver: attr.hw_ver,
+            max_qp: clamp(attr.max_qp),
+            max_qp_wr: clamp(attr.max_qp_wr),
+            device_cap_flags: attr.device_cap_flags,
+            max_sge: clamp(attr.max_sge),
+            max_cq: clamp(attr.max_cq),
+            max_cqe: clamp(attr.max_cqe),
+            max_mr: clamp(attr.max_mr),
+            max_pd: clamp(attr.max_pd),
+            max_qp_rd_atom: clamp(attr.max_qp_rd_atom),
+            max_qp_init_rd_atom: clamp(attr.max_qp_init_rd_atom),
+            max_ah: clamp(attr.max_ah),
+            max_srq: clamp(attr.max_srq),
+            max_srq_wr: clamp(attr.max_srq_wr),
+            max_srq_sge: clamp(attr.max_srq_sge),
+            atomic_cap: attr.atomic_cap,
+            phys_port_cnt: attr.phys_port_cnt,
+        })
+    }
+
+    pub fn query_port(&self, port: u8) -> Result<PortAttr> {
+        // SAFETY: all-zero is a valid ibv_port_attr (integers only).
+        let mut attr: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: the context is open and `attr` is a valid, correctly sized out-pointer.
+        check("ibv_query_port", unsafe {
+            ___ibv_query_port(self.as_ptr(), port, &mut attr)
+        })?;
+        Ok(PortAttr {
+            state: attr.state,
+            max_mtu: attr.max_mtu,
+            active_mtu: attr.active_mtu,
+            gid_tbl_len: attr.gid_tbl_len.max(0) as u32,
+            port_cap_flags: attr.port_cap_flags,
+            max_msg_sz: attr.max_msg_sz,
+            pkey_tbl_len: attr.pkey_tbl_len,
+            lid: attr.lid,
+            active_width: attr.active_width,
+            active_speed: attr.active_speed,
+            phys_state: attr.phys_state,
+            link_layer: attr.link_layer,
+        })
+    }
+
+    /// The GID at `index` of `port` and its type. An unused entry is an error (ENODATA).
+    pub fn query_gid(&self, port: u8, index: u32) -> Result<(Gid, GidType)> {
+        // SAFETY: all-zero is a valid ibv_gid_entry (integers and a byte union).
+        let mut entry: ibv_gid_entry = unsafe { std::mem::zeroed() };
+        // SAFETY: the context is open; `entry` is a valid out-pointer of the size passed.
+        check("ibv_query_gid_ex", unsafe {
+            _ibv_query_gid_ex(
+                self.as_ptr(),
+                port.into(),
+                index,
+                &mut entry,
+                0,
+                std::mem::size_of::<ibv_gid_entry>(),
+            )
+        })?;
+        let gid_type = match entry.gid_type {
+            IBV_GID_TYPE_ROCE_V1 => GidType::RoceV1,
+            IBV_GID_TYPE_ROCE_V2 => GidType::RoceV2,
+            _ => GidType::Ib,
+        };
+        // SAFETY: every bit pattern of the union is a valid byte array.
+        Ok((Gid(unsafe { entry.gid.raw }), gid_type))
+    }
+
+    /// The index of the first RoCEv2 GID of `port` that maps an IPv4 address.
+    pub fn find_roce_v2_ipv4_gid(&self, port: u8) -> Result<(u32, Gid)> {
+        let table_len = self.query_port(port)?.gid_tbl_len;
+        (0..table_len)
+            .filter_map(|index| {
+                let (gid, gid_type) = self.query_gid(port, index).ok()?;
+                (gid_type == GidType::RoceV2 && gid.ipv4().is_some()).then_some((index, gid))
+            })
+            .next()
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{} port {port} has no RoCEv2 GID with an IPv4 address",
+                    self.name
+                ))
+            })
+    }
+
+    pub fn alloc_pd(self: &Arc<Self>) -> Result<Arc<ProtectionDomain>> {
+        // SAFETY: the context is open.
+        let raw = NonNull::new(unsafe { ibv_alloc_pd(self.as_ptr()) })
+            .ok_or_else(|| last_error("ibv_alloc_pd"))?;
+        Ok(Arc::new(ProtectionDomain {
+            raw,
+            context: Arc::clone(self),
+        }))
+    }
+
+    /// A completion queue with room for at least `depth` completions.
+    pub fn create_cq(self: &Arc<Self>, depth: u32) -> Result<Arc<CompletionQueue>> {
+        let cqe = c_int::try_from(depth)
+            .map_err(|_| Error::InvalidArgument(format!("CQ depth {depth} too large")))?;
+        // SAFETY: the context is open; no channel and no user context are passed.
+        let raw = NonNull::new(unsafe {
+            ibv_create_cq(
+                self.as_ptr(),
+                cqe,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        })
+        .ok_or_else(|| last_error("ibv_create_cq"))?;
+        Ok(Arc::new(CompletionQueue {
+            raw,
+            _context: Arc::clone(self),
+        }))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every child holds an Arc of the context, so none is alive any more.
+        let ret = unsafe { ibv_close_device(self.raw.as_ptr()) };
+        if ret != 0 {
+            log::error!("ibv_close_device({}) failed: {ret}", self.name);
+        }
+    }
+}
+
+/// A host protection domain.
+pub struct ProtectionDomain {
+    raw: NonNull<ibv_pd>,
+    context: Arc<Context>,
+}
+
+verbs_object_is_thread_safe!(ProtectionDomain);
+
+impl ProtectionDomain {
+    pub(crate) fn as_ptr(&self) -> *mut ibv_pd {
+        self.raw.as_ptr()
+    }
+
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+}
+
+impl Drop for ProtectionDomain {
+    fn drop(&mut self) {
+        // SAFETY: MRs, QPs and AHs hold an Arc of their PD, so none is alive any more.
+        let ret = unsafe { ibv_dealloc_pd(self.raw.as_ptr()) };
+        if ret != 0 {
+            log::error!("ibv_dealloc_pd failed: {ret}");
+        }
+    }
+}
+
+/// A host completion queue.
+pub struct CompletionQueue {
+    raw: NonNull<ibv_cq>,
+    _context: Arc<Context>,
+}
+
+verbs_object_is_thread_safe!(CompletionQueue);
+
+/// One completion, as polled from a host CQ.
+#[repr(transparent)]
+pub struct WorkCompletion(ibv_wc);
+
+impl Default for WorkCompletion {
+    fn default() -> Self {
+        // SAFETY: all-zero is a valid ibv_wc (integers and a union of integers).
+        WorkCompletion(unsafe { std::mem::zeroed() })
+    }
+}
+
+impl WorkCompletion {
+    pub fn wr_id(&self) -> u64 {
+        self.0.wr_id
+    }
+    /// `ibv_wc_status` value; 0 is success.
+    pub fn status(&self) -> u32 {
+        self.0.status
+    }
+    pub fn is_success(&self) -> bool {
+        self.0.status == ibv_wc_status::IBV_WC_SUCCESS
+    }
+    /// `ibv_wc_opcode` value.
+    pub fn opcode(&self) -> u32 {
+        self.0.opcode
+    }
+    pub fn byte_len(&self) -> u32 {
+        self.0.byte_len
+    }
+    pub fn qp_num(&self) -> u32 {
+        self.0.qp_num
+    }
+    pub fn src_qp(&self) -> u32 {
+        self.0.src_qp
+    }
+    pub fn vendor_err(&self) -> u32 {
+        self.0.vendor_err
+    }
+    pub fn wc_flags(&self) -> u32 {
+        self.0.wc_flags
+    }
+    pub fn sl(&self) -> u8 {
+        self.0.sl
+    }
+    pub fn pkey_index(&self) -> u16 {
+        self.0.pkey_index
+    }
+    /// The immediate data as a host value, when the completion carries one.
+    pub fn imm_data(&self) -> Option<u32> {
+        (self.0.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0)
+            // SAFETY: with IBV_WC_WITH_IMM set, the union holds imm_data.
+            .then(|| u32::from_be(unsafe { self.0.imm_data_invalidated_rkey_union.imm_data }))
+    }
+}
+
+impl fmt::Debug for WorkCompletion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkCompletion")
+            .field("wr_id", &self.wr_id())
+            .field("status", &self.status())
+            .field("opcode", &self.opcode())
+            .field("byte_len", &self.byte_len())
+            .field("qp_num", &self.qp_num())
+            .finish()
+    }
+}
+
+impl CompletionQueue {
+    pub(crate) fn as_ptr(&self) -> *mut ibv_cq {
+        self.raw.as_ptr()
+    }
+
+    /// Moves up to `out.len()` completions into `out`; returns how many.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let max = c_int::try_from(out.len()).unwrap_or(c_int::MAX);
+        // SAFETY: the CQ is alive; `out` has room for `max` ibv_wc (WorkCompletion is a
+        // transparent wrapper).
+        let n = unsafe { ibv_poll_cq(self.as_ptr(), max, out.as_mut_ptr().cast()) };
+        if n < 0 {
+            return Err(Error::Verbs {
+                call: "ibv_poll_cq",
+                source: io::Error::from_raw_os_error(-n),
+            });
+        }
+        Ok(n as usize)
+    }
+
+    /// Capacity the provider actually allocated.
+    pub fn depth(&self) -> u32 {
+        // SAFETY: the CQ is alive; `cqe` is set at creation and only changed by resize.
+        unsafe { (*self.as_ptr()).cqe.max(0) as u32 }
+    }
+}
+
+impl Drop for CompletionQueue {
+    fn drop(&mut self) {
+        // SAFETY: QPs hold an Arc of their CQs, so none still uses this one.
+        let ret = unsafe { ibv_destroy_cq(self.raw.as_ptr()) };
+        if ret != 0 {
+            log::error!("ibv_destroy_cq failed: {ret}");
+        }
+    }
+}

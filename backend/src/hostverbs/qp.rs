@@ -1,0 +1,654 @@
+//! Queue pairs, address handles and posting work requests.
+
+use std::io;
+use std::os::raw::c_int;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use rdma_sys::*;
+
+use super::{
+    check, last_error, verbs_object_is_thread_safe, CompletionQueue, Error, Gid, ProtectionDomain,
+    Result,
+};
+
+/// Transport of a QP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpType {
+    Rc,
+    Ud,
+}
+
+/// QP states, with ibverbs values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(u32)]
+pub enum QpState {
+    #[default]
+    Reset = ibv_qp_state::IBV_QPS_RESET,
+    Init = ibv_qp_state::IBV_QPS_INIT,
+    Rtr = ibv_qp_state::IBV_QPS_RTR,
+    Rts = ibv_qp_state::IBV_QPS_RTS,
+    Sqd = ibv_qp_state::IBV_QPS_SQD,
+    Sqe = ibv_qp_state::IBV_QPS_SQE,
+    Err = ibv_qp_state::IBV_QPS_ERR,
+}
+
+impl TryFrom<u32> for QpState {
+    type Error = u32;
+    fn try_from(value: u32) -> std::result::Result<Self, u32> {
+        [
+            QpState::Reset,
+            QpState::Init,
+            QpState::Rtr,
+            QpState::Rts,
+            QpState::Sqd,
+            QpState::Sqe,
+            QpState::Err,
+        ]
+        .into_iter()
+        .find(|s| *s as u32 == value)
+        .ok_or(value)
+    }
+}
+
+/// Bits of the attribute mask of [`QueuePair::modify`]; ibverbs values.
+pub mod qp_attr_mask {
+    use rdma_sys::ibv_qp_attr_mask as m;
+    pub const STATE: u32 = m::IBV_QP_STATE.0;
+    pub const CUR_STATE: u32 = m::IBV_QP_CUR_STATE.0;
+    pub const ACCESS_FLAGS: u32 = m::IBV_QP_ACCESS_FLAGS.0;
+    pub const PKEY_INDEX: u32 = m::IBV_QP_PKEY_INDEX.0;
+    pub const PORT: u32 = m::IBV_QP_PORT.0;
+    pub const QKEY: u32 = m::IBV_QP_QKEY.0;
+    pub const AV: u32 = m::IBV_QP_AV.0;
+    pub const PATH_MTU: u32 = m::IBV_QP_PATH_MTU.0;
+    pub const TIMEOUT: u32 = m::IBV_QP_TIMEOUT.0;
+    pub const RETRY_CNT: u32 = m::IBV_QP_RETRY_CNT.0;
+    pub const RNR_RETRY: u32 = m::IBV_QP_RNR_RETRY.0;
+    pub const RQ_PSN: u32 = m::IBV_QP_RQ_PSN.0;
+    pub const MAX_QP_RD_ATOMIC: u32 = m::IBV_QP_MAX_QP_RD_ATOMIC.0;
+    pub const MIN_RNR_TIMER: u32 = m::IBV_QP_MIN_RNR_TIMER.0;
+    pub const SQ_PSN: u32 = m::IBV_QP_SQ_PSN.0;
+    pub const MAX_DEST_RD_ATOMIC: u32 = m::IBV_QP_MAX_DEST_RD_ATOMIC.0;
+    pub const CAP: u32 = m::IBV_QP_CAP.0;
+    pub const DEST_QPN: u32 = m::IBV_QP_DEST_QPN.0;
+}
+
+/// Queue sizes of a QP.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpCaps {
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline_data: u32,
+}
+
+impl From<ibv_qp_cap> for QpCaps {
+    fn from(c: ibv_qp_cap) -> Self {
+        QpCaps {
+            max_send_wr: c.max_send_wr,
+            max_recv_wr: c.max_recv_wr,
+            max_send_sge: c.max_send_sge,
+            max_recv_sge: c.max_recv_sge,
+            max_inline_data: c.max_inline_data,
+        }
+    }
+}
+
+/// What [`ProtectionDomain::create_qp`] needs besides the CQs.
+#[derive(Clone, Copy, Debug)]
+pub struct QpInit {
+    pub qp_type: QpType,
+    pub caps: QpCaps,
+    /// Every send WR completes with a CQE, whatever its `signaled`.
+    pub sq_sig_all: bool,
+}
+
+/// An address vector (RC path in MODIFY_QP, UD destination in an AH).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AhAttr {
+    pub dgid: Gid,
+    pub flow_label: u32,
+    pub sgid_index: u8,
+    pub hop_limit: u8,
+    pub traffic_class: u8,
+    pub is_global: bool,
+    pub dlid: u16,
+    pub sl: u8,
+    pub port_num: u8,
+}
+
+impl From<&AhAttr> for ibv_ah_attr {
+    fn from(a: &AhAttr) -> Self {
+        ibv_ah_attr {
+            grh: ibv_global_route {
+                dgid: ibv_gid { raw: a.dgid.0 },
+                flow_label: a.flow_label,
+                sgid_index: a.sgid_index,
+                hop_limit: a.hop_limit,
+                traffic_class: a.traffic_class,
+            },
+            dlid: a.dlid,
+            sl: a.sl,
+            src_path_bits: 0,
+            static_rate: 0,
+            is_global: a.is_global.into(),
+            port_num: a.port_num,
+        }
+    }
+}
+
+impl From<&ibv_ah_attr> for AhAttr {
+    fn from(a: &ibv_ah_attr) -> Self {
+        AhAttr {
+            // SAFETY: every bit pattern of the GID union is a valid byte array.
+            dgid: Gid(unsafe { a.grh.dgid.raw }),
+            flow_label: a.grh.flow_label,
+            sgid_index: a.grh.sgid_index,
+            hop_limit: a.grh.hop_limit,
+            traffic_class: a.grh.traffic_class,
+            is_global: a.is_global != 0,
+            dlid: a.dlid,
+            sl: a.sl,
+            port_num: a.port_num,
+        }
+    }
+}
+
+/// QP attributes: the input of [`QueuePair::modify`] (fields chosen by the mask) and the
+/// output of [`QueuePair::query`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpAttr {
+    pub qp_state: QpState,
+    pub cur_qp_state: QpState,
+    /// `ibv_mtu` value (1 = 256 ... 5 = 4096).
+    pub path_mtu: u32,
+    pub qkey: u32,
+    pub rq_psn: u32,
+    pub sq_psn: u32,
+    pub dest_qp_num: u32,
+    pub qp_access_flags: u32,
+    pub ah_attr: AhAttr,
+    pub pkey_index: u16,
+    pub max_rd_atomic: u8,
+    pub max_dest_rd_atomic: u8,
+    pub min_rnr_timer: u8,
+    pub port_num: u8,
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub caps: QpCaps,
+}
+
+impl From<&QpAttr> for ibv_qp_attr {
+    fn from(a: &QpAttr) -> Self {
+        // SAFETY: all-zero is a valid ibv_qp_attr (integers, enums as integers, GID unions).
+        let mut raw: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        raw.qp_state = a.qp_state as u32;
+        raw.cur_qp_state = a.cur_qp_state as u32;
+        raw.path_mtu = a.path_mtu;
+        raw.qkey = a.qkey;
+        raw.rq_psn = a.rq_psn;
+        raw.sq_psn = a.sq_psn;
+        raw.dest_qp_num = a.dest_qp_num;
+        raw.qp_access_flags = a.qp_access_flags;
+        raw.ah_attr = (&a.ah_attr).into();
+        raw.pkey_index = a.pkey_index;
+        raw.max_rd_atomic = a.max_rd_atomic;
+        raw.max_dest_rd_atomic = a.max_dest_rd_atomic;
+        raw.min_rnr_timer = a.min_rnr_timer;
+        raw.port_num = a.port_num;
+        raw.timeout = a.timeout;
+        raw.retry_cnt = a.retry_cnt;
+        raw.rnr_retry = a.rnr_retry;
+        raw.cap = ibv_qp_cap {
+            max_send_wr: a.caps.max_send_wr,
+            max_recv_wr: a.caps.max_recv_wr,
+            max_send_sge: a.caps.max_send_sge,
+            max_recv_sge: a.caps.max_recv_sge,
+            max_inline_data: a.caps.max_inline_data,
+        };
+        raw
+    }
+}
+
+/// A host queue pair.
+pub struct QueuePair {
+    raw: NonNull<ibv_qp>,
+    qp_type: QpType,
+    caps: QpCaps,
+    _pd: Arc<ProtectionDomain>,
+    _send_cq: Arc<CompletionQueue>,
+    _recv_cq: Arc<CompletionQueue>,
+}
+
+verbs_object_is_thread_safe!(QueuePair);
+
+impl ProtectionDomain {
+    pub fn create_qp(
+        self: &Arc<Self>,
+        send_cq: &Arc<CompletionQueue>,
+        recv_cq: &Arc<CompletionQueue>,
+        init: &QpInit,
+    ) -> Result<QueuePair> {
+        // SAFETY: all-zero is a valid ibv_qp_init_attr (null pointers and integers).
+        let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        attr.send_cq = send_cq.as_ptr();
+        attr.recv_cq = recv_cq.as_ptr();
+        attr.qp_type = match init.qp_type {
+            QpType::Rc => ibv_qp_type::IBV_QPT_RC,
+            QpType::Ud => ibv_qp_type::IBV_QPT_UD,
+        };
+        attr.sq_sig_all = init.sq_sig_all.into();
+        attr.cap = ibv_qp_cap {
+            max_send_wr: init.caps.max_send_wr,
+            max_recv_wr: init.caps.max_recv_wr,
+            max_send_sge: init.caps.max_send_sge,
+            max_recv_sge: init.caps.max_recv_sge,
+            max_inline_data: init.caps.max_inline_data,
+        };
+        // SAFETY: PD and CQs are alive (and kept alive by the QP); `attr` is valid and the
+        // provider writes the granted caps back into it.
+        let raw = NonNull::new(unsafe { ibv_create_qp(self.as_ptr(), &mut attr) })
+            .ok_or_else(|| last_error("ibv_create_qp"))?;
+        Ok(QueuePair {
+            raw,
+            qp_type: init.qp_type,
+            caps: attr.cap.into(),
+            _pd: Arc::clone(self),
+            _send_cq: Arc::clone(send_cq),
+            _recv_cq: Arc::clone(recv_cq),
+        })
+    }
+}
+
+/// What a send work request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendOp {
+    Send,
+    SendWithImm {
+        imm: u32,
+    },
+    RdmaWrite {
+        remote_addr: u64,
+        rkey: u32,
+    },
+    RdmaWriteWithImm {
+        remote_addr: u64,
+        rkey: u32,
+        imm: u32,
+    },
+    RdmaRead {
+        remote_addr: u64,
+        rkey: u32,
+    },
+    CompareAndSwap {
+        remote_addr: u64,
+        rkey: u32,
+        compare: u64,
+        swap: u64,
+    },
+    FetchAndAdd {
+        remote_addr: u64,
+        rkey: u32,
+        add: u64,
+    },
+}
+
+/// A scatter/gather entry: `length` bytes at `addr` in the MR's address space (its IOVA).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sge {
+    pub addr: u64,
+    pub length: u32,
+    pub lkey: u32,
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<Sge>() == std::mem::size_of::<ibv_sge>());
+    assert!(std::mem::offset_of!(Sge, length) == std::mem::offset_of!(ibv_sge, length));
+    assert!(std::mem::offset_of!(Sge, lkey) == std::mem::offset_of!(ibv_sge, lkey));
+};
+
+/// Where a send's bytes come from.
+#[derive(Clone, Copy, Debug)]
+pub enum Payload<'a> {
+    /// Gathered by the NIC from registered memory.
+    Sges(&'a [Sge]),
+    /// Copied out of this process's memory when posted (IBV_SEND_INLINE).
+    Inline(&'a [u8]),
+}
+
+/// Destination of a UD send.
+#[derive(Clone, Copy, Debug)]
+pub struct UdDest<'a> {
+    pub ah: &'a AddressHandle,
+    pub remote_qpn: u32,
+    pub remote_qkey: u32,
+}
+
+/// A send work request.
+#[derive(Clone, Copy, Debug)]
+pub struct SendWr<'a> {
+    pub wr_id: u64,
+    pub op: SendOp,
+    pub payload: Payload<'a>,
+    pub signaled: bool,
+    pub solicited: bool,
+    pub fence: bool,
+    /// Required on UD QPs, ignored on RC.
+    pub ud: Option<UdDest<'a>>,
+}
+
+/// A receive work request.
+#[derive(Clone, Copy, Debug)]
+pub struct RecvWr<'a> {
+    pub wr_id: u64,
+    pub sges: &'a [Sge],
+}
+
+/// Work requests chained into one post call; bounds the stack space a batch needs.
+const POST_BATCH: usize = 16;
+
+fn post_error(call: &'static str, posted: usize, ret: c_int) -> Error {
+    Error::Post {
+        call,
+        posted,
+        source: if ret > 0 {
+            io::Error::from_raw_os_error(ret)
+        } else {
+            io::Error::last_os_error()
+        },
+    }
+}
+
+impl QueuePair {
+    pub fn qp_num(&self) -> u32 {
+        // SAFETY: the QP is alive; qp_num never changes after creation.
+        unsafe { (*self.raw.as_ptr()).qp_num }
+    }
+
+    pub fn qp_type(&self) -> QpType {
+        self.qp_type
+    }
+
+    /// The queue sizes the provider granted.
+    pub fn caps(&self) -> QpCaps {
+        self.caps
+    }
+
+    /// Applies the fields of `attr` selected by `mask` ([`qp_attr_mask`] bits).
+    pub fn modify(&self, attr: &QpAttr, mask: u32) -> Result<()> {
+        let mut raw: ibv_qp_attr = attr.into();
+        // SAFETY: the QP is alive and `raw` is a valid attribute struct.
+        check("ibv_modify_qp", unsafe {
+            ibv_modify_qp(self.raw.as_ptr(), &mut raw, mask as c_int)
+        })
+    }
+
+    pub fn query(&self) -> Result<QpAttr> {
+        // SAFETY: all-zero is valid for both structs (integers, null pointers, unions).
+        let (mut raw, mut init): (ibv_qp_attr, ibv_qp_init_attr) =
+            unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        let mask = qp_attr_mask::STATE
+            | qp_attr_mask::CUR_STATE
+            | qp_attr_mask::ACCESS_FLAGS
+            | qp_attr_mask::PKEY_INDEX
+            | qp_attr_mask::PORT
+            | qp_attr_mask::QKEY
+            | qp_attr_mask::AV
+            | qp_attr_mask::PATH_MTU
+            | qp_attr_mask::TIMEOUT
+            | qp_attr_mask::RETRY_CNT
+            | qp_attr_mask::RNR_RETRY
+            | qp_attr_mask::RQ_PSN
+            | qp_attr_mask::MAX_QP_RD_ATOMIC
+            | qp_attr_mask::MIN_RNR_TIMER
+            | qp_attr_mask::SQ_PSN
+            | qp_attr_mask::MAX_DEST_RD_ATOMIC
+            | qp_attr_mask::CAP
+            | qp_attr_mask::DEST_QPN;
+        // SAFETY: the QP is alive; both out-pointers are valid.
+        check("ibv_query_qp", unsafe {
+            ibv_query_qp(self.raw.as_ptr(), &mut raw, mask as c_int, &mut init)
+        })?;
+        Ok(QpAttr {
+            qp_state: QpState::try_from(raw.qp_state).unwrap_or(QpState::Err),
+            cur_qp_state: QpState::try_from(raw.cur_qp_state).unwrap_or(QpState::Err),
+            path_mtu: raw.path_mtu,
+            qkey: raw.qkey,
+            rq_psn: raw.rq_psn,
+            sq_psn: raw.sq_psn,
+            dest_qp_num: raw.dest_qp_num,
+            qp_access_flags: raw.qp_access_flags,
+            ah_attr: (&raw.ah_attr).into(),
+            pkey_index: raw.pkey_index,
+            max_rd_atomic: raw.max_rd_atomic,
+            max_dest_rd_atomic: raw.max_dest_rd_atomic,
+            min_rnr_timer: raw.min_rnr_timer,
+            port_num: raw.port_num,
+            timeout: raw.timeout,
+            retry_cnt: raw.retry_cnt,
+            rnr_retry: raw.rnr_retry,
+            caps: raw.cap.into(),
+        })
+    }
+
+    /// Posts `wrs` in order, chained in batches. On failure the error says how many were
+    /// posted before the one the provider refused.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        let mut posted = 0;
+        for chunk in wrs.chunks(POST_BATCH) {
+            // SAFETY: all-zero is a valid ibv_send_wr / ibv_sge (integers, null pointers,
+            // unions of those).
+            let mut raw: [ibv_send_wr; POST_BATCH] = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
+            let mut inline_sges: [ibv_sge; POST_BATCH] = unsafe { std::mem::zeroed() };
+            for (i, wr) in chunk.iter().enumerate() {
+                self.fill_send_wr(wr, &mut raw[i], &mut inline_sges[i])?;
+            }
+            let base = raw.as_mut_ptr();
+            for i in 1..chunk.len() {
+                // SAFETY: both indexes are inside the array.
+                unsafe { (*base.add(i - 1)).next = base.add(i) };
+            }
+            let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+            // SAFETY: the QP is alive; the chain and every SGE list it points to (caller
+            // slices, `inline_sges`) live until the call returns; the provider copies what it
+            // keeps, and reads inline data during the call.
+            let ret = unsafe { ibv_post_send(self.raw.as_ptr(), base, &mut bad) };
+            if ret != 0 {
+                let accepted = if bad.is_null() {
+                    0
+                } else {
+                    // SAFETY: `bad` points into `raw`, per the verbs contract.
+                    unsafe { bad.offset_from(base) as usize }
+                };
+                return Err(post_error("ibv_post_send", posted + accepted, ret));
+            }
+            posted += chunk.len();
+        }
+        Ok(())
+    }
+
+    fn fill_send_wr(
+        &self,
+        wr: &SendWr<'_>,
+        raw: &mut ibv_send_wr,
+        inline_sge: &mut ibv_sge,
+    ) -> Result<()> {
+        use ibv_wr_opcode::*;
+        raw.wr_id = wr.wr_id;
+        let mut flags = 0;
+        if wr.signaled {
+            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        if wr.solicited {
+            flags |= ibv_send_flags::IBV_SEND_SOLICITED.0;
+        }
+        if wr.fence {
+            flags |= ibv_send_flags::IBV_SEND_FENCE.0;
+        }
+        match wr.payload {
+            Payload::Sges(sges) => {
+                raw.sg_list = sges.as_ptr() as *mut ibv_sge;
+                raw.num_sge = c_int::try_from(sges.len())
+                    .map_err(|_| Error::InvalidArgument("too many SGEs".into()))?;
+            }
+            Payload::Inline(data) => {
+                inline_sge.addr = data.as_ptr() as u64;
+                inline_sge.length = u32::try_from(data.len())
+                    .map_err(|_| Error::InvalidArgument("inline payload too large".into()))?;
+                raw.sg_list = inline_sge;
+                raw.num_sge = 1;
+                flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+            }
+        }
+        raw.send_flags = flags;
+        let (opcode, imm) = match wr.op {
+            SendOp::Send => (IBV_WR_SEND, None),
+            SendOp::SendWithImm { imm } => (IBV_WR_SEND_WITH_IMM, Some(imm)),
+            SendOp::RdmaWrite { remote_addr, rkey } => {
+                raw.wr.rdma = rdma_t { remote_addr, rkey };
+                (IBV_WR_RDMA_WRITE, None)
+            }
+            SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            } => {
+                raw.wr.rdma = rdma_t { remote_addr, rkey };
+                (IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm))
+            }
+            SendOp::RdmaRead { remote_addr, rkey } => {
+                raw.wr.rdma = rdma_t { remote_addr, rkey };
+                (IBV_WR_RDMA_READ, None)
+            }
+            SendOp::CompareAndSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => {
+                raw.wr.atomic = atomic_t {
+                    remote_addr,
+                    compare_add: compare,
+                    swap,
+                    rkey,
+                };
+                (IBV_WR_ATOMIC_CMP_AND_SWP, None)
+            }
+            SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => {
+                raw.wr.atomic = atomic_t {
+                    remote_addr,
+                    compare_add: add,
+                    swap: 0,
+                    rkey,
+                };
+                (IBV_WR_ATOMIC_FETCH_AND_ADD, None)
+            }
+        };
+        raw.opcode = opcode;
+        if let Some(imm) = imm {
+            raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+        }
+        if self.qp_type == QpType::Ud {
+            let dest = wr
+                .ud
+                .ok_or_else(|| Error::InvalidArgument("UD send without a destination".into()))?;
+            raw.wr.ud = ud_t {
+                ah: dest.ah.raw.as_ptr(),
+                remote_qpn: dest.remote_qpn,
+                remote_qkey: dest.remote_qkey,
+            };
+        }
+        Ok(())
+    }
+
+    /// Posts receive work requests in order, chained in batches.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        let mut posted = 0;
+        for chunk in wrs.chunks(POST_BATCH) {
+            // SAFETY: all-zero is a valid ibv_recv_wr (integers and null pointers).
+            let mut raw: [ibv_recv_wr; POST_BATCH] = unsafe { std::mem::zeroed() };
+            for (i, wr) in chunk.iter().enumerate() {
+                raw[i].wr_id = wr.wr_id;
+                raw[i].sg_list = wr.sges.as_ptr() as *mut ibv_sge;
+                raw[i].num_sge = c_int::try_from(wr.sges.len())
+                    .map_err(|_| Error::InvalidArgument("too many SGEs".into()))?;
+            }
+            let base = raw.as_mut_ptr();
+            for i in 1..chunk.len() {
+                // SAFETY: both indexes are inside the array.
+                unsafe { (*base.add(i - 1)).next = base.add(i) };
+            }
+            let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+            // SAFETY: the QP is alive; the chain and the SGE slices live for the call.
+            let ret = unsafe { ibv_post_recv(self.raw.as_ptr(), base, &mut bad) };
+            if ret != 0 {
+                let accepted = if bad.is_null() {
+                    0
+                } else {
+                    // SAFETY: `bad` points into `raw`, per the verbs contract.
+                    unsafe { bad.offset_from(base) as usize }
+                };
+                return Err(post_error("ibv_post_recv", posted + accepted, ret));
+            }
+            posted += chunk.len();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        // SAFETY: the QP was created by create_qp and is destroyed once; its PD and CQs are
+        // still alive (their Arcs are dropped after this).
+        let ret = unsafe { ibv_destroy_qp(self.raw.as_ptr()) };
+        if ret != 0 {
+            log::error!("ibv_destroy_qp failed: {ret}");
+        }
+    }
+}
+
+/// A host address handle (UD destination).
+pub struct AddressHandle {
+    raw: NonNull<ibv_ah>,
+    _pd: Arc<ProtectionDomain>,
+}
+
+verbs_object_is_thread_safe!(AddressHandle);
+
+impl std::fmt::Debug for AddressHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("AddressHandle").field(&self.raw).finish()
+    }
+}
+
+impl ProtectionDomain {
+    pub fn create_ah(self: &Arc<Self>, attr: &AhAttr) -> Result<AddressHandle> {
+        let mut raw_attr: ibv_ah_attr = attr.into();
+        // SAFETY: the PD is alive and `raw_attr` is a valid address vector.
+        let raw = NonNull::new(unsafe { ibv_create_ah(self.as_ptr(), &mut raw_attr) })
+            .ok_or_else(|| last_error("ibv_create_ah"))?;
+        Ok(AddressHandle {
+            raw,
+            _pd: Arc::clone(self),
+        })
+    }
+}
+
+impl Drop for AddressHandle {
+    fn drop(&mut self) {
+        // SAFETY: created by create_ah, destroyed once; its PD is still alive.
+        let ret = unsafe { ibv_destroy_ah(self.raw.as_ptr()) };
+        if ret != 0 {
+            log::error!("ibv_destroy_ah failed: {ret}");
+        }
+    }
+}

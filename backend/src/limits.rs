@@ -1,0 +1,174 @@
+//! What the device advertises to a guest: the host device's limits capped by per-guest quotas.
+
+use vrdma_spec::config::{features, DeviceConfig, MAX_NOTIFY_QUEUES};
+use vrdma_spec::ring::MAX_WQE_SHIFT;
+use vrdma_spec::{Le32, Le64, SPEC_VERSION};
+
+use crate::hostverbs::DeviceAttr;
+
+/// Most objects of each kind one guest connection may hold at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quotas {
+    pub max_qp: u32,
+    pub max_cq: u32,
+    pub max_mr: u32,
+    pub max_pd: u32,
+    pub max_ah: u32,
+    pub max_srq: u32,
+    /// Largest single memory registration, in bytes.
+    pub max_mr_size: u64,
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Quotas {
+            max_qp: 16384,
+            max_cq: 16384,
+            max_mr: 16384,
+            max_pd: 1024,
+            max_ah: 4096,
+            max_srq: 1024,
+            max_mr_size: 1 << 32,
+        }
+    }
+}
+
+/// Inline data a send WQE can carry: its largest slot minus the header.
+const MAX_INLINE_DATA: u32 =
+    (1 << MAX_WQE_SHIFT) - core::mem::size_of::<vrdma_spec::ring::SendWqe>() as u32;
+/// SGEs a WQE can carry in its largest slot, and the most the `u8` `num_sge` field can say.
+const MAX_SGE_PER_WQE: u32 = 255;
+/// Page sizes the device maps: 4 KiB and 2 MiB (huge pages) and 1 GiB.
+const PAGE_SIZE_CAP: u64 = (1 << 12) | (1 << 21) | (1 << 30);
+
+/// The configuration space a guest sees, given the host device and the quotas.
+pub fn advertised_config(
+    host: &DeviceAttr,
+    quotas: &Quotas,
+    num_notify_queues: u32,
+) -> DeviceConfig {
+    DeviceConfig {
+        version: Le32::from(SPEC_VERSION),
+        num_notify_queues: Le32::from(num_notify_queues.clamp(1, MAX_NOTIFY_QUEUES)),
+        max_qp: Le32::from(host.max_qp.min(quotas.max_qp)),
+        max_qp_wr: Le32::from(host.max_qp_wr),
+        max_sge: Le32::from(host.max_sge.min(MAX_SGE_PER_WQE)),
+        max_cq: Le32::from(host.max_cq.min(quotas.max_cq)),
+        max_cqe: Le32::from(prev_power_of_two(host.max_cqe)),
+        max_mr: Le32::from(host.max_mr.min(quotas.max_mr)),
+        max_pd: Le32::from(host.max_pd.min(quotas.max_pd)),
+        max_ah: Le32::from(host.max_ah.min(quotas.max_ah)),
+        max_srq: Le32::from(host.max_srq.min(quotas.max_srq)),
+        max_srq_wr: Le32::from(prev_power_of_two(host.max_srq_wr)),
+        max_inline_data: Le32::from(MAX_INLINE_DATA),
+        max_qp_rd_atom: Le32::from(host.max_qp_rd_atom),
+        max_qp_init_rd_atom: Le32::from(host.max_qp_init_rd_atom),
+        phys_port_cnt: Le32::from(1),
+        max_mr_size: Le64::from(host.max_mr_size.min(quotas.max_mr_size)),
+        page_size_cap: Le64::from(PAGE_SIZE_CAP),
+        reserved: Default::default(),
+    }
+}
+
+/// The device feature bits offered for a host device.
+pub fn offered_features(host: &DeviceAttr) -> u64 {
+    let mut bits = features::VERSION_1 | features::RC | features::UD | features::INDIRECT_PAGE_LIST;
+    if host.max_srq > 0 {
+        bits |= features::SRQ;
+    }
+    if host.atomic_cap != 0 {
+        bits |= features::ATOMIC;
+    }
+    bits
+}
+
+/// Queue depths are powers of two in the spec; a host limit that is not one rounds down.
+fn prev_power_of_two(value: u32) -> u32 {
+    if value == 0 {
+        0
+    } else {
+        1 << (31 - value.leading_zeros())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rxe_like() -> DeviceAttr {
+        DeviceAttr {
+            max_qp: 1 << 17,
+            max_qp_wr: 1 << 20,
+            max_sge: 32,
+            max_cq: 1 << 16,
+            max_cqe: (1 << 15) - 1,
+            max_mr: 1 << 18,
+            max_pd: 1 << 16,
+            max_ah: 1 << 15,
+            max_srq: 1 << 16,
+            max_srq_wr: 1 << 20,
+            max_mr_size: u64::MAX,
+            atomic_cap: 1,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn quotas_cap_host_limits() {
+        let quotas = Quotas {
+            max_qp: 8,
+            max_mr_size: 1 << 20,
+            ..Default::default()
+        };
+        let config = advertised_config(&rxe_like(), &quotas, 4);
+        assert_eq!(config.max_qp.to_native(), 8);
+        assert_eq!(config.max_mr_size.to_native(), 1 << 20);
+        assert_eq!(config.max_pd.to_native(), Quotas::default().max_pd);
+        assert_eq!(config.num_notify_queues.to_native(), 4);
+    }
+
+    #[test]
+    fn host_limits_below_quotas_are_kept_and_depths_are_powers_of_two() {
+        let mut host = rxe_like();
+        host.max_qp = 3;
+        let config = advertised_config(&host, &Quotas::default(), 1);
+        assert_eq!(config.max_qp.to_native(), 3);
+        assert_eq!(config.max_cqe.to_native(), 1 << 14);
+        assert!(config.max_srq_wr.to_native().is_power_of_two());
+    }
+
+    #[test]
+    fn notify_queue_count_is_clamped_to_the_spec_range() {
+        assert_eq!(
+            advertised_config(&rxe_like(), &Quotas::default(), 0)
+                .num_notify_queues
+                .to_native(),
+            1
+        );
+        assert_eq!(
+            advertised_config(&rxe_like(), &Quotas::default(), 1000)
+                .num_notify_queues
+                .to_native(),
+            MAX_NOTIFY_QUEUES
+        );
+    }
+
+    #[test]
+    fn features_follow_host_capabilities() {
+        let mut host = rxe_like();
+        assert_ne!(offered_features(&host) & features::ATOMIC, 0);
+        host.atomic_cap = 0;
+        host.max_srq = 0;
+        let bits = offered_features(&host);
+        assert_eq!(bits & (features::ATOMIC | features::SRQ), 0);
+        assert_ne!(bits & features::VERSION_1, 0);
+    }
+
+    #[test]
+    fn prev_power_of_two_rounds_down() {
+        assert_eq!(prev_power_of_two(0), 0);
+        assert_eq!(prev_power_of_two(1), 1);
+        assert_eq!(prev_power_of_two(32767), 16384);
+        assert_eq!(prev_power_of_two(u32::MAX), 1 << 31);
+    }
+}

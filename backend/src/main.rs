@@ -1,0 +1,91 @@
+//! `vhost-user-rdma`: parses the command line and starts the backend.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use vrdma_backend::{limits, Config, HostDevice, Quotas};
+
+/// vhost-user backend of the vrdma paravirtual RDMA device (virtio id 42).
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Host RDMA device that serves the guests.
+    #[arg(long, default_value = "rxe0")]
+    device: String,
+    /// Port of the host device.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..))]
+    port: u8,
+    /// Source GID index for guest traffic [default: the first RoCEv2 IPv4 GID].
+    #[arg(long)]
+    gid_index: Option<u32>,
+    /// Notification virtqueues (doorbell kicks), 1 to 64.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    notify_queues: u32,
+    /// Most QPs one guest may hold.
+    #[arg(long, default_value_t = Quotas::default().max_qp)]
+    max_qp: u32,
+    /// Most memory regions one guest may hold.
+    #[arg(long, default_value_t = Quotas::default().max_mr)]
+    max_mr: u32,
+    /// Largest single memory registration, in bytes.
+    #[arg(long, default_value_t = Quotas::default().max_mr_size)]
+    max_mr_size: u64,
+    /// Check the host device and print what guests would be offered, then exit.
+    #[arg(long)]
+    check: bool,
+}
+
+impl From<Args> for Config {
+    fn from(args: Args) -> Config {
+        Config {
+            device: args.device,
+            port: args.port,
+            gid_index: args.gid_index,
+            quotas: Quotas {
+                max_qp: args.max_qp,
+                max_mr: args.max_mr,
+                max_mr_size: args.max_mr_size,
+                ..Quotas::default()
+            },
+            notify_queues: args.notify_queues,
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    env_logger::init();
+    let args = Args::parse();
+    let check_only = args.check;
+    let config = Config::from(args);
+    let device = match HostDevice::open(&config) {
+        Ok(device) => device,
+        Err(e) => {
+            log::error!("{e}");
+            eprintln!("vhost-user-rdma: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let host = match device.context.query_device() {
+        Ok(attr) => attr,
+        Err(e) => {
+            eprintln!("vhost-user-rdma: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!(
+        "{} port {}: GID index {} ({})",
+        config.device, device.port, device.gid_index, device.gid
+    );
+    println!("features offered: {:#x}", limits::offered_features(&host));
+    println!(
+        "{:#?}",
+        limits::advertised_config(&host, &config.quotas, config.notify_queues)
+    );
+    if check_only {
+        return ExitCode::SUCCESS;
+    }
+    eprintln!(
+        "vhost-user-rdma: serving guests over vhost-user is not implemented yet; use --check"
+    );
+    ExitCode::FAILURE
+}

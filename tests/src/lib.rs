@@ -1,0 +1,160 @@
+//! Helpers shared by the vrdma integration tests.
+//!
+//! Tests that need real RDMA are marked `#[ignore = "needs rdma_rxe ..."]` so that a plain
+//! `cargo test` on a machine without RDMA reports them as ignored; `tests/run-all.sh` runs
+//! them inside the VM harness with `--include-ignored`, where a missing rxe device fails them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vrdma_backend::hostverbs::{
+    qp_attr_mask as mask, AhAttr, CompletionQueue, Context, Gid, ProtectionDomain, QpAttr, QpCaps,
+    QpInit, QpState, QpType, QueuePair, WorkCompletion,
+};
+
+/// The RDMA device the tests use: `$VRDMA_TEST_DEVICE`, or the harness's `rxe0`.
+pub fn test_device_name() -> String {
+    std::env::var("VRDMA_TEST_DEVICE").unwrap_or_else(|_| "rxe0".to_string())
+}
+
+/// Opens the test device; panics with the reason (naming rxe) when it is missing.
+pub fn open_test_device() -> Arc<Context> {
+    let name = test_device_name();
+    Context::open(&name).unwrap_or_else(|e| panic!("cannot open RDMA device {name}: {e}"))
+}
+
+/// The port every test uses.
+pub const PORT: u8 = 1;
+/// `ibv_mtu` 1024, the rxe-on-veth active MTU.
+pub const MTU_1024: u32 = 3;
+/// Remote access every test QP grants.
+pub const FULL_ACCESS: u32 = 1 | 2 | 4 | 8;
+
+/// One side of an RC connection: its own PD, CQ and QP on the shared device.
+pub struct RcEndpoint {
+    pub pd: Arc<ProtectionDomain>,
+    pub cq: Arc<CompletionQueue>,
+    pub qp: QueuePair,
+}
+
+impl RcEndpoint {
+    pub fn new(context: &Arc<Context>) -> RcEndpoint {
+        let pd = context.alloc_pd().expect("alloc PD");
+        let cq = context.create_cq(64).expect("create CQ");
+        let caps = QpCaps {
+            max_send_wr: 32,
+            max_recv_wr: 32,
+            max_send_sge: 2,
+            max_recv_sge: 2,
+            max_inline_data: 64,
+        };
+        let init = QpInit {
+            qp_type: QpType::Rc,
+            caps,
+            sq_sig_all: false,
+        };
+        let qp = pd.create_qp(&cq, &cq, &init).expect("create RC QP");
+        RcEndpoint { pd, cq, qp }
+    }
+
+    /// Walks the QP RESET -> INIT -> RTR -> RTS towards `remote_qpn` at `remote_gid`.
+    pub fn connect(&self, sgid_index: u8, remote_gid: Gid, remote_qpn: u32, psn: u32) {
+        let init = QpAttr {
+            qp_state: QpState::Init,
+            pkey_index: 0,
+            port_num: PORT,
+            qp_access_flags: FULL_ACCESS,
+            ..Default::default()
+        };
+        self.qp
+            .modify(
+                &init,
+                mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS,
+            )
+            .expect("RESET -> INIT");
+        let rtr = QpAttr {
+            qp_state: QpState::Rtr,
+            path_mtu: MTU_1024,
+            dest_qp_num: remote_qpn,
+            rq_psn: psn,
+            max_dest_rd_atomic: 1,
+            min_rnr_timer: 12,
+            ah_attr: AhAttr {
+                dgid: remote_gid,
+                sgid_index,
+                hop_limit: 1,
+                is_global: true,
+                port_num: PORT,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        self.qp
+            .modify(
+                &rtr,
+                mask::STATE
+                    | mask::AV
+                    | mask::PATH_MTU
+                    | mask::DEST_QPN
+                    | mask::RQ_PSN
+                    | mask::MAX_DEST_RD_ATOMIC
+                    | mask::MIN_RNR_TIMER,
+            )
+            .expect("INIT -> RTR");
+        let rts = QpAttr {
+            qp_state: QpState::Rts,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            sq_psn: psn,
+            max_rd_atomic: 1,
+            ..Default::default()
+        };
+        self.qp
+            .modify(
+                &rts,
+                mask::STATE
+                    | mask::TIMEOUT
+                    | mask::RETRY_CNT
+                    | mask::RNR_RETRY
+                    | mask::SQ_PSN
+                    | mask::MAX_QP_RD_ATOMIC,
+            )
+            .expect("RTR -> RTS");
+    }
+}
+
+/// Two RC endpoints on one device, connected to each other through its RoCEv2 IPv4 GID.
+pub fn connected_rc_pair(context: &Arc<Context>) -> (RcEndpoint, RcEndpoint) {
+    let (gid_index, gid) = context
+        .find_roce_v2_ipv4_gid(PORT)
+        .expect("the test device needs a RoCEv2 GID with an IPv4 address");
+    let gid_index = u8::try_from(gid_index).expect("GID index fits in a byte");
+    let a = RcEndpoint::new(context);
+    let b = RcEndpoint::new(context);
+    a.connect(gid_index, gid, b.qp.qp_num(), 0x1234);
+    b.connect(gid_index, gid, a.qp.qp_num(), 0x1234);
+    (a, b)
+}
+
+/// Polls `cq` until `count` completions arrived; panics after a generous timeout (the tests
+/// run under TCG emulation).
+pub fn wait_for_completions(cq: &CompletionQueue, count: usize) -> Vec<WorkCompletion> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut done = Vec::with_capacity(count);
+    let mut batch: Vec<WorkCompletion> = (0..16).map(|_| WorkCompletion::default()).collect();
+    while done.len() < count {
+        let n = cq.poll(&mut batch).expect("poll CQ");
+        done.extend(batch.drain(..n));
+        batch.resize_with(16, WorkCompletion::default);
+        assert!(
+            Instant::now() < deadline,
+            "timed out with {} of {count} completions",
+            done.len()
+        );
+        if n == 0 {
+            std::thread::yield_now();
+        }
+    }
+    done
+}
