@@ -36,8 +36,8 @@ impl Default for Quotas {
 /// Inline data a send WQE can carry: its largest slot minus the header.
 const MAX_INLINE_DATA: u32 =
     (1 << MAX_WQE_SHIFT) - core::mem::size_of::<vrdma_spec::ring::SendWqe>() as u32;
-/// SGEs a WQE can carry in its largest slot, and the most the `u8` `num_sge` field can say.
-const MAX_SGE_PER_WQE: u32 = 255;
+/// SGEs a send WQE can carry in its largest slot.
+const MAX_SGE_PER_WQE: u32 = MAX_INLINE_DATA / core::mem::size_of::<vrdma_spec::ring::Sge>() as u32;
 /// Page sizes the device maps: 4 KiB and 2 MiB (huge pages) and 1 GiB.
 const PAGE_SIZE_CAP: u64 = (1 << 12) | (1 << 21) | (1 << 30);
 
@@ -68,6 +68,34 @@ pub fn advertised_config(
         page_size_cap: Le64::from(PAGE_SIZE_CAP),
         reserved: Default::default(),
     }
+}
+
+/// The configuration space as (name, value) pairs, in layout order, for people to read.
+pub fn describe(config: &DeviceConfig) -> [(&'static str, u64); 18] {
+    let c = config;
+    [
+        ("version", c.version.to_native().into()),
+        ("num_notify_queues", c.num_notify_queues.to_native().into()),
+        ("max_qp", c.max_qp.to_native().into()),
+        ("max_qp_wr", c.max_qp_wr.to_native().into()),
+        ("max_sge", c.max_sge.to_native().into()),
+        ("max_cq", c.max_cq.to_native().into()),
+        ("max_cqe", c.max_cqe.to_native().into()),
+        ("max_mr", c.max_mr.to_native().into()),
+        ("max_pd", c.max_pd.to_native().into()),
+        ("max_ah", c.max_ah.to_native().into()),
+        ("max_srq", c.max_srq.to_native().into()),
+        ("max_srq_wr", c.max_srq_wr.to_native().into()),
+        ("max_inline_data", c.max_inline_data.to_native().into()),
+        ("max_qp_rd_atom", c.max_qp_rd_atom.to_native().into()),
+        (
+            "max_qp_init_rd_atom",
+            c.max_qp_init_rd_atom.to_native().into(),
+        ),
+        ("phys_port_cnt", c.phys_port_cnt.to_native().into()),
+        ("max_mr_size", c.max_mr_size.to_native()),
+        ("page_size_cap", c.page_size_cap.to_native()),
+    ]
 }
 
 /// The device feature bits offered for a host device.
@@ -162,6 +190,24 @@ mod tests {
         let bits = offered_features(&host);
         assert_eq!(bits & (features::ATOMIC | features::SRQ), 0);
         assert_ne!(bits & features::VERSION_1, 0);
+    }
+
+    #[test]
+    fn the_largest_send_slot_holds_max_sge_or_max_inline() {
+        let config = advertised_config(
+            &DeviceAttr {
+                max_sge: 1000,
+                ..rxe_like()
+            },
+            &Quotas::default(),
+            1,
+        );
+        let header = core::mem::size_of::<vrdma_spec::ring::SendWqe>() as u32;
+        assert_eq!(header + 16 * config.max_sge.to_native(), 1 << MAX_WQE_SHIFT);
+        assert_eq!(
+            header + config.max_inline_data.to_native(),
+            1 << MAX_WQE_SHIFT
+        );
     }
 
     #[test]

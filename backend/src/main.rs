@@ -77,10 +77,10 @@ fn main() -> ExitCode {
         config.device, device.port, device.gid_index, device.gid
     );
     println!("features offered: {:#x}", limits::offered_features(&host));
-    println!(
-        "{:#?}",
-        limits::advertised_config(&host, &config.quotas, config.notify_queues)
-    );
+    let offered = limits::advertised_config(&host, &config.quotas, config.notify_queues);
+    for (name, value) in limits::describe(&offered) {
+        println!("  {name:<20} {value:#x} ({value})");
+    }
     if check_only {
         return ExitCode::SUCCESS;
     }
