@@ -26,15 +26,21 @@ done
 
 opts=trans=virtio,version=9p2000.L,msize=512000
 mount -t 9p -o "$opts,ro" hostroot /newroot || fail "cannot mount the machine's root over 9p"
-[ -n "$results" ] || fail "no vrdma.results= on the kernel command line"
-mount -t 9p -o "$opts" results "/newroot$results" || fail "cannot mount the results share"
 mount -t proc proc /newroot/proc
 mount -t sysfs sysfs /newroot/sys
 mount -t devtmpfs devtmpfs /newroot/dev
 mkdir -p /newroot/dev/shm /newroot/dev/pts 2>/dev/null
 mount -t tmpfs tmpfs /newroot/dev/shm
-mount -t tmpfs tmpfs /newroot/tmp
 mount -t tmpfs tmpfs /newroot/run
+# /tmp must be writable, yet what the machine keeps under /tmp (a checkout, its build) must stay
+# visible: an overlay with the machine's /tmp below and a tmpfs above.
+mkdir -p /newroot/run/.tmp/upper /newroot/run/.tmp/work
+mount -t overlay overlay \
+  -o lowerdir=/newroot/tmp,upperdir=/newroot/run/.tmp/upper,workdir=/newroot/run/.tmp/work \
+  /newroot/tmp || fail "cannot mount the /tmp overlay"
+# Last, so that no later mount hides it.
+[ -n "$results" ] || fail "no vrdma.results= on the kernel command line"
+mount -t 9p -o "$opts" results "/newroot$results" || fail "cannot mount the results share"
 
 # rxe cannot sit on lo on this kernel; one end of a veth pair works, and two processes on the
 # same rxe device reach each other through its IPv4 GID.

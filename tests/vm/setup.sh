@@ -14,7 +14,7 @@ log() { echo "vm-setup: $*" >&2; }
 
 # Modules the guest loads, in dependency order after resolution through modules.dep.
 # crc32_generic: rxe needs the crc32 shash when a link is added (ENOENT otherwise).
-guest_modules=(crc32_generic veth 9p 9pnet_virtio virtio_net ib_uverbs rdma_rxe)
+guest_modules=(crc32_generic veth 9p 9pnet_virtio overlay virtio_net ib_uverbs rdma_rxe)
 
 # QEMU comes from bookworm-backports (10.x: bookworm's 7.2 lacks vhost-user-device); the rest
 # from the main suite.
