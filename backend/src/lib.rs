@@ -3,8 +3,10 @@
 //! Layers: [`hostverbs`] is the only code that touches libibverbs; [`limits`] decides what a
 //! guest is offered; the device logic above them knows nothing of vhost-user plumbing.
 
+mod guest_mapping;
 pub mod hostverbs;
 pub mod limits;
+pub mod mtt;
 
 use std::sync::Arc;
 

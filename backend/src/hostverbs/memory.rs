@@ -20,6 +20,36 @@ pub unsafe trait PinnedMemory: Send + Sync {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Copies `data` into the memory at `offset`.
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        check_range(self.len(), offset, data.len())?;
+        // SAFETY: the range is inside the memory (checked above; valid per the trait
+        // contract) and cannot overlap `data`, which Rust owns elsewhere.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr().add(offset), data.len())
+        };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` out of the memory.
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        check_range(self.len(), offset, out.len())?;
+        // SAFETY: as in `write`, with source and destination swapped.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
+    }
+}
+
+fn check_range(size: usize, offset: usize, len: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "range {offset}+{len} outside {size} bytes of memory"
+        ))),
+    }
 }
 
 /// Page-aligned anonymous memory owned by the backend (rings it keeps, test buffers).
@@ -59,41 +89,6 @@ impl AnonymousMemory {
             ptr: NonNull::new(ptr.cast()).expect("mmap returned NULL without failing"),
             len,
         })
-    }
-
-    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(Error::InvalidArgument(format!(
-                "range {offset}+{len} outside a {}-byte buffer",
-                self.len
-            ))),
-        }
-    }
-
-    /// Copies `data` into the buffer at `offset`.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.check_range(offset, data.len())?;
-        // SAFETY: the range is inside the mapping (checked above) and cannot overlap `data`,
-        // which Rust owns elsewhere.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
-        };
-        Ok(())
-    }
-
-    /// Copies bytes at `offset` out of the buffer.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.check_range(offset, out.len())?;
-        // SAFETY: as in `write`, with source and destination swapped.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
-        Ok(())
     }
 }
 

@@ -1,0 +1,128 @@
+//! Contiguous mappings of guest pages in the backend's address space: the only place that maps
+//! guest memory for the NIC.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::hostverbs::PinnedMemory;
+use crate::mtt::{BackedPage, MttError};
+
+/// Guest pages mapped back to back, in page-list order, shared with the guest (MAP_SHARED of
+/// the files behind guest RAM): what the NIC writes here, the guest reads.
+///
+/// The mapping holds its own references to the files' pages, so it stays valid even if the
+/// guest's memory table changes; it is unmapped when dropped.
+pub struct GuestPagesMapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value; accesses go through raw
+// pointers (the NIC, bounds-checked copies), as for any MR's memory.
+unsafe impl Send for GuestPagesMapping {}
+// SAFETY: as above.
+unsafe impl Sync for GuestPagesMapping {}
+
+impl GuestPagesMapping {
+    /// Maps `pages` (each `page_size` bytes, a power of two) contiguously, with the start
+    /// aligned to `page_size` so that huge pages map as huge pages.
+    pub fn new(pages: &[BackedPage], page_size: u64) -> Result<Arc<Self>, MttError> {
+        let map_err = |e: io::Error| MttError::Map(e);
+        let too_large = || MttError::Map(io::Error::from_raw_os_error(libc::ENOMEM));
+        if pages.is_empty() || !page_size.is_power_of_two() {
+            return Err(MttError::Map(io::Error::from_raw_os_error(libc::EINVAL)));
+        }
+        let page_size = usize::try_from(page_size).map_err(|_| too_large())?;
+        let len = pages.len().checked_mul(page_size).ok_or_else(too_large)?;
+        let reserved_len = len.checked_add(page_size).ok_or_else(too_large)?;
+        // Reserve address space (no memory) with room to align the start.
+        // SAFETY: an anonymous PROT_NONE mapping at a kernel-chosen address affects nothing
+        // else; the result is checked.
+        let reserved = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                reserved_len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if reserved == libc::MAP_FAILED {
+            return Err(map_err(io::Error::last_os_error()));
+        }
+        let reserved = reserved as usize;
+        let base = reserved.next_multiple_of(page_size);
+        // Give back the slack before and after the aligned range.
+        // SAFETY: both ranges lie inside the reservation just made and nothing uses them.
+        unsafe {
+            if base > reserved {
+                libc::munmap(reserved as *mut libc::c_void, base - reserved);
+            }
+            let tail = reserved + reserved_len - (base + len);
+            if tail > 0 {
+                libc::munmap((base + len) as *mut libc::c_void, tail);
+            }
+        }
+        let mapping = GuestPagesMapping {
+            base: NonNull::new(base as *mut u8).expect("mmap never returns page 0"),
+            len,
+        };
+        // Map runs of pages that are consecutive in the same file with one call each.
+        let mut start = 0;
+        while start < pages.len() {
+            let mut end = start + 1;
+            while end < pages.len()
+                && Arc::ptr_eq(&pages[end].file, &pages[start].file)
+                && pages[end].offset == pages[end - 1].offset + page_size as u64
+            {
+                end += 1;
+            }
+            let offset = libc::off_t::try_from(pages[start].offset).map_err(|_| too_large())?;
+            // SAFETY: the target range lies inside this value's reserved range (replaced in
+            // place by MAP_FIXED, so no other mapping is touched); the fd is open for the
+            // call and the kernel keeps its own reference to the file.
+            let mapped = unsafe {
+                libc::mmap(
+                    (base + start * page_size) as *mut libc::c_void,
+                    (end - start) * page_size,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    pages[start].file.as_raw_fd(),
+                    offset,
+                )
+            };
+            if mapped == libc::MAP_FAILED {
+                // `mapping` unmaps the whole range when dropped here.
+                return Err(map_err(io::Error::last_os_error()));
+            }
+            start = end;
+        }
+        Ok(Arc::new(mapping))
+    }
+}
+
+// SAFETY: the range stays mapped, at the same address, until Drop.
+unsafe impl PinnedMemory for GuestPagesMapping {
+    fn as_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for GuestPagesMapping {
+    fn drop(&mut self) {
+        // SAFETY: the range is exactly the one reserved in `new`; any MR over it holds an Arc
+        // of this value, so none is registered any more.
+        if unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) } != 0 {
+            log::error!(
+                "munmap of guest pages failed: {}",
+                io::Error::last_os_error()
+            );
+        }
+    }
+}
