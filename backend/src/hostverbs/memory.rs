@@ -131,22 +131,35 @@ impl ProtectionDomain {
         iova: u64,
         access: u32,
     ) -> Result<MemoryRegion> {
-        if memory.is_empty() {
+        let len = memory.len();
+        self.reg_mr_range(memory, 0, len, iova, access)
+    }
+
+    /// Registers `len` bytes of `memory` from `offset`, seen by the NIC at `iova`.
+    pub fn reg_mr_range(
+        self: &Arc<Self>,
+        memory: Arc<dyn PinnedMemory>,
+        offset: usize,
+        len: usize,
+        iova: u64,
+        access: u32,
+    ) -> Result<MemoryRegion> {
+        if len == 0 {
             return Err(Error::InvalidArgument("cannot register zero bytes".into()));
         }
-        if iova.checked_add(memory.len() as u64).is_none() {
+        check_range(memory.len(), offset, len)?;
+        if iova.checked_add(len as u64).is_none() {
             return Err(Error::InvalidArgument(format!(
-                "IOVA {iova:#x} + {} overflows",
-                memory.len()
+                "IOVA {iova:#x} + {len} overflows"
             )));
         }
-        // SAFETY: the PD is alive; the memory is valid for `len` bytes and, through the Arc
-        // kept in the MR, stays mapped until after ibv_dereg_mr.
+        // SAFETY: the PD is alive; `offset..offset + len` is inside the memory (checked
+        // above), which through the Arc kept in the MR stays mapped until after ibv_dereg_mr.
         let raw = NonNull::new(unsafe {
             ibv_reg_mr_iova2(
                 self.as_ptr(),
-                memory.as_ptr().cast(),
-                memory.len(),
+                memory.as_ptr().add(offset).cast(),
+                len,
                 iova,
                 access,
             )
