@@ -4,10 +4,12 @@
 use std::sync::Arc;
 
 use vrdma_backend::hostverbs::{
-    AnonymousMemory, GidType, MemoryRegion, Payload, PinnedMemory, QpState, RecvWr, SendOp, SendWr,
-    Sge, LINK_LAYER_ETHERNET, PORT_ACTIVE,
+    AnonymousMemory, GidType, MemoryRegion, Payload, PinnedMemory, QpState, RecvWr, SendOp, Sge,
+    LINK_LAYER_ETHERNET, PORT_ACTIVE,
 };
-use vrdma_tests::{connected_rc_pair, open_test_device, wait_for_completions, FULL_ACCESS, PORT};
+use vrdma_tests::{
+    connected_rc_pair, open_test_device, signaled, wait_for_completions, FULL_ACCESS, PORT,
+};
 
 /// An IOVA far from any address the buffers really have, as a guest VA would be.
 const TARGET_IOVA: u64 = 0x0000_7f00_dead_0000;
@@ -87,15 +89,11 @@ fn rc_send_recv_moves_bytes_and_immediate_data() {
         length: 5000,
         lkey: src_mr.lkey(),
     }];
-    a.qp.post_send(&[SendWr {
-        wr_id: 9,
-        op: SendOp::SendWithImm { imm: 0xfeed_beef },
-        payload: Payload::Sges(&send_sge),
-        signaled: true,
-        solicited: false,
-        fence: false,
-        ud: None,
-    }])
+    a.qp.post_send(&[signaled(
+        9,
+        SendOp::SendWithImm { imm: 0xfeed_beef },
+        Payload::Sges(&send_sge),
+    )])
     .expect("post send");
 
     let sent = wait_for_completions(&a.cq, 1);
@@ -129,16 +127,8 @@ fn inline_send_copies_payload_at_post_time() {
     }])
     .unwrap();
     let mut payload = *b"inline payload, 32 bytes long!!!";
-    a.qp.post_send(&[SendWr {
-        wr_id: 2,
-        op: SendOp::Send,
-        payload: Payload::Inline(&payload),
-        signaled: true,
-        solicited: false,
-        fence: false,
-        ud: None,
-    }])
-    .expect("post inline send");
+    a.qp.post_send(&[signaled(2, SendOp::Send, Payload::Inline(&payload))])
+        .expect("post inline send");
     payload.fill(0); // the provider copied it when posting
     assert!(wait_for_completions(&a.cq, 1)[0].is_success());
     let got = wait_for_completions(&b.cq, 1);
@@ -165,18 +155,14 @@ fn rdma_write_to_an_explicit_iova_lands_at_the_matching_host_offset() {
         length: 1000,
         lkey: src_mr.lkey(),
     }];
-    a.qp.post_send(&[SendWr {
-        wr_id: 11,
-        op: SendOp::RdmaWrite {
+    a.qp.post_send(&[signaled(
+        11,
+        SendOp::RdmaWrite {
             remote_addr: TARGET_IOVA + 4096 + 16,
             rkey: dst_mr.rkey(),
         },
-        payload: Payload::Sges(&sge),
-        signaled: true,
-        solicited: false,
-        fence: false,
-        ud: None,
-    }])
+        Payload::Sges(&sge),
+    )])
     .unwrap();
     let done = wait_for_completions(&a.cq, 1);
     assert!(done[0].is_success(), "{:?}", done[0]);
@@ -193,18 +179,14 @@ fn rdma_write_to_an_explicit_iova_lands_at_the_matching_host_offset() {
 
     // Reading it back with RDMA READ goes through the same translation.
     src.write(0, &[0u8; 1000]).unwrap();
-    a.qp.post_send(&[SendWr {
-        wr_id: 12,
-        op: SendOp::RdmaRead {
+    a.qp.post_send(&[signaled(
+        12,
+        SendOp::RdmaRead {
             remote_addr: TARGET_IOVA + 4096 + 16,
             rkey: dst_mr.rkey(),
         },
-        payload: Payload::Sges(&sge),
-        signaled: true,
-        solicited: false,
-        fence: false,
-        ud: None,
-    }])
+        Payload::Sges(&sge),
+    )])
     .unwrap();
     assert!(wait_for_completions(&a.cq, 1)[0].is_success());
     let mut read_back = vec![0u8; 1000];
@@ -224,18 +206,14 @@ fn rdma_write_past_the_end_of_an_mr_completes_with_remote_access_error() {
         length: 64,
         lkey: src_mr.lkey(),
     }];
-    a.qp.post_send(&[SendWr {
-        wr_id: 13,
-        op: SendOp::RdmaWrite {
+    a.qp.post_send(&[signaled(
+        13,
+        SendOp::RdmaWrite {
             remote_addr: TARGET_IOVA + 4096 - 32,
             rkey: dst_mr.rkey(),
         },
-        payload: Payload::Sges(&sge),
-        signaled: true,
-        solicited: false,
-        fence: false,
-        ud: None,
-    }])
+        Payload::Sges(&sge),
+    )])
     .unwrap();
     let done = wait_for_completions(&a.cq, 1);
     const IBV_WC_REM_ACCESS_ERR: u32 = 10;

@@ -6,11 +6,13 @@ use std::fs::File;
 use std::sync::Arc;
 
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap};
-use vrdma_backend::hostverbs::{AnonymousMemory, Payload, PinnedMemory, SendOp, SendWr, Sge};
+use vrdma_backend::hostverbs::{AnonymousMemory, Payload, PinnedMemory, SendOp, Sge};
 use vrdma_backend::mtt::{pages_needed, resolve_page_list, GuestPagesMapping, PageListRules};
 use vrdma_spec::mem::{PageList, PageListForm};
 use vrdma_spec::{Le16, Le32, Le64};
-use vrdma_tests::{connected_rc_pair, open_test_device, wait_for_completions, FULL_ACCESS};
+use vrdma_tests::{
+    connected_rc_pair, open_test_device, signaled, wait_for_completions, FULL_ACCESS,
+};
 
 const PAGE: u64 = 4096;
 
@@ -97,24 +99,13 @@ fn rdma_at_guest_virtual_addresses_reaches_scattered_guest_pages() {
         length: 6000,
         lkey: local_mr.lkey(),
     }];
-    let rdma = |wr_id, op| SendWr {
-        wr_id,
-        op,
-        payload: Payload::Sges(&sge),
-        signaled: true,
-        solicited: false,
-        fence: false,
-        ud: None,
-    };
     let target = virt_addr + 3000;
-    a.qp.post_send(&[rdma(
-        1,
-        SendOp::RdmaWrite {
-            remote_addr: target,
-            rkey: guest_mr.rkey(),
-        },
-    )])
-    .unwrap();
+    let write = SendOp::RdmaWrite {
+        remote_addr: target,
+        rkey: guest_mr.rkey(),
+    };
+    a.qp.post_send(&[signaled(1, write, Payload::Sges(&sge))])
+        .unwrap();
     let done = wait_for_completions(&a.cq, 1);
     assert!(done[0].is_success(), "{:?}", done[0]);
 
@@ -138,34 +129,24 @@ fn rdma_at_guest_virtual_addresses_reaches_scattered_guest_pages() {
         lkey: local_mr.lkey(),
     }];
     let read_va = page_start + 3 * PAGE + 100;
-    a.qp.post_send(&[SendWr {
-        payload: Payload::Sges(&sge_read),
-        ..rdma(
-            2,
-            SendOp::RdmaRead {
-                remote_addr: read_va,
-                rkey: guest_mr.rkey(),
-            },
-        )
-    }])
-    .unwrap();
+    let read = SendOp::RdmaRead {
+        remote_addr: read_va,
+        rkey: guest_mr.rkey(),
+    };
+    a.qp.post_send(&[signaled(2, read, Payload::Sges(&sge_read))])
+        .unwrap();
     assert!(wait_for_completions(&a.cq, 1)[0].is_success());
     let mut read_back = [0u8; 16];
     local.read(7000, &mut read_back).unwrap();
     assert_eq!(&read_back, b"guest wrote this");
 
     // One byte past the registered range is refused by the NIC, not written.
-    a.qp.post_send(&[SendWr {
-        payload: Payload::Sges(&sge_read),
-        ..rdma(
-            3,
-            SendOp::RdmaWrite {
-                remote_addr: virt_addr + length - 8,
-                rkey: guest_mr.rkey(),
-            },
-        )
-    }])
-    .unwrap();
+    let past_the_end = SendOp::RdmaWrite {
+        remote_addr: virt_addr + length - 8,
+        rkey: guest_mr.rkey(),
+    };
+    a.qp.post_send(&[signaled(3, past_the_end, Payload::Sges(&sge_read))])
+        .unwrap();
     const IBV_WC_REM_ACCESS_ERR: u32 = 10;
     assert_eq!(
         wait_for_completions(&a.cq, 1)[0].status(),
