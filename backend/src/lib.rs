@@ -3,6 +3,7 @@
 //! Layers: [`hostverbs`] is the only code that touches libibverbs; [`limits`] decides what a
 //! guest is offered; the device logic above them knows nothing of vhost-user plumbing.
 
+pub mod device;
 mod guest_mapping;
 pub mod hostverbs;
 pub mod limits;

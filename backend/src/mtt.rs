@@ -169,6 +169,15 @@ fn read_u64_array<M: GuestMemoryBackend>(
         .collect())
 }
 
+/// Checks `[gpa, gpa + len)` (len > 0) lies inside one region of guest memory.
+pub fn check_guest_range<M: GuestMemoryBackend>(
+    mem: &M,
+    gpa: u64,
+    len: u64,
+) -> Result<(), MttError> {
+    check_in_one_region(mem, gpa, len).map(|_| ())
+}
+
 /// Checks `[gpa, gpa + len)` (len > 0) lies inside one region; returns that region.
 fn check_in_one_region<M: GuestMemoryBackend>(
     mem: &M,

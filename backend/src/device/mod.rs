@@ -1,0 +1,615 @@
+//! The vrdma device logic of one guest connection: control commands (SPEC.md §5), validated
+//! and executed on host verbs. It knows nothing of vhost-user: requests come in as bytes, guest
+//! memory as any [`GuestMemoryBackend`].
+
+mod objects;
+mod validate;
+
+use std::sync::Arc;
+
+use vm_memory::GuestMemoryBackend;
+use vrdma_spec::config::{features, DeviceConfig};
+use vrdma_spec::ctrl::{
+    gid_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
+    CreateQpResponse, CreatedResponse, DeviceAttr as WireDeviceAttr, HandleRequest,
+    ModifyQpRequest, Opcode, PortAttr as WirePortAttr, QpAttr as WireQpAttr, QueryGidRequest,
+    QueryGidResponse, QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
+    SetNotifyAreaRequest, Status,
+};
+use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, CQE_SIZE};
+use vrdma_spec::{ByteValued, Le16, Le32, Le64};
+
+use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpCaps, QpInit, QpType};
+use crate::mtt::{self, pages_needed, GuestPagesMapping, PageListRules};
+use crate::{limits, Config, HostDevice};
+pub use objects::Objects;
+use objects::{AhEntry, CqEntry, MrEntry, QpEntry};
+
+/// A command refused or failed: the status the guest sees and why, for the log.
+#[derive(Debug)]
+pub struct CommandError {
+    pub status: Status,
+    pub detail: u32,
+    pub message: String,
+}
+
+impl CommandError {
+    pub fn new(status: Status, message: impl Into<String>) -> Self {
+        CommandError {
+            status,
+            detail: 0,
+            message: message.into(),
+        }
+    }
+
+    fn invalid(message: impl Into<String>) -> Self {
+        Self::new(Status::InvalidArgument, message)
+    }
+}
+
+impl From<hostverbs::Error> for CommandError {
+    fn from(e: hostverbs::Error) -> Self {
+        let errno = e.errno().unwrap_or(libc::EIO);
+        let status = if errno == libc::ENOMEM {
+            Status::NoResources
+        } else {
+            Status::HostError
+        };
+        CommandError {
+            status,
+            detail: errno as u32,
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<mtt::MttError> for CommandError {
+    fn from(e: mtt::MttError) -> Self {
+        CommandError::new(e.status(), e.to_string())
+    }
+}
+
+type CommandResult = Result<Vec<u8>, CommandError>;
+
+/// What the guest learned about the port at connection time; guides validation.
+#[derive(Clone, Copy, Debug)]
+struct PortLimits {
+    attr: PortAttr,
+}
+
+/// One guest connection's device: its own host context, its objects, its negotiated state.
+pub struct Device {
+    host: HostDevice,
+    host_attr: hostverbs::DeviceAttr,
+    port: PortLimits,
+    config: DeviceConfig,
+    features: u64,
+    objects: Objects,
+    notify_area: Option<u64>,
+}
+
+fn reply<T: ByteValued>(value: T) -> CommandResult {
+    Ok(value.as_slice().to_vec())
+}
+
+/// Copies a wire struct out of request bytes (which need not be aligned).
+fn parse<T: ByteValued + Default>(payload: &[u8]) -> T {
+    let mut value = T::default();
+    let n = value.as_slice().len();
+    value.as_mut_slice().copy_from_slice(&payload[..n]);
+    value
+}
+
+impl Device {
+    /// Opens a host context of its own for one guest connection.
+    pub fn new(config: &Config) -> Result<Device, crate::Error> {
+        let host = HostDevice::open(config)?;
+        let host_attr = host.context.query_device()?;
+        let port = PortLimits {
+            attr: host.context.query_port(host.port)?,
+        };
+        let advertised =
+            limits::advertised_config(&host_attr, &config.quotas, config.notify_queues);
+        Ok(Device {
+            features: limits::offered_features(&host_attr),
+            host,
+            host_attr,
+            port,
+            config: advertised,
+            objects: Objects::default(),
+            notify_area: None,
+        })
+    }
+
+    /// The configuration space (SPEC.md §3).
+    pub fn config(&self) -> &DeviceConfig {
+        &self.config
+    }
+
+    /// Feature bits the device offers.
+    pub fn offered_features(&self) -> u64 {
+        self.features
+    }
+
+    /// Records the features the driver acknowledged.
+    pub fn set_acked_features(&mut self, acked: u64) {
+        self.features &= acked | features::VERSION_1;
+    }
+
+    /// Destroys every object of the connection (device reset, SPEC.md §5.3.1).
+    pub fn reset(&mut self) {
+        let count = self.objects.count();
+        self.objects = Objects::default();
+        self.notify_area = None;
+        if count > 0 {
+            log::info!("device reset: destroyed {count} objects");
+        }
+    }
+
+    /// Objects the connection holds.
+    pub fn object_count(&self) -> usize {
+        self.objects.count()
+    }
+
+    /// Processes one control request (SPEC.md §5.1): `readable` is the device-readable part of
+    /// the chain, `writable_len` the room in its writable part. Returns the bytes to write
+    /// back (empty when not even a response header fits).
+    pub fn process_request<M: GuestMemoryBackend>(
+        &mut self,
+        mem: &M,
+        readable: &[u8],
+        writable_len: usize,
+    ) -> Vec<u8> {
+        let header_len = std::mem::size_of::<ResponseHeader>();
+        if writable_len < header_len {
+            log::warn!("control request without room for a response header; ignored");
+            return Vec::new();
+        }
+        let (status, detail, payload) = match self.execute(mem, readable, writable_len - header_len)
+        {
+            Ok(payload) => (Status::Ok, 0, payload),
+            Err(e) => {
+                log::warn!("control request refused ({:?}): {}", e.status, e.message);
+                (e.status, e.detail, Vec::new())
+            }
+        };
+        let header = ResponseHeader {
+            status: Le16::from(status as u16),
+            reserved: Le16::from(0),
+            detail: Le32::from(detail),
+        };
+        let mut out = header.as_slice().to_vec();
+        out.extend_from_slice(&payload);
+        out
+    }
+
+    fn execute<M: GuestMemoryBackend>(
+        &mut self,
+        mem: &M,
+        readable: &[u8],
+        room: usize,
+    ) -> CommandResult {
+        let header_len = std::mem::size_of::<RequestHeader>();
+        if readable.len() < header_len {
+            return Err(CommandError::new(
+                Status::BadLength,
+                "request shorter than its header",
+            ));
+        }
+        let header: RequestHeader = parse(readable);
+        let opcode = Opcode::try_from(header.opcode.to_native())
+            .map_err(|op| CommandError::new(Status::Unsupported, format!("unknown opcode {op}")))?;
+        if header.flags.to_native() != 0 {
+            return Err(CommandError::invalid("request flags must be zero"));
+        }
+        let length = header.length.to_native() as usize;
+        if length != opcode.request_size() || readable.len() - header_len < length {
+            return Err(CommandError::new(
+                Status::BadLength,
+                format!(
+                    "{opcode:?}: length {length}, {} bytes present, {} expected",
+                    readable.len() - header_len,
+                    opcode.request_size()
+                ),
+            ));
+        }
+        if room < opcode.response_size() {
+            return Err(CommandError::new(
+                Status::BadLength,
+                format!(
+                    "{opcode:?}: {room} bytes for a {}-byte response",
+                    opcode.response_size()
+                ),
+            ));
+        }
+        let payload = &readable[header_len..header_len + length];
+        match opcode {
+            Opcode::QueryDevice => self.query_device(),
+            Opcode::QueryPort => self.query_port(parse(payload)),
+            Opcode::QueryGid => self.query_gid(parse(payload)),
+            Opcode::AllocPd => self.alloc_pd(),
+            Opcode::DeallocPd => self
+                .objects
+                .remove_pd(parse::<HandleRequest>(payload).handle.to_native())
+                .map(|_| Vec::new()),
+            Opcode::CreateCq => self.create_cq(mem, parse(payload)),
+            Opcode::DestroyCq => self
+                .objects
+                .remove_cq(parse::<HandleRequest>(payload).handle.to_native())
+                .map(|_| Vec::new()),
+            Opcode::RegMr => self.reg_mr(mem, parse(payload)),
+            Opcode::DeregMr => self
+                .objects
+                .remove_mr(parse::<HandleRequest>(payload).handle.to_native())
+                .map(|_| Vec::new()),
+            Opcode::CreateQp => self.create_qp(mem, parse(payload)),
+            Opcode::ModifyQp => self.modify_qp(parse(payload)),
+            Opcode::QueryQp => self.query_qp(parse(payload)),
+            Opcode::DestroyQp => self
+                .objects
+                .remove_qp(parse::<HandleRequest>(payload).handle.to_native())
+                .map(|_| Vec::new()),
+            Opcode::CreateAh => self.create_ah(parse(payload)),
+            Opcode::DestroyAh => self
+                .objects
+                .remove_ah(parse::<HandleRequest>(payload).handle.to_native())
+                .map(|_| Vec::new()),
+            Opcode::SetNotifyArea => self.set_notify_area(mem, parse(payload)),
+            Opcode::CreateSrq | Opcode::ModifySrq | Opcode::DestroySrq => Err(CommandError::new(
+                Status::Unsupported,
+                format!("{opcode:?} is not implemented by this device yet"),
+            )),
+        }
+    }
+
+    fn query_device(&self) -> CommandResult {
+        let h = &self.host_attr;
+        let c = &self.config;
+        reply(WireDeviceAttr {
+            node_guid: Le64::from(h.node_guid),
+            sys_image_guid: Le64::from(h.sys_image_guid),
+            max_mr_size: c.max_mr_size,
+            page_size_cap: c.page_size_cap,
+            vendor_id: Le32::from(h.vendor_id),
+            vendor_part_id: Le32::from(h.vendor_part_id),
+            hw_ver: Le32::from(h.hw_ver),
+            max_qp: c.max_qp,
+            max_qp_wr: c.max_qp_wr,
+            device_cap_flags: Le32::from(0),
+            max_sge: c.max_sge,
+            max_cq: c.max_cq,
+            max_cqe: c.max_cqe,
+            max_mr: c.max_mr,
+            max_pd: c.max_pd,
+            max_qp_rd_atom: c.max_qp_rd_atom,
+            max_qp_init_rd_atom: c.max_qp_init_rd_atom,
+            max_ah: c.max_ah,
+            max_srq: c.max_srq,
+            max_srq_wr: c.max_srq_wr,
+            max_srq_sge: c.max_sge,
+            atomic_cap: Le32::from(if self.features & features::ATOMIC != 0 {
+                h.atomic_cap
+            } else {
+                0
+            }),
+            max_inline_data: c.max_inline_data,
+            phys_port_cnt: Le32::from(1),
+            reserved: Default::default(),
+        })
+    }
+
+    fn check_port(&self, port: u8) -> Result<(), CommandError> {
+        if port != 1 {
+            return Err(CommandError::invalid(format!(
+                "port {port} does not exist (only 1)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn query_port(&self, req: QueryPortRequest) -> CommandResult {
+        self.check_port(req.port)?;
+        // Live state (a link can go down), limits as checked at connection time.
+        let a = self.host.context.query_port(self.host.port)?;
+        reply(WirePortAttr {
+            state: a.state as u8,
+            max_mtu: a.max_mtu as u8,
+            active_mtu: a.active_mtu as u8,
+            link_layer: a.link_layer,
+            phys_state: a.phys_state,
+            active_width: a.active_width,
+            active_speed: a.active_speed,
+            reserved0: 0,
+            gid_tbl_len: Le32::from(a.gid_tbl_len),
+            port_cap_flags: Le32::from(a.port_cap_flags),
+            max_msg_sz: Le32::from(a.max_msg_sz),
+            pkey_tbl_len: Le16::from(a.pkey_tbl_len),
+            lid: Le16::from(a.lid),
+            reserved: Default::default(),
+        })
+    }
+
+    /// Only the GID the operator assigned is visible; other entries read as empty.
+    fn query_gid(&self, req: QueryGidRequest) -> CommandResult {
+        self.check_port(req.port)?;
+        let index = req.index.to_native();
+        if index >= self.port.attr.gid_tbl_len {
+            return Err(CommandError::invalid(format!(
+                "GID index {index} beyond the table ({})",
+                self.port.attr.gid_tbl_len
+            )));
+        }
+        if index != self.host.gid_index {
+            return Err(CommandError {
+                status: Status::HostError,
+                detail: libc::ENODATA as u32,
+                message: format!("GID index {index} is not assigned to this guest"),
+            });
+        }
+        let (gid, kind) = self.host.context.query_gid(self.host.port, index)?;
+        reply(QueryGidResponse {
+            gid: gid.0,
+            gid_type: match kind {
+                GidType::Ib => gid_type::IB,
+                GidType::RoceV1 => gid_type::ROCE_V1,
+                GidType::RoceV2 => gid_type::ROCE_V2,
+            },
+            reserved: Default::default(),
+        })
+    }
+
+    fn check_quota(&self, kind: &str, held: usize, max: Le32) -> Result<(), CommandError> {
+        if held >= max.to_native() as usize {
+            return Err(CommandError::new(
+                Status::NoResources,
+                format!("{kind} quota of {} reached", max.to_native()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn alloc_pd(&mut self) -> CommandResult {
+        self.check_quota("PD", self.objects.pds.len(), self.config.max_pd)?;
+        let pd = self.host.context.alloc_pd()?;
+        let handle = self.objects.insert_pd(pd);
+        reply(CreatedResponse {
+            handle: Le32::from(handle),
+            value: Le32::from(0),
+        })
+    }
+
+    fn page_rules(&self) -> PageListRules {
+        PageListRules {
+            page_size_cap: self.config.page_size_cap.to_native(),
+            indirect_allowed: self.features & features::INDIRECT_PAGE_LIST != 0,
+        }
+    }
+
+    /// Maps a ring of `bytes` bytes described by `list`, starting at offset 0 of its first page.
+    fn map_ring<M: GuestMemoryBackend>(
+        &self,
+        mem: &M,
+        list: &vrdma_spec::mem::PageList,
+        bytes: u64,
+    ) -> Result<Arc<GuestPagesMapping>, CommandError> {
+        let expected = pages_needed(0, bytes, list.page_shift)
+            .ok_or_else(|| CommandError::invalid("ring size overflows"))?;
+        let pages = mtt::resolve_page_list(mem, list, expected, &self.page_rules())?;
+        Ok(GuestPagesMapping::new(&pages, 1 << list.page_shift)?)
+    }
+
+    fn create_cq<M: GuestMemoryBackend>(&mut self, mem: &M, req: CreateCqRequest) -> CommandResult {
+        self.check_quota("CQ", self.objects.cqs.len(), self.config.max_cq)?;
+        let depth = req.cqe.to_native();
+        validate::depth("CQ depth", depth, 2, self.config.max_cqe.to_native())?;
+        if req.flags.to_native() != 0 {
+            return Err(CommandError::invalid("CREATE_CQ flags must be zero"));
+        }
+        let doorbell = req.doorbell.to_native();
+        validate::guest_record::<M, CqDoorbell>(mem, doorbell, 16)?;
+        let ring = self.map_ring(mem, &req.ring, u64::from(depth) * CQE_SIZE as u64)?;
+        let cq = self.host.context.create_cq(depth)?;
+        let handle = self.objects.insert_cq(CqEntry {
+            cq,
+            ring,
+            depth,
+            doorbell,
+            users: 0,
+        });
+        reply(CreatedResponse {
+            handle: Le32::from(handle),
+            value: Le32::from(depth),
+        })
+    }
+
+    fn reg_mr<M: GuestMemoryBackend>(&mut self, mem: &M, req: RegMrRequest) -> CommandResult {
+        self.check_quota("MR", self.objects.mrs.len(), self.config.max_mr)?;
+        let pd_handle = req.pd.to_native();
+        let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
+        let access = validate::mr_access(req.access.to_native(), self.features)?;
+        let virt_addr = req.virt_addr.to_native();
+        let length = req.length.to_native();
+        if length == 0 || length > self.config.max_mr_size.to_native() {
+            return Err(CommandError::invalid(format!(
+                "MR length {length} outside 1..={}",
+                self.config.max_mr_size.to_native()
+            )));
+        }
+        if virt_addr.checked_add(length).is_none() {
+            return Err(CommandError::new(
+                Status::BadAddress,
+                "virt_addr + length overflows",
+            ));
+        }
+        let shift = req.pages.page_shift;
+        if !(vrdma_spec::mem::MIN_PAGE_SHIFT..=vrdma_spec::mem::MAX_PAGE_SHIFT).contains(&shift) {
+            return Err(CommandError::invalid(format!(
+                "page_shift {shift} not accepted"
+            )));
+        }
+        let page_size = 1u64 << shift;
+        let offset = virt_addr & (page_size - 1);
+        let expected = pages_needed(offset, length, shift)
+            .ok_or_else(|| CommandError::invalid("MR range overflows"))?;
+        let pages = mtt::resolve_page_list(mem, &req.pages, expected, &self.page_rules())?;
+        let mapping = GuestPagesMapping::new(&pages, page_size)?;
+        let mr = pd.reg_mr_range(mapping, offset as usize, length as usize, virt_addr, access)?;
+        let (lkey, rkey) = (mr.lkey(), mr.rkey());
+        let handle = self.objects.insert_mr(MrEntry { mr, pd: pd_handle });
+        reply(RegMrResponse {
+            handle: Le32::from(handle),
+            lkey: Le32::from(lkey),
+            rkey: Le32::from(rkey),
+            reserved: Le32::from(0),
+        })
+    }
+
+    fn create_qp<M: GuestMemoryBackend>(&mut self, mem: &M, req: CreateQpRequest) -> CommandResult {
+        self.check_quota("QP", self.objects.qps.len(), self.config.max_qp)?;
+        if self.notify_area.is_none() {
+            return Err(CommandError::invalid("CREATE_QP before SET_NOTIFY_AREA"));
+        }
+        let shape = validate::create_qp(&req, &self.config, self.features)?;
+        let pd_handle = req.pd.to_native();
+        let (send_cq_handle, recv_cq_handle) = (req.send_cq.to_native(), req.recv_cq.to_native());
+        let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
+        let send_cq = Arc::clone(&self.objects.cq(send_cq_handle)?.cq);
+        let recv_cq = Arc::clone(&self.objects.cq(recv_cq_handle)?.cq);
+        let doorbell = req.doorbell.to_native();
+        validate::guest_record::<M, QpDoorbell>(mem, doorbell, 16)?;
+        let sq_ring = self.map_ring(mem, &req.sq_ring, shape.sq_bytes)?;
+        let rq_ring = self.map_ring(mem, &req.rq_ring, shape.rq_bytes)?;
+        let init = QpInit {
+            qp_type: shape.qp_type,
+            caps: shape.caps,
+            sq_sig_all: req.sq_sig_all == 1,
+        };
+        let qp = pd.create_qp(&send_cq, &recv_cq, &init)?;
+        let qp_num = qp.qp_num();
+        let handle = self.objects.insert_qp(QpEntry {
+            qp,
+            pd: pd_handle,
+            send_cq: send_cq_handle,
+            recv_cq: recv_cq_handle,
+            sq_ring,
+            rq_ring,
+            doorbell,
+        });
+        let caps = shape.caps;
+        reply(CreateQpResponse {
+            handle: Le32::from(handle),
+            qp_num: Le32::from(qp_num),
+            notify_queue: Le16::from((handle % self.config.num_notify_queues.to_native()) as u16),
+            reserved: Le16::from(0),
+            max_send_wr: Le32::from(caps.max_send_wr),
+            max_recv_wr: Le32::from(caps.max_recv_wr),
+            max_send_sge: Le32::from(caps.max_send_sge),
+            max_recv_sge: Le32::from(caps.max_recv_sge),
+            max_inline_data: Le32::from(caps.max_inline_data),
+        })
+    }
+
+    fn modify_qp(&mut self, req: ModifyQpRequest) -> CommandResult {
+        let entry = self.objects.qp(req.handle.to_native())?;
+        let limits = validate::QpLimits {
+            port: self.port.attr,
+            gid_index: self.host.gid_index,
+            max_rd_atomic: self.config.max_qp_init_rd_atom.to_native(),
+            max_dest_rd_atomic: self.config.max_qp_rd_atom.to_native(),
+            atomics: self.features & features::ATOMIC != 0,
+        };
+        let (attr, mask) = validate::modify_qp(&req, &limits)?;
+        entry.qp.modify(&attr, mask)?;
+        Ok(Vec::new())
+    }
+
+    fn query_qp(&self, req: HandleRequest) -> CommandResult {
+        let a = self.objects.qp(req.handle.to_native())?.qp.query()?;
+        reply(WireQpAttr {
+            qp_state: a.qp_state as u8,
+            cur_qp_state: a.cur_qp_state as u8,
+            path_mtu: a.path_mtu as u8,
+            port_num: a.port_num,
+            qp_access_flags: Le32::from(a.qp_access_flags),
+            pkey_index: Le16::from(a.pkey_index),
+            timeout: a.timeout,
+            retry_cnt: a.retry_cnt,
+            rnr_retry: a.rnr_retry,
+            min_rnr_timer: a.min_rnr_timer,
+            max_rd_atomic: a.max_rd_atomic,
+            max_dest_rd_atomic: a.max_dest_rd_atomic,
+            qkey: Le32::from(a.qkey),
+            rq_psn: Le32::from(a.rq_psn),
+            sq_psn: Le32::from(a.sq_psn),
+            dest_qp_num: Le32::from(a.dest_qp_num),
+            ah_attr: wire_ah_attr(&a.ah_attr),
+        })
+    }
+
+    fn create_ah(&mut self, req: CreateAhRequest) -> CommandResult {
+        if self.features & features::UD == 0 {
+            return Err(CommandError::new(
+                Status::Unsupported,
+                "UD was not negotiated",
+            ));
+        }
+        self.check_quota("AH", self.objects.ahs.len(), self.config.max_ah)?;
+        let pd_handle = req.pd.to_native();
+        let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
+        let attr = validate::ah_attr(&req.attr, &self.port.attr, self.host.gid_index)?;
+        let ah = pd.create_ah(&attr)?;
+        let handle = self.objects.insert_ah(AhEntry { ah, pd: pd_handle });
+        reply(CreatedResponse {
+            handle: Le32::from(handle),
+            value: Le32::from(0),
+        })
+    }
+
+    fn set_notify_area<M: GuestMemoryBackend>(
+        &mut self,
+        mem: &M,
+        req: SetNotifyAreaRequest,
+    ) -> CommandResult {
+        if self.notify_area.is_some() {
+            return Err(CommandError::invalid(
+                "SET_NOTIFY_AREA was already issued since the last reset",
+            ));
+        }
+        let addr = req.addr.to_native();
+        let len = self.config.num_notify_queues.to_native() as u64
+            * std::mem::size_of::<NotifyState>() as u64;
+        if addr % 4096 + len > 4096 {
+            return Err(CommandError::new(
+                Status::BadAddress,
+                "the notify area must lie inside one 4 KiB page",
+            ));
+        }
+        validate::guest_record::<M, NotifyState>(mem, addr, 64)?;
+        validate::guest_range(mem, addr, len)?;
+        self.notify_area = Some(addr);
+        Ok(Vec::new())
+    }
+}
+
+fn wire_ah_attr(a: &AhAttr) -> WireAhAttr {
+    WireAhAttr {
+        dgid: a.dgid.0,
+        flow_label: Le32::from(a.flow_label),
+        dlid: Le16::from(a.dlid),
+        sgid_index: a.sgid_index,
+        hop_limit: a.hop_limit,
+        traffic_class: a.traffic_class,
+        sl: a.sl,
+        is_global: a.is_global.into(),
+        port_num: a.port_num,
+        reserved: Le32::from(0),
+    }
+}
+
+/// The shape a validated CREATE_QP describes.
+pub(crate) struct QpShape {
+    qp_type: QpType,
+    caps: QpCaps,
+    sq_bytes: u64,
+    rq_bytes: u64,
+}

@@ -1,0 +1,223 @@
+//! Per-connection object tables: guest handles to host objects, with type, ownership and
+//! reference checks (SPEC.md §5.3.1).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use vrdma_spec::ctrl::Status;
+
+use super::CommandError;
+use crate::hostverbs::{AddressHandle, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair};
+use crate::mtt::GuestPagesMapping;
+
+/// A guest-visible handle: never 0, unique across all object types of one connection.
+pub type Handle = u32;
+
+pub struct PdEntry {
+    pub pd: Arc<ProtectionDomain>,
+    /// MRs, QPs and AHs created in this PD.
+    pub users: u32,
+}
+
+pub struct CqEntry {
+    pub cq: Arc<CompletionQueue>,
+    /// The guest's CQE ring, mapped for the data path.
+    pub ring: Arc<GuestPagesMapping>,
+    pub depth: u32,
+    pub doorbell: u64,
+    /// QPs that complete into this CQ.
+    pub users: u32,
+}
+
+pub struct MrEntry {
+    pub mr: MemoryRegion,
+    pub pd: Handle,
+}
+
+pub struct QpEntry {
+    pub qp: QueuePair,
+    pub pd: Handle,
+    pub send_cq: Handle,
+    pub recv_cq: Handle,
+    pub sq_ring: Arc<GuestPagesMapping>,
+    pub rq_ring: Arc<GuestPagesMapping>,
+    pub doorbell: u64,
+}
+
+pub struct AhEntry {
+    pub ah: AddressHandle,
+    pub pd: Handle,
+}
+
+/// Every object one connection holds. Dropping it destroys them all, children first.
+#[derive(Default)]
+pub struct Objects {
+    last_handle: Handle,
+    // Field order is drop order: children before the objects they use.
+    pub qps: HashMap<Handle, QpEntry>,
+    pub ahs: HashMap<Handle, AhEntry>,
+    pub mrs: HashMap<Handle, MrEntry>,
+    pub cqs: HashMap<Handle, CqEntry>,
+    pub pds: HashMap<Handle, PdEntry>,
+}
+
+fn bad_handle(kind: &str, handle: Handle) -> CommandError {
+    CommandError::new(
+        Status::BadHandle,
+        format!("{handle:#x} is not a live {kind} handle"),
+    )
+}
+
+fn busy(kind: &str, handle: Handle, users: u32) -> CommandError {
+    CommandError::new(
+        Status::Busy,
+        format!("{kind} {handle:#x} is still used by {users} objects"),
+    )
+}
+
+impl Objects {
+    /// A fresh handle. Handles count up from 1 and wrap, skipping 0 and live values, so a
+    /// destroyed handle is not reused until the counter comes round again.
+    pub fn new_handle(&mut self) -> Handle {
+        loop {
+            self.last_handle = self.last_handle.wrapping_add(1);
+            let h = self.last_handle;
+            if h != 0 && !self.is_live(h) {
+                return h;
+            }
+        }
+    }
+
+    fn is_live(&self, h: Handle) -> bool {
+        self.pds.contains_key(&h)
+            || self.cqs.contains_key(&h)
+            || self.mrs.contains_key(&h)
+            || self.qps.contains_key(&h)
+            || self.ahs.contains_key(&h)
+    }
+
+    pub fn pd(&self, h: Handle) -> Result<&PdEntry, CommandError> {
+        self.pds.get(&h).ok_or_else(|| bad_handle("PD", h))
+    }
+
+    pub fn cq(&self, h: Handle) -> Result<&CqEntry, CommandError> {
+        self.cqs.get(&h).ok_or_else(|| bad_handle("CQ", h))
+    }
+
+    pub fn qp(&self, h: Handle) -> Result<&QpEntry, CommandError> {
+        self.qps.get(&h).ok_or_else(|| bad_handle("QP", h))
+    }
+
+    pub fn insert_pd(&mut self, pd: Arc<ProtectionDomain>) -> Handle {
+        let h = self.new_handle();
+        self.pds.insert(h, PdEntry { pd, users: 0 });
+        h
+    }
+
+    pub fn remove_pd(&mut self, h: Handle) -> Result<(), CommandError> {
+        let users = self.pd(h)?.users;
+        if users > 0 {
+            return Err(busy("PD", h, users));
+        }
+        self.pds.remove(&h);
+        Ok(())
+    }
+
+    pub fn insert_cq(&mut self, entry: CqEntry) -> Handle {
+        let h = self.new_handle();
+        self.cqs.insert(h, entry);
+        h
+    }
+
+    pub fn remove_cq(&mut self, h: Handle) -> Result<(), CommandError> {
+        let users = self.cq(h)?.users;
+        if users > 0 {
+            return Err(busy("CQ", h, users));
+        }
+        self.cqs.remove(&h);
+        Ok(())
+    }
+
+    fn use_pd(&mut self, h: Handle, delta: i32) {
+        if let Some(pd) = self.pds.get_mut(&h) {
+            pd.users = pd.users.saturating_add_signed(delta);
+        }
+    }
+
+    fn use_cq(&mut self, h: Handle, delta: i32) {
+        if let Some(cq) = self.cqs.get_mut(&h) {
+            cq.users = cq.users.saturating_add_signed(delta);
+        }
+    }
+
+    pub fn insert_mr(&mut self, entry: MrEntry) -> Handle {
+        self.use_pd(entry.pd, 1);
+        let h = self.new_handle();
+        self.mrs.insert(h, entry);
+        h
+    }
+
+    pub fn remove_mr(&mut self, h: Handle) -> Result<(), CommandError> {
+        let entry = self.mrs.remove(&h).ok_or_else(|| bad_handle("MR", h))?;
+        self.use_pd(entry.pd, -1);
+        Ok(())
+    }
+
+    pub fn insert_qp(&mut self, entry: QpEntry) -> Handle {
+        self.use_pd(entry.pd, 1);
+        self.use_cq(entry.send_cq, 1);
+        self.use_cq(entry.recv_cq, 1);
+        let h = self.new_handle();
+        self.qps.insert(h, entry);
+        h
+    }
+
+    pub fn remove_qp(&mut self, h: Handle) -> Result<(), CommandError> {
+        let entry = self.qps.remove(&h).ok_or_else(|| bad_handle("QP", h))?;
+        self.use_pd(entry.pd, -1);
+        self.use_cq(entry.send_cq, -1);
+        self.use_cq(entry.recv_cq, -1);
+        Ok(())
+    }
+
+    pub fn insert_ah(&mut self, entry: AhEntry) -> Handle {
+        self.use_pd(entry.pd, 1);
+        let h = self.new_handle();
+        self.ahs.insert(h, entry);
+        h
+    }
+
+    pub fn remove_ah(&mut self, h: Handle) -> Result<(), CommandError> {
+        let entry = self.ahs.remove(&h).ok_or_else(|| bad_handle("AH", h))?;
+        self.use_pd(entry.pd, -1);
+        Ok(())
+    }
+
+    /// Objects held, of all kinds.
+    pub fn count(&self) -> usize {
+        self.pds.len() + self.cqs.len() + self.mrs.len() + self.qps.len() + self.ahs.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_are_never_zero_and_skip_live_values_after_wrapping() {
+        let mut objects = Objects {
+            last_handle: u32::MAX - 1,
+            ..Default::default()
+        };
+        assert_eq!(objects.new_handle(), u32::MAX);
+        assert_eq!(objects.new_handle(), 1, "0 is skipped on wrap");
+    }
+
+    #[test]
+    fn unknown_handles_are_bad_handles() {
+        let mut objects = Objects::default();
+        assert_eq!(objects.pd(7).err().unwrap().status, Status::BadHandle);
+        assert_eq!(objects.remove_mr(0).unwrap_err().status, Status::BadHandle);
+        assert_eq!(objects.remove_qp(1).unwrap_err().status, Status::BadHandle);
+    }
+}

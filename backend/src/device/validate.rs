@@ -1,0 +1,687 @@
+//! Field rules of control commands (SPEC.md §5): pure functions from wire structs to host
+//! verbs parameters, refusing anything outside the specification.
+
+use vm_memory::GuestMemoryBackend;
+use vrdma_spec::config::{features, DeviceConfig};
+use vrdma_spec::ctrl::{
+    access, qp_attr_mask as wire_mask, qp_state, qp_type, AhAttr as WireAhAttr, CreateQpRequest,
+    ModifyQpRequest, Status,
+};
+use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
+
+use super::{CommandError, QpShape};
+use crate::hostverbs::{
+    qp_attr_mask as host_mask, AhAttr, Gid, PortAttr, QpAttr, QpCaps, QpState, QpType,
+    LINK_LAYER_ETHERNET,
+};
+use crate::mtt;
+
+const SEND_WQE_HEADER: u64 = std::mem::size_of::<vrdma_spec::ring::SendWqe>() as u64;
+const RECV_WQE_HEADER: u64 = std::mem::size_of::<vrdma_spec::ring::RecvWqe>() as u64;
+const SGE_SIZE: u64 = std::mem::size_of::<vrdma_spec::ring::Sge>() as u64;
+
+fn invalid(message: String) -> CommandError {
+    CommandError::invalid(message)
+}
+
+/// A queue depth: a power of two in `min..=max`.
+pub fn depth(what: &str, value: u32, min: u32, max: u32) -> Result<(), CommandError> {
+    if !value.is_power_of_two() || value < min || value > max {
+        return Err(invalid(format!(
+            "{what} {value} is not a power of two in {min}..={max}"
+        )));
+    }
+    Ok(())
+}
+
+/// A guest range the device will read or write: inside one region of guest memory.
+pub fn guest_range<M: GuestMemoryBackend>(mem: &M, gpa: u64, len: u64) -> Result<(), CommandError> {
+    mtt::check_guest_range(mem, gpa, len).map_err(CommandError::from)
+}
+
+/// A record of type `T` at `gpa`, aligned to `align`, inside guest memory.
+pub fn guest_record<M: GuestMemoryBackend, T>(
+    mem: &M,
+    gpa: u64,
+    align: u64,
+) -> Result<(), CommandError> {
+    if !gpa.is_multiple_of(align) {
+        return Err(CommandError::new(
+            Status::BadAddress,
+            format!("record at {gpa:#x} is not {align}-byte aligned"),
+        ));
+    }
+    guest_range(mem, gpa, std::mem::size_of::<T>() as u64)
+}
+
+/// MR access flags (SPEC.md §5.8).
+pub fn mr_access(flags: u32, negotiated: u64) -> Result<u32, CommandError> {
+    if flags & !access::ALL != 0 {
+        return Err(invalid(format!(
+            "unknown access flags {:#x}",
+            flags & !access::ALL
+        )));
+    }
+    if flags & (access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0
+        && flags & access::LOCAL_WRITE == 0
+    {
+        return Err(invalid(
+            "remote write or atomic access requires local write".into(),
+        ));
+    }
+    if flags & access::REMOTE_ATOMIC != 0 && negotiated & features::ATOMIC == 0 {
+        return Err(CommandError::new(
+            Status::Unsupported,
+            "atomics were not negotiated",
+        ));
+    }
+    Ok(flags)
+}
+
+fn range(what: &str, value: u32, min: u32, max: u32) -> Result<u32, CommandError> {
+    if value < min || value > max {
+        return Err(invalid(format!("{what} {value} outside {min}..={max}")));
+    }
+    Ok(value)
+}
+
+/// CREATE_QP fields (SPEC.md §5.9); CQ and PD handles are checked by the caller.
+pub(super) fn create_qp(
+    req: &CreateQpRequest,
+    config: &DeviceConfig,
+    negotiated: u64,
+) -> Result<QpShape, CommandError> {
+    let qp_type = match req.qp_type {
+        qp_type::RC => QpType::Rc,
+        qp_type::UD if negotiated & features::UD != 0 => QpType::Ud,
+        qp_type::UD => {
+            return Err(CommandError::new(
+                Status::Unsupported,
+                "UD was not negotiated",
+            ))
+        }
+        other => return Err(invalid(format!("QP type {other} is not RC (2) or UD (4)"))),
+    };
+    if req.srq.to_native() != 0 {
+        return Err(CommandError::new(
+            Status::Unsupported,
+            "SRQs are not implemented by this device yet",
+        ));
+    }
+    if req.sq_sig_all > 1 {
+        return Err(invalid(format!(
+            "sq_sig_all {} is not 0 or 1",
+            req.sq_sig_all
+        )));
+    }
+    let max_wr = config.max_qp_wr.to_native();
+    let max_sge = config.max_sge.to_native();
+    let send_wr = req.max_send_wr.to_native();
+    let recv_wr = req.max_recv_wr.to_native();
+    depth("max_send_wr", send_wr, 1, max_wr)?;
+    depth("max_recv_wr", recv_wr, 1, max_wr)?;
+    let send_sge = range("max_send_sge", req.max_send_sge.to_native(), 1, max_sge)?;
+    let recv_sge = range("max_recv_sge", req.max_recv_sge.to_native(), 1, max_sge)?;
+    let inline = range(
+        "max_inline_data",
+        req.max_inline_data.to_native(),
+        0,
+        config.max_inline_data.to_native(),
+    )?;
+    let sq_shift = u32::from(req.sq_wqe_shift);
+    let rq_shift = u32::from(req.rq_wqe_shift);
+    range(
+        "sq_wqe_shift",
+        sq_shift,
+        MIN_SQ_WQE_SHIFT.into(),
+        MAX_WQE_SHIFT.into(),
+    )?;
+    range(
+        "rq_wqe_shift",
+        rq_shift,
+        MIN_RQ_WQE_SHIFT.into(),
+        MAX_WQE_SHIFT.into(),
+    )?;
+    let sq_needed = SEND_WQE_HEADER + (SGE_SIZE * u64::from(send_sge)).max(u64::from(inline));
+    if sq_needed > 1 << sq_shift {
+        return Err(invalid(format!(
+            "SQ slots of {} bytes cannot hold {sq_needed}",
+            1u64 << sq_shift
+        )));
+    }
+    let rq_needed = RECV_WQE_HEADER + SGE_SIZE * u64::from(recv_sge);
+    if rq_needed > 1 << rq_shift {
+        return Err(invalid(format!(
+            "RQ slots of {} bytes cannot hold {rq_needed}",
+            1u64 << rq_shift
+        )));
+    }
+    if req.reserved.iter().any(|r| r.to_native() != 0) {
+        return Err(invalid("reserved fields must be zero".into()));
+    }
+    Ok(QpShape {
+        qp_type,
+        caps: QpCaps {
+            max_send_wr: send_wr,
+            max_recv_wr: recv_wr,
+            max_send_sge: send_sge,
+            max_recv_sge: recv_sge,
+            max_inline_data: inline,
+        },
+        sq_bytes: u64::from(send_wr) << sq_shift,
+        rq_bytes: u64::from(recv_wr) << rq_shift,
+    })
+}
+
+/// What MODIFY_QP checks fields against.
+pub(super) struct QpLimits {
+    pub port: PortAttr,
+    /// The only source GID this guest may use.
+    pub gid_index: u32,
+    pub max_rd_atomic: u32,
+    pub max_dest_rd_atomic: u32,
+    pub atomics: bool,
+}
+
+/// An address vector (SPEC.md §5.10); the guest may only source traffic from its own GID.
+pub fn ah_attr(a: &WireAhAttr, port: &PortAttr, gid_index: u32) -> Result<AhAttr, CommandError> {
+    if a.port_num != 1 {
+        return Err(invalid(format!(
+            "port {} does not exist (only 1)",
+            a.port_num
+        )));
+    }
+    if u32::from(a.sgid_index) != gid_index {
+        return Err(invalid(format!(
+            "source GID index {} is not the one assigned to this guest ({gid_index})",
+            a.sgid_index
+        )));
+    }
+    let flow_label = a.flow_label.to_native();
+    if flow_label >= 1 << 20 {
+        return Err(invalid(format!(
+            "flow label {flow_label:#x} exceeds 20 bits"
+        )));
+    }
+    if a.sl > 15 {
+        return Err(invalid(format!("service level {} exceeds 15", a.sl)));
+    }
+    let is_global = match a.is_global {
+        0 => false,
+        1 => true,
+        other => return Err(invalid(format!("is_global {other} is not 0 or 1"))),
+    };
+    if port.link_layer == LINK_LAYER_ETHERNET && !is_global {
+        return Err(invalid(
+            "an Ethernet (RoCE) port needs a global route (is_global 1)".into(),
+        ));
+    }
+    if is_global && a.hop_limit == 0 {
+        return Err(invalid("hop limit 0 with a global route".into()));
+    }
+    if a.reserved.to_native() != 0 {
+        return Err(invalid("reserved fields must be zero".into()));
+    }
+    Ok(AhAttr {
+        dgid: Gid(a.dgid),
+        flow_label,
+        sgid_index: a.sgid_index,
+        hop_limit: a.hop_limit,
+        traffic_class: a.traffic_class,
+        is_global,
+        dlid: a.dlid.to_native(),
+        sl: a.sl,
+        port_num: a.port_num,
+    })
+}
+
+fn state(value: u8) -> Result<QpState, CommandError> {
+    if value > qp_state::ERR {
+        return Err(invalid(format!("QP state {value} does not exist")));
+    }
+    QpState::try_from(u32::from(value)).map_err(|v| invalid(format!("QP state {v} does not exist")))
+}
+
+const PSN_LIMIT: u32 = 1 << 24;
+
+/// MODIFY_QP (SPEC.md §5.11): the host attributes and mask, after every selected field was
+/// checked against its rule. Spec mask bits equal ibverbs bits, checked at compile time below.
+pub(super) fn modify_qp(
+    req: &ModifyQpRequest,
+    limits: &QpLimits,
+) -> Result<(QpAttr, u32), CommandError> {
+    let mask = req.attr_mask.to_native();
+    if mask & !wire_mask::SUPPORTED != 0 {
+        return Err(invalid(format!(
+            "unsupported attribute mask bits {:#x}",
+            mask & !wire_mask::SUPPORTED
+        )));
+    }
+    let a = &req.attr;
+    let has = |bit: u32| mask & bit != 0;
+    let mut attr = QpAttr::default();
+    if has(wire_mask::STATE) {
+        attr.qp_state = state(a.qp_state)?;
+    }
+    if has(wire_mask::CUR_STATE) {
+        attr.cur_qp_state = state(a.cur_qp_state)?;
+    }
+    if has(wire_mask::PATH_MTU) {
+        attr.path_mtu = range("path MTU", a.path_mtu.into(), 1, limits.port.active_mtu)?;
+    }
+    if has(wire_mask::PORT) && a.port_num != 1 {
+        return Err(invalid(format!(
+            "port {} does not exist (only 1)",
+            a.port_num
+        )));
+    }
+    attr.port_num = a.port_num;
+    if has(wire_mask::ACCESS_FLAGS) {
+        let remote = access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+        let flags = a.qp_access_flags.to_native();
+        if flags & !remote != 0 {
+            return Err(invalid(format!(
+                "QP access flags {flags:#x} beyond remote write/read/atomic"
+            )));
+        }
+        if flags & access::REMOTE_ATOMIC != 0 && !limits.atomics {
+            return Err(CommandError::new(
+                Status::Unsupported,
+                "atomics were not negotiated",
+            ));
+        }
+        attr.qp_access_flags = flags;
+    }
+    if has(wire_mask::PKEY_INDEX) {
+        let index = a.pkey_index.to_native();
+        if u32::from(index) >= u32::from(limits.port.pkey_tbl_len).max(1) {
+            return Err(invalid(format!("P_Key index {index} beyond the table")));
+        }
+        attr.pkey_index = index;
+    }
+    if has(wire_mask::TIMEOUT) {
+        attr.timeout = range("timeout", a.timeout.into(), 0, 31)? as u8;
+    }
+    if has(wire_mask::RETRY_CNT) {
+        attr.retry_cnt = range("retry count", a.retry_cnt.into(), 0, 7)? as u8;
+    }
+    if has(wire_mask::RNR_RETRY) {
+        attr.rnr_retry = range("RNR retry", a.rnr_retry.into(), 0, 7)? as u8;
+    }
+    if has(wire_mask::MIN_RNR_TIMER) {
+        attr.min_rnr_timer = range("minimum RNR timer", a.min_rnr_timer.into(), 0, 31)? as u8;
+    }
+    if has(wire_mask::MAX_QP_RD_ATOMIC) {
+        attr.max_rd_atomic = range(
+            "max_rd_atomic",
+            a.max_rd_atomic.into(),
+            0,
+            limits.max_rd_atomic.min(255),
+        )? as u8;
+    }
+    if has(wire_mask::MAX_DEST_RD_ATOMIC) {
+        attr.max_dest_rd_atomic = range(
+            "max_dest_rd_atomic",
+            a.max_dest_rd_atomic.into(),
+            0,
+            limits.max_dest_rd_atomic.min(255),
+        )? as u8;
+    }
+    if has(wire_mask::QKEY) {
+        attr.qkey = a.qkey.to_native();
+        if attr.qkey & (1 << 31) != 0 {
+            return Err(invalid("Q_Keys with bit 31 set are privileged".into()));
+        }
+    }
+    if has(wire_mask::RQ_PSN) {
+        attr.rq_psn = range("RQ PSN", a.rq_psn.to_native(), 0, PSN_LIMIT - 1)?;
+    }
+    if has(wire_mask::SQ_PSN) {
+        attr.sq_psn = range("SQ PSN", a.sq_psn.to_native(), 0, PSN_LIMIT - 1)?;
+    }
+    if has(wire_mask::DEST_QPN) {
+        attr.dest_qp_num = range(
+            "destination QPN",
+            a.dest_qp_num.to_native(),
+            0,
+            PSN_LIMIT - 1,
+        )?;
+    }
+    if has(wire_mask::AV) {
+        attr.ah_attr = ah_attr(&a.ah_attr, &limits.port, limits.gid_index)?;
+    }
+    Ok((attr, mask))
+}
+
+// The wire mask is passed to the host unchanged: the bit values must agree.
+const _: () = {
+    assert!(wire_mask::STATE == host_mask::STATE);
+    assert!(wire_mask::CUR_STATE == host_mask::CUR_STATE);
+    assert!(wire_mask::ACCESS_FLAGS == host_mask::ACCESS_FLAGS);
+    assert!(wire_mask::PKEY_INDEX == host_mask::PKEY_INDEX);
+    assert!(wire_mask::PORT == host_mask::PORT);
+    assert!(wire_mask::QKEY == host_mask::QKEY);
+    assert!(wire_mask::AV == host_mask::AV);
+    assert!(wire_mask::PATH_MTU == host_mask::PATH_MTU);
+    assert!(wire_mask::TIMEOUT == host_mask::TIMEOUT);
+    assert!(wire_mask::RETRY_CNT == host_mask::RETRY_CNT);
+    assert!(wire_mask::RNR_RETRY == host_mask::RNR_RETRY);
+    assert!(wire_mask::RQ_PSN == host_mask::RQ_PSN);
+    assert!(wire_mask::MAX_QP_RD_ATOMIC == host_mask::MAX_QP_RD_ATOMIC);
+    assert!(wire_mask::MIN_RNR_TIMER == host_mask::MIN_RNR_TIMER);
+    assert!(wire_mask::SQ_PSN == host_mask::SQ_PSN);
+    assert!(wire_mask::MAX_DEST_RD_ATOMIC == host_mask::MAX_DEST_RD_ATOMIC);
+    assert!(wire_mask::DEST_QPN == host_mask::DEST_QPN);
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vrdma_spec::ctrl::QpAttr as WireQpAttr;
+    use vrdma_spec::{Le32, Le64};
+
+    fn port() -> PortAttr {
+        PortAttr {
+            active_mtu: 3,
+            gid_tbl_len: 16,
+            pkey_tbl_len: 1,
+            link_layer: LINK_LAYER_ETHERNET,
+            ..Default::default()
+        }
+    }
+
+    fn limits() -> QpLimits {
+        QpLimits {
+            port: port(),
+            gid_index: 1,
+            max_rd_atomic: 128,
+            max_dest_rd_atomic: 128,
+            atomics: true,
+        }
+    }
+
+    fn av() -> WireAhAttr {
+        WireAhAttr {
+            sgid_index: 1,
+            hop_limit: 1,
+            is_global: 1,
+            port_num: 1,
+            ..Default::default()
+        }
+    }
+
+    fn modify(mask: u32, attr: WireQpAttr) -> Result<(QpAttr, u32), CommandError> {
+        modify_qp(
+            &ModifyQpRequest {
+                handle: Le32::from(1),
+                attr_mask: Le32::from(mask),
+                attr,
+            },
+            &limits(),
+        )
+    }
+
+    fn status<T>(r: Result<T, CommandError>) -> Status {
+        r.err().expect("refused").status
+    }
+
+    #[test]
+    fn rtr_with_a_valid_path_passes_through_with_the_same_mask() {
+        let mask = wire_mask::STATE
+            | wire_mask::AV
+            | wire_mask::PATH_MTU
+            | wire_mask::DEST_QPN
+            | wire_mask::RQ_PSN;
+        let attr = WireQpAttr {
+            qp_state: qp_state::RTR,
+            path_mtu: 3,
+            dest_qp_num: Le32::from(0x11),
+            rq_psn: Le32::from(7),
+            ah_attr: av(),
+            ..Default::default()
+        };
+        let (host, host_mask) = modify(mask, attr).unwrap();
+        assert_eq!(host_mask, mask);
+        assert_eq!(
+            (host.qp_state, host.path_mtu, host.dest_qp_num, host.rq_psn),
+            (QpState::Rtr, 3, 0x11, 7)
+        );
+        assert!(host.ah_attr.is_global);
+    }
+
+    #[test]
+    fn out_of_range_fields_and_unknown_mask_bits_are_invalid() {
+        let base = WireQpAttr::default();
+        let cases: [(u32, WireQpAttr); 11] = [
+            (1 << 14, base),
+            (
+                wire_mask::STATE,
+                WireQpAttr {
+                    qp_state: 7,
+                    ..base
+                },
+            ),
+            (
+                wire_mask::PATH_MTU,
+                WireQpAttr {
+                    path_mtu: 4,
+                    ..base
+                },
+            ),
+            (
+                wire_mask::PATH_MTU,
+                WireQpAttr {
+                    path_mtu: 0,
+                    ..base
+                },
+            ),
+            (
+                wire_mask::PORT,
+                WireQpAttr {
+                    port_num: 2,
+                    ..base
+                },
+            ),
+            (
+                wire_mask::TIMEOUT,
+                WireQpAttr {
+                    timeout: 32,
+                    ..base
+                },
+            ),
+            (
+                wire_mask::RETRY_CNT,
+                WireQpAttr {
+                    retry_cnt: 8,
+                    ..base
+                },
+            ),
+            (
+                wire_mask::SQ_PSN,
+                WireQpAttr {
+                    sq_psn: Le32::from(1 << 24),
+                    ..base
+                },
+            ),
+            (
+                wire_mask::DEST_QPN,
+                WireQpAttr {
+                    dest_qp_num: Le32::from(u32::MAX),
+                    ..base
+                },
+            ),
+            (
+                wire_mask::ACCESS_FLAGS,
+                WireQpAttr {
+                    qp_access_flags: Le32::from(1),
+                    ..base
+                },
+            ),
+            (
+                wire_mask::PKEY_INDEX,
+                WireQpAttr {
+                    pkey_index: 1.into(),
+                    ..base
+                },
+            ),
+        ];
+        for (i, (mask, attr)) in cases.into_iter().enumerate() {
+            assert_eq!(
+                status(modify(mask, attr)),
+                Status::InvalidArgument,
+                "case {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_guest_cannot_source_traffic_from_another_gid_or_without_a_route() {
+        for bad in [
+            WireAhAttr {
+                sgid_index: 0,
+                ..av()
+            },
+            WireAhAttr {
+                is_global: 0,
+                ..av()
+            },
+            WireAhAttr {
+                is_global: 2,
+                ..av()
+            },
+            WireAhAttr {
+                hop_limit: 0,
+                ..av()
+            },
+            WireAhAttr { sl: 16, ..av() },
+            WireAhAttr {
+                flow_label: Le32::from(1 << 20),
+                ..av()
+            },
+            WireAhAttr {
+                port_num: 0,
+                ..av()
+            },
+        ] {
+            assert_eq!(
+                status(ah_attr(&bad, &port(), 1)),
+                Status::InvalidArgument,
+                "{bad:?}"
+            );
+        }
+        assert!(ah_attr(&av(), &port(), 1).is_ok());
+    }
+
+    #[test]
+    fn mr_access_rules() {
+        assert_eq!(
+            mr_access(access::LOCAL_WRITE | access::REMOTE_WRITE, features::ATOMIC).unwrap(),
+            3
+        );
+        assert_eq!(
+            status(mr_access(access::REMOTE_WRITE, 0)),
+            Status::InvalidArgument
+        );
+        assert_eq!(status(mr_access(1 << 4, 0)), Status::InvalidArgument);
+        assert_eq!(
+            status(mr_access(access::LOCAL_WRITE | access::REMOTE_ATOMIC, 0)),
+            Status::Unsupported
+        );
+    }
+
+    fn config() -> DeviceConfig {
+        DeviceConfig {
+            max_qp_wr: Le32::from(1024),
+            max_sge: Le32::from(32),
+            max_inline_data: Le32::from(4032),
+            max_cqe: Le32::from(4096),
+            page_size_cap: Le64::from(1 << 12),
+            ..Default::default()
+        }
+    }
+
+    fn rc_request() -> CreateQpRequest {
+        CreateQpRequest {
+            qp_type: qp_type::RC,
+            sq_wqe_shift: 7,
+            rq_wqe_shift: 6,
+            max_send_wr: Le32::from(64),
+            max_recv_wr: Le32::from(64),
+            max_send_sge: Le32::from(4),
+            max_recv_sge: Le32::from(3),
+            max_inline_data: Le32::from(64),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn create_qp_computes_ring_sizes() {
+        let shape = create_qp(&rc_request(), &config(), features::RC | features::UD).unwrap();
+        assert_eq!((shape.sq_bytes, shape.rq_bytes), (64 * 128, 64 * 64));
+        assert_eq!(shape.caps.max_send_sge, 4);
+    }
+
+    #[test]
+    fn create_qp_refuses_bad_shapes() {
+        let r = rc_request();
+        let cases = [
+            CreateQpRequest { qp_type: 3, ..r },
+            CreateQpRequest {
+                max_send_wr: Le32::from(48),
+                ..r
+            },
+            CreateQpRequest {
+                max_recv_wr: Le32::from(2048),
+                ..r
+            },
+            CreateQpRequest {
+                max_send_sge: Le32::from(0),
+                ..r
+            },
+            CreateQpRequest {
+                max_send_sge: Le32::from(5),
+                ..r
+            },
+            CreateQpRequest {
+                max_recv_sge: Le32::from(4),
+                ..r
+            },
+            CreateQpRequest {
+                max_inline_data: Le32::from(65),
+                ..r
+            },
+            CreateQpRequest {
+                sq_wqe_shift: 13,
+                ..r
+            },
+            CreateQpRequest {
+                rq_wqe_shift: 3,
+                ..r
+            },
+            CreateQpRequest { sq_sig_all: 2, ..r },
+        ];
+        for (i, req) in cases.iter().enumerate() {
+            assert_eq!(
+                status(create_qp(req, &config(), features::RC | features::UD)),
+                Status::InvalidArgument,
+                "case {i}"
+            );
+        }
+        let ud = CreateQpRequest {
+            qp_type: qp_type::UD,
+            ..r
+        };
+        assert_eq!(
+            status(create_qp(&ud, &config(), features::RC)),
+            Status::Unsupported
+        );
+    }
+
+    #[test]
+    fn depths_are_powers_of_two_in_range() {
+        assert!(depth("d", 64, 2, 64).is_ok());
+        for bad in [0, 1, 3, 128] {
+            assert!(depth("d", bad, 2, 64).is_err(), "{bad}");
+        }
+    }
+}
