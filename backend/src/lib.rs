@@ -8,6 +8,7 @@ mod guest_mapping;
 pub mod hostverbs;
 pub mod limits;
 pub mod mtt;
+pub mod vhost_user;
 
 use std::sync::Arc;
 
@@ -34,6 +35,13 @@ pub enum Error {
         index: u32,
         reason: String,
     },
+    #[error("vhost-user socket: {0}")]
+    VhostUser(#[source] vhost::vhost_user::Error),
+    /// vhost-user-backend's error type implements Display but not std::error::Error.
+    #[error("vhost-user daemon: {0}")]
+    Daemon(vhost_user_backend::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
 }
 
 /// What the backend serves guests with.

@@ -3,12 +3,15 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use vrdma_backend::{limits, Config, HostDevice, Quotas};
+use vrdma_backend::{limits, vhost_user, Config, HostDevice, Quotas};
 
 /// vhost-user backend of the vrdma paravirtual RDMA device (virtio id 42).
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
+    /// vhost-user socket to listen on; every connection is one guest.
+    #[arg(long, required_unless_present = "check")]
+    socket_path: Option<std::path::PathBuf>,
     /// Host RDMA device that serves the guests.
     #[arg(long, default_value = "rxe0")]
     device: String,
@@ -31,11 +34,12 @@ struct Args {
     #[arg(long, default_value_t = Quotas::default().max_mr_size)]
     max_mr_size: u64,
     /// Check the host device and print what guests would be offered, then exit.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "socket_path")]
     check: bool,
 }
 
 impl From<Args> for Config {
+    // `socket_path` and `check` say where and whether to serve; they are not device config.
     fn from(args: Args) -> Config {
         Config {
             device: args.device,
@@ -54,38 +58,41 @@ impl From<Args> for Config {
 
 fn main() -> ExitCode {
     env_logger::init();
-    let args = Args::parse();
-    let check_only = args.check;
-    let config = Config::from(args);
-    let device = match HostDevice::open(&config) {
-        Ok(device) => device,
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             log::error!("{e}");
             eprintln!("vhost-user-rdma: {e}");
-            return ExitCode::FAILURE;
+            ExitCode::FAILURE
         }
-    };
-    let host = match device.context.query_device() {
-        Ok(attr) => attr,
-        Err(e) => {
-            eprintln!("vhost-user-rdma: {e}");
-            return ExitCode::FAILURE;
+    }
+}
+
+fn run(args: Args) -> Result<(), vrdma_backend::Error> {
+    let socket_path = args.socket_path.clone();
+    let config = Config::from(args);
+    // Fail fast on an unusable device, before listening.
+    let device = HostDevice::open(&config)?;
+    match socket_path {
+        None => {
+            print_check(&config, &device, &device.context.query_device()?);
+            Ok(())
         }
-    };
+        Some(path) => {
+            drop(device); // each connection opens a context of its own
+            vhost_user::serve(&config, &path)
+        }
+    }
+}
+
+fn print_check(config: &Config, device: &HostDevice, host: &vrdma_backend::hostverbs::DeviceAttr) {
     println!(
         "{} port {}: GID index {} ({})",
         config.device, device.port, device.gid_index, device.gid
     );
-    println!("features offered: {:#x}", limits::offered_features(&host));
-    let offered = limits::advertised_config(&host, &config.quotas, config.notify_queues);
+    println!("features offered: {:#x}", limits::offered_features(host));
+    let offered = limits::advertised_config(host, &config.quotas, config.notify_queues);
     for (name, value) in limits::describe(&offered) {
         println!("  {name:<20} {value:#x} ({value})");
     }
-    if check_only {
-        return ExitCode::SUCCESS;
-    }
-    eprintln!(
-        "vhost-user-rdma: serving guests over vhost-user is not implemented yet; use --check"
-    );
-    ExitCode::FAILURE
 }

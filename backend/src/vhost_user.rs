@@ -1,0 +1,216 @@
+//! The vhost-user face of the device: virtqueue plumbing around [`Device`], and a server that
+//! gives every front-end connection a device (and host context) of its own.
+
+use std::io::{self, Read, Write};
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::QueueOwnedT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+use vrdma_spec::config::{CONTROL_QUEUE, FIRST_NOTIFY_QUEUE};
+use vrdma_spec::ByteValued;
+
+use crate::device::Device;
+use crate::{Config, Error};
+
+/// Virtqueue size the device offers on every queue.
+const QUEUE_SIZE: usize = 256;
+/// Longest control request the device reads: header plus the largest payload, with room to
+/// spare; anything longer is cut here and refused by the length check.
+const MAX_REQUEST_BYTES: u64 = 512;
+/// VHOST_USER_F_PROTOCOL_FEATURES: the front end may negotiate protocol features.
+const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
+
+type GuestMemory = GuestMemoryAtomic<GuestMemoryMmap>;
+
+/// vhost-user backend state of one connection.
+pub struct RdmaBackend {
+    device: Device,
+    num_queues: usize,
+    mem: GuestMemory,
+    event_idx: bool,
+    exit: (EventConsumer, EventNotifier),
+}
+
+impl RdmaBackend {
+    pub fn new(config: &Config) -> Result<Self, Error> {
+        Ok(RdmaBackend {
+            device: Device::new(config)?,
+            num_queues: usize::from(FIRST_NOTIFY_QUEUE) + config.notify_queues as usize,
+            mem: GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+            event_idx: false,
+            exit: new_event_consumer_and_notifier(EventFlag::NONBLOCK).map_err(Error::Io)?,
+        })
+    }
+
+    /// Tells the worker threads to exit (the connection is over).
+    fn stop_workers(&self) {
+        if let Err(e) = self.exit.1.notify() {
+            log::error!("cannot stop the vring workers: {e}");
+        }
+    }
+
+    fn process_control_queue(&mut self, vring: &VringRwLock) -> io::Result<()> {
+        loop {
+            if self.event_idx {
+                vring.disable_notification().map_err(io::Error::other)?;
+            }
+            let mem = self.mem.memory();
+            let chains: Vec<_> = vring
+                .get_mut()
+                .get_queue_mut()
+                .iter(mem.clone())
+                .map_err(io::Error::other)?
+                .collect();
+            for chain in chains {
+                let head = chain.head_index();
+                let used = self.process_control_chain(&mem, chain).unwrap_or_else(|e| {
+                    log::warn!("control chain {head} is malformed: {e}");
+                    0
+                });
+                vring.add_used(head, used).map_err(io::Error::other)?;
+            }
+            vring.signal_used_queue()?;
+            if !self.event_idx || !vring.enable_notification().map_err(io::Error::other)? {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Runs one request; returns the bytes written into the chain.
+    fn process_control_chain(
+        &mut self,
+        mem: &vm_memory::GuestMemoryLoadGuard<GuestMemoryMmap>,
+        chain: virtio_queue::DescriptorChain<vm_memory::GuestMemoryLoadGuard<GuestMemoryMmap>>,
+    ) -> io::Result<u32> {
+        let mut request = Vec::new();
+        chain
+            .clone()
+            .reader(mem)
+            .map_err(io::Error::other)?
+            .take(MAX_REQUEST_BYTES)
+            .read_to_end(&mut request)?;
+        let mut writer = chain.writer(mem).map_err(io::Error::other)?;
+        let response = self
+            .device
+            .process_request(&**mem, &request, writer.available_bytes());
+        writer.write_all(&response)?;
+        Ok(response.len() as u32)
+    }
+}
+
+impl VhostUserBackendMut for RdmaBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        self.num_queues
+    }
+
+    fn max_queue_size(&self) -> usize {
+        QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        self.device.offered_features()
+            | 1 << VIRTIO_F_VERSION_1
+            | 1 << VIRTIO_RING_F_EVENT_IDX
+            | VHOST_USER_F_PROTOCOL_FEATURES
+    }
+
+    fn acked_features(&mut self, features: u64) {
+        self.device.set_acked_features(features);
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::RESET_DEVICE
+    }
+
+    fn reset_device(&mut self) {
+        self.device.reset();
+    }
+
+    fn set_event_idx(&mut self, enabled: bool) {
+        self.event_idx = enabled;
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let config = self.device.config().as_slice();
+        let start = (offset as usize).min(config.len());
+        let end = start.saturating_add(size as usize).min(config.len());
+        config[start..end].to_vec()
+    }
+
+    fn update_memory(&mut self, mem: GuestMemory) -> io::Result<()> {
+        self.mem = mem;
+        Ok(())
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        Some((self.exit.0.try_clone().ok()?, self.exit.1.try_clone().ok()?))
+    }
+
+    fn handle_event(
+        &mut self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock],
+        _thread_id: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(io::Error::other(format!("unexpected event set {evset:?}")));
+        }
+        match device_event {
+            CONTROL_QUEUE => self.process_control_queue(&vrings[usize::from(CONTROL_QUEUE)]),
+            // Event queue buffers and doorbell kicks belong to the data path.
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Serves front ends on `socket_path` until an error: each connection gets its own backend
+/// (its own host context and objects), served on its own threads; when it ends, everything it
+/// created on the host is destroyed.
+pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
+    let mut listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
+    log::info!("listening on {}", socket_path.display());
+    for connection in 1u64.. {
+        let backend = Arc::new(RwLock::new(RdmaBackend::new(config)?));
+        let mut daemon = VhostUserDaemon::new(
+            format!("vrdma-conn{connection}"),
+            Arc::clone(&backend),
+            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+        )
+        .map_err(Error::Daemon)?;
+        daemon.start(&mut listener).map_err(Error::Daemon)?;
+        log::info!("connection {connection}: front end attached");
+        std::thread::Builder::new()
+            .name(format!("vrdma-conn{connection}-wait"))
+            .spawn(move || {
+                if let Err(e) = daemon.wait() {
+                    log::warn!("connection {connection} ended with an error: {e}");
+                }
+                let backend_state = backend.read().unwrap_or_else(|e| e.into_inner());
+                let objects = backend_state.device.object_count();
+                backend_state.stop_workers();
+                drop(backend_state);
+                drop(daemon);
+                log::info!("connection {connection}: closed, {objects} objects released");
+            })
+            .map_err(Error::Io)?;
+    }
+    Ok(())
+}
