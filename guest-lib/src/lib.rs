@@ -1,7 +1,86 @@
 //! vrdma guest library: RDMA verbs over the vrdma device, with no guest kernel driver.
 //!
-//! It speaks the wire format of `vrdma-spec` (see `spec/SPEC.md`). Its transports — direct
-//! attach to a backend's vhost-user socket, and the virtio-pci device inside a VM — and the
-//! verbs API on top are built in the control-path and data-path milestones.
+//! It speaks the wire format of `vrdma-spec` (see `spec/SPEC.md`) over a [`transport`]. Today
+//! that is direct attach: the process is the vhost-user front end of a backend, sharing its
+//! memory through memfd ([`Device::attach`]). The verbs API ([`verbs`]) is the same whatever
+//! the transport.
+//!
+//! ```no_run
+//! use vrdma_guest::{access, Device, QpType, QueuePair};
+//! let device = Device::attach("/run/vrdma.sock")?;
+//! let pd = device.alloc_pd()?;
+//! let buffer = device.alloc_buffer(1 << 20)?;
+//! let mr = pd.reg_mr(&buffer, access::LOCAL_WRITE | access::REMOTE_WRITE)?;
+//! let cq = device.create_cq(256)?;
+//! let qp = QueuePair::builder(QpType::Rc, &cq).max_send_wr(64).build(&pd)?;
+//! # Ok::<(), vrdma_guest::Error>(())
+//! ```
 
+pub mod direct;
+pub mod shm;
+pub mod transport;
+pub mod verbs;
+mod virtq;
+
+use std::time::Duration;
+
+pub use direct::DirectOptions;
+pub use shm::SharedBuffer;
+pub use verbs::{
+    access, qp_attr_mask, qp_state, AddressHandle, AhAttr, CompletionQueue, Device, MemoryRegion,
+    ProtectionDomain, QpAttr, QpType, QueuePair, QueuePairBuilder,
+};
 pub use vrdma_spec as spec;
+pub use vrdma_spec::ctrl::{Opcode, Status};
+pub use vrdma_spec::Gid;
+
+/// Errors of guest-lib.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("attaching to the vrdma backend failed: {0}")]
+    Attach(String),
+    #[error("device transport: {0}")]
+    Transport(#[source] std::io::Error),
+    #[error("shared memory: {0}")]
+    SharedMemory(#[source] std::io::Error),
+    #[error("no shared memory left for {0} bytes")]
+    OutOfSharedMemory(u64),
+    #[error("range {offset}+{len} outside a {size}-byte buffer")]
+    OutOfBounds { offset: u64, len: u64, size: u64 },
+    #[error("the device did not answer within {0:?}; the backend may be gone")]
+    Timeout(Duration),
+    #[error("{opcode:?} refused by the device: {status:?}{}", errno_suffix(*.detail))]
+    Device {
+        opcode: Opcode,
+        status: Status,
+        detail: u32,
+    },
+    #[error("the device answered {opcode:?} with a malformed response of {len} bytes")]
+    BadResponse { opcode: Opcode, len: usize },
+    #[error(
+        "memory {addr:#x}+{len:#x} is not shared with the device; allocate it with Device::alloc_buffer"
+    )]
+    NotShared { addr: u64, len: u64 },
+    #[error("{0}")]
+    InvalidArgument(String),
+}
+
+fn errno_suffix(detail: u32) -> String {
+    if detail == 0 {
+        String::new()
+    } else {
+        format!(" ({})", std::io::Error::from_raw_os_error(detail as i32))
+    }
+}
+
+impl Error {
+    /// The device status, when the device refused a command.
+    pub fn status(&self) -> Option<Status> {
+        match self {
+            Error::Device { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -33,3 +33,31 @@ macro_rules! wire_struct {
     };
 }
 pub(crate) use wire_struct;
+
+/// A 128-bit GID, in network order.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Gid(pub [u8; 16]);
+
+impl Gid {
+    /// True for the all-zero GID of an unused table entry.
+    pub fn is_zero(&self) -> bool {
+        self.0 == [0; 16]
+    }
+
+    /// The IPv4 address of an IPv4-mapped GID (`::ffff:a.b.c.d`), as RoCEv2 uses for IPv4.
+    pub fn ipv4(&self) -> Option<std::net::Ipv4Addr> {
+        std::net::Ipv6Addr::from(self.0).to_ipv4_mapped()
+    }
+}
+
+impl core::fmt::Display for Gid {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        std::net::Ipv6Addr::from(self.0).fmt(f)
+    }
+}
+
+impl core::fmt::Debug for Gid {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "Gid({self})")
+    }
+}

@@ -116,7 +116,7 @@ impl Device {
             host_attr,
             port,
             config: advertised,
-            objects: Objects::default(),
+            objects: Objects::new(),
             notify_area: None,
         })
     }
@@ -139,7 +139,7 @@ impl Device {
     /// Destroys every object of the connection (device reset, SPEC.md §5.3.1).
     pub fn reset(&mut self) {
         let count = self.objects.count();
-        self.objects = Objects::default();
+        self.objects = Objects::new();
         self.notify_area = None;
         if count > 0 {
             log::info!("device reset: destroyed {count} objects");

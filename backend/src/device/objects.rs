@@ -76,6 +76,14 @@ fn busy(kind: &str, handle: Handle, users: u32) -> CommandError {
 }
 
 impl Objects {
+    /// Empty tables whose handles start at a random value, so that handles of one connection
+    /// are unlikely to name anything in another (each connection checks its own tables anyway).
+    pub fn new() -> Self {
+        use std::hash::BuildHasher;
+        let start = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+        Objects { last_handle: start as u32, ..Default::default() }
+    }
+
     /// A fresh handle. Handles count up from 1 and wrap, skipping 0 and live values, so a
     /// destroyed handle is not reused until the counter comes round again.
     pub fn new_handle(&mut self) -> Handle {

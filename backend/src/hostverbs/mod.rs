@@ -21,6 +21,7 @@ pub use qp::{
     qp_attr_mask, AddressHandle, AhAttr, Payload, QpAttr, QpCaps, QpInit, QpState, QpType,
     QueuePair, RecvWr, SendOp, SendWr, Sge, UdDest,
 };
+pub use vrdma_spec::Gid;
 
 /// Errors of host verbs calls.
 #[derive(Debug, thiserror::Error)]
@@ -93,34 +94,6 @@ macro_rules! verbs_object_is_thread_safe {
     };
 }
 pub(crate) use verbs_object_is_thread_safe;
-
-/// A 128-bit GID, in network order.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct Gid(pub [u8; 16]);
-
-impl Gid {
-    /// True for the all-zero GID of an unused table entry.
-    pub fn is_zero(&self) -> bool {
-        self.0 == [0; 16]
-    }
-
-    /// The IPv4 address of an IPv4-mapped GID (`::ffff:a.b.c.d`), as RoCEv2 uses for IPv4.
-    pub fn ipv4(&self) -> Option<std::net::Ipv4Addr> {
-        std::net::Ipv6Addr::from(self.0).to_ipv4_mapped()
-    }
-}
-
-impl fmt::Display for Gid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        std::net::Ipv6Addr::from(self.0).fmt(f)
-    }
-}
-
-impl fmt::Debug for Gid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Gid({self})")
-    }
-}
 
 /// GID types, as the kernel reports them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

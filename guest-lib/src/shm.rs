@@ -1,0 +1,320 @@
+//! Memory shared with the device: memfd regions mapped into this process and handed to the
+//! backend through the vhost-user memory table. In direct-attach mode a region's guest-physical
+//! address is its address in this process, so a buffer's "guest virtual" and "guest physical"
+//! addresses are one and the same.
+//!
+//! This is guest-lib's only `unsafe` module: mapping, and access to memory the device also
+//! writes.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU16, AtomicU32};
+use std::sync::{Arc, Mutex};
+
+use crate::{Error, Result};
+
+/// 4 KiB: the page size guest-lib describes memory in.
+pub const PAGE_SIZE: u64 = 4096;
+const HUGE_PAGE_SIZE: u64 = 2 << 20;
+
+/// First-fit free list over `0..size`, kept sorted and coalesced.
+#[derive(Debug)]
+struct FreeList {
+    free: Vec<(u64, u64)>,
+}
+
+impl FreeList {
+    fn new(size: u64) -> Self {
+        FreeList {
+            free: vec![(0, size)],
+        }
+    }
+
+    /// An `align`-aligned range of `len` bytes, if one is free.
+    fn alloc(&mut self, len: u64, align: u64) -> Option<u64> {
+        for i in 0..self.free.len() {
+            let (start, size) = self.free[i];
+            let aligned = start.next_multiple_of(align);
+            let end = start + size;
+            if aligned.checked_add(len).is_some_and(|e| e <= end) {
+                self.free.remove(i);
+                if aligned + len < end {
+                    self.free.insert(i, (aligned + len, end - aligned - len));
+                }
+                if aligned > start {
+                    self.free.insert(i, (start, aligned - start));
+                }
+                return Some(aligned);
+            }
+        }
+        None
+    }
+
+    fn release(&mut self, offset: u64, len: u64) {
+        let i = self.free.partition_point(|&(s, _)| s < offset);
+        self.free.insert(i, (offset, len));
+        // Merge with the neighbour after, then the one before.
+        if i + 1 < self.free.len() && self.free[i].0 + self.free[i].1 == self.free[i + 1].0 {
+            self.free[i].1 += self.free[i + 1].1;
+            self.free.remove(i + 1);
+        }
+        if i > 0 && self.free[i - 1].0 + self.free[i - 1].1 == self.free[i].0 {
+            self.free[i - 1].1 += self.free[i].1;
+            self.free.remove(i);
+        }
+    }
+}
+
+/// One memfd, mapped shared into this process.
+pub struct Region {
+    file: File,
+    base: NonNull<u8>,
+    len: u64,
+    page_size: u64,
+    free: Mutex<FreeList>,
+}
+
+// SAFETY: the mapping is plain shared memory; all access goes through bounds-checked copies or
+// atomics, and the free list is behind a mutex.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// A zeroed region of `len` bytes (rounded up to the page size); with `huge`, backed by
+    /// 2 MiB huge pages (the host must have them reserved).
+    pub fn new(len: u64, huge: bool) -> Result<Arc<Region>> {
+        let page_size = if huge { HUGE_PAGE_SIZE } else { PAGE_SIZE };
+        let len = len.max(page_size).next_multiple_of(page_size);
+        let mut flags = libc::MFD_CLOEXEC;
+        if huge {
+            flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
+        }
+        // SAFETY: the name is a NUL-terminated literal; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"vrdma-guest".as_ptr(), flags) };
+        if fd < 0 {
+            return Err(Error::SharedMemory(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(len).map_err(Error::SharedMemory)?;
+        // SAFETY: a shared mapping of the whole file at a kernel-chosen address; checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::SharedMemory(std::io::Error::last_os_error()));
+        }
+        Ok(Arc::new(Region {
+            file,
+            base: NonNull::new(ptr.cast()).expect("mmap never returns page 0"),
+            len,
+            page_size,
+            free: Mutex::new(FreeList::new(len)),
+        }))
+    }
+
+    /// The region's guest-physical (= process virtual) address.
+    pub fn addr(&self) -> u64 {
+        self.base.as_ptr() as u64
+    }
+
+    /// Size in bytes; never zero.
+    pub fn size(&self) -> u64 {
+        self.len
+    }
+
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr()
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr() + self.len)
+    }
+
+    /// A zeroed buffer of `len` bytes aligned to `align` (a power of two), if there is room.
+    pub fn alloc(self: &Arc<Self>, len: u64, align: u64) -> Option<SharedBuffer> {
+        let len = len.max(1).next_multiple_of(8);
+        let offset = self
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .alloc(len, align)?;
+        let buffer = SharedBuffer {
+            region: Arc::clone(self),
+            offset,
+            len,
+        };
+        buffer.zero();
+        Some(buffer)
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`; buffers hold an Arc of the region, so none is left.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len as usize) };
+    }
+}
+
+/// A piece of shared memory; returned to its region when dropped.
+pub struct SharedBuffer {
+    region: Arc<Region>,
+    offset: u64,
+    len: u64,
+}
+
+impl std::fmt::Debug for SharedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBuffer({:#x}+{:#x})", self.addr(), self.len)
+    }
+}
+
+impl SharedBuffer {
+    /// The buffer's address: guest-virtual and guest-physical alike.
+    pub fn addr(&self) -> u64 {
+        self.region.addr() + self.offset
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn ptr(&self, offset: u64, len: u64) -> Result<*mut u8> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => {
+                // SAFETY: offset + len is inside the buffer, which is inside the mapping.
+                Ok(unsafe {
+                    self.region
+                        .base
+                        .as_ptr()
+                        .add((self.offset + offset) as usize)
+                })
+            }
+            _ => Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    /// Copies `data` into the buffer at `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        let dst = self.ptr(offset, data.len() as u64)?;
+        // SAFETY: `dst` has room for `data` (checked) and cannot overlap it.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` out of the buffer.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        let src = self.ptr(offset, out.len() as u64)?;
+        // SAFETY: as in `write`, in the other direction.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn zero(&self) {
+        let dst = self.ptr(0, self.len).expect("whole buffer");
+        // SAFETY: the whole buffer is writable.
+        unsafe { std::ptr::write_bytes(dst, 0, self.len as usize) };
+    }
+
+    /// The `u16` at `offset` (2-byte aligned) as an atomic shared with the device.
+    pub fn atomic_u16(&self, offset: u64) -> Result<&AtomicU16> {
+        let ptr = self.ptr(offset, 2)?;
+        if !(ptr as usize).is_multiple_of(2) {
+            return Err(Error::OutOfBounds {
+                offset,
+                len: 2,
+                size: self.len,
+            });
+        }
+        // SAFETY: aligned, in bounds, and valid for as long as `self` (which keeps the region
+        // mapped); AtomicU16 has the layout of u16 and any bit pattern is valid.
+        Ok(unsafe { AtomicU16::from_ptr(ptr.cast()) })
+    }
+
+    /// The `u32` at `offset` (4-byte aligned) as an atomic shared with the device.
+    pub fn atomic_u32(&self, offset: u64) -> Result<&AtomicU32> {
+        let ptr = self.ptr(offset, 4)?;
+        if !(ptr as usize).is_multiple_of(4) {
+            return Err(Error::OutOfBounds {
+                offset,
+                len: 4,
+                size: self.len,
+            });
+        }
+        // SAFETY: as in `atomic_u16`.
+        Ok(unsafe { AtomicU32::from_ptr(ptr.cast()) })
+    }
+}
+
+impl Drop for SharedBuffer {
+    fn drop(&mut self) {
+        self.region
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(self.offset, self.len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_list_aligns_splits_and_coalesces() {
+        let mut list = FreeList::new(4 * PAGE_SIZE);
+        let a = list.alloc(100, 8).unwrap();
+        let b = list.alloc(PAGE_SIZE, PAGE_SIZE).unwrap();
+        assert_eq!((a, b), (0, PAGE_SIZE));
+        let c = list.alloc(16, 8).unwrap();
+        assert_eq!(c, 104, "the gap before the aligned page is reused");
+        assert!(list.alloc(4 * PAGE_SIZE, 8).is_none());
+        list.release(b, PAGE_SIZE);
+        list.release(a, 100);
+        list.release(c, 16);
+        assert_eq!(list.free, vec![(0, 4 * PAGE_SIZE)]);
+    }
+
+    #[test]
+    fn buffers_are_zeroed_bounded_and_returned() {
+        let region = Region::new(2 * PAGE_SIZE, false).unwrap();
+        let buffer = region.alloc(PAGE_SIZE, PAGE_SIZE).unwrap();
+        assert_eq!(buffer.addr() % PAGE_SIZE, 0);
+        buffer.write(10, b"abc").unwrap();
+        let mut out = [0u8; 4];
+        buffer.read(9, &mut out).unwrap();
+        assert_eq!(&out, b"\0abc");
+        assert!(buffer.write(PAGE_SIZE - 1, b"xy").is_err());
+        assert!(buffer.atomic_u32(2).is_err(), "misaligned atomic");
+        assert!(region.alloc(2 * PAGE_SIZE, 8).is_none());
+        drop(buffer);
+        let again = region.alloc(2 * PAGE_SIZE, 8).expect("space came back");
+        let mut first = [1u8; 16];
+        again.read(0, &mut first).unwrap();
+        assert_eq!(first, [0u8; 16], "reused memory is zeroed");
+    }
+}

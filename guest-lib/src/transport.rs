@@ -1,0 +1,26 @@
+//! How guest-lib reaches the device. Everything above this trait — the verbs API and the wire
+//! protocol — is the same for every transport.
+
+use vrdma_spec::config::DeviceConfig;
+
+use crate::shm::SharedBuffer;
+use crate::Result;
+
+pub trait Transport: Send + Sync {
+    /// The device configuration space, read at attach time.
+    fn config(&self) -> &DeviceConfig;
+
+    /// The negotiated device feature bits.
+    fn features(&self) -> u64;
+
+    /// Sends one control request and waits for its response; returns the bytes the device
+    /// wrote into `response`.
+    fn control(&self, request: &[u8], response: &mut [u8]) -> Result<usize>;
+
+    /// Memory the device can reach, zeroed, `align`-aligned.
+    fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer>;
+
+    /// The page size of the shared memory holding `addr..addr + len`, or `None` when the
+    /// range is not (entirely) in memory shared with the device.
+    fn page_size(&self, addr: u64, len: u64) -> Option<u64>;
+}

@@ -1,0 +1,714 @@
+//! The verbs API: typed objects over the device's control commands, each destroyed on the
+//! device when dropped. Children keep their parents alive (a QP its PD and CQs, an MR its PD).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use vrdma_spec::config::DeviceConfig;
+use vrdma_spec::ctrl::{
+    qp_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
+    CreateQpResponse, CreatedResponse, DeviceAttr, HandleRequest, ModifyQpRequest, Opcode,
+    PortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse, QueryPortRequest,
+    RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status,
+};
+use vrdma_spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES, PAGE_LIST_ENTRIES_PER_PAGE};
+use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, CQE_SIZE};
+use vrdma_spec::{ByteValued, Gid, Le16, Le32, Le64};
+
+use crate::direct::{DirectOptions, DirectTransport};
+use crate::shm::{SharedBuffer, PAGE_SIZE};
+use crate::transport::Transport;
+use crate::{Error, Result};
+
+struct DeviceInner {
+    transport: Box<dyn Transport>,
+    _notify_area: SharedBuffer,
+}
+
+/// A vrdma device, reached through a transport.
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DeviceInner>,
+}
+
+fn encode<T: ByteValued>(opcode: Opcode, request: &T) -> Vec<u8> {
+    let header = RequestHeader {
+        opcode: Le16::from(opcode as u16),
+        flags: Le16::from(0),
+        length: Le32::from(std::mem::size_of::<T>() as u32),
+    };
+    let mut bytes = header.as_slice().to_vec();
+    bytes.extend_from_slice(request.as_slice());
+    bytes
+}
+
+/// An empty request or response payload.
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct Empty;
+// SAFETY: a zero-sized type has no bytes, so no invalid ones and no padding.
+unsafe impl ByteValued for Empty {}
+
+impl DeviceInner {
+    fn command<Req: ByteValued, Resp: ByteValued + Default>(
+        &self,
+        opcode: Opcode,
+        request: &Req,
+    ) -> Result<Resp> {
+        let header_len = std::mem::size_of::<ResponseHeader>();
+        let mut response = vec![0u8; header_len + std::mem::size_of::<Resp>()];
+        let written = self
+            .transport
+            .control(&encode(opcode, request), &mut response)?;
+        if written < header_len {
+            return Err(Error::BadResponse {
+                opcode,
+                len: written,
+            });
+        }
+        let mut header = ResponseHeader::default();
+        header
+            .as_mut_slice()
+            .copy_from_slice(&response[..header_len]);
+        let status =
+            Status::try_from(header.status.to_native()).map_err(|_| Error::BadResponse {
+                opcode,
+                len: written,
+            })?;
+        if status != Status::Ok {
+            return Err(Error::Device {
+                opcode,
+                status,
+                detail: header.detail.to_native(),
+            });
+        }
+        if written != response.len() {
+            return Err(Error::BadResponse {
+                opcode,
+                len: written,
+            });
+        }
+        let mut value = Resp::default();
+        value
+            .as_mut_slice()
+            .copy_from_slice(&response[header_len..]);
+        Ok(value)
+    }
+
+    /// Destroys `handle` with `opcode`; used by Drop, where an error can only be logged.
+    fn destroy(&self, opcode: Opcode, handle: u32) {
+        let request = HandleRequest {
+            handle: Le32::from(handle),
+            reserved: Le32::from(0),
+        };
+        if let Err(e) = self.command::<_, Empty>(opcode, &request) {
+            log::error!("{opcode:?} of handle {handle:#x}: {e}");
+        }
+    }
+
+    /// A page list for `addr..addr + len` of shared memory, and the list pages it lives in.
+    fn page_list(&self, addr: u64, len: u64) -> Result<(PageList, Vec<SharedBuffer>)> {
+        let page_size = self
+            .transport
+            .page_size(addr, len)
+            .ok_or(Error::NotShared { addr, len })?;
+        let first = addr & !(page_size - 1);
+        // Shared memory is mapped 1:1, so each page's guest-physical address is its address.
+        let pages: Vec<u64> = (first..addr + len).step_by(page_size as usize).collect();
+        let entries =
+            |pages: &[u64]| -> Vec<u8> { pages.iter().flat_map(|p| p.to_le_bytes()).collect() };
+        let list_page = |bytes: &[u8]| -> Result<SharedBuffer> {
+            let page = self.transport.alloc(PAGE_SIZE, PAGE_SIZE)?;
+            page.write(0, bytes)?;
+            Ok(page)
+        };
+        let npages = u32::try_from(pages.len())
+            .map_err(|_| Error::InvalidArgument("range too large".into()))?;
+        let mut keep = Vec::new();
+        let form = if npages <= MAX_DIRECT_PAGES {
+            keep.push(list_page(&entries(&pages))?);
+            PageListForm::Direct
+        } else {
+            let mut tops = Vec::new();
+            for chunk in pages.chunks(PAGE_LIST_ENTRIES_PER_PAGE as usize) {
+                let page = list_page(&entries(chunk))?;
+                tops.push(page.addr());
+                keep.push(page);
+            }
+            if tops.len() > PAGE_LIST_ENTRIES_PER_PAGE as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "{npages} pages exceed one indirect list"
+                )));
+            }
+            keep.insert(0, list_page(&entries(&tops))?);
+            PageListForm::Indirect
+        };
+        let list = PageList {
+            addr: Le64::from(keep[0].addr()),
+            npages: Le32::from(npages),
+            page_shift: page_size.trailing_zeros() as u8,
+            form: form as u8,
+            reserved: Le16::from(0),
+        };
+        Ok((list, keep))
+    }
+}
+
+impl Device {
+    /// Attaches directly to the backend's vhost-user socket (a process or container on the
+    /// host), with default options.
+    pub fn attach(socket: impl AsRef<Path>) -> Result<Device> {
+        Self::attach_with(socket, DirectOptions::default())
+    }
+
+    pub fn attach_with(socket: impl AsRef<Path>, options: DirectOptions) -> Result<Device> {
+        Self::with_transport(Box::new(DirectTransport::connect(
+            socket.as_ref(),
+            options,
+        )?))
+    }
+
+    /// Initialises the device over any transport (SPEC.md §9 step 3).
+    pub fn with_transport(transport: Box<dyn Transport>) -> Result<Device> {
+        let queues = transport.config().num_notify_queues.to_native() as u64;
+        let notify_area = transport.alloc(
+            queues * std::mem::size_of::<NotifyState>() as u64,
+            PAGE_SIZE,
+        )?;
+        let request = SetNotifyAreaRequest {
+            addr: Le64::from(notify_area.addr()),
+        };
+        let inner = DeviceInner {
+            transport,
+            _notify_area: notify_area,
+        };
+        inner.command::<_, Empty>(Opcode::SetNotifyArea, &request)?;
+        Ok(Device {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The configuration space the device reported.
+    pub fn config(&self) -> &DeviceConfig {
+        self.inner.transport.config()
+    }
+
+    pub fn query_device(&self) -> Result<DeviceAttr> {
+        self.inner.command(Opcode::QueryDevice, &Empty)
+    }
+
+    pub fn query_port(&self) -> Result<PortAttr> {
+        self.inner.command(
+            Opcode::QueryPort,
+            &QueryPortRequest {
+                port: 1,
+                reserved: [0; 7],
+            },
+        )
+    }
+
+    /// The GID at `index` of port 1, and its type (`vrdma_spec::ctrl::gid_type`).
+    pub fn query_gid(&self, index: u32) -> Result<(Gid, u8)> {
+        let request = QueryGidRequest {
+            port: 1,
+            reserved: [0; 3],
+            index: Le32::from(index),
+        };
+        let response: QueryGidResponse = self.inner.command(Opcode::QueryGid, &request)?;
+        Ok((Gid(response.gid), response.gid_type))
+    }
+
+    /// The GID this guest may send from, with its index: the one entry the device shows.
+    pub fn gid(&self) -> Result<(u32, Gid)> {
+        let table = self.query_port()?.gid_tbl_len.to_native();
+        (0..table)
+            .find_map(|index| self.query_gid(index).ok().map(|(gid, _)| (index, gid)))
+            .ok_or_else(|| Error::InvalidArgument("the device shows no GID to this guest".into()))
+    }
+
+    /// Page-aligned, zeroed memory shared with the device: what MRs are registered over.
+    pub fn alloc_buffer(&self, len: u64) -> Result<SharedBuffer> {
+        self.inner.transport.alloc(len, PAGE_SIZE)
+    }
+
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        let created: CreatedResponse = self.inner.command(Opcode::AllocPd, &Empty)?;
+        Ok(ProtectionDomain {
+            inner: Arc::new(PdInner {
+                device: Arc::clone(&self.inner),
+                handle: created.handle.to_native(),
+            }),
+        })
+    }
+
+    /// A completion queue of `depth` entries (a power of two); its ring lives in shared memory.
+    pub fn create_cq(&self, depth: u32) -> Result<CompletionQueue> {
+        let ring_bytes = u64::from(depth) * CQE_SIZE as u64;
+        let ring = self.inner.transport.alloc(ring_bytes.max(1), PAGE_SIZE)?;
+        let doorbell = self
+            .inner
+            .transport
+            .alloc(std::mem::size_of::<CqDoorbell>() as u64, 64)?;
+        let (list, _list_pages) = self.inner.page_list(ring.addr(), ring_bytes.max(1))?;
+        let request = CreateCqRequest {
+            cqe: Le32::from(depth),
+            flags: Le32::from(0),
+            ring: list,
+            doorbell: Le64::from(doorbell.addr()),
+        };
+        let created: CreatedResponse = self.inner.command(Opcode::CreateCq, &request)?;
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                device: Arc::clone(&self.inner),
+                handle: created.handle.to_native(),
+                depth,
+                _ring: ring,
+                _doorbell: doorbell,
+            }),
+        })
+    }
+
+    /// Sends raw request bytes on the control queue and returns the raw response (at most
+    /// `response_len` bytes): for conformance tests of the device's validation.
+    pub fn raw_control(&self, request: &[u8], response_len: usize) -> Result<Vec<u8>> {
+        let mut response = vec![0u8; response_len];
+        let written = self.inner.transport.control(request, &mut response)?;
+        response.truncate(written);
+        Ok(response)
+    }
+}
+
+struct PdInner {
+    device: Arc<DeviceInner>,
+    handle: u32,
+}
+
+impl Drop for PdInner {
+    fn drop(&mut self) {
+        self.device.destroy(Opcode::DeallocPd, self.handle);
+    }
+}
+
+/// A protection domain.
+pub struct ProtectionDomain {
+    inner: Arc<PdInner>,
+}
+
+/// Memory access rights of an MR or QP (ibverbs values).
+pub use vrdma_spec::ctrl::access;
+
+impl ProtectionDomain {
+    pub fn handle(&self) -> u32 {
+        self.inner.handle
+    }
+
+    /// Registers all of `buffer`.
+    pub fn reg_mr(&self, buffer: &SharedBuffer, access: u32) -> Result<MemoryRegion> {
+        self.reg_mr_range(buffer.addr(), buffer.len(), access)
+    }
+
+    /// Registers `addr..addr + len`, which must lie in memory shared with the device (see
+    /// [`Device::alloc_buffer`]). Peers and work requests address it by `addr`.
+    pub fn reg_mr_range(&self, addr: u64, len: u64, access: u32) -> Result<MemoryRegion> {
+        let device = &self.inner.device;
+        let (pages, _list_pages) = device.page_list(addr, len)?;
+        let request = RegMrRequest {
+            pd: Le32::from(self.inner.handle),
+            access: Le32::from(access),
+            virt_addr: Le64::from(addr),
+            length: Le64::from(len),
+            pages,
+        };
+        let r: RegMrResponse = device.command(Opcode::RegMr, &request)?;
+        Ok(MemoryRegion {
+            pd: Arc::clone(&self.inner),
+            handle: r.handle.to_native(),
+            lkey: r.lkey.to_native(),
+            rkey: r.rkey.to_native(),
+            addr,
+            len,
+        })
+    }
+
+    pub fn create_ah(&self, attr: &AhAttr) -> Result<AddressHandle> {
+        let request = CreateAhRequest {
+            pd: Le32::from(self.inner.handle),
+            reserved: Le32::from(0),
+            attr: attr.into(),
+        };
+        let created: CreatedResponse = self.inner.device.command(Opcode::CreateAh, &request)?;
+        Ok(AddressHandle {
+            pd: Arc::clone(&self.inner),
+            handle: created.handle.to_native(),
+        })
+    }
+}
+
+/// A registered memory region.
+pub struct MemoryRegion {
+    pd: Arc<PdInner>,
+    handle: u32,
+    lkey: u32,
+    rkey: u32,
+    addr: u64,
+    len: u64,
+}
+
+impl MemoryRegion {
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+    /// The address peers and work requests use: the registered virtual address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        self.pd.device.destroy(Opcode::DeregMr, self.handle);
+    }
+}
+
+struct CqInner {
+    device: Arc<DeviceInner>,
+    handle: u32,
+    depth: u32,
+    _ring: SharedBuffer,
+    _doorbell: SharedBuffer,
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        self.device.destroy(Opcode::DestroyCq, self.handle);
+    }
+}
+
+/// A completion queue.
+#[derive(Clone)]
+pub struct CompletionQueue {
+    inner: Arc<CqInner>,
+}
+
+impl CompletionQueue {
+    pub fn depth(&self) -> u32 {
+        self.inner.depth
+    }
+    pub fn handle(&self) -> u32 {
+        self.inner.handle
+    }
+}
+
+/// QP transports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpType {
+    Rc,
+    Ud,
+}
+
+/// MODIFY_QP mask bits (ibverbs values).
+pub use vrdma_spec::ctrl::qp_attr_mask;
+/// QP states (ibverbs values).
+pub use vrdma_spec::ctrl::qp_state;
+
+/// An address vector.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AhAttr {
+    pub dgid: Gid,
+    pub flow_label: u32,
+    pub sgid_index: u8,
+    pub hop_limit: u8,
+    pub traffic_class: u8,
+    pub sl: u8,
+    pub is_global: bool,
+    pub port_num: u8,
+}
+
+impl From<&AhAttr> for WireAhAttr {
+    fn from(a: &AhAttr) -> Self {
+        WireAhAttr {
+            dgid: a.dgid.0,
+            flow_label: Le32::from(a.flow_label),
+            dlid: Le16::from(0),
+            sgid_index: a.sgid_index,
+            hop_limit: a.hop_limit,
+            traffic_class: a.traffic_class,
+            sl: a.sl,
+            is_global: a.is_global.into(),
+            port_num: a.port_num,
+            reserved: Le32::from(0),
+        }
+    }
+}
+
+/// QP attributes for [`QueuePair::modify`] (fields chosen by a [`qp_attr_mask`]) and from
+/// [`QueuePair::query`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpAttr {
+    /// A [`qp_state`] value.
+    pub qp_state: u8,
+    pub path_mtu: u8,
+    pub port_num: u8,
+    pub qp_access_flags: u32,
+    pub pkey_index: u16,
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub min_rnr_timer: u8,
+    pub max_rd_atomic: u8,
+    pub max_dest_rd_atomic: u8,
+    pub qkey: u32,
+    pub rq_psn: u32,
+    pub sq_psn: u32,
+    pub dest_qp_num: u32,
+    pub ah_attr: AhAttr,
+}
+
+impl From<&QpAttr> for WireQpAttr {
+    fn from(a: &QpAttr) -> Self {
+        WireQpAttr {
+            qp_state: a.qp_state,
+            cur_qp_state: 0,
+            path_mtu: a.path_mtu,
+            port_num: a.port_num,
+            qp_access_flags: Le32::from(a.qp_access_flags),
+            pkey_index: Le16::from(a.pkey_index),
+            timeout: a.timeout,
+            retry_cnt: a.retry_cnt,
+            rnr_retry: a.rnr_retry,
+            min_rnr_timer: a.min_rnr_timer,
+            max_rd_atomic: a.max_rd_atomic,
+            max_dest_rd_atomic: a.max_dest_rd_atomic,
+            qkey: Le32::from(a.qkey),
+            rq_psn: Le32::from(a.rq_psn),
+            sq_psn: Le32::from(a.sq_psn),
+            dest_qp_num: Le32::from(a.dest_qp_num),
+            ah_attr: (&a.ah_attr).into(),
+        }
+    }
+}
+
+impl From<&WireQpAttr> for QpAttr {
+    fn from(w: &WireQpAttr) -> Self {
+        let a = &w.ah_attr;
+        QpAttr {
+            qp_state: w.qp_state,
+            path_mtu: w.path_mtu,
+            port_num: w.port_num,
+            qp_access_flags: w.qp_access_flags.to_native(),
+            pkey_index: w.pkey_index.to_native(),
+            timeout: w.timeout,
+            retry_cnt: w.retry_cnt,
+            rnr_retry: w.rnr_retry,
+            min_rnr_timer: w.min_rnr_timer,
+            max_rd_atomic: w.max_rd_atomic,
+            max_dest_rd_atomic: w.max_dest_rd_atomic,
+            qkey: w.qkey.to_native(),
+            rq_psn: w.rq_psn.to_native(),
+            sq_psn: w.sq_psn.to_native(),
+            dest_qp_num: w.dest_qp_num.to_native(),
+            ah_attr: AhAttr {
+                dgid: Gid(a.dgid),
+                flow_label: a.flow_label.to_native(),
+                sgid_index: a.sgid_index,
+                hop_limit: a.hop_limit,
+                traffic_class: a.traffic_class,
+                sl: a.sl,
+                is_global: a.is_global != 0,
+                port_num: a.port_num,
+            },
+        }
+    }
+}
+
+/// Builds a [`QueuePair`]: `QueuePair::builder(QpType::Rc, &cq).max_send_wr(64).build(&pd)`.
+pub struct QueuePairBuilder<'a> {
+    qp_type: QpType,
+    send_cq: &'a CompletionQueue,
+    recv_cq: &'a CompletionQueue,
+    max_send_wr: u32,
+    max_recv_wr: u32,
+    max_send_sge: u32,
+    max_recv_sge: u32,
+    max_inline_data: u32,
+    sq_sig_all: bool,
+}
+
+impl<'a> QueuePairBuilder<'a> {
+    pub fn recv_cq(mut self, cq: &'a CompletionQueue) -> Self {
+        self.recv_cq = cq;
+        self
+    }
+    /// SQ depth; rounded up to a power of two.
+    pub fn max_send_wr(mut self, n: u32) -> Self {
+        self.max_send_wr = n;
+        self
+    }
+    /// RQ depth; rounded up to a power of two.
+    pub fn max_recv_wr(mut self, n: u32) -> Self {
+        self.max_recv_wr = n;
+        self
+    }
+    pub fn max_send_sge(mut self, n: u32) -> Self {
+        self.max_send_sge = n;
+        self
+    }
+    pub fn max_recv_sge(mut self, n: u32) -> Self {
+        self.max_recv_sge = n;
+        self
+    }
+    pub fn max_inline_data(mut self, n: u32) -> Self {
+        self.max_inline_data = n;
+        self
+    }
+    pub fn sq_sig_all(mut self, all: bool) -> Self {
+        self.sq_sig_all = all;
+        self
+    }
+
+    pub fn build(self, pd: &ProtectionDomain) -> Result<QueuePair> {
+        let device = &pd.inner.device;
+        let send_wr = self.max_send_wr.max(1).next_power_of_two();
+        let recv_wr = self.max_recv_wr.max(1).next_power_of_two();
+        let sq_stride = (64 + (16 * self.max_send_sge).max(self.max_inline_data))
+            .next_power_of_two()
+            .max(64);
+        let rq_stride = (16 + 16 * self.max_recv_sge).next_power_of_two().max(16);
+        let sq_bytes = u64::from(send_wr) * u64::from(sq_stride);
+        let rq_bytes = u64::from(recv_wr) * u64::from(rq_stride);
+        let sq = device.transport.alloc(sq_bytes, PAGE_SIZE)?;
+        let rq = device.transport.alloc(rq_bytes, PAGE_SIZE)?;
+        let doorbell = device
+            .transport
+            .alloc(std::mem::size_of::<QpDoorbell>() as u64, 64)?;
+        let (sq_list, _sq_pages) = device.page_list(sq.addr(), sq_bytes)?;
+        let (rq_list, _rq_pages) = device.page_list(rq.addr(), rq_bytes)?;
+        let request = CreateQpRequest {
+            pd: Le32::from(pd.inner.handle),
+            send_cq: Le32::from(self.send_cq.inner.handle),
+            recv_cq: Le32::from(self.recv_cq.inner.handle),
+            srq: Le32::from(0),
+            qp_type: match self.qp_type {
+                QpType::Rc => qp_type::RC,
+                QpType::Ud => qp_type::UD,
+            },
+            sq_sig_all: self.sq_sig_all.into(),
+            sq_wqe_shift: sq_stride.trailing_zeros() as u8,
+            rq_wqe_shift: rq_stride.trailing_zeros() as u8,
+            max_send_wr: Le32::from(send_wr),
+            max_recv_wr: Le32::from(recv_wr),
+            max_send_sge: Le32::from(self.max_send_sge),
+            max_recv_sge: Le32::from(self.max_recv_sge),
+            max_inline_data: Le32::from(self.max_inline_data),
+            reserved: Default::default(),
+            sq_ring: sq_list,
+            rq_ring: rq_list,
+            doorbell: Le64::from(doorbell.addr()),
+        };
+        let created: CreateQpResponse = device.command(Opcode::CreateQp, &request)?;
+        Ok(QueuePair {
+            handle: created.handle.to_native(),
+            qp_num: created.qp_num.to_native(),
+            pd: Arc::clone(&pd.inner),
+            _cqs: [
+                Arc::clone(&self.send_cq.inner),
+                Arc::clone(&self.recv_cq.inner),
+            ],
+            _rings: [sq, rq, doorbell],
+        })
+    }
+}
+
+/// A queue pair.
+pub struct QueuePair {
+    handle: u32,
+    qp_num: u32,
+    pd: Arc<PdInner>,
+    _cqs: [Arc<CqInner>; 2],
+    _rings: [SharedBuffer; 3],
+}
+
+impl QueuePair {
+    /// A builder for a QP of `qp_type` completing into `cq` (send and receive alike, unless
+    /// [`QueuePairBuilder::recv_cq`] says otherwise).
+    pub fn builder(qp_type: QpType, cq: &CompletionQueue) -> QueuePairBuilder<'_> {
+        QueuePairBuilder {
+            qp_type,
+            send_cq: cq,
+            recv_cq: cq,
+            max_send_wr: 16,
+            max_recv_wr: 16,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+            sq_sig_all: false,
+        }
+    }
+
+    /// The QP number peers address.
+    pub fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+
+    /// Applies the fields of `attr` selected by `mask` ([`qp_attr_mask`] bits).
+    pub fn modify(&self, attr: &QpAttr, mask: u32) -> Result<()> {
+        let request = ModifyQpRequest {
+            handle: Le32::from(self.handle),
+            attr_mask: Le32::from(mask),
+            attr: attr.into(),
+        };
+        self.pd
+            .device
+            .command::<_, Empty>(Opcode::ModifyQp, &request)?;
+        Ok(())
+    }
+
+    pub fn query(&self) -> Result<QpAttr> {
+        let request = HandleRequest {
+            handle: Le32::from(self.handle),
+            reserved: Le32::from(0),
+        };
+        let attr: WireQpAttr = self.pd.device.command(Opcode::QueryQp, &request)?;
+        Ok((&attr).into())
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        self.pd.device.destroy(Opcode::DestroyQp, self.handle);
+    }
+}
+
+/// An address handle (UD destination).
+pub struct AddressHandle {
+    pd: Arc<PdInner>,
+    handle: u32,
+}
+
+impl AddressHandle {
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+}
+
+impl Drop for AddressHandle {
+    fn drop(&mut self) {
+        self.pd.device.destroy(Opcode::DestroyAh, self.handle);
+    }
+}
