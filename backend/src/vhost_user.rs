@@ -185,10 +185,12 @@ impl VhostUserBackendMut for RdmaBackend {
 /// (its own host context and objects), served on its own threads; when it ends, everything it
 /// created on the host is destroyed.
 pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
+    // The device context for the next connection is opened before it arrives (and before the
+    // socket exists), so a front end never waits for it and a bad device fails at start-up.
+    let mut backend = Arc::new(RwLock::new(RdmaBackend::new(config)?));
     let mut listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
     log::info!("listening on {}", socket_path.display());
     for connection in 1u64.. {
-        let backend = Arc::new(RwLock::new(RdmaBackend::new(config)?));
         let mut daemon = VhostUserDaemon::new(
             format!("vrdma-conn{connection}"),
             Arc::clone(&backend),
@@ -197,17 +199,25 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
         .map_err(Error::Daemon)?;
         daemon.start(&mut listener).map_err(Error::Daemon)?;
         log::info!("connection {connection}: front end attached");
+        let next = Arc::new(RwLock::new(RdmaBackend::new(config)?));
+        let serving = std::mem::replace(&mut backend, next);
         std::thread::Builder::new()
             .name(format!("vrdma-conn{connection}-wait"))
             .spawn(move || {
-                if let Err(e) = daemon.wait() {
-                    log::warn!("connection {connection} ended with an error: {e}");
+                match daemon.wait() {
+                    Ok(())
+                    | Err(vhost_user_backend::Error::HandleRequest(
+                        vhost::vhost_user::Error::Disconnected
+                        | vhost::vhost_user::Error::PartialMessage,
+                    )) => {}
+                    Err(e) => log::warn!("connection {connection} ended with an error: {e}"),
                 }
-                let backend_state = backend.read().unwrap_or_else(|e| e.into_inner());
-                let objects = backend_state.device.object_count();
-                backend_state.stop_workers();
-                drop(backend_state);
+                let state = serving.read().unwrap_or_else(|e| e.into_inner());
+                let objects = state.device.object_count();
+                state.stop_workers();
+                drop(state);
                 drop(daemon);
+                drop(serving); // the last reference: the device and its host objects go
                 log::info!("connection {connection}: closed, {objects} objects released");
             })
             .map_err(Error::Io)?;

@@ -354,6 +354,18 @@ pub struct MemoryRegion {
     len: u64,
 }
 
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("handle", &self.handle)
+            .field("lkey", &self.lkey)
+            .field("rkey", &self.rkey)
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
 impl MemoryRegion {
     pub fn lkey(&self) -> u32 {
         self.lkey
@@ -638,6 +650,15 @@ pub struct QueuePair {
     pd: Arc<PdInner>,
     _cqs: [Arc<CqInner>; 2],
     _rings: [SharedBuffer; 3],
+}
+
+impl std::fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("handle", &self.handle)
+            .field("qp_num", &self.qp_num)
+            .finish()
+    }
 }
 
 impl QueuePair {

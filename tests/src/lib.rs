@@ -171,3 +171,75 @@ pub fn signaled<'a>(wr_id: u64, op: SendOp, payload: Payload<'a>) -> SendWr<'a> 
         ud: None,
     }
 }
+
+/// A backend serving guests on a fresh socket, in this process, on the test device.
+pub struct TestBackend {
+    pub socket: std::path::PathBuf,
+}
+
+/// Starts a backend thread listening on a new socket under the temp directory.
+pub fn start_backend() -> TestBackend {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let socket = std::env::temp_dir().join(format!("vrdma-test-{}-{n}.sock", std::process::id()));
+    let config = vrdma_backend::Config {
+        device: test_device_name(),
+        port: PORT,
+        gid_index: None,
+        quotas: vrdma_backend::Quotas::default(),
+        notify_queues: 2,
+    };
+    let path = socket.clone();
+    std::thread::spawn(move || {
+        if let Err(e) = vrdma_backend::vhost_user::serve(&config, &path) {
+            panic!("backend stopped: {e}");
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the backend never created {}",
+            socket.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    TestBackend { socket }
+}
+
+/// Host object counts of the test device, from `rdma resource show` (pd, cq, qp, mr, ctx ...).
+pub fn host_resource_counts() -> std::collections::BTreeMap<String, u64> {
+    let output = std::process::Command::new("rdma")
+        .args(["resource", "show"])
+        .output()
+        .expect("run `rdma resource show`");
+    assert!(output.status.success(), "rdma resource show failed");
+    let text = String::from_utf8_lossy(&output.stdout);
+    let device = format!("{}:", test_device_name());
+    let line = text
+        .lines()
+        .find(|l| l.split_whitespace().nth(1) == Some(device.as_str()))
+        .unwrap_or_else(|| panic!("no {device} line in: {text}"));
+    let words: Vec<&str> = line.split_whitespace().skip(2).collect();
+    words
+        .chunks(2)
+        .filter_map(|pair| Some((pair[0].to_string(), pair.get(1)?.parse().ok()?)))
+        .collect()
+}
+
+/// Waits until the host's resource counts equal `baseline` (object teardown is asynchronous
+/// to the guest); panics with both when they do not within the timeout.
+pub fn wait_for_host_counts(baseline: &std::collections::BTreeMap<String, u64>) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = host_resource_counts();
+        if &now == baseline {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "host objects leaked: baseline {baseline:?}, now {now:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

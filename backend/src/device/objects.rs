@@ -81,7 +81,10 @@ impl Objects {
     pub fn new() -> Self {
         use std::hash::BuildHasher;
         let start = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
-        Objects { last_handle: start as u32, ..Default::default() }
+        Objects {
+            last_handle: start as u32,
+            ..Default::default()
+        }
     }
 
     /// A fresh handle. Handles count up from 1 and wrap, skipping 0 and live values, so a

@@ -1,0 +1,471 @@
+//! The control path end to end on rxe: guest-lib attached directly to the vhost-user backend,
+//! the backend on real host verbs. Runs inside the VM harness (see `vrdma_tests`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+use vrdma_backend::hostverbs::{Payload, PinnedMemory, SendOp, Sge};
+use vrdma_guest::spec::ctrl::{HandleRequest, Opcode, RegMrRequest, RequestHeader};
+use vrdma_guest::spec::mem::PageList;
+use vrdma_guest::spec::{ByteValued, Le16, Le32, Le64};
+use vrdma_guest::{
+    access, qp_attr_mask as mask, qp_state, AhAttr, Device, DirectOptions, Error, QpAttr, QpType,
+    QueuePair, Status,
+};
+use vrdma_tests::{
+    host_resource_counts, open_test_device, signaled, start_backend, wait_for_completions,
+    wait_for_host_counts, RcEndpoint, FULL_ACCESS,
+};
+
+const GUEST_ENDPOINT: &str = env!("CARGO_BIN_EXE_guest-endpoint");
+
+fn read_line(reader: &mut impl BufRead) -> String {
+    let mut line = String::new();
+    reader
+        .read_line(&mut line)
+        .expect("read from guest process");
+    line.trim().to_string()
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn two_guest_processes_on_their_own_connections_reach_rts() {
+    let backend = start_backend();
+    let baseline = host_resource_counts();
+    let spawn = || {
+        Command::new(GUEST_ENDPOINT)
+            .args(["rc", backend.socket.to_str().unwrap()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start guest-endpoint")
+    };
+    let (mut a, mut b) = (spawn(), spawn());
+    let mut a_out = BufReader::new(a.stdout.take().unwrap());
+    let mut b_out = BufReader::new(b.stdout.take().unwrap());
+    let (a_addr, b_addr) = (read_line(&mut a_out), read_line(&mut b_out));
+    assert!(
+        a_addr.starts_with("qpn=") && b_addr.starts_with("qpn="),
+        "{a_addr} / {b_addr}"
+    );
+    assert_ne!(a_addr, b_addr);
+    let mut a_in = a.stdin.take().unwrap();
+    let mut b_in = b.stdin.take().unwrap();
+    writeln!(a_in, "{b_addr}").unwrap();
+    writeln!(b_in, "{a_addr}").unwrap();
+    let rts = format!("state={}", qp_state::RTS);
+    assert_eq!(read_line(&mut a_out), rts);
+    assert_eq!(read_line(&mut b_out), rts);
+    drop((a_in, b_in)); // the endpoints exit when stdin closes
+    assert!(a.wait().unwrap().success() && b.wait().unwrap().success());
+    wait_for_host_counts(&baseline);
+}
+
+/// Connects a guest-lib QP and a native QP on the same device to each other.
+fn connect_guest_to_native(device: &Device, guest: &QueuePair, native: &RcEndpoint) {
+    let (gid_index, gid) = device.gid().expect("the guest's GID");
+    let init = QpAttr {
+        qp_state: qp_state::INIT,
+        port_num: 1,
+        qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ,
+        ..Default::default()
+    };
+    guest
+        .modify(
+            &init,
+            mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS,
+        )
+        .unwrap();
+    let rtr = QpAttr {
+        qp_state: qp_state::RTR,
+        path_mtu: 3,
+        dest_qp_num: native.qp.qp_num(),
+        rq_psn: 0x1234,
+        max_dest_rd_atomic: 1,
+        min_rnr_timer: 12,
+        ah_attr: AhAttr {
+            dgid: gid,
+            sgid_index: gid_index as u8,
+            hop_limit: 1,
+            is_global: true,
+            port_num: 1,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let rtr_mask = mask::STATE
+        | mask::AV
+        | mask::PATH_MTU
+        | mask::DEST_QPN
+        | mask::RQ_PSN
+        | mask::MAX_DEST_RD_ATOMIC
+        | mask::MIN_RNR_TIMER;
+    guest.modify(&rtr, rtr_mask).unwrap();
+    let rts = QpAttr {
+        qp_state: qp_state::RTS,
+        timeout: 14,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        sq_psn: 0x1234,
+        max_rd_atomic: 1,
+        ..Default::default()
+    };
+    guest
+        .modify(
+            &rts,
+            mask::STATE
+                | mask::TIMEOUT
+                | mask::RETRY_CNT
+                | mask::RNR_RETRY
+                | mask::SQ_PSN
+                | mask::MAX_QP_RD_ATOMIC,
+        )
+        .unwrap();
+    native.connect(gid_index as u8, gid, guest.qp_num(), 0x1234);
+}
+
+/// A native peer RDMA-writes into a guest-lib MR at the guest's own address; the bytes must
+/// appear in the guest's buffer (MTT translation and IOVA = guest VA, end to end).
+fn native_peer_writes_into_guest_memory(options: DirectOptions, buffer_len: u64) {
+    let backend = start_backend();
+    let baseline = host_resource_counts();
+    {
+        let device = Device::attach_with(&backend.socket, options).expect("attach");
+        let pd = device.alloc_pd().unwrap();
+        let buffer = device.alloc_buffer(buffer_len).unwrap();
+        let mr = pd
+            .reg_mr(&buffer, access::LOCAL_WRITE | access::REMOTE_WRITE)
+            .unwrap();
+        assert_eq!(mr.addr(), buffer.addr());
+        let cq = device.create_cq(16).unwrap();
+        let guest_qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+
+        let context = open_test_device();
+        let native = RcEndpoint::new(&context);
+        connect_guest_to_native(&device, &guest_qp, &native);
+        assert_eq!(guest_qp.query().unwrap().qp_state, qp_state::RTS);
+
+        let source = Arc::new(vrdma_backend::hostverbs::AnonymousMemory::new(8192).unwrap());
+        let source_mr = native
+            .pd
+            .reg_mr(
+                source.clone() as Arc<dyn PinnedMemory>,
+                0x9000_0000,
+                FULL_ACCESS,
+            )
+            .unwrap();
+        let message = b"written by a native peer at the guest's address";
+        source.write(0, message).unwrap();
+        let sge = [Sge {
+            addr: source_mr.iova(),
+            length: message.len() as u32,
+            lkey: source_mr.lkey(),
+        }];
+        // Near the end of the buffer, so the write crosses into the last page the list names.
+        let target = buffer.addr() + buffer_len - 4096 - 20;
+        let write = SendOp::RdmaWrite {
+            remote_addr: target,
+            rkey: mr.rkey(),
+        };
+        native
+            .qp
+            .post_send(&[signaled(1, write, Payload::Sges(&sge))])
+            .unwrap();
+        let done = wait_for_completions(&native.cq, 1);
+        assert!(done[0].is_success(), "{:?}", done[0]);
+        let mut landed = [0u8; 47];
+        buffer.read(target - buffer.addr(), &mut landed).unwrap();
+        assert_eq!(&landed, message);
+    }
+    wait_for_host_counts(&baseline);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_native_peer_writes_into_a_guest_mr_at_the_guest_address() {
+    // 4 MiB of 4 KiB pages: 1024 pages, so REG_MR uses the indirect page list form.
+    native_peer_writes_into_guest_memory(DirectOptions::default(), 4 << 20);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_guest_mr_over_huge_pages_works_the_same() {
+    std::fs::write("/proc/sys/vm/nr_hugepages", "64")
+        .expect("reserve huge pages (root in the test guest)");
+    native_peer_writes_into_guest_memory(DirectOptions { huge_pages: true }, 8 << 20);
+}
+
+fn request<T: ByteValued>(opcode: u16, payload: &T) -> Vec<u8> {
+    let header = RequestHeader {
+        opcode: Le16::from(opcode),
+        flags: Le16::from(0),
+        length: Le32::from(std::mem::size_of::<T>() as u32),
+    };
+    [header.as_slice(), payload.as_slice()].concat()
+}
+
+fn status_of(response: &[u8]) -> u16 {
+    assert!(response.len() >= 8, "no response header: {response:?}");
+    u16::from_le_bytes([response[0], response[1]])
+}
+
+fn handle_request(handle: u32) -> HandleRequest {
+    HandleRequest {
+        handle: Le32::from(handle),
+        reserved: Le32::from(0),
+    }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn malformed_requests_get_the_spec_status_and_leak_nothing() {
+    let backend = start_backend();
+    let baseline = host_resource_counts();
+    {
+        let device = Device::attach(&backend.socket).unwrap();
+        let other = Device::attach(&backend.socket).unwrap();
+        let pd = device.alloc_pd().unwrap();
+        let cq = device.create_cq(16).unwrap();
+        let buffer = device.alloc_buffer(8192).unwrap();
+        let raw = |bytes: &[u8]| status_of(&device.raw_control(bytes, 64).unwrap());
+        let pd_handle = handle_request(pd.handle());
+
+        assert_eq!(
+            raw(&request(0x77, &pd_handle)),
+            Status::Unsupported as u16,
+            "unknown opcode"
+        );
+        assert_eq!(
+            raw(&request(Opcode::DeallocPd as u16, &pd_handle)[..10]),
+            Status::BadLength as u16,
+            "short request"
+        );
+        assert_eq!(
+            raw(&[1, 0]),
+            Status::BadLength as u16,
+            "shorter than a header"
+        );
+        let mut wrong_length = request(Opcode::DeallocPd as u16, &pd_handle);
+        wrong_length[4] = 4;
+        assert_eq!(
+            raw(&wrong_length),
+            Status::BadLength as u16,
+            "length field disagrees"
+        );
+        let mut flags = request(Opcode::DeallocPd as u16, &pd_handle);
+        flags[2] = 1;
+        assert_eq!(raw(&flags), Status::InvalidArgument as u16, "nonzero flags");
+        assert!(
+            device
+                .raw_control(&request(Opcode::QueryDevice as u16, &pd_handle), 4)
+                .unwrap()
+                .is_empty(),
+            "no room for a header"
+        );
+        assert_eq!(
+            status_of(
+                &device
+                    .raw_control(&request(Opcode::QueryGid as u16, &pd_handle), 8)
+                    .unwrap()
+            ),
+            Status::BadLength as u16,
+            "no room for the response"
+        );
+
+        // REG_MR naming guest-physical pages outside guest memory, or overflowing.
+        let list_page = device.alloc_buffer(4096).unwrap();
+        let reg = |virt_addr: u64, length: u64, page: u64| {
+            list_page.write(0, &page.to_le_bytes()).unwrap();
+            let req = RegMrRequest {
+                pd: Le32::from(pd.handle()),
+                access: Le32::from(access::LOCAL_WRITE),
+                virt_addr: Le64::from(virt_addr),
+                length: Le64::from(length),
+                pages: PageList {
+                    addr: Le64::from(list_page.addr()),
+                    npages: Le32::from(1),
+                    page_shift: 12,
+                    form: 0,
+                    reserved: Le16::from(0),
+                },
+            };
+            device
+                .raw_control(&request(Opcode::RegMr as u16, &req), 64)
+                .unwrap()
+        };
+        assert_eq!(
+            status_of(&reg(buffer.addr(), 4096, 0x1000)),
+            Status::BadAddress as u16,
+            "GPA outside guest RAM"
+        );
+        assert_eq!(
+            status_of(&reg(buffer.addr(), 4096, u64::MAX - 4095)),
+            Status::BadAddress as u16,
+            "GPA + page size overflows"
+        );
+        assert_eq!(
+            status_of(&reg(u64::MAX - 100, 4096, buffer.addr())),
+            Status::BadAddress as u16,
+            "VA + length overflows"
+        );
+        assert_eq!(
+            status_of(&reg(buffer.addr(), 4096, buffer.addr() + 8)),
+            Status::BadAddress as u16,
+            "misaligned page"
+        );
+        assert_eq!(
+            status_of(&reg(buffer.addr(), 8192, buffer.addr())),
+            Status::InvalidArgument as u16,
+            "page count too small"
+        );
+        let registered = reg(buffer.addr(), 4096, buffer.addr());
+        assert_eq!(
+            status_of(&registered),
+            Status::Ok as u16,
+            "the well-formed one passes"
+        );
+        let mr_handle = handle_request(u32::from_le_bytes(registered[8..12].try_into().unwrap()));
+
+        // Handles: wrong type, another connection's, destroyed twice.
+        assert_eq!(
+            raw(&request(
+                Opcode::DeallocPd as u16,
+                &handle_request(cq.handle())
+            )),
+            Status::BadHandle as u16,
+            "CQ handle as a PD"
+        );
+        let foreign = status_of(
+            &other
+                .raw_control(
+                    &request(Opcode::DestroyCq as u16, &handle_request(cq.handle())),
+                    64,
+                )
+                .unwrap(),
+        );
+        assert_eq!(
+            foreign,
+            Status::BadHandle as u16,
+            "another connection's handle"
+        );
+        assert_eq!(
+            raw(&request(Opcode::DeallocPd as u16, &pd_handle)),
+            Status::Busy as u16,
+            "PD still has an MR"
+        );
+        let dereg = request(Opcode::DeregMr as u16, &mr_handle);
+        assert_eq!(raw(&dereg), Status::Ok as u16);
+        assert_eq!(raw(&dereg), Status::BadHandle as u16, "destroyed twice");
+
+        // Memory the device cannot reach is refused before anything is sent.
+        let private = vec![0u8; 4096];
+        match pd.reg_mr_range(private.as_ptr() as u64, 4096, access::LOCAL_WRITE) {
+            Err(Error::NotShared { .. }) => {}
+            other => panic!("registering private memory: {other:?}"),
+        }
+        // The device still serves this connection.
+        assert!(device.query_device().unwrap().max_qp.to_native() > 0);
+    }
+    wait_for_host_counts(&baseline);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn killing_a_guest_process_releases_every_host_object() {
+    let backend = start_backend();
+    let baseline = host_resource_counts();
+    let mut guest = Command::new(GUEST_ENDPOINT)
+        .args(["hold", backend.socket.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(guest.stdout.take().unwrap());
+    assert_eq!(read_line(&mut out), "ready");
+    let held = host_resource_counts();
+    for kind in ["pd", "cq", "qp", "mr"] {
+        assert!(
+            held[kind] > baseline[kind],
+            "{kind}: {held:?} vs {baseline:?}"
+        );
+    }
+    guest.kill().unwrap(); // SIGKILL
+    guest.wait().unwrap();
+    wait_for_host_counts(&baseline);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn shared_memory_grows_with_add_mem_reg_and_registers_like_the_first_region() {
+    // More than the first shared region holds: guest-lib adds a region with ADD_MEM_REG.
+    native_peer_writes_into_guest_memory(DirectOptions::default(), 40 << 20);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn ud_qps_and_address_handles() {
+    let backend = start_backend();
+    let baseline = host_resource_counts();
+    {
+        let device = Device::attach(&backend.socket).unwrap();
+        let pd = device.alloc_pd().unwrap();
+        let cq = device.create_cq(16).unwrap();
+        let qp = QueuePair::builder(QpType::Ud, &cq).build(&pd).unwrap();
+        let init = QpAttr {
+            qp_state: qp_state::INIT,
+            port_num: 1,
+            qkey: 0x1111,
+            ..Default::default()
+        };
+        qp.modify(
+            &init,
+            mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::QKEY,
+        )
+        .unwrap();
+        qp.modify(
+            &QpAttr {
+                qp_state: qp_state::RTR,
+                ..Default::default()
+            },
+            mask::STATE,
+        )
+        .unwrap();
+        let rts = QpAttr {
+            qp_state: qp_state::RTS,
+            sq_psn: 7,
+            ..Default::default()
+        };
+        qp.modify(&rts, mask::STATE | mask::SQ_PSN).unwrap();
+        let attr = qp.query().unwrap();
+        assert_eq!((attr.qp_state, attr.qkey), (qp_state::RTS, 0x1111));
+
+        let (gid_index, gid) = device.gid().unwrap();
+        let route = AhAttr {
+            dgid: gid,
+            sgid_index: gid_index as u8,
+            hop_limit: 1,
+            is_global: true,
+            port_num: 1,
+            ..Default::default()
+        };
+        let ah = pd.create_ah(&route).expect("create AH");
+        assert_ne!(ah.handle(), 0);
+        // A guest may only source traffic from the GID assigned to it.
+        let spoofed = AhAttr {
+            sgid_index: (gid_index as u8).wrapping_add(1),
+            ..route
+        };
+        let refused = pd.create_ah(&spoofed).err().expect("another GID as source");
+        assert_eq!(refused.status(), Some(Status::InvalidArgument));
+        // Privileged Q_Keys are refused.
+        let privileged = QpAttr {
+            qkey: 0x8000_0001,
+            ..Default::default()
+        };
+        assert_eq!(
+            qp.modify(&privileged, mask::QKEY).err().unwrap().status(),
+            Some(Status::InvalidArgument)
+        );
+    }
+    wait_for_host_counts(&baseline);
+}
