@@ -3,6 +3,7 @@
 //! Layers: [`hostverbs`] is the only code that touches libibverbs; [`limits`] decides what a
 //! guest is offered; the device logic above them knows nothing of vhost-user plumbing.
 
+pub mod datapath;
 pub mod device;
 mod guest_mapping;
 pub mod hostverbs;
@@ -54,6 +55,10 @@ pub struct Config {
     pub gid_index: Option<u32>,
     pub quotas: Quotas,
     pub notify_queues: u32,
+    /// Data-path poller threads per connection.
+    pub pollers: usize,
+    /// How long a poller keeps polling after its last work before it sleeps.
+    pub poll_idle: std::time::Duration,
 }
 
 /// The host device, checked to be usable for guests.
@@ -121,6 +126,8 @@ mod tests {
             gid_index: None,
             quotas: Quotas::default(),
             notify_queues: 1,
+            pollers: 1,
+            poll_idle: std::time::Duration::from_micros(200),
         };
         let message = HostDevice::open(&config)
             .err()

@@ -24,6 +24,13 @@ struct Args {
     /// Notification virtqueues (doorbell kicks), 1 to 64.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     notify_queues: u32,
+    /// Data-path poller threads per guest connection.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pollers: u32,
+    /// Microseconds a poller keeps polling after its last work before it sleeps (and asks the
+    /// guest for a kick).
+    #[arg(long, default_value_t = 200)]
+    poll_idle_us: u64,
     /// Most QPs one guest may hold.
     #[arg(long, default_value_t = Quotas::default().max_qp)]
     max_qp: u32,
@@ -52,6 +59,8 @@ impl From<Args> for Config {
                 ..Quotas::default()
             },
             notify_queues: args.notify_queues,
+            pollers: args.pollers as usize,
+            poll_idle: std::time::Duration::from_micros(args.poll_idle_us),
         }
     }
 }

@@ -16,9 +16,11 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
-use vrdma_spec::config::{CONTROL_QUEUE, FIRST_NOTIFY_QUEUE};
+use vrdma_spec::config::{CONTROL_QUEUE, EVENT_QUEUE, FIRST_NOTIFY_QUEUE};
+use vrdma_spec::ring::Event;
 use vrdma_spec::ByteValued;
 
+use crate::datapath::EventSink;
 use crate::device::Device;
 use crate::{Config, Error};
 
@@ -39,6 +41,39 @@ pub struct RdmaBackend {
     mem: GuestMemory,
     event_idx: bool,
     exit: (EventConsumer, EventNotifier),
+    event_sink_set: bool,
+}
+
+/// Delivers device events into buffers the driver posted on the event queue.
+struct EventQueue {
+    vring: VringRwLock,
+    mem: GuestMemory,
+}
+
+impl EventSink for EventQueue {
+    fn deliver(&self, event: &Event) -> bool {
+        let mem = self.mem.memory();
+        let chain = {
+            let mut state = self.vring.get_mut();
+            match state.get_queue_mut().iter(mem.clone()) {
+                Ok(mut chains) => chains.next(),
+                Err(_) => None,
+            }
+        };
+        let Some(chain) = chain else { return false };
+        let head = chain.head_index();
+        let written = match chain.writer(&mem) {
+            Ok(mut writer) => writer
+                .write_all(event.as_slice())
+                .map(|_| event.as_slice().len()),
+            Err(e) => Err(io::Error::other(e)),
+        };
+        let used = written.unwrap_or_else(|e| {
+            log::warn!("event buffer {head} is malformed: {e}");
+            0
+        });
+        self.vring.add_used(head, used as u32).is_ok() && self.vring.signal_used_queue().is_ok()
+    }
 }
 
 impl RdmaBackend {
@@ -49,6 +84,7 @@ impl RdmaBackend {
             mem: GuestMemoryAtomic::new(GuestMemoryMmap::new()),
             event_idx: false,
             exit: new_event_consumer_and_notifier(EventFlag::NONBLOCK).map_err(Error::Io)?,
+            event_sink_set: false,
         })
     }
 
@@ -155,6 +191,7 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn update_memory(&mut self, mem: GuestMemory) -> io::Result<()> {
+        self.device.data_path().set_memory(mem.clone());
         self.mem = mem;
         Ok(())
     }
@@ -173,10 +210,31 @@ impl VhostUserBackendMut for RdmaBackend {
         if evset != EventSet::IN {
             return Err(io::Error::other(format!("unexpected event set {evset:?}")));
         }
+        if !self.event_sink_set {
+            // The first event of a connection is a control request; from then on the data
+            // path can post events.
+            let vring = vrings[usize::from(EVENT_QUEUE)].clone();
+            let sink = EventQueue {
+                vring,
+                mem: self.mem.clone(),
+            };
+            self.device
+                .data_path()
+                .set_event_sink(std::sync::Arc::new(sink));
+            self.event_sink_set = true;
+        }
         match device_event {
             CONTROL_QUEUE => self.process_control_queue(&vrings[usize::from(CONTROL_QUEUE)]),
-            // Event queue buffers and doorbell kicks belong to the data path.
-            _ => Ok(()),
+            EVENT_QUEUE => {
+                self.device.data_path().events_available();
+                Ok(())
+            }
+            queue => {
+                self.device
+                    .data_path()
+                    .kick(u32::from(queue - FIRST_NOTIFY_QUEUE));
+                Ok(())
+            }
         }
     }
 }
@@ -214,11 +272,17 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
                 }
                 let state = serving.read().unwrap_or_else(|e| e.into_inner());
                 let objects = state.device.object_count();
+                let stats = state.device.data_path().stats();
                 state.stop_workers();
                 drop(state);
                 drop(daemon);
                 drop(serving); // the last reference: the device and its host objects go
-                log::info!("connection {connection}: closed, {objects} objects released");
+                log::info!(
+                    "connection {connection}: closed, {objects} objects released; {} WQEs, {} completions, {} kicks",
+                    stats.wqes,
+                    stats.completions,
+                    stats.kicks
+                );
             })
             .map_err(Error::Io)?;
     }

@@ -12,6 +12,7 @@ use vhost::vhost_user::message::{
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vrdma_spec::config::{features, DeviceConfig, FIRST_NOTIFY_QUEUE, MAX_NOTIFY_QUEUES};
+use vrdma_spec::ring::Event;
 use vrdma_spec::ByteValued;
 
 use crate::shm::{Region, SharedBuffer};
@@ -29,6 +30,8 @@ const WANTED_FEATURES: u64 = features::VERSION_1
     | features::INDIRECT_PAGE_LIST
     | PROTOCOL_FEATURES;
 const QUEUE_SIZE: u16 = 16;
+/// Size of one event (SPEC.md §8.4).
+const EVENT_SIZE: u64 = std::mem::size_of::<Event>() as u64;
 /// Control requests and responses are at most this long.
 const CONTROL_BUFFER: u64 = 4096;
 /// Shared memory added at a time, unless a single allocation needs more.
@@ -50,12 +53,18 @@ struct Control {
     response: SharedBuffer,
 }
 
+struct Events {
+    queue: SplitQueue,
+    buffers: SharedBuffer,
+}
+
 pub struct DirectTransport {
     frontend: Mutex<Frontend>,
     regions: Mutex<Vec<Arc<Region>>>,
     control: Mutex<Control>,
-    /// Event and notification queues: set up as the device requires, used by the data path.
-    _other_queues: Vec<SplitQueue>,
+    events: Mutex<Events>,
+    /// Notification queues: only ever kicked.
+    notify: Vec<SplitQueue>,
     config: DeviceConfig,
     features: u64,
     options: DirectOptions,
@@ -161,21 +170,25 @@ impl DirectTransport {
             queues.push(queue);
         }
         let control_queue = queues.remove(0);
-        let buffer = || {
-            region
-                .alloc(CONTROL_BUFFER, 8)
-                .ok_or(Error::OutOfSharedMemory(CONTROL_BUFFER))
-        };
+        let buffer = |len| region.alloc(len, 8).ok_or(Error::OutOfSharedMemory(len));
         let control = Control {
             queue: control_queue,
-            request: buffer()?,
-            response: buffer()?,
+            request: buffer(CONTROL_BUFFER)?,
+            response: buffer(CONTROL_BUFFER)?,
+        };
+        let mut event_queue = queues.remove(0);
+        let event_buffers = buffer(EVENT_SIZE * u64::from(QUEUE_SIZE))?;
+        event_queue.post_all(event_buffers.addr(), EVENT_SIZE as u32)?;
+        let events = Events {
+            queue: event_queue,
+            buffers: event_buffers,
         };
         Ok(DirectTransport {
             frontend: Mutex::new(frontend),
             regions: Mutex::new(vec![region]),
             control: Mutex::new(control),
-            _other_queues: queues,
+            events: Mutex::new(events),
+            notify: queues,
             config,
             features: features & !PROTOCOL_FEATURES,
             options,
@@ -219,6 +232,28 @@ impl Transport for DirectTransport {
         let written = (control.queue.wait_used(CONTROL_TIMEOUT)? as usize).min(response.len());
         control.response.read(0, &mut response[..written])?;
         Ok(written)
+    }
+
+    fn notify(&self, queue: u32) -> Result<()> {
+        let queue = self.notify.get(queue as usize).ok_or_else(|| {
+            Error::InvalidArgument(format!("the device has no notification queue {queue}"))
+        })?;
+        queue.kick()
+    }
+
+    fn next_event(&self, timeout: Duration) -> Result<Option<Event>> {
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((id, len)) = events.queue.next_used(timeout)? else {
+            return Ok(None);
+        };
+        let mut event = Event::default();
+        if len as u64 >= EVENT_SIZE {
+            events
+                .buffers
+                .read(u64::from(id) * EVENT_SIZE, event.as_mut_slice())?;
+        }
+        events.queue.repost(id)?;
+        Ok(Some(event))
     }
 
     fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer> {

@@ -21,6 +21,7 @@ pub mod shm;
 pub mod transport;
 pub mod verbs;
 mod virtq;
+pub mod work;
 
 use std::time::Duration;
 
@@ -33,6 +34,9 @@ pub use verbs::{
 pub use vrdma_spec as spec;
 pub use vrdma_spec::ctrl::{Opcode, Status};
 pub use vrdma_spec::Gid;
+pub use work::{
+    wc_opcode, wc_status, DeviceEvent, Payload, RecvWr, SendOp, SendWr, Sge, UdDest, WorkCompletion,
+};
 
 /// Errors of guest-lib.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +65,8 @@ pub enum Error {
         "memory {addr:#x}+{len:#x} is not shared with the device; allocate it with Device::alloc_buffer"
     )]
     NotShared { addr: u64, len: u64 },
+    #[error("the work queue is full after {posted} requests were posted")]
+    QueueFull { posted: usize },
     #[error("{0}")]
     InvalidArgument(String),
 }

@@ -9,7 +9,7 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU16, AtomicU32};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU8};
 use std::sync::{Arc, Mutex};
 
 use crate::{Error, Result};
@@ -238,6 +238,13 @@ impl SharedBuffer {
         let dst = self.ptr(0, self.len).expect("whole buffer");
         // SAFETY: the whole buffer is writable.
         unsafe { std::ptr::write_bytes(dst, 0, self.len as usize) };
+    }
+
+    /// The byte at `offset` as an atomic shared with the device.
+    pub fn atomic_u8(&self, offset: u64) -> Result<&AtomicU8> {
+        let ptr = self.ptr(offset, 1)?;
+        // SAFETY: in bounds and valid for as long as `self`; AtomicU8 has the layout of u8.
+        Ok(unsafe { AtomicU8::from_ptr(ptr) })
     }
 
     /// The `u16` at `offset` (2-byte aligned) as an atomic shared with the device.

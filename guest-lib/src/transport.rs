@@ -1,7 +1,10 @@
 //! How guest-lib reaches the device. Everything above this trait — the verbs API and the wire
 //! protocol — is the same for every transport.
 
+use std::time::Duration;
+
 use vrdma_spec::config::DeviceConfig;
+use vrdma_spec::ring::Event;
 
 use crate::shm::SharedBuffer;
 use crate::Result;
@@ -19,6 +22,12 @@ pub trait Transport: Send + Sync {
 
     /// Memory the device can reach, zeroed, `align`-aligned.
     fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer>;
+
+    /// Kicks notification queue `queue` (0-based): the device's poller for it is asleep.
+    fn notify(&self, queue: u32) -> Result<()>;
+
+    /// The next event the device posted on the event queue, waiting up to `timeout`.
+    fn next_event(&self, timeout: Duration) -> Result<Option<Event>>;
 
     /// The page size of the shared memory holding `addr..addr + len`, or `None` when the
     /// range is not (entirely) in memory shared with the device.

@@ -2,7 +2,9 @@
 //! device when dropped. Children keep their parents alive (a QP its PD and CQs, an MR its PD).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::ctrl::{
@@ -12,17 +14,22 @@ use vrdma_spec::ctrl::{
     RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status,
 };
 use vrdma_spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES, PAGE_LIST_ENTRIES_PER_PAGE};
-use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, CQE_SIZE};
+use vrdma_spec::ring::{
+    cqe_is_valid, event_kind, wqe_flags, wr_opcode, CqDoorbell, Cqe, NotifyState, QpDoorbell,
+    RecvWqe, SendWqe, Sge as WireSge, CQE_SIZE, NOTIFY_NEED_WAKEUP,
+};
 use vrdma_spec::{ByteValued, Gid, Le16, Le32, Le64};
 
 use crate::direct::{DirectOptions, DirectTransport};
 use crate::shm::{SharedBuffer, PAGE_SIZE};
 use crate::transport::Transport;
+use crate::work::{DeviceEvent, Payload, RecvWr, SendOp, SendWr, WorkCompletion};
 use crate::{Error, Result};
 
 struct DeviceInner {
     transport: Box<dyn Transport>,
-    _notify_area: SharedBuffer,
+    notify_area: SharedBuffer,
+    kicks: AtomicU64,
 }
 
 /// A vrdma device, reached through a transport.
@@ -50,6 +57,19 @@ struct Empty;
 unsafe impl ByteValued for Empty {}
 
 impl DeviceInner {
+    /// After a doorbell update: kicks `queue` only if its poller said it is going to sleep
+    /// (SPEC.md §8.5). The fence orders the doorbell store before the flag load.
+    fn ring_doorbell(&self, queue: u32) -> Result<()> {
+        fence(Ordering::SeqCst);
+        let offset = u64::from(queue) * std::mem::size_of::<NotifyState>() as u64;
+        let flags = self.notify_area.atomic_u32(offset)?.load(Ordering::SeqCst);
+        if flags & NOTIFY_NEED_WAKEUP != 0 {
+            self.kicks.fetch_add(1, Ordering::Relaxed);
+            self.transport.notify(queue)?;
+        }
+        Ok(())
+    }
+
     fn command<Req: ByteValued, Resp: ByteValued + Default>(
         &self,
         opcode: Opcode,
@@ -180,7 +200,8 @@ impl Device {
         };
         let inner = DeviceInner {
             transport,
-            _notify_area: notify_area,
+            notify_area,
+            kicks: AtomicU64::new(0),
         };
         inner.command::<_, Empty>(Opcode::SetNotifyArea, &request)?;
         Ok(Device {
@@ -262,10 +283,32 @@ impl Device {
                 device: Arc::clone(&self.inner),
                 handle: created.handle.to_native(),
                 depth,
-                _ring: ring,
-                _doorbell: doorbell,
+                ring,
+                doorbell,
+                consumer: Mutex::new(0),
+                arm_sequence: AtomicU32::new(0),
             }),
         })
+    }
+    /// Waits up to `timeout` for the next device event (an armed CQ's completion, an error).
+    pub fn wait_event(&self, timeout: Duration) -> Result<Option<DeviceEvent>> {
+        let Some(event) = self.inner.transport.next_event(timeout)? else {
+            return Ok(None);
+        };
+        let handle = event.handle.to_native();
+        Ok(Some(match event.kind.to_native() {
+            event_kind::CQ_COMPLETION => DeviceEvent::CqCompletion(handle),
+            event_kind::CQ_ERROR => DeviceEvent::CqError(handle),
+            event_kind::QP_FATAL => DeviceEvent::QpFatal(handle),
+            event_kind::SRQ_LIMIT_REACHED => DeviceEvent::SrqLimitReached(handle),
+            event_kind::DEVICE_FATAL => DeviceEvent::DeviceFatal,
+            kind => DeviceEvent::Unknown { kind, handle },
+        }))
+    }
+
+    /// Kicks this process has sent the device (doorbells it rang while a poller slept).
+    pub fn kicks_sent(&self) -> u64 {
+        self.inner.kicks.load(Ordering::Relaxed)
     }
 
     /// Sends raw request bytes on the control queue and returns the raw response (at most
@@ -398,8 +441,10 @@ struct CqInner {
     device: Arc<DeviceInner>,
     handle: u32,
     depth: u32,
-    _ring: SharedBuffer,
-    _doorbell: SharedBuffer,
+    ring: SharedBuffer,
+    doorbell: SharedBuffer,
+    consumer: Mutex<u32>,
+    arm_sequence: AtomicU32,
 }
 
 impl Drop for CqInner {
@@ -420,6 +465,53 @@ impl CompletionQueue {
     }
     pub fn handle(&self) -> u32 {
         self.inner.handle
+    }
+
+    /// Moves up to `out.len()` new completions into `out`; returns how many. No call into
+    /// the device: the CQEs are read from the ring by their phase bit.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let cq = &self.inner;
+        let mut consumer = cq.consumer.lock().unwrap_or_else(|e| e.into_inner());
+        let mut n = 0;
+        while n < out.len() {
+            let slot = u64::from(*consumer & (cq.depth - 1)) * CQE_SIZE as u64;
+            let owner = cq
+                .ring
+                .atomic_u8(slot + CQE_SIZE as u64 - 1)?
+                .load(Ordering::Acquire);
+            if !cqe_is_valid(owner, *consumer, cq.depth) {
+                break;
+            }
+            let mut cqe = Cqe::default();
+            cq.ring.read(slot, cqe.as_mut_slice())?;
+            out[n] = WorkCompletion::from(&cqe);
+            n += 1;
+            *consumer = consumer.wrapping_add(1);
+        }
+        if n > 0 {
+            cq.doorbell
+                .atomic_u32(0)?
+                .store(*consumer, Ordering::Release);
+        }
+        Ok(n)
+    }
+
+    /// Asks for a [`DeviceEvent::CqCompletion`] at the next (solicited) completion. As with
+    /// `ibv_req_notify_cq`, poll once more after arming: completions that arrived before it
+    /// raise no event.
+    pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        let sequence = self
+            .inner
+            .arm_sequence
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1)
+            & 0x3fff_ffff;
+        let mode = if solicited_only { 2 } else { 1 };
+        self.inner
+            .doorbell
+            .atomic_u32(4)?
+            .store(sequence << 2 | mode, Ordering::Release);
+        Ok(())
     }
 }
 
@@ -633,23 +725,69 @@ impl<'a> QueuePairBuilder<'a> {
         Ok(QueuePair {
             handle: created.handle.to_native(),
             qp_num: created.qp_num.to_native(),
+            qp_type: self.qp_type,
+            notify_queue: u32::from(created.notify_queue.to_native()),
+            max_send_sge: self.max_send_sge,
+            max_recv_sge: self.max_recv_sge,
+            max_inline_data: self.max_inline_data,
             pd: Arc::clone(&pd.inner),
             _cqs: [
                 Arc::clone(&self.send_cq.inner),
                 Arc::clone(&self.recv_cq.inner),
             ],
-            _rings: [sq, rq, doorbell],
+            sq: WorkQueue {
+                ring: sq,
+                depth: send_wr,
+                stride: u64::from(sq_stride),
+                producer: Mutex::new(0),
+            },
+            rq: WorkQueue {
+                ring: rq,
+                depth: recv_wr,
+                stride: u64::from(rq_stride),
+                producer: Mutex::new(0),
+            },
+            doorbell,
         })
     }
+}
+
+/// A send or receive queue: a ring of WQE slots in shared memory.
+struct WorkQueue {
+    ring: SharedBuffer,
+    depth: u32,
+    stride: u64,
+    producer: Mutex<u32>,
 }
 
 /// A queue pair.
 pub struct QueuePair {
     handle: u32,
     qp_num: u32,
+    qp_type: QpType,
+    notify_queue: u32,
+    max_send_sge: u32,
+    max_recv_sge: u32,
+    max_inline_data: u32,
     pd: Arc<PdInner>,
     _cqs: [Arc<CqInner>; 2],
-    _rings: [SharedBuffer; 3],
+    sq: WorkQueue,
+    rq: WorkQueue,
+    doorbell: SharedBuffer,
+}
+
+/// Offsets of the fields of the QP doorbell record (SPEC.md §8.1).
+const SQ_PRODUCER: u64 = 0;
+const RQ_PRODUCER: u64 = 4;
+const SQ_CONSUMER: u64 = 8;
+const RQ_CONSUMER: u64 = 12;
+
+fn wire_sge(sge: &crate::work::Sge) -> WireSge {
+    WireSge {
+        addr: Le64::from(sge.addr),
+        length: Le32::from(sge.length),
+        lkey: Le32::from(sge.lkey),
+    }
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -700,6 +838,181 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Writes `wrs` into the SQ and rings the doorbell once. No call into the device unless
+    /// its poller is asleep. On error, the requests before the failing one were posted.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        self.post(&self.sq, SQ_PRODUCER, SQ_CONSUMER, wrs, |slot, wr| {
+            self.write_send(slot, wr)
+        })
+    }
+
+    /// Writes `wrs` into the RQ and rings the doorbell once.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        self.post(&self.rq, RQ_PRODUCER, RQ_CONSUMER, wrs, |slot, wr| {
+            self.write_recv(slot, wr)
+        })
+    }
+
+    fn post<W>(
+        &self,
+        queue: &WorkQueue,
+        producer_at: u64,
+        consumer_at: u64,
+        wrs: &[W],
+        write: impl Fn(u64, &W) -> Result<()>,
+    ) -> Result<()> {
+        let mut producer = queue.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let consumer = self
+            .doorbell
+            .atomic_u32(consumer_at)?
+            .load(Ordering::Acquire);
+        let mut result = Ok(());
+        let mut posted = 0;
+        for wr in wrs {
+            if producer.wrapping_sub(consumer) >= queue.depth {
+                result = Err(Error::QueueFull { posted });
+                break;
+            }
+            let slot = u64::from(*producer & (queue.depth - 1)) * queue.stride;
+            if let Err(e) = write(slot, wr) {
+                result = Err(e);
+                break;
+            }
+            *producer = producer.wrapping_add(1);
+            posted += 1;
+        }
+        if posted > 0 {
+            // Release: the WQEs are visible before the index that publishes them.
+            self.doorbell
+                .atomic_u32(producer_at)?
+                .store(*producer, Ordering::Release);
+            self.pd.device.ring_doorbell(self.notify_queue)?;
+        }
+        result
+    }
+
+    fn write_send(&self, slot: u64, wr: &SendWr<'_>) -> Result<()> {
+        let mut wqe = SendWqe {
+            wr_id: Le64::from(wr.wr_id),
+            ..Default::default()
+        };
+        let (opcode, remote_addr, rkey) = match wr.op {
+            SendOp::Send => (wr_opcode::SEND, 0, 0),
+            SendOp::SendWithImm { imm } => {
+                wqe.imm_data = Le32::from(imm);
+                (wr_opcode::SEND_WITH_IMM, 0, 0)
+            }
+            SendOp::RdmaWrite { remote_addr, rkey } => (wr_opcode::RDMA_WRITE, remote_addr, rkey),
+            SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            } => {
+                wqe.imm_data = Le32::from(imm);
+                (wr_opcode::RDMA_WRITE_WITH_IMM, remote_addr, rkey)
+            }
+            SendOp::RdmaRead { remote_addr, rkey } => (wr_opcode::RDMA_READ, remote_addr, rkey),
+            SendOp::CompareAndSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => {
+                wqe.compare_add = Le64::from(compare);
+                wqe.swap = Le64::from(swap);
+                (wr_opcode::ATOMIC_CMP_AND_SWP, remote_addr, rkey)
+            }
+            SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => {
+                wqe.compare_add = Le64::from(add);
+                (wr_opcode::ATOMIC_FETCH_AND_ADD, remote_addr, rkey)
+            }
+        };
+        wqe.opcode = opcode;
+        wqe.remote_addr = Le64::from(remote_addr);
+        wqe.rkey = Le32::from(rkey);
+        let mut flags = 0;
+        for (set, flag) in [
+            (wr.signaled, wqe_flags::SIGNALED),
+            (wr.solicited, wqe_flags::SOLICITED),
+            (wr.fence, wqe_flags::FENCE),
+        ] {
+            if set {
+                flags |= flag;
+            }
+        }
+        match (self.qp_type, wr.ud) {
+            (QpType::Ud, Some(dest)) => {
+                wqe.ah = Le32::from(dest.ah.handle());
+                wqe.remote_qpn = Le32::from(dest.remote_qpn);
+                wqe.remote_qkey = Le32::from(dest.remote_qkey);
+            }
+            (QpType::Ud, None) => {
+                return Err(Error::InvalidArgument(
+                    "a UD send needs a destination".into(),
+                ))
+            }
+            (QpType::Rc, _) => {}
+        }
+        let header = std::mem::size_of::<SendWqe>() as u64;
+        match wr.payload {
+            Payload::Sges(sges) => {
+                if sges.len() > self.max_send_sge as usize {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} SGEs exceed max_send_sge {}",
+                        sges.len(),
+                        self.max_send_sge
+                    )));
+                }
+                wqe.num_sge = sges.len() as u8;
+                for (i, sge) in sges.iter().enumerate() {
+                    self.sq
+                        .ring
+                        .write(slot + header + 16 * i as u64, wire_sge(sge).as_slice())?;
+                }
+            }
+            Payload::Inline(data) => {
+                if data.len() > self.max_inline_data as usize {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} inline bytes exceed max_inline_data {}",
+                        data.len(),
+                        self.max_inline_data
+                    )));
+                }
+                flags |= wqe_flags::INLINE;
+                wqe.inline_len = Le32::from(data.len() as u32);
+                self.sq.ring.write(slot + header, data)?;
+            }
+        }
+        wqe.flags = flags;
+        self.sq.ring.write(slot, wqe.as_slice())
+    }
+
+    fn write_recv(&self, slot: u64, wr: &RecvWr<'_>) -> Result<()> {
+        if wr.sges.len() > self.max_recv_sge as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{} SGEs exceed max_recv_sge {}",
+                wr.sges.len(),
+                self.max_recv_sge
+            )));
+        }
+        let header = std::mem::size_of::<RecvWqe>() as u64;
+        for (i, sge) in wr.sges.iter().enumerate() {
+            self.rq
+                .ring
+                .write(slot + header + 16 * i as u64, wire_sge(sge).as_slice())?;
+        }
+        let wqe = RecvWqe {
+            wr_id: Le64::from(wr.wr_id),
+            num_sge: Le32::from(wr.sges.len() as u32),
+            reserved: Le32::from(0),
+        };
+        self.rq.ring.write(slot, wqe.as_slice())
+    }
+
     pub fn query(&self) -> Result<QpAttr> {
         let request = HandleRequest {
             handle: Le32::from(self.handle),
@@ -720,6 +1033,12 @@ impl Drop for QueuePair {
 pub struct AddressHandle {
     pd: Arc<PdInner>,
     handle: u32,
+}
+
+impl std::fmt::Debug for AddressHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("AddressHandle").field(&self.handle).finish()
+    }
 }
 
 impl AddressHandle {

@@ -113,6 +113,71 @@ impl SplitQueue {
         self.kick.write(1).map_err(Error::Transport)
     }
 
+    /// Makes every descriptor available as one device-writable buffer of `len` bytes at
+    /// `base + i * len` (a receive-only queue, such as the event queue).
+    pub fn post_all(&mut self, base: u64, len: u32) -> Result<()> {
+        let avail = Self::avail_offset(self.size);
+        for i in 0..self.size {
+            let mut desc = [0u8; DESC_SIZE as usize];
+            desc[0..8].copy_from_slice(&(base + u64::from(i) * u64::from(len)).to_le_bytes());
+            desc[8..12].copy_from_slice(&len.to_le_bytes());
+            desc[12..14].copy_from_slice(&DESC_F_WRITE.to_le_bytes());
+            self.ring.write(DESC_SIZE * u64::from(i), &desc)?;
+            self.ring
+                .write(avail + 4 + 2 * u64::from(i), &i.to_le_bytes())?;
+        }
+        self.next_avail = self.size;
+        self.ring
+            .atomic_u16(avail + 2)?
+            .store(self.next_avail, Ordering::Release);
+        self.kick.write(1).map_err(Error::Transport)
+    }
+
+    /// The next used buffer of a [`SplitQueue::post_all`] queue: its descriptor index and the
+    /// bytes written, waiting up to `timeout`; the caller gives it back with `repost`.
+    pub fn next_used(&mut self, timeout: Duration) -> Result<Option<(u16, u32)>> {
+        let used = Self::used_offset(self.size);
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.ring.atomic_u16(used + 2)?.load(Ordering::Acquire) != self.next_used {
+                let slot = u64::from(self.next_used % self.size);
+                let mut elem = [0u8; 8];
+                self.ring.read(used + 4 + 8 * slot, &mut elem)?;
+                self.next_used = self.next_used.wrapping_add(1);
+                let id = u32::from_le_bytes(elem[0..4].try_into().expect("4 bytes"));
+                let len = u32::from_le_bytes(elem[4..8].try_into().expect("4 bytes"));
+                return Ok(Some(((id % u32::from(self.size)) as u16, len)));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            let mut events = [EpollEvent::default(); 1];
+            let wait_ms = left.as_millis().clamp(1, 100) as i32;
+            self.epoll
+                .wait(wait_ms, &mut events)
+                .map_err(Error::Transport)?;
+            let _ = self.call.read();
+        }
+    }
+
+    /// Makes descriptor `id` available again.
+    pub fn repost(&mut self, id: u16) -> Result<()> {
+        let avail = Self::avail_offset(self.size);
+        let slot = u64::from(self.next_avail % self.size);
+        self.ring.write(avail + 4 + 2 * slot, &id.to_le_bytes())?;
+        self.next_avail = self.next_avail.wrapping_add(1);
+        self.ring
+            .atomic_u16(avail + 2)?
+            .store(self.next_avail, Ordering::Release);
+        self.kick.write(1).map_err(Error::Transport)
+    }
+
+    /// Kicks the device (a notification queue: no buffers).
+    pub fn kick(&self) -> Result<()> {
+        self.kick.write(1).map_err(Error::Transport)
+    }
+
     /// Waits for the device to return the chain; returns the bytes it wrote.
     pub fn wait_used(&mut self, timeout: Duration) -> Result<u32> {
         let used = Self::used_offset(self.size);

@@ -40,7 +40,7 @@ pub struct RcEndpoint {
 impl RcEndpoint {
     pub fn new(context: &Arc<Context>) -> RcEndpoint {
         let pd = context.alloc_pd().expect("alloc PD");
-        let cq = context.create_cq(64).expect("create CQ");
+        let cq = context.create_cq(64, None).expect("create CQ");
         let caps = QpCaps {
             max_send_wr: 32,
             max_recv_wr: 32,
@@ -188,6 +188,8 @@ pub fn start_backend() -> TestBackend {
         gid_index: None,
         quotas: vrdma_backend::Quotas::default(),
         notify_queues: 2,
+        pollers: 2,
+        poll_idle: Duration::from_micros(200),
     };
     let path = socket.clone();
     std::thread::spawn(move || {
@@ -242,4 +244,86 @@ pub fn wait_for_host_counts(baseline: &std::collections::BTreeMap<String, u64>) 
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Walks a guest-lib RC QP RESET -> INIT -> RTR -> RTS towards `remote_qpn` at `remote_gid`.
+pub fn connect_guest_qp(
+    qp: &vrdma_guest::QueuePair,
+    sgid_index: u8,
+    remote_gid: Gid,
+    remote_qpn: u32,
+) -> vrdma_guest::Result<()> {
+    use vrdma_guest::{
+        access, qp_attr_mask as m, qp_state, AhAttr as GuestAh, QpAttr as GuestAttr,
+    };
+    let init = GuestAttr {
+        qp_state: qp_state::INIT,
+        port_num: PORT,
+        qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
+        ..Default::default()
+    };
+    qp.modify(&init, m::STATE | m::PKEY_INDEX | m::PORT | m::ACCESS_FLAGS)?;
+    let rtr = GuestAttr {
+        qp_state: qp_state::RTR,
+        path_mtu: MTU_1024 as u8,
+        dest_qp_num: remote_qpn,
+        rq_psn: 0x1234,
+        max_dest_rd_atomic: 1,
+        min_rnr_timer: 12,
+        ah_attr: GuestAh {
+            dgid: remote_gid,
+            sgid_index,
+            hop_limit: 1,
+            is_global: true,
+            port_num: PORT,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let rtr_mask = m::STATE
+        | m::AV
+        | m::PATH_MTU
+        | m::DEST_QPN
+        | m::RQ_PSN
+        | m::MAX_DEST_RD_ATOMIC
+        | m::MIN_RNR_TIMER;
+    qp.modify(&rtr, rtr_mask)?;
+    let rts = GuestAttr {
+        qp_state: qp_state::RTS,
+        timeout: 14,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        sq_psn: 0x1234,
+        max_rd_atomic: 1,
+        ..Default::default()
+    };
+    qp.modify(
+        &rts,
+        m::STATE | m::TIMEOUT | m::RETRY_CNT | m::RNR_RETRY | m::SQ_PSN | m::MAX_QP_RD_ATOMIC,
+    )
+}
+
+/// Polls a guest-lib CQ until `count` completions arrived; panics after a generous timeout.
+pub fn wait_for_guest_completions(
+    cq: &vrdma_guest::CompletionQueue,
+    count: usize,
+) -> Vec<vrdma_guest::WorkCompletion> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut done = Vec::with_capacity(count);
+    let mut batch = [vrdma_guest::WorkCompletion::default(); 16];
+    while done.len() < count {
+        let n = cq
+            .poll(&mut batch[..(count - done.len()).min(16)])
+            .expect("poll guest CQ");
+        done.extend_from_slice(&batch[..n]);
+        assert!(
+            Instant::now() < deadline,
+            "timed out with {} of {count} completions: {done:?}",
+            done.len()
+        );
+        if n == 0 {
+            std::thread::yield_now();
+        }
+    }
+    done
 }

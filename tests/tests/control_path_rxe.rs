@@ -14,8 +14,8 @@ use vrdma_guest::{
     QueuePair, Status,
 };
 use vrdma_tests::{
-    host_resource_counts, open_test_device, signaled, start_backend, wait_for_completions,
-    wait_for_host_counts, RcEndpoint, FULL_ACCESS,
+    connect_guest_qp, host_resource_counts, open_test_device, signaled, start_backend,
+    wait_for_completions, wait_for_host_counts, RcEndpoint, FULL_ACCESS,
 };
 
 const GUEST_ENDPOINT: &str = env!("CARGO_BIN_EXE_guest-endpoint");
@@ -65,63 +65,7 @@ fn two_guest_processes_on_their_own_connections_reach_rts() {
 /// Connects a guest-lib QP and a native QP on the same device to each other.
 fn connect_guest_to_native(device: &Device, guest: &QueuePair, native: &RcEndpoint) {
     let (gid_index, gid) = device.gid().expect("the guest's GID");
-    let init = QpAttr {
-        qp_state: qp_state::INIT,
-        port_num: 1,
-        qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ,
-        ..Default::default()
-    };
-    guest
-        .modify(
-            &init,
-            mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS,
-        )
-        .unwrap();
-    let rtr = QpAttr {
-        qp_state: qp_state::RTR,
-        path_mtu: 3,
-        dest_qp_num: native.qp.qp_num(),
-        rq_psn: 0x1234,
-        max_dest_rd_atomic: 1,
-        min_rnr_timer: 12,
-        ah_attr: AhAttr {
-            dgid: gid,
-            sgid_index: gid_index as u8,
-            hop_limit: 1,
-            is_global: true,
-            port_num: 1,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    let rtr_mask = mask::STATE
-        | mask::AV
-        | mask::PATH_MTU
-        | mask::DEST_QPN
-        | mask::RQ_PSN
-        | mask::MAX_DEST_RD_ATOMIC
-        | mask::MIN_RNR_TIMER;
-    guest.modify(&rtr, rtr_mask).unwrap();
-    let rts = QpAttr {
-        qp_state: qp_state::RTS,
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        sq_psn: 0x1234,
-        max_rd_atomic: 1,
-        ..Default::default()
-    };
-    guest
-        .modify(
-            &rts,
-            mask::STATE
-                | mask::TIMEOUT
-                | mask::RETRY_CNT
-                | mask::RNR_RETRY
-                | mask::SQ_PSN
-                | mask::MAX_QP_RD_ATOMIC,
-        )
-        .unwrap();
+    connect_guest_qp(guest, gid_index as u8, gid, native.qp.qp_num()).expect("guest QP to RTS");
     native.connect(gid_index as u8, gid, guest.qp_num(), 0x1234);
 }
 
@@ -455,7 +399,7 @@ fn ud_qps_and_address_handles() {
             sgid_index: (gid_index as u8).wrapping_add(1),
             ..route
         };
-        let refused = pd.create_ah(&spoofed).err().expect("another GID as source");
+        let refused = pd.create_ah(&spoofed).expect_err("another GID as source");
         assert_eq!(refused.status(), Some(Status::InvalidArgument));
         // Privileged Q_Keys are refused.
         let privileged = QpAttr {

@@ -19,6 +19,8 @@ use vrdma_spec::ctrl::{
 use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, CQE_SIZE};
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
+use crate::datapath::wqe::{MrRange, QpRules};
+use crate::datapath::{CqData, DataPath, GuestRing, QpData};
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpCaps, QpInit, QpType};
 use crate::mtt::{self, pages_needed, GuestPagesMapping, PageListRules};
 use crate::{limits, Config, HostDevice};
@@ -86,6 +88,7 @@ pub struct Device {
     features: u64,
     objects: Objects,
     notify_area: Option<u64>,
+    data_path: DataPath,
 }
 
 fn reply<T: ByteValued>(value: T) -> CommandResult {
@@ -110,7 +113,14 @@ impl Device {
         };
         let advertised =
             limits::advertised_config(&host_attr, &config.quotas, config.notify_queues);
+        let data_path = DataPath::new(
+            &host.context,
+            config.pollers,
+            advertised.num_notify_queues.to_native(),
+            config.poll_idle,
+        )?;
         Ok(Device {
+            data_path,
             features: limits::offered_features(&host_attr),
             host,
             host_attr,
@@ -136,8 +146,14 @@ impl Device {
         self.features &= acked | features::VERSION_1;
     }
 
+    /// The data path serving this connection's rings.
+    pub fn data_path(&self) -> &DataPath {
+        &self.data_path
+    }
+
     /// Destroys every object of the connection (device reset, SPEC.md §5.3.1).
     pub fn reset(&mut self) {
+        self.data_path.clear();
         let count = self.objects.count();
         self.objects = Objects::new();
         self.notify_area = None;
@@ -233,27 +249,15 @@ impl Device {
                 .remove_pd(parse::<HandleRequest>(payload).handle.to_native())
                 .map(|_| Vec::new()),
             Opcode::CreateCq => self.create_cq(mem, parse(payload)),
-            Opcode::DestroyCq => self
-                .objects
-                .remove_cq(parse::<HandleRequest>(payload).handle.to_native())
-                .map(|_| Vec::new()),
+            Opcode::DestroyCq => self.destroy_cq(parse(payload)),
             Opcode::RegMr => self.reg_mr(mem, parse(payload)),
-            Opcode::DeregMr => self
-                .objects
-                .remove_mr(parse::<HandleRequest>(payload).handle.to_native())
-                .map(|_| Vec::new()),
+            Opcode::DeregMr => self.dereg_mr(parse(payload)),
             Opcode::CreateQp => self.create_qp(mem, parse(payload)),
             Opcode::ModifyQp => self.modify_qp(parse(payload)),
             Opcode::QueryQp => self.query_qp(parse(payload)),
-            Opcode::DestroyQp => self
-                .objects
-                .remove_qp(parse::<HandleRequest>(payload).handle.to_native())
-                .map(|_| Vec::new()),
+            Opcode::DestroyQp => self.destroy_qp(parse(payload)),
             Opcode::CreateAh => self.create_ah(parse(payload)),
-            Opcode::DestroyAh => self
-                .objects
-                .remove_ah(parse::<HandleRequest>(payload).handle.to_native())
-                .map(|_| Vec::new()),
+            Opcode::DestroyAh => self.destroy_ah(parse(payload)),
             Opcode::SetNotifyArea => self.set_notify_area(mem, parse(payload)),
             Opcode::CreateSrq | Opcode::ModifySrq | Opcode::DestroySrq => Err(CommandError::new(
                 Status::Unsupported,
@@ -385,17 +389,21 @@ impl Device {
         }
     }
 
-    /// Maps a ring of `bytes` bytes described by `list`, starting at offset 0 of its first page.
-    fn map_ring<M: GuestMemoryBackend>(
+    /// The guest pages of a ring of `depth` slots of `1 << stride_shift` bytes described by
+    /// `list`, starting at offset 0 of its first page.
+    fn ring<M: GuestMemoryBackend>(
         &self,
         mem: &M,
         list: &vrdma_spec::mem::PageList,
-        bytes: u64,
-    ) -> Result<Arc<GuestPagesMapping>, CommandError> {
+        depth: u32,
+        stride_shift: u8,
+    ) -> Result<GuestRing, CommandError> {
+        let bytes = u64::from(depth) << stride_shift;
         let expected = pages_needed(0, bytes, list.page_shift)
             .ok_or_else(|| CommandError::invalid("ring size overflows"))?;
         let pages = mtt::resolve_page_list(mem, list, expected, &self.page_rules())?;
-        Ok(GuestPagesMapping::new(&pages, 1 << list.page_shift)?)
+        let gpas = pages.into_iter().map(|p| p.gpa).collect();
+        Ok(GuestRing::new(gpas, list.page_shift, stride_shift, depth))
     }
 
     fn create_cq<M: GuestMemoryBackend>(&mut self, mem: &M, req: CreateCqRequest) -> CommandResult {
@@ -407,19 +415,28 @@ impl Device {
         }
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, CqDoorbell>(mem, doorbell, 16)?;
-        let ring = self.map_ring(mem, &req.ring, u64::from(depth) * CQE_SIZE as u64)?;
-        let cq = self.host.context.create_cq(depth)?;
-        let handle = self.objects.insert_cq(CqEntry {
-            cq,
-            ring,
-            depth,
-            doorbell,
+        let ring = self.ring(mem, &req.ring, depth, CQE_SIZE.trailing_zeros() as u8)?;
+        let handle = self.objects.new_handle();
+        let channel = self.data_path.channel_for_cq(handle);
+        let cq = self.host.context.create_cq(depth, Some(channel))?;
+        let data = Arc::new(CqData::new(handle, cq, ring, doorbell));
+        let entry = CqEntry {
+            data: Arc::clone(&data),
             users: 0,
-        });
+        };
+        self.objects.insert_cq(handle, entry);
+        self.data_path.add_cq(data);
         reply(CreatedResponse {
             handle: Le32::from(handle),
             value: Le32::from(depth),
         })
+    }
+
+    fn destroy_cq(&mut self, req: HandleRequest) -> CommandResult {
+        let handle = req.handle.to_native();
+        self.objects.remove_cq(handle)?;
+        self.data_path.remove_cq(handle);
+        Ok(Vec::new())
     }
 
     fn reg_mr<M: GuestMemoryBackend>(&mut self, mem: &M, req: RegMrRequest) -> CommandResult {
@@ -456,6 +473,12 @@ impl Device {
         let mr = pd.reg_mr_range(mapping, offset as usize, length as usize, virt_addr, access)?;
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
         let handle = self.objects.insert_mr(MrEntry { mr, pd: pd_handle });
+        let range = MrRange {
+            pd: pd_handle,
+            start: virt_addr,
+            len: length,
+        };
+        self.data_path.add_mr(lkey, range);
         reply(RegMrResponse {
             handle: Le32::from(handle),
             lkey: Le32::from(lkey),
@@ -464,42 +487,70 @@ impl Device {
         })
     }
 
+    fn dereg_mr(&mut self, req: HandleRequest) -> CommandResult {
+        let entry = self.objects.remove_mr(req.handle.to_native())?;
+        self.data_path.remove_mr(entry.mr.lkey());
+        Ok(Vec::new())
+    }
+
     fn create_qp<M: GuestMemoryBackend>(&mut self, mem: &M, req: CreateQpRequest) -> CommandResult {
         self.check_quota("QP", self.objects.qps.len(), self.config.max_qp)?;
         if self.notify_area.is_none() {
             return Err(CommandError::invalid("CREATE_QP before SET_NOTIFY_AREA"));
         }
         let shape = validate::create_qp(&req, &self.config, self.features)?;
+        let caps = shape.caps;
         let pd_handle = req.pd.to_native();
         let (send_cq_handle, recv_cq_handle) = (req.send_cq.to_native(), req.recv_cq.to_native());
         let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
-        let send_cq = Arc::clone(&self.objects.cq(send_cq_handle)?.cq);
-        let recv_cq = Arc::clone(&self.objects.cq(recv_cq_handle)?.cq);
+        let send_cq = Arc::clone(&self.objects.cq(send_cq_handle)?.data);
+        let recv_cq = Arc::clone(&self.objects.cq(recv_cq_handle)?.data);
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, QpDoorbell>(mem, doorbell, 16)?;
-        let sq_ring = self.map_ring(mem, &req.sq_ring, shape.sq_bytes)?;
-        let rq_ring = self.map_ring(mem, &req.rq_ring, shape.rq_bytes)?;
+        let sq = self.ring(mem, &req.sq_ring, caps.max_send_wr, req.sq_wqe_shift)?;
+        let rq = self.ring(mem, &req.rq_ring, caps.max_recv_wr, req.rq_wqe_shift)?;
         let init = QpInit {
             qp_type: shape.qp_type,
-            caps: shape.caps,
+            caps,
             sq_sig_all: req.sq_sig_all == 1,
         };
-        let qp = pd.create_qp(&send_cq, &recv_cq, &init)?;
+        let qp = pd.create_qp(&send_cq.host, &recv_cq.host, &init)?;
         let qp_num = qp.qp_num();
-        let handle = self.objects.insert_qp(QpEntry {
+        let handle = self.objects.new_handle();
+        let notify_queue = self.data_path.notify_queue_for(handle);
+        let rules = QpRules {
+            pd: pd_handle,
+            ud: shape.qp_type == QpType::Ud,
+            atomics: self.features & features::ATOMIC != 0,
+            max_send_sge: caps.max_send_sge,
+            max_recv_sge: caps.max_recv_sge,
+            max_inline: caps.max_inline_data,
+            sq_stride: 1 << req.sq_wqe_shift,
+            rq_stride: 1 << req.rq_wqe_shift,
+        };
+        let rings = (sq, rq);
+        let data = Arc::new(QpData::new(
+            handle,
             qp,
+            notify_queue,
+            rules,
+            rings,
+            doorbell,
+            send_cq,
+            recv_cq,
+        ));
+        let entry = QpEntry {
+            data: Arc::clone(&data),
             pd: pd_handle,
             send_cq: send_cq_handle,
             recv_cq: recv_cq_handle,
-            sq_ring,
-            rq_ring,
-            doorbell,
-        });
-        let caps = shape.caps;
+        };
+        self.objects.insert_qp(handle, entry);
+        self.data_path.add_qp(data);
         reply(CreateQpResponse {
             handle: Le32::from(handle),
             qp_num: Le32::from(qp_num),
-            notify_queue: Le16::from((handle % self.config.num_notify_queues.to_native()) as u16),
+            notify_queue: Le16::from(notify_queue as u16),
             reserved: Le16::from(0),
             max_send_wr: Le32::from(caps.max_send_wr),
             max_recv_wr: Le32::from(caps.max_recv_wr),
@@ -507,6 +558,15 @@ impl Device {
             max_recv_sge: Le32::from(caps.max_recv_sge),
             max_inline_data: Le32::from(caps.max_inline_data),
         })
+    }
+
+    fn destroy_qp(&mut self, req: HandleRequest) -> CommandResult {
+        let handle = req.handle.to_native();
+        self.objects.qp(handle)?;
+        // Out of its poller first, so that no pass is using the QP when it goes.
+        self.data_path.remove_qp(handle);
+        self.objects.remove_qp(handle)?;
+        Ok(Vec::new())
     }
 
     fn modify_qp(&mut self, req: ModifyQpRequest) -> CommandResult {
@@ -519,12 +579,12 @@ impl Device {
             atomics: self.features & features::ATOMIC != 0,
         };
         let (attr, mask) = validate::modify_qp(&req, &limits)?;
-        entry.qp.modify(&attr, mask)?;
+        entry.data.qp.modify(&attr, mask)?;
         Ok(Vec::new())
     }
 
     fn query_qp(&self, req: HandleRequest) -> CommandResult {
-        let a = self.objects.qp(req.handle.to_native())?.qp.query()?;
+        let a = self.objects.qp(req.handle.to_native())?.data.qp.query()?;
         reply(WireQpAttr {
             qp_state: a.qp_state as u8,
             cur_qp_state: a.cur_qp_state as u8,
@@ -557,12 +617,23 @@ impl Device {
         let pd_handle = req.pd.to_native();
         let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
         let attr = validate::ah_attr(&req.attr, &self.port.attr, self.host.gid_index)?;
-        let ah = pd.create_ah(&attr)?;
-        let handle = self.objects.insert_ah(AhEntry { ah, pd: pd_handle });
+        let ah = Arc::new(pd.create_ah(&attr)?);
+        let handle = self.objects.insert_ah(AhEntry {
+            ah: Arc::clone(&ah),
+            pd: pd_handle,
+        });
+        self.data_path.add_ah(handle, pd_handle, ah);
         reply(CreatedResponse {
             handle: Le32::from(handle),
             value: Le32::from(0),
         })
+    }
+
+    fn destroy_ah(&mut self, req: HandleRequest) -> CommandResult {
+        let handle = req.handle.to_native();
+        self.objects.remove_ah(handle)?;
+        self.data_path.remove_ah(handle);
+        Ok(Vec::new())
     }
 
     fn set_notify_area<M: GuestMemoryBackend>(
@@ -587,6 +658,7 @@ impl Device {
         validate::guest_record::<M, NotifyState>(mem, addr, 64)?;
         validate::guest_range(mem, addr, len)?;
         self.notify_area = Some(addr);
+        self.data_path.set_notify_area(Some(addr));
         Ok(Vec::new())
     }
 }
@@ -610,6 +682,4 @@ fn wire_ah_attr(a: &AhAttr) -> WireAhAttr {
 pub(crate) struct QpShape {
     qp_type: QpType,
     caps: QpCaps,
-    sq_bytes: u64,
-    rq_bytes: u64,
 }

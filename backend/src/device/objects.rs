@@ -7,8 +7,8 @@ use std::sync::Arc;
 use vrdma_spec::ctrl::Status;
 
 use super::CommandError;
-use crate::hostverbs::{AddressHandle, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair};
-use crate::mtt::GuestPagesMapping;
+use crate::datapath::{CqData, QpData};
+use crate::hostverbs::{AddressHandle, MemoryRegion, ProtectionDomain};
 
 /// A guest-visible handle: never 0, unique across all object types of one connection.
 pub type Handle = u32;
@@ -20,11 +20,7 @@ pub struct PdEntry {
 }
 
 pub struct CqEntry {
-    pub cq: Arc<CompletionQueue>,
-    /// The guest's CQE ring, mapped for the data path.
-    pub ring: Arc<GuestPagesMapping>,
-    pub depth: u32,
-    pub doorbell: u64,
+    pub data: Arc<CqData>,
     /// QPs that complete into this CQ.
     pub users: u32,
 }
@@ -35,17 +31,14 @@ pub struct MrEntry {
 }
 
 pub struct QpEntry {
-    pub qp: QueuePair,
+    pub data: Arc<QpData>,
     pub pd: Handle,
     pub send_cq: Handle,
     pub recv_cq: Handle,
-    pub sq_ring: Arc<GuestPagesMapping>,
-    pub rq_ring: Arc<GuestPagesMapping>,
-    pub doorbell: u64,
 }
 
 pub struct AhEntry {
-    pub ah: AddressHandle,
+    pub ah: Arc<AddressHandle>,
     pub pd: Handle,
 }
 
@@ -134,10 +127,9 @@ impl Objects {
         Ok(())
     }
 
-    pub fn insert_cq(&mut self, entry: CqEntry) -> Handle {
-        let h = self.new_handle();
+    /// Inserts a CQ under a handle from [`Objects::new_handle`].
+    pub fn insert_cq(&mut self, h: Handle, entry: CqEntry) {
         self.cqs.insert(h, entry);
-        h
     }
 
     pub fn remove_cq(&mut self, h: Handle) -> Result<(), CommandError> {
@@ -168,19 +160,18 @@ impl Objects {
         h
     }
 
-    pub fn remove_mr(&mut self, h: Handle) -> Result<(), CommandError> {
+    pub fn remove_mr(&mut self, h: Handle) -> Result<MrEntry, CommandError> {
         let entry = self.mrs.remove(&h).ok_or_else(|| bad_handle("MR", h))?;
         self.use_pd(entry.pd, -1);
-        Ok(())
+        Ok(entry)
     }
 
-    pub fn insert_qp(&mut self, entry: QpEntry) -> Handle {
+    /// Inserts a QP under a handle from [`Objects::new_handle`].
+    pub fn insert_qp(&mut self, h: Handle, entry: QpEntry) {
         self.use_pd(entry.pd, 1);
         self.use_cq(entry.send_cq, 1);
         self.use_cq(entry.recv_cq, 1);
-        let h = self.new_handle();
         self.qps.insert(h, entry);
-        h
     }
 
     pub fn remove_qp(&mut self, h: Handle) -> Result<(), CommandError> {
@@ -228,7 +219,10 @@ mod tests {
     fn unknown_handles_are_bad_handles() {
         let mut objects = Objects::default();
         assert_eq!(objects.pd(7).err().unwrap().status, Status::BadHandle);
-        assert_eq!(objects.remove_mr(0).unwrap_err().status, Status::BadHandle);
+        assert_eq!(
+            objects.remove_mr(0).err().unwrap().status,
+            Status::BadHandle
+        );
         assert_eq!(objects.remove_qp(1).unwrap_err().status, Status::BadHandle);
     }
 }

@@ -168,8 +168,6 @@ pub(super) fn create_qp(
             max_recv_sge: recv_sge,
             max_inline_data: inline,
         },
-        sq_bytes: u64::from(send_wr) << sq_shift,
-        rq_bytes: u64::from(recv_wr) << rq_shift,
     })
 }
 
@@ -615,10 +613,13 @@ mod tests {
     }
 
     #[test]
-    fn create_qp_computes_ring_sizes() {
+    fn create_qp_grants_what_was_asked() {
         let shape = create_qp(&rc_request(), &config(), features::RC | features::UD).unwrap();
-        assert_eq!((shape.sq_bytes, shape.rq_bytes), (64 * 128, 64 * 64));
-        assert_eq!(shape.caps.max_send_sge, 4);
+        assert_eq!((shape.caps.max_send_wr, shape.caps.max_recv_wr), (64, 64));
+        assert_eq!(
+            (shape.caps.max_send_sge, shape.caps.max_inline_data),
+            (4, 64)
+        );
     }
 
     #[test]

@@ -360,25 +360,89 @@ impl Context {
         }))
     }
 
-    /// A completion queue with room for at least `depth` completions.
-    pub fn create_cq(self: &Arc<Self>, depth: u32) -> Result<Arc<CompletionQueue>> {
+    /// A completion queue with room for at least `depth` completions; with a channel, armed
+    /// completions ([`CompletionQueue::req_notify`]) are reported on it.
+    pub fn create_cq(
+        self: &Arc<Self>,
+        depth: u32,
+        channel: Option<&Arc<CompletionChannel>>,
+    ) -> Result<Arc<CompletionQueue>> {
         let cqe = c_int::try_from(depth)
             .map_err(|_| Error::InvalidArgument(format!("CQ depth {depth} too large")))?;
-        // SAFETY: the context is open; no channel and no user context are passed.
+        let channel_ptr = channel.map_or(std::ptr::null_mut(), |c| c.raw.as_ptr());
+        // SAFETY: the context (and the channel, if any) are alive and outlive the CQ, which
+        // holds Arcs of both; no user context is passed.
         let raw = NonNull::new(unsafe {
-            ibv_create_cq(
-                self.as_ptr(),
-                cqe,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                0,
-            )
+            ibv_create_cq(self.as_ptr(), cqe, std::ptr::null_mut(), channel_ptr, 0)
         })
         .ok_or_else(|| last_error("ibv_create_cq"))?;
         Ok(Arc::new(CompletionQueue {
             raw,
+            _channel: channel.cloned(),
             _context: Arc::clone(self),
         }))
+    }
+
+    /// A completion channel whose file descriptor is non-blocking, for epoll.
+    pub fn create_comp_channel(self: &Arc<Self>) -> Result<Arc<CompletionChannel>> {
+        // SAFETY: the context is open.
+        let raw = NonNull::new(unsafe { ibv_create_comp_channel(self.as_ptr()) })
+            .ok_or_else(|| last_error("ibv_create_comp_channel"))?;
+        let channel = CompletionChannel {
+            raw,
+            _context: Arc::clone(self),
+        };
+        let fd = channel.fd();
+        // SAFETY: fcntl on a descriptor the channel owns, with integer arguments only.
+        let ok = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !ok {
+            return Err(last_error("fcntl(O_NONBLOCK)"));
+        }
+        Ok(Arc::new(channel))
+    }
+}
+
+/// A completion event channel: readable when an armed CQ attached to it gets a completion.
+pub struct CompletionChannel {
+    raw: NonNull<ibv_comp_channel>,
+    _context: Arc<Context>,
+}
+
+verbs_object_is_thread_safe!(CompletionChannel);
+
+impl CompletionChannel {
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        // SAFETY: the channel is alive; fd is set at creation.
+        unsafe { (*self.raw.as_ptr()).fd }
+    }
+
+    /// Consumes and acknowledges every pending event; returns how many there were.
+    pub fn drain(&self) -> usize {
+        let mut count = 0;
+        loop {
+            let mut cq: *mut ibv_cq = std::ptr::null_mut();
+            let mut context: *mut std::os::raw::c_void = std::ptr::null_mut();
+            // SAFETY: the channel is alive and non-blocking; both out-pointers are valid.
+            if unsafe { ibv_get_cq_event(self.raw.as_ptr(), &mut cq, &mut context) } != 0 {
+                return count;
+            }
+            // SAFETY: `cq` was just returned by the channel, and CQs attached to this channel
+            // hold an Arc of it, so the CQ is alive; each event is acknowledged once.
+            unsafe { ibv_ack_cq_events(cq, 1) };
+            count += 1;
+        }
+    }
+}
+
+impl Drop for CompletionChannel {
+    fn drop(&mut self) {
+        // SAFETY: CQs attached to the channel hold an Arc of it, so none is left.
+        if unsafe { ibv_destroy_comp_channel(self.raw.as_ptr()) } != 0 {
+            log::error!("ibv_destroy_comp_channel failed");
+        }
     }
 }
 
@@ -423,6 +487,7 @@ impl Drop for ProtectionDomain {
 /// A host completion queue.
 pub struct CompletionQueue {
     raw: NonNull<ibv_cq>,
+    _channel: Option<Arc<CompletionChannel>>,
     _context: Arc<Context>,
 }
 
@@ -513,6 +578,14 @@ impl CompletionQueue {
             });
         }
         Ok(n as usize)
+    }
+
+    /// Asks for one event on the CQ's channel at the next (solicited) completion.
+    pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        // SAFETY: the CQ is alive.
+        check("ibv_req_notify_cq", unsafe {
+            ibv_req_notify_cq(self.as_ptr(), solicited_only.into())
+        })
     }
 
     /// Capacity the provider actually allocated.

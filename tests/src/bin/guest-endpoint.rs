@@ -7,9 +7,8 @@
 
 use std::io::BufRead;
 
-use vrdma_guest::{
-    access, qp_attr_mask as mask, qp_state, AhAttr, Device, Gid, QpAttr, QpType, QueuePair,
-};
+use vrdma_guest::{access, Device, Gid, QpType, QueuePair};
+use vrdma_tests::connect_guest_qp;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -52,7 +51,8 @@ fn main() {
                 .expect("peer line");
             let peer = parse_peer(&line);
             let (peer_qpn, peer_gid) = (peer.qpn, peer.gid);
-            connect(&qp, gid_index as u8, peer_gid, peer_qpn);
+            connect_guest_qp(&qp, gid_index as u8, peer_gid, peer_qpn)
+                .expect("connect to the peer");
             println!("state={}", qp.query().expect("query QP").qp_state);
             // Keep everything alive until the test closes stdin.
             let _ = std::io::stdin().lock().read_line(&mut line);
@@ -83,65 +83,4 @@ fn parse_peer(line: &str) -> Peer {
         _rkey: field("rkey").parse().expect("peer rkey"),
         _va: u64::from_str_radix(field("va").trim_start_matches("0x"), 16).expect("peer va"),
     }
-}
-
-fn connect(qp: &QueuePair, sgid_index: u8, gid: Gid, remote_qpn: u32) {
-    let init = QpAttr {
-        qp_state: qp_state::INIT,
-        port_num: 1,
-        qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ,
-        ..Default::default()
-    };
-    qp.modify(
-        &init,
-        mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS,
-    )
-    .expect("INIT");
-    let rtr = QpAttr {
-        qp_state: qp_state::RTR,
-        path_mtu: 3,
-        dest_qp_num: remote_qpn,
-        rq_psn: 0x1234,
-        max_dest_rd_atomic: 1,
-        min_rnr_timer: 12,
-        ah_attr: AhAttr {
-            dgid: gid,
-            sgid_index,
-            hop_limit: 1,
-            is_global: true,
-            port_num: 1,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    qp.modify(
-        &rtr,
-        mask::STATE
-            | mask::AV
-            | mask::PATH_MTU
-            | mask::DEST_QPN
-            | mask::RQ_PSN
-            | mask::MAX_DEST_RD_ATOMIC
-            | mask::MIN_RNR_TIMER,
-    )
-    .expect("RTR");
-    let rts = QpAttr {
-        qp_state: qp_state::RTS,
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        sq_psn: 0x1234,
-        max_rd_atomic: 1,
-        ..Default::default()
-    };
-    qp.modify(
-        &rts,
-        mask::STATE
-            | mask::TIMEOUT
-            | mask::RETRY_CNT
-            | mask::RNR_RETRY
-            | mask::SQ_PSN
-            | mask::MAX_QP_RD_ATOMIC,
-    )
-    .expect("RTS");
 }

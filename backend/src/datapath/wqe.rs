@@ -1,0 +1,443 @@
+//! Work queue entries copied out of a guest ring, checked against SPEC.md §7 and turned into
+//! host work requests. Pure: the caller supplies the MR table; nothing here touches memory.
+
+use vrdma_spec::ring::{wqe_flags, wr_opcode, RecvWqe, SendWqe, Sge as WireSge};
+use vrdma_spec::ByteValued;
+
+use crate::hostverbs::{SendOp, Sge};
+
+/// `ibv_wc_status` values the device reports for WQEs it refuses.
+pub const WC_LOC_QP_OP_ERR: u8 = 2;
+pub const WC_LOC_PROT_ERR: u8 = 4;
+
+/// Why a WQE was refused, and the completion status that says so (SPEC.md §7.5).
+#[derive(Debug, PartialEq, Eq)]
+pub struct WqeError {
+    pub status: u8,
+    pub reason: String,
+}
+
+fn malformed(reason: String) -> WqeError {
+    WqeError {
+        status: WC_LOC_QP_OP_ERR,
+        reason,
+    }
+}
+
+fn protection(reason: String) -> WqeError {
+    WqeError {
+        status: WC_LOC_PROT_ERR,
+        reason,
+    }
+}
+
+/// A registered range an lkey names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MrRange {
+    pub pd: u32,
+    pub start: u64,
+    pub len: u64,
+}
+
+/// What a QP allows in its WQEs.
+#[derive(Clone, Copy, Debug)]
+pub struct QpRules {
+    pub pd: u32,
+    pub ud: bool,
+    pub atomics: bool,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline: u32,
+    pub sq_stride: usize,
+    pub rq_stride: usize,
+}
+
+/// A validated send WQE; its SGEs were appended to the caller's list, its inline payload (if
+/// any) is `slot[64..64 + inline_len]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendRequest {
+    pub wr_id: u64,
+    pub op: SendOp,
+    pub signaled: bool,
+    pub solicited: bool,
+    pub fence: bool,
+    pub inline_len: Option<usize>,
+    pub sge_count: usize,
+    /// UD: (AH handle, remote QPN, remote Q_Key).
+    pub ud: Option<(u32, u32, u32)>,
+}
+
+const SEND_HEADER: usize = std::mem::size_of::<SendWqe>();
+const RECV_HEADER: usize = std::mem::size_of::<RecvWqe>();
+const SGE_SIZE: usize = std::mem::size_of::<WireSge>();
+
+fn read<T: ByteValued + Default>(bytes: &[u8]) -> T {
+    let mut value = T::default();
+    let n = std::mem::size_of::<T>();
+    value.as_mut_slice().copy_from_slice(&bytes[..n]);
+    value
+}
+
+/// Checks `count` SGEs at `bytes` against the MR table and appends them to `out`.
+fn check_sges(
+    bytes: &[u8],
+    count: usize,
+    rules: &QpRules,
+    lookup: &impl Fn(u32) -> Option<MrRange>,
+    out: &mut Vec<Sge>,
+) -> Result<(), WqeError> {
+    for i in 0..count {
+        let sge: WireSge = read(&bytes[i * SGE_SIZE..]);
+        let (addr, length, lkey) = (
+            sge.addr.to_native(),
+            sge.length.to_native(),
+            sge.lkey.to_native(),
+        );
+        let mr = lookup(lkey).ok_or_else(|| {
+            protection(format!(
+                "SGE {i}: lkey {lkey:#x} is not an MR of this guest"
+            ))
+        })?;
+        if mr.pd != rules.pd {
+            return Err(protection(format!(
+                "SGE {i}: lkey {lkey:#x} belongs to another PD"
+            )));
+        }
+        let inside = addr >= mr.start
+            && addr
+                .checked_add(u64::from(length))
+                .is_some_and(|end| end <= mr.start + mr.len);
+        if !inside {
+            return Err(protection(format!(
+                "SGE {i}: {addr:#x}+{length:#x} outside its MR"
+            )));
+        }
+        out.push(Sge { addr, length, lkey });
+    }
+    Ok(())
+}
+
+/// Parses and validates the send WQE in `slot` (one SQ slot, copied out of guest memory).
+pub fn parse_send(
+    slot: &[u8],
+    rules: &QpRules,
+    lookup: &impl Fn(u32) -> Option<MrRange>,
+    sges: &mut Vec<Sge>,
+) -> Result<SendRequest, WqeError> {
+    let wqe: SendWqe = read(slot);
+    let flags = wqe.flags;
+    if flags & !wqe_flags::ALL != 0 {
+        return Err(malformed(format!("unknown WQE flags {flags:#x}")));
+    }
+    let remote_addr = wqe.remote_addr.to_native();
+    let rkey = wqe.rkey.to_native();
+    let imm = wqe.imm_data.to_native();
+    let op = match wqe.opcode {
+        wr_opcode::SEND => SendOp::Send,
+        wr_opcode::SEND_WITH_IMM => SendOp::SendWithImm { imm },
+        wr_opcode::RDMA_WRITE => SendOp::RdmaWrite { remote_addr, rkey },
+        wr_opcode::RDMA_WRITE_WITH_IMM => SendOp::RdmaWriteWithImm {
+            remote_addr,
+            rkey,
+            imm,
+        },
+        wr_opcode::RDMA_READ => SendOp::RdmaRead { remote_addr, rkey },
+        wr_opcode::ATOMIC_CMP_AND_SWP => SendOp::CompareAndSwap {
+            remote_addr,
+            rkey,
+            compare: wqe.compare_add.to_native(),
+            swap: wqe.swap.to_native(),
+        },
+        wr_opcode::ATOMIC_FETCH_AND_ADD => SendOp::FetchAndAdd {
+            remote_addr,
+            rkey,
+            add: wqe.compare_add.to_native(),
+        },
+        other => return Err(malformed(format!("unknown opcode {other}"))),
+    };
+    let is_send = matches!(op, SendOp::Send | SendOp::SendWithImm { .. });
+    let is_atomic = matches!(
+        op,
+        SendOp::CompareAndSwap { .. } | SendOp::FetchAndAdd { .. }
+    );
+    if rules.ud && !is_send {
+        return Err(malformed("UD QPs only send".into()));
+    }
+    if is_atomic && !rules.atomics {
+        return Err(malformed("atomics were not negotiated".into()));
+    }
+    let count = usize::from(wqe.num_sge);
+    let inline_len = if flags & wqe_flags::INLINE != 0 {
+        let len = wqe.inline_len.to_native() as usize;
+        if !(is_send
+            || matches!(
+                op,
+                SendOp::RdmaWrite { .. } | SendOp::RdmaWriteWithImm { .. }
+            ))
+        {
+            return Err(malformed("INLINE only with SEND or RDMA WRITE".into()));
+        }
+        if count != 0 || len > rules.max_inline as usize || SEND_HEADER + len > rules.sq_stride {
+            return Err(malformed(format!(
+                "inline payload of {len} bytes does not fit"
+            )));
+        }
+        Some(len)
+    } else {
+        if count > rules.max_send_sge as usize || SEND_HEADER + count * SGE_SIZE > rules.sq_stride {
+            return Err(malformed(format!("{count} SGEs exceed the QP's limit")));
+        }
+        let first = sges.len();
+        check_sges(&slot[SEND_HEADER..], count, rules, lookup, sges)?;
+        if is_atomic {
+            if count != 1 || sges[first].length != 8 {
+                return Err(malformed("an atomic takes exactly one 8-byte SGE".into()));
+            }
+            if !remote_addr.is_multiple_of(8) {
+                return Err(malformed(format!(
+                    "atomic target {remote_addr:#x} is not 8-byte aligned"
+                )));
+            }
+        }
+        None
+    };
+    let ud = rules.ud.then(|| {
+        (
+            wqe.ah.to_native(),
+            wqe.remote_qpn.to_native(),
+            wqe.remote_qkey.to_native(),
+        )
+    });
+    if let Some((_, qpn, _)) = ud {
+        if qpn >= 1 << 24 {
+            return Err(malformed(format!("remote QPN {qpn:#x} exceeds 24 bits")));
+        }
+    }
+    Ok(SendRequest {
+        wr_id: wqe.wr_id.to_native(),
+        op,
+        signaled: flags & wqe_flags::SIGNALED != 0,
+        solicited: flags & wqe_flags::SOLICITED != 0,
+        fence: flags & wqe_flags::FENCE != 0,
+        inline_len,
+        sge_count: if inline_len.is_some() { 0 } else { count },
+        ud,
+    })
+}
+
+/// Parses and validates the receive WQE in `slot`; appends its SGEs; returns its wr_id.
+pub fn parse_recv(
+    slot: &[u8],
+    rules: &QpRules,
+    lookup: &impl Fn(u32) -> Option<MrRange>,
+    sges: &mut Vec<Sge>,
+) -> Result<(u64, usize), WqeError> {
+    let wqe: RecvWqe = read(slot);
+    let count = wqe.num_sge.to_native() as usize;
+    if count > rules.max_recv_sge as usize || RECV_HEADER + count * SGE_SIZE > rules.rq_stride {
+        return Err(malformed(format!("{count} SGEs exceed the queue's limit")));
+    }
+    check_sges(&slot[RECV_HEADER..], count, rules, lookup, sges)?;
+    Ok((wqe.wr_id.to_native(), count))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vrdma_spec::{Le32, Le64};
+
+    const RULES: QpRules = QpRules {
+        pd: 7,
+        ud: false,
+        atomics: true,
+        max_send_sge: 2,
+        max_recv_sge: 2,
+        max_inline: 64,
+        sq_stride: 128,
+        rq_stride: 64,
+    };
+    const MR: MrRange = MrRange {
+        pd: 7,
+        start: 0x1000,
+        len: 0x1000,
+    };
+
+    fn lookup(lkey: u32) -> Option<MrRange> {
+        match lkey {
+            1 => Some(MR),
+            2 => Some(MrRange { pd: 8, ..MR }),
+            _ => None,
+        }
+    }
+
+    fn slot(wqe: SendWqe, sges: &[(u64, u32, u32)]) -> Vec<u8> {
+        let mut bytes = wqe.as_slice().to_vec();
+        for &(addr, length, lkey) in sges {
+            let sge = WireSge {
+                addr: Le64::from(addr),
+                length: Le32::from(length),
+                lkey: Le32::from(lkey),
+            };
+            bytes.extend_from_slice(sge.as_slice());
+        }
+        bytes.resize(RULES.sq_stride, 0);
+        bytes
+    }
+
+    fn write(num_sge: u8) -> SendWqe {
+        SendWqe {
+            wr_id: Le64::from(42),
+            opcode: wr_opcode::RDMA_WRITE,
+            flags: wqe_flags::SIGNALED,
+            num_sge,
+            remote_addr: Le64::from(0x9000),
+            rkey: Le32::from(5),
+            ..Default::default()
+        }
+    }
+
+    fn send(bytes: &[u8], rules: &QpRules) -> Result<(SendRequest, Vec<Sge>), WqeError> {
+        let mut sges = Vec::new();
+        parse_send(bytes, rules, &lookup, &mut sges).map(|r| (r, sges))
+    }
+
+    #[test]
+    fn a_valid_write_becomes_a_host_request() {
+        let (request, sges) =
+            send(&slot(write(2), &[(0x1000, 16, 1), (0x1ff0, 16, 1)]), &RULES).unwrap();
+        assert_eq!(
+            request.op,
+            SendOp::RdmaWrite {
+                remote_addr: 0x9000,
+                rkey: 5
+            }
+        );
+        assert!(request.signaled && !request.fence);
+        assert_eq!((request.wr_id, request.sge_count, sges.len()), (42, 2, 2));
+    }
+
+    #[test]
+    fn sges_outside_the_guests_mrs_are_protection_errors() {
+        for sge in [
+            (0x1000, 16, 9),
+            (0x1000, 16, 2),
+            (0xff0, 32, 1),
+            (0x1ff8, 16, 1),
+            (u64::MAX - 4, 16, 1),
+        ] {
+            let err = send(&slot(write(1), &[sge]), &RULES).unwrap_err();
+            assert_eq!(err.status, WC_LOC_PROT_ERR, "{sge:?}: {}", err.reason);
+        }
+    }
+
+    #[test]
+    fn malformed_wqes_are_local_qp_operation_errors() {
+        let cases = [
+            SendWqe {
+                opcode: 9,
+                ..write(0)
+            },
+            SendWqe {
+                flags: 0x80,
+                ..write(0)
+            },
+            write(3),
+            SendWqe {
+                flags: wqe_flags::INLINE,
+                inline_len: Le32::from(65),
+                ..write(0)
+            },
+            SendWqe {
+                opcode: wr_opcode::RDMA_READ,
+                flags: wqe_flags::INLINE,
+                ..write(0)
+            },
+            SendWqe {
+                opcode: wr_opcode::ATOMIC_FETCH_AND_ADD,
+                ..write(0)
+            },
+        ];
+        for (i, wqe) in cases.into_iter().enumerate() {
+            let err = send(&slot(wqe, &[]), &RULES).unwrap_err();
+            assert_eq!(err.status, WC_LOC_QP_OP_ERR, "case {i}: {}", err.reason);
+        }
+        let misaligned = SendWqe {
+            opcode: wr_opcode::ATOMIC_CMP_AND_SWP,
+            remote_addr: Le64::from(0x9004),
+            ..write(1)
+        };
+        assert_eq!(
+            send(&slot(misaligned, &[(0x1000, 8, 1)]), &RULES)
+                .unwrap_err()
+                .status,
+            WC_LOC_QP_OP_ERR
+        );
+        let no_atomics = QpRules {
+            atomics: false,
+            ..RULES
+        };
+        let atomic = SendWqe {
+            opcode: wr_opcode::ATOMIC_FETCH_AND_ADD,
+            ..write(1)
+        };
+        assert_eq!(
+            send(&slot(atomic, &[(0x1000, 8, 1)]), &no_atomics)
+                .unwrap_err()
+                .status,
+            WC_LOC_QP_OP_ERR
+        );
+        let ud = QpRules { ud: true, ..RULES };
+        assert_eq!(
+            send(&slot(write(0), &[]), &ud).unwrap_err().status,
+            WC_LOC_QP_OP_ERR,
+            "UD cannot write"
+        );
+    }
+
+    #[test]
+    fn inline_sends_carry_their_length_and_no_sges() {
+        let wqe = SendWqe {
+            opcode: wr_opcode::SEND,
+            flags: wqe_flags::INLINE,
+            inline_len: Le32::from(64),
+            ..write(0)
+        };
+        let (request, sges) = send(&slot(wqe, &[]), &RULES).unwrap();
+        assert_eq!(
+            (request.inline_len, request.sge_count, sges.len()),
+            (Some(64), 0, 0)
+        );
+    }
+
+    #[test]
+    fn receive_wqes_are_bounded_by_the_queue() {
+        let mut bytes = RecvWqe {
+            wr_id: Le64::from(3),
+            num_sge: Le32::from(1),
+            reserved: Le32::from(0),
+        }
+        .as_slice()
+        .to_vec();
+        bytes.extend_from_slice(
+            WireSge {
+                addr: Le64::from(0x1000),
+                length: Le32::from(64),
+                lkey: Le32::from(1),
+            }
+            .as_slice(),
+        );
+        bytes.resize(RULES.rq_stride, 0);
+        let mut sges = Vec::new();
+        assert_eq!(
+            parse_recv(&bytes, &RULES, &lookup, &mut sges).unwrap(),
+            (3, 1)
+        );
+        bytes[8] = 3; // num_sge beyond max_recv_sge
+        assert_eq!(
+            parse_recv(&bytes, &RULES, &lookup, &mut sges)
+                .unwrap_err()
+                .status,
+            WC_LOC_QP_OP_ERR
+        );
+    }
+}

@@ -1,0 +1,164 @@
+//! Work requests and completions of the data path (SPEC.md §7), as the verbs API shows them.
+
+use vrdma_spec::ring::{wc_flags, Cqe};
+
+use crate::verbs::AddressHandle;
+
+/// A scatter/gather entry: `length` bytes at `addr` of the MR whose lkey is `lkey`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sge {
+    pub addr: u64,
+    pub length: u32,
+    pub lkey: u32,
+}
+
+/// What a send work request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendOp {
+    Send,
+    SendWithImm {
+        imm: u32,
+    },
+    RdmaWrite {
+        remote_addr: u64,
+        rkey: u32,
+    },
+    RdmaWriteWithImm {
+        remote_addr: u64,
+        rkey: u32,
+        imm: u32,
+    },
+    RdmaRead {
+        remote_addr: u64,
+        rkey: u32,
+    },
+    CompareAndSwap {
+        remote_addr: u64,
+        rkey: u32,
+        compare: u64,
+        swap: u64,
+    },
+    FetchAndAdd {
+        remote_addr: u64,
+        rkey: u32,
+        add: u64,
+    },
+}
+
+/// Where a send's bytes come from.
+#[derive(Clone, Copy, Debug)]
+pub enum Payload<'a> {
+    /// Gathered from registered memory.
+    Sges(&'a [Sge]),
+    /// Carried in the WQE itself (at most the QP's `max_inline_data` bytes).
+    Inline(&'a [u8]),
+}
+
+/// Destination of a UD send.
+#[derive(Clone, Copy, Debug)]
+pub struct UdDest<'a> {
+    pub ah: &'a AddressHandle,
+    pub remote_qpn: u32,
+    pub remote_qkey: u32,
+}
+
+/// A send work request.
+#[derive(Clone, Copy, Debug)]
+pub struct SendWr<'a> {
+    pub wr_id: u64,
+    pub op: SendOp,
+    pub payload: Payload<'a>,
+    /// Produce a completion (always true in effect on a QP built with `sq_sig_all`).
+    pub signaled: bool,
+    pub solicited: bool,
+    pub fence: bool,
+    /// Required on UD QPs.
+    pub ud: Option<UdDest<'a>>,
+}
+
+impl<'a> SendWr<'a> {
+    /// A signaled request with no other flags.
+    pub fn new(wr_id: u64, op: SendOp, payload: Payload<'a>) -> Self {
+        SendWr {
+            wr_id,
+            op,
+            payload,
+            signaled: true,
+            solicited: false,
+            fence: false,
+            ud: None,
+        }
+    }
+}
+
+/// A receive work request.
+#[derive(Clone, Copy, Debug)]
+pub struct RecvWr<'a> {
+    pub wr_id: u64,
+    pub sges: &'a [Sge],
+}
+
+/// `ibv_wc_status` values.
+pub mod wc_status {
+    pub const SUCCESS: u8 = 0;
+    pub const LOC_QP_OP_ERR: u8 = 2;
+    pub const LOC_PROT_ERR: u8 = 4;
+    pub const WR_FLUSH_ERR: u8 = 5;
+    pub const REM_ACCESS_ERR: u8 = 10;
+    pub const RETRY_EXC_ERR: u8 = 12;
+    pub const RNR_RETRY_EXC_ERR: u8 = 13;
+}
+
+pub use vrdma_spec::ring::wc_opcode;
+
+/// A completion.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkCompletion {
+    pub wr_id: u64,
+    /// A [`wc_status`] value.
+    pub status: u8,
+    /// A [`wc_opcode`] value.
+    pub opcode: u8,
+    pub byte_len: u32,
+    pub imm_data: Option<u32>,
+    pub qp_num: u32,
+    pub src_qp: u32,
+    /// A GRH precedes the payload (UD receives).
+    pub grh: bool,
+}
+
+impl WorkCompletion {
+    pub fn is_success(&self) -> bool {
+        self.status == wc_status::SUCCESS
+    }
+}
+
+impl From<&Cqe> for WorkCompletion {
+    fn from(c: &Cqe) -> Self {
+        WorkCompletion {
+            wr_id: c.wr_id.to_native(),
+            status: c.status,
+            opcode: c.opcode,
+            byte_len: c.byte_len.to_native(),
+            imm_data: (c.wc_flags & wc_flags::WITH_IMM != 0).then(|| c.imm_data.to_native()),
+            qp_num: c.qp_num.to_native(),
+            src_qp: c.src_qp.to_native(),
+            grh: c.wc_flags & wc_flags::GRH != 0,
+        }
+    }
+}
+
+/// Something the device tells the driver through the event queue (SPEC.md §8.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceEvent {
+    /// An armed CQ (its handle) received a completion.
+    CqCompletion(u32),
+    CqError(u32),
+    QpFatal(u32),
+    SrqLimitReached(u32),
+    DeviceFatal,
+    Unknown {
+        kind: u16,
+        handle: u32,
+    },
+}

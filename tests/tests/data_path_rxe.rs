@@ -1,0 +1,491 @@
+//! The data path end to end on rxe: guest-lib endpoints post WQEs into rings in their own
+//! memory and poll CQEs from it; the backend's pollers move them to and from the host NIC.
+//! Runs inside the VM harness (see `vrdma_tests`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use vrdma_backend::hostverbs::{self, PinnedMemory};
+use vrdma_guest::{
+    access, qp_attr_mask as mask, qp_state, wc_opcode, wc_status, AhAttr, CompletionQueue, Device,
+    DeviceEvent, MemoryRegion, Payload, ProtectionDomain, QpAttr, QpType, QueuePair, RecvWr,
+    SendOp, SendWr, Sge, SharedBuffer, UdDest,
+};
+use vrdma_tests::{
+    connect_guest_qp, open_test_device, start_backend, wait_for_completions,
+    wait_for_guest_completions, RcEndpoint, TestBackend, FULL_ACCESS,
+};
+
+const ALL_ACCESS: u32 =
+    access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+
+/// A guest-lib endpoint on its own backend connection: PD, CQ, one registered buffer, a QP.
+struct Endpoint {
+    device: Device,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    buffer: SharedBuffer,
+    mr: MemoryRegion,
+    qp: QueuePair,
+}
+
+impl Endpoint {
+    fn new(backend: &TestBackend, qp_type: QpType, buffer_len: u64) -> Endpoint {
+        let device = Device::attach(&backend.socket).expect("attach");
+        let pd = device.alloc_pd().unwrap();
+        let buffer = device.alloc_buffer(buffer_len).unwrap();
+        let mr = pd.reg_mr(&buffer, ALL_ACCESS).unwrap();
+        let cq = device.create_cq(256).unwrap();
+        let qp = QueuePair::builder(qp_type, &cq)
+            .max_send_wr(64)
+            .max_recv_wr(128)
+            .max_send_sge(2)
+            .max_recv_sge(2)
+            .max_inline_data(128)
+            .build(&pd)
+            .unwrap();
+        Endpoint {
+            device,
+            pd,
+            cq,
+            buffer,
+            mr,
+            qp,
+        }
+    }
+
+    fn sge(&self, offset: u64, length: u32) -> Sge {
+        Sge {
+            addr: self.mr.addr() + offset,
+            length,
+            lkey: self.mr.lkey(),
+        }
+    }
+}
+
+/// Two RC endpoints on separate connections, connected to each other.
+fn rc_pair(backend: &TestBackend, buffer_len: u64) -> (Endpoint, Endpoint) {
+    let a = Endpoint::new(backend, QpType::Rc, buffer_len);
+    let b = Endpoint::new(backend, QpType::Rc, buffer_len);
+    let (index, gid) = a.device.gid().unwrap();
+    connect_guest_qp(&a.qp, index as u8, gid, b.qp.qp_num()).unwrap();
+    connect_guest_qp(&b.qp, index as u8, gid, a.qp.qp_num()).unwrap();
+    (a, b)
+}
+
+fn checksum(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    })
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn rc_send_recv_round_trips_carry_their_payload() {
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    const ROUND_TRIPS: u64 = 10_000;
+    const LEN: usize = 256;
+    let mut message = [0u8; LEN];
+    for i in 0..ROUND_TRIPS {
+        // A's message: a counter, then bytes derived from it, then their checksum.
+        for (j, byte) in message[8..LEN - 4].iter_mut().enumerate() {
+            *byte = (i as usize * 31 + j) as u8;
+        }
+        message[..8].copy_from_slice(&i.to_le_bytes());
+        let sum = checksum(&message[..LEN - 4]);
+        message[LEN - 4..].copy_from_slice(&sum.to_le_bytes());
+        a.buffer.write(0, &message).unwrap();
+        b.qp.post_recv(&[RecvWr {
+            wr_id: i,
+            sges: &[b.sge(4096, LEN as u32)],
+        }])
+        .unwrap();
+        a.qp.post_recv(&[RecvWr {
+            wr_id: i,
+            sges: &[a.sge(4096, LEN as u32)],
+        }])
+        .unwrap();
+        a.qp.post_send(&[SendWr::new(
+            i,
+            SendOp::Send,
+            Payload::Sges(&[a.sge(0, LEN as u32)]),
+        )])
+        .unwrap();
+        let received = wait_for_guest_completions(&b.cq, 1);
+        assert!(received[0].is_success(), "{:?}", received[0]);
+        assert_eq!(
+            (received[0].wr_id, received[0].opcode, received[0].byte_len),
+            (i, wc_opcode::RECV, LEN as u32)
+        );
+        let mut got = [0u8; LEN];
+        b.buffer.read(4096, &mut got).unwrap();
+        assert_eq!(
+            checksum(&got[..LEN - 4]).to_le_bytes(),
+            got[LEN - 4..],
+            "round trip {i}: checksum"
+        );
+        assert_eq!(got[..8], i.to_le_bytes());
+        // B answers with the same bytes, inline this time.
+        b.qp.post_send(&[SendWr::new(
+            i,
+            SendOp::SendWithImm { imm: i as u32 },
+            Payload::Inline(&got[..128]),
+        )])
+        .unwrap();
+        let a_done = wait_for_guest_completions(&a.cq, 2);
+        let reply = a_done
+            .iter()
+            .find(|c| c.opcode == wc_opcode::RECV)
+            .expect("A's receive");
+        assert!(a_done.iter().all(|c| c.is_success()), "{a_done:?}");
+        assert_eq!((reply.byte_len, reply.imm_data), (128, Some(i as u32)));
+        let sent = wait_for_guest_completions(&b.cq, 1);
+        assert_eq!(
+            (sent[0].opcode, sent[0].status),
+            (wc_opcode::SEND, wc_status::SUCCESS)
+        );
+    }
+    let kicks = a.device.kicks_sent() + b.device.kicks_sent();
+    println!(
+        "{ROUND_TRIPS} round trips ({} doorbells): {kicks} kicks",
+        ROUND_TRIPS * 4
+    );
+    assert!(
+        kicks < ROUND_TRIPS * 4,
+        "every doorbell kicked: the pollers never stayed awake"
+    );
+}
+
+fn rdma(endpoint: &Endpoint, wr_id: u64, op: SendOp, local: Sge) -> vrdma_guest::WorkCompletion {
+    endpoint
+        .qp
+        .post_send(&[SendWr::new(wr_id, op, Payload::Sges(&[local]))])
+        .unwrap();
+    let done = wait_for_guest_completions(&endpoint.cq, 1);
+    assert_eq!(done[0].wr_id, wr_id);
+    done[0]
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn rdma_write_and_read_move_exact_bytes_from_1_byte_to_64_mib() {
+    const SIZE: u64 = 64 << 20;
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 2 * SIZE);
+    for (n, len) in [1u64, 4096, 1 << 20, SIZE].into_iter().enumerate() {
+        let pattern: Vec<u8> = (0..len)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8 ^ n as u8)
+            .collect();
+        a.buffer.write(0, &pattern).unwrap();
+        let write = SendOp::RdmaWrite {
+            remote_addr: b.mr.addr() + 8,
+            rkey: b.mr.rkey(),
+        };
+        let done = rdma(&a, 2 * n as u64, write, a.sge(0, len as u32));
+        assert!(done.is_success(), "write of {len}: {done:?}");
+        let mut landed = vec![0u8; len as usize];
+        b.buffer.read(8, &mut landed).unwrap();
+        assert!(landed == pattern, "RDMA WRITE of {len} bytes differs");
+        // Read it back into the other half of A's buffer.
+        let read = SendOp::RdmaRead {
+            remote_addr: b.mr.addr() + 8,
+            rkey: b.mr.rkey(),
+        };
+        let done = rdma(&a, 2 * n as u64 + 1, read, a.sge(SIZE, len as u32));
+        assert!(done.is_success(), "read of {len}: {done:?}");
+        let mut read_back = vec![0u8; len as usize];
+        a.buffer.read(SIZE, &mut read_back).unwrap();
+        assert!(read_back == pattern, "RDMA READ of {len} bytes differs");
+    }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn atomics_leave_an_exact_count() {
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    let counter = b.mr.addr() + 64;
+    for i in 0..1000u64 {
+        let op = SendOp::FetchAndAdd {
+            remote_addr: counter,
+            rkey: b.mr.rkey(),
+            add: 1,
+        };
+        let done = rdma(&a, i, op, a.sge(8 * (i % 512), 8));
+        assert!(done.is_success(), "{done:?}");
+    }
+    let mut value = [0u8; 8];
+    b.buffer.read(64, &mut value).unwrap();
+    assert_eq!(u64::from_le_bytes(value), 1000);
+    // Compare-and-swap: succeeds once on the right value, returns the old one either way.
+    let swap = SendOp::CompareAndSwap {
+        remote_addr: counter,
+        rkey: b.mr.rkey(),
+        compare: 1000,
+        swap: 7,
+    };
+    assert!(rdma(&a, 2000, swap, a.sge(0, 8)).is_success());
+    let missed = SendOp::CompareAndSwap {
+        remote_addr: counter,
+        rkey: b.mr.rkey(),
+        compare: 1000,
+        swap: 9,
+    };
+    assert!(rdma(&a, 2001, missed, a.sge(8, 8)).is_success());
+    let mut old = [0u8; 16];
+    a.buffer.read(0, &mut old).unwrap();
+    assert_eq!(
+        (
+            u64::from_le_bytes(old[..8].try_into().unwrap()),
+            u64::from_le_bytes(old[8..].try_into().unwrap())
+        ),
+        (1000, 7)
+    );
+    b.buffer.read(64, &mut value).unwrap();
+    assert_eq!(u64::from_le_bytes(value), 7);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn ud_datagrams_arrive_behind_a_grh() {
+    const QKEY: u32 = 0x1111_1111;
+    const DATAGRAMS: u64 = 1000;
+    let backend = start_backend();
+    let a = Endpoint::new(&backend, QpType::Ud, 1 << 20);
+    let b = Endpoint::new(&backend, QpType::Ud, 1 << 20);
+    for endpoint in [&a, &b] {
+        let init = QpAttr {
+            qp_state: qp_state::INIT,
+            port_num: 1,
+            qkey: QKEY,
+            ..Default::default()
+        };
+        endpoint
+            .qp
+            .modify(
+                &init,
+                mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::QKEY,
+            )
+            .unwrap();
+        endpoint
+            .qp
+            .modify(
+                &QpAttr {
+                    qp_state: qp_state::RTR,
+                    ..Default::default()
+                },
+                mask::STATE,
+            )
+            .unwrap();
+        endpoint
+            .qp
+            .modify(
+                &QpAttr {
+                    qp_state: qp_state::RTS,
+                    ..Default::default()
+                },
+                mask::STATE | mask::SQ_PSN,
+            )
+            .unwrap();
+    }
+    let (index, gid) = a.device.gid().unwrap();
+    let route = AhAttr {
+        dgid: gid,
+        sgid_index: index as u8,
+        hop_limit: 1,
+        is_global: true,
+        port_num: 1,
+        ..Default::default()
+    };
+    let ah = a.pd.create_ah(&route).unwrap();
+    const SLOT: u64 = 40 + 256; // GRH + payload
+    let mut received = 0;
+    for chunk in 0..DATAGRAMS / 100 {
+        for i in 0..100 {
+            let n = chunk * 100 + i;
+            b.qp.post_recv(&[RecvWr {
+                wr_id: n,
+                sges: &[b.sge(i * SLOT, SLOT as u32)],
+            }])
+            .unwrap();
+        }
+        for i in 0..100 {
+            let n = chunk * 100 + i;
+            a.buffer.write(i * 256, &[n as u8; 256]).unwrap();
+            let sges = [a.sge(i * 256, 256)];
+            let mut wr = SendWr::new(n, SendOp::Send, Payload::Sges(&sges));
+            wr.ud = Some(UdDest {
+                ah: &ah,
+                remote_qpn: b.qp.qp_num(),
+                remote_qkey: QKEY,
+            });
+            a.qp.post_send(&[wr]).unwrap();
+            assert!(wait_for_guest_completions(&a.cq, 1)[0].is_success());
+        }
+        for done in wait_for_guest_completions(&b.cq, 100) {
+            assert!(done.is_success() && done.grh, "{done:?}");
+            assert_eq!((done.byte_len, done.src_qp), (SLOT as u32, a.qp.qp_num()));
+            let mut payload = [0u8; 256];
+            b.buffer
+                .read((done.wr_id % 100) * SLOT + 40, &mut payload)
+                .unwrap();
+            assert_eq!(payload, [done.wr_id as u8; 256], "datagram {}", done.wr_id);
+            received += 1;
+        }
+    }
+    assert_eq!(received, DATAGRAMS);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_wrong_rkey_completes_with_a_remote_access_error() {
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    let write = SendOp::RdmaWrite {
+        remote_addr: b.mr.addr(),
+        rkey: b.mr.rkey() ^ 0x100,
+    };
+    let done = rdma(&a, 5, write, a.sge(0, 64));
+    assert_eq!(done.status, wc_status::REM_ACCESS_ERR, "{done:?}");
+    // The QP is in error now: what follows is flushed, not lost.
+    a.qp.post_send(&[SendWr::new(6, SendOp::Send, Payload::Sges(&[a.sge(0, 8)]))])
+        .unwrap();
+    assert_eq!(
+        wait_for_guest_completions(&a.cq, 1)[0].status,
+        wc_status::WR_FLUSH_ERR
+    );
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_wqe_naming_memory_outside_the_guests_mrs_fails_locally() {
+    let backend = start_backend();
+    let (a, _b) = rc_pair(&backend, 1 << 16);
+    let outside = Sge {
+        addr: a.mr.addr() + (1 << 16) - 4,
+        length: 8,
+        lkey: a.mr.lkey(),
+    };
+    a.qp.post_send(&[SendWr::new(9, SendOp::Send, Payload::Sges(&[outside]))])
+        .unwrap();
+    let done = wait_for_guest_completions(&a.cq, 1);
+    assert_eq!(
+        (done[0].wr_id, done[0].status),
+        (9, wc_status::LOC_PROT_ERR),
+        "{done:?}"
+    );
+    let bogus = Sge {
+        lkey: 0xdead_beef,
+        ..a.sge(0, 8)
+    };
+    a.qp.post_send(&[SendWr::new(10, SendOp::Send, Payload::Sges(&[bogus]))])
+        .unwrap();
+    let next = wait_for_guest_completions(&a.cq, 1);
+    assert_ne!(
+        next[0].status,
+        wc_status::SUCCESS,
+        "after an error nothing succeeds: {next:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn an_armed_cq_raises_an_event_instead_of_being_polled() {
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    b.qp.post_recv(&[RecvWr {
+        wr_id: 1,
+        sges: &[b.sge(0, 64)],
+    }])
+    .unwrap();
+    b.cq.req_notify(false).unwrap();
+    let mut none = [vrdma_guest::WorkCompletion::default(); 1];
+    assert_eq!(b.cq.poll(&mut none).unwrap(), 0);
+    a.qp.post_send(&[SendWr::new(2, SendOp::Send, Payload::Inline(b"wake up"))])
+        .unwrap();
+    let event = b.device.wait_event(Duration::from_secs(30)).unwrap();
+    assert_eq!(event, Some(DeviceEvent::CqCompletion(b.cq.handle())));
+    let done = wait_for_guest_completions(&b.cq, 1);
+    assert_eq!((done[0].wr_id, done[0].byte_len), (1, 7));
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_guest_and_a_native_ibverbs_program_exchange_data_both_ways() {
+    let backend = start_backend();
+    let guest = Endpoint::new(&backend, QpType::Rc, 1 << 16);
+    let context = open_test_device();
+    let native = RcEndpoint::new(&context);
+    let (index, gid) = guest.device.gid().unwrap();
+    connect_guest_qp(&guest.qp, index as u8, gid, native.qp.qp_num()).unwrap();
+    native.connect(index as u8, gid, guest.qp.qp_num(), 0x1234);
+    let memory = Arc::new(hostverbs::AnonymousMemory::new(8192).unwrap());
+    let native_mr = native
+        .pd
+        .reg_mr(
+            memory.clone() as Arc<dyn PinnedMemory>,
+            0x7000_0000,
+            FULL_ACCESS,
+        )
+        .unwrap();
+    let native_sge = |offset: u64, length: u32| hostverbs::Sge {
+        addr: native_mr.iova() + offset,
+        length,
+        lkey: native_mr.lkey(),
+    };
+
+    // Native to guest.
+    guest
+        .qp
+        .post_recv(&[RecvWr {
+            wr_id: 1,
+            sges: &[guest.sge(0, 4096)],
+        }])
+        .unwrap();
+    memory.write(0, b"from a native ibverbs program").unwrap();
+    let send = hostverbs::SendWr {
+        wr_id: 2,
+        op: hostverbs::SendOp::Send,
+        payload: hostverbs::Payload::Sges(&[native_sge(0, 29)]),
+        signaled: true,
+        solicited: false,
+        fence: false,
+        ud: None,
+    };
+    native.qp.post_send(&[send]).unwrap();
+    assert!(wait_for_completions(&native.cq, 1)[0].is_success());
+    let got = wait_for_guest_completions(&guest.cq, 1);
+    assert_eq!((got[0].status, got[0].byte_len), (wc_status::SUCCESS, 29));
+    let mut text = [0u8; 29];
+    guest.buffer.read(0, &mut text).unwrap();
+    assert_eq!(&text, b"from a native ibverbs program");
+
+    // Guest to native.
+    native
+        .qp
+        .post_recv(&[hostverbs::RecvWr {
+            wr_id: 3,
+            sges: &[native_sge(4096, 4096)],
+        }])
+        .unwrap();
+    guest.buffer.write(100, b"from a vrdma guest").unwrap();
+    guest
+        .qp
+        .post_send(&[SendWr::new(
+            4,
+            SendOp::Send,
+            Payload::Sges(&[guest.sge(100, 18)]),
+        )])
+        .unwrap();
+    assert!(wait_for_guest_completions(&guest.cq, 1)[0].is_success());
+    let got = wait_for_completions(&native.cq, 1);
+    assert!(
+        got[0].is_success() && got[0].byte_len() == 18,
+        "{:?}",
+        got[0]
+    );
+    let mut text = [0u8; 18];
+    memory.read(4096, &mut text).unwrap();
+    assert_eq!(&text, b"from a vrdma guest");
+}
