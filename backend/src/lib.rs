@@ -127,7 +127,7 @@ mod tests {
             quotas: Quotas::default(),
             notify_queues: 1,
             pollers: 1,
-            poll_idle: std::time::Duration::from_micros(200),
+            poll_idle: std::time::Duration::from_millis(2),
         };
         let message = HostDevice::open(&config)
             .err()

@@ -29,7 +29,7 @@ struct Args {
     pollers: u32,
     /// Microseconds a poller keeps polling after its last work before it sleeps (and asks the
     /// guest for a kick).
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 2000)]
     poll_idle_us: u64,
     /// Most QPs one guest may hold.
     #[arg(long, default_value_t = Quotas::default().max_qp)]

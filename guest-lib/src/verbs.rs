@@ -1013,6 +1013,17 @@ impl QueuePair {
         self.rq.ring.write(slot, wqe.as_slice())
     }
 
+    /// Receive WQEs posted but not yet taken by the device. Posting is asynchronous: a UD
+    /// sender that must not outrun the receiver waits for this to reach 0.
+    pub fn recv_backlog(&self) -> Result<u32> {
+        let producer = *self.rq.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let consumer = self
+            .doorbell
+            .atomic_u32(RQ_CONSUMER)?
+            .load(Ordering::Acquire);
+        Ok(producer.wrapping_sub(consumer))
+    }
+
     pub fn query(&self) -> Result<QpAttr> {
         let request = HandleRequest {
             handle: Le32::from(self.handle),

@@ -188,8 +188,8 @@ pub fn start_backend() -> TestBackend {
         gid_index: None,
         quotas: vrdma_backend::Quotas::default(),
         notify_queues: 2,
-        pollers: 2,
-        poll_idle: Duration::from_micros(200),
+        pollers: 1,
+        poll_idle: Duration::from_millis(2),
     };
     let path = socket.clone();
     std::thread::spawn(move || {

@@ -151,9 +151,11 @@ fn rc_send_recv_round_trips_carry_their_payload() {
         "{ROUND_TRIPS} round trips ({} doorbells): {kicks} kicks",
         ROUND_TRIPS * 4
     );
+    // A busy guest rings doorbells without VM exits: only a poller that went to sleep is
+    // kicked. The margin allows for a slow machine; a typical run kicks a few dozen times.
     assert!(
-        kicks < ROUND_TRIPS * 4,
-        "every doorbell kicked: the pollers never stayed awake"
+        kicks * 4 < ROUND_TRIPS * 4,
+        "{kicks} kicks: the pollers did not stay awake"
     );
 }
 
@@ -309,6 +311,15 @@ fn ud_datagrams_arrive_behind_a_grh() {
                 sges: &[b.sge(i * SLOT, SLOT as u32)],
             }])
             .unwrap();
+        }
+        // UD drops what arrives before a receive: wait until the device has taken them all.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while b.qp.recv_backlog().unwrap() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "receives never reached the device"
+            );
+            std::thread::yield_now();
         }
         for i in 0..100 {
             let n = chunk * 100 + i;

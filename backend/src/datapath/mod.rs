@@ -492,6 +492,7 @@ impl Poller {
                 continue;
             }
             if last_work.elapsed() < self.shared.idle_spin {
+                // Stay awake for the next doorbell, but leave the CPU to whoever rings it.
                 std::thread::yield_now();
                 continue;
             }
