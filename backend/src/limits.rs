@@ -100,8 +100,10 @@ pub fn describe(config: &DeviceConfig) -> [(&'static str, u64); 18] {
 
 /// The device feature bits offered for a host device.
 pub fn offered_features(host: &DeviceAttr) -> u64 {
-    // SRQs are specified but not served yet: VRDMA_F_SRQ is not offered until they are.
     let mut bits = features::VERSION_1 | features::RC | features::UD | features::INDIRECT_PAGE_LIST;
+    if host.max_srq > 0 {
+        bits |= features::SRQ;
+    }
     if host.atomic_cap != 0 {
         bits |= features::ATOMIC;
     }
@@ -183,8 +185,8 @@ mod tests {
     fn features_follow_host_capabilities() {
         let mut host = rxe_like();
         assert_ne!(offered_features(&host) & features::ATOMIC, 0);
-        assert_eq!(offered_features(&host) & features::SRQ, 0, "not served yet");
         host.atomic_cap = 0;
+        host.max_srq = 0;
         let bits = offered_features(&host);
         assert_eq!(bits & (features::ATOMIC | features::SRQ), 0);
         assert_ne!(bits & features::VERSION_1, 0);

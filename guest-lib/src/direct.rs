@@ -26,6 +26,7 @@ const PROTOCOL_FEATURES: u64 = 1 << 30;
 const WANTED_FEATURES: u64 = features::VERSION_1
     | features::RC
     | features::UD
+    | features::SRQ
     | features::ATOMIC
     | features::INDIRECT_PAGE_LIST
     | PROTOCOL_FEATURES;

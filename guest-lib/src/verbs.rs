@@ -9,14 +9,15 @@ use std::time::Duration;
 use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::ctrl::{
     qp_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
-    CreateQpResponse, CreatedResponse, DeviceAttr, HandleRequest, ModifyQpRequest, Opcode,
-    PortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse, QueryPortRequest,
-    RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status,
+    CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse, DeviceAttr,
+    HandleRequest, ModifyQpRequest, Opcode, PortAttr, QpAttr as WireQpAttr, QueryGidRequest,
+    QueryGidResponse, QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
+    SetNotifyAreaRequest, Status,
 };
 use vrdma_spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES, PAGE_LIST_ENTRIES_PER_PAGE};
 use vrdma_spec::ring::{
     cqe_is_valid, event_kind, wqe_flags, wr_opcode, CqDoorbell, Cqe, NotifyState, QpDoorbell,
-    RecvWqe, SendWqe, Sge as WireSge, CQE_SIZE, NOTIFY_NEED_WAKEUP,
+    RecvWqe, SendWqe, Sge as WireSge, SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
 use vrdma_spec::{ByteValued, Gid, Le16, Le32, Le64};
 
@@ -642,6 +643,7 @@ pub struct QueuePairBuilder<'a> {
     qp_type: QpType,
     send_cq: &'a CompletionQueue,
     recv_cq: &'a CompletionQueue,
+    srq: Option<&'a SharedReceiveQueue>,
     max_send_wr: u32,
     max_recv_wr: u32,
     max_send_sge: u32,
@@ -653,6 +655,11 @@ pub struct QueuePairBuilder<'a> {
 impl<'a> QueuePairBuilder<'a> {
     pub fn recv_cq(mut self, cq: &'a CompletionQueue) -> Self {
         self.recv_cq = cq;
+        self
+    }
+    /// Receive through `srq` instead of an RQ of the QP's own.
+    pub fn srq(mut self, srq: &'a SharedReceiveQueue) -> Self {
+        self.srq = Some(srq);
         self
     }
     /// SQ depth; rounded up to a power of two.
@@ -685,36 +692,59 @@ impl<'a> QueuePairBuilder<'a> {
     pub fn build(self, pd: &ProtectionDomain) -> Result<QueuePair> {
         let device = &pd.inner.device;
         let send_wr = self.max_send_wr.max(1).next_power_of_two();
-        let recv_wr = self.max_recv_wr.max(1).next_power_of_two();
+        let on_srq = self.srq.is_some();
+        let (recv_wr, max_recv_sge) = if on_srq {
+            (0, 0)
+        } else {
+            (
+                self.max_recv_wr.max(1).next_power_of_two(),
+                self.max_recv_sge,
+            )
+        };
         let sq_stride = (64 + (16 * self.max_send_sge).max(self.max_inline_data))
             .next_power_of_two()
             .max(64);
-        let rq_stride = (16 + 16 * self.max_recv_sge).next_power_of_two().max(16);
+        let rq_stride = if on_srq {
+            1
+        } else {
+            (16 + 16 * max_recv_sge).next_power_of_two().max(16)
+        };
         let sq_bytes = u64::from(send_wr) * u64::from(sq_stride);
         let rq_bytes = u64::from(recv_wr) * u64::from(rq_stride);
         let sq = device.transport.alloc(sq_bytes, PAGE_SIZE)?;
-        let rq = device.transport.alloc(rq_bytes, PAGE_SIZE)?;
+        let rq = if on_srq {
+            None
+        } else {
+            Some(device.transport.alloc(rq_bytes, PAGE_SIZE)?)
+        };
         let doorbell = device
             .transport
             .alloc(std::mem::size_of::<QpDoorbell>() as u64, 64)?;
         let (sq_list, _sq_pages) = device.page_list(sq.addr(), sq_bytes)?;
-        let (rq_list, _rq_pages) = device.page_list(rq.addr(), rq_bytes)?;
+        let (rq_list, _rq_pages) = match &rq {
+            Some(rq) => device.page_list(rq.addr(), rq_bytes)?,
+            None => (PageList::default(), Vec::new()),
+        };
         let request = CreateQpRequest {
             pd: Le32::from(pd.inner.handle),
             send_cq: Le32::from(self.send_cq.inner.handle),
             recv_cq: Le32::from(self.recv_cq.inner.handle),
-            srq: Le32::from(0),
+            srq: Le32::from(self.srq.map_or(0, |srq| srq.inner.handle)),
             qp_type: match self.qp_type {
                 QpType::Rc => qp_type::RC,
                 QpType::Ud => qp_type::UD,
             },
             sq_sig_all: self.sq_sig_all.into(),
             sq_wqe_shift: sq_stride.trailing_zeros() as u8,
-            rq_wqe_shift: rq_stride.trailing_zeros() as u8,
+            rq_wqe_shift: if on_srq {
+                0
+            } else {
+                rq_stride.trailing_zeros() as u8
+            },
             max_send_wr: Le32::from(send_wr),
             max_recv_wr: Le32::from(recv_wr),
             max_send_sge: Le32::from(self.max_send_sge),
-            max_recv_sge: Le32::from(self.max_recv_sge),
+            max_recv_sge: Le32::from(max_recv_sge),
             max_inline_data: Le32::from(self.max_inline_data),
             reserved: Default::default(),
             sq_ring: sq_list,
@@ -728,7 +758,7 @@ impl<'a> QueuePairBuilder<'a> {
             qp_type: self.qp_type,
             notify_queue: u32::from(created.notify_queue.to_native()),
             max_send_sge: self.max_send_sge,
-            max_recv_sge: self.max_recv_sge,
+            max_recv_sge,
             max_inline_data: self.max_inline_data,
             pd: Arc::clone(&pd.inner),
             _cqs: [
@@ -741,12 +771,13 @@ impl<'a> QueuePairBuilder<'a> {
                 stride: u64::from(sq_stride),
                 producer: Mutex::new(0),
             },
-            rq: WorkQueue {
-                ring: rq,
+            rq: rq.map(|ring| WorkQueue {
+                ring,
                 depth: recv_wr,
                 stride: u64::from(rq_stride),
                 producer: Mutex::new(0),
-            },
+            }),
+            _srq: self.srq.map(|srq| Arc::clone(&srq.inner)),
             doorbell,
         })
     }
@@ -771,8 +802,10 @@ pub struct QueuePair {
     max_inline_data: u32,
     pd: Arc<PdInner>,
     _cqs: [Arc<CqInner>; 2],
+    _srq: Option<Arc<SrqInner>>,
     sq: WorkQueue,
-    rq: WorkQueue,
+    /// None when the QP receives through an SRQ.
+    rq: Option<WorkQueue>,
     doorbell: SharedBuffer,
 }
 
@@ -781,6 +814,75 @@ const SQ_PRODUCER: u64 = 0;
 const RQ_PRODUCER: u64 = 4;
 const SQ_CONSUMER: u64 = 8;
 const RQ_CONSUMER: u64 = 12;
+
+/// A doorbell record and where in it a queue's producer and consumer indexes live.
+struct Doorbell<'a> {
+    record: &'a SharedBuffer,
+    producer_at: u64,
+    consumer_at: u64,
+}
+
+/// Writes `wrs` into `queue` with `write` (slot offset, request), then publishes the new
+/// producer index and rings the doorbell once (SPEC.md §8.1, §8.5). On error, the requests
+/// before the failing one were posted.
+fn post<W>(
+    queue: &WorkQueue,
+    doorbell: &Doorbell<'_>,
+    device: &DeviceInner,
+    notify_queue: u32,
+    wrs: &[W],
+    write: impl Fn(u64, &W) -> Result<()>,
+) -> Result<()> {
+    let mut producer = queue.producer.lock().unwrap_or_else(|e| e.into_inner());
+    let consumer = doorbell
+        .record
+        .atomic_u32(doorbell.consumer_at)?
+        .load(Ordering::Acquire);
+    let mut result = Ok(());
+    let mut posted = 0;
+    for wr in wrs {
+        if producer.wrapping_sub(consumer) >= queue.depth {
+            result = Err(Error::QueueFull { posted });
+            break;
+        }
+        let slot = u64::from(*producer & (queue.depth - 1)) * queue.stride;
+        if let Err(e) = write(slot, wr) {
+            result = Err(e);
+            break;
+        }
+        *producer = producer.wrapping_add(1);
+        posted += 1;
+    }
+    if posted > 0 {
+        // Release: the WQEs are visible before the index that publishes them.
+        doorbell
+            .record
+            .atomic_u32(doorbell.producer_at)?
+            .store(*producer, Ordering::Release);
+        device.ring_doorbell(notify_queue)?;
+    }
+    result
+}
+
+/// Writes a receive WQE into the slot at `slot` of `ring`.
+fn write_recv(ring: &SharedBuffer, max_sge: u32, slot: u64, wr: &RecvWr<'_>) -> Result<()> {
+    if wr.sges.len() > max_sge as usize {
+        return Err(Error::InvalidArgument(format!(
+            "{} SGEs exceed the queue's {max_sge}",
+            wr.sges.len()
+        )));
+    }
+    let header = std::mem::size_of::<RecvWqe>() as u64;
+    for (i, sge) in wr.sges.iter().enumerate() {
+        ring.write(slot + header + 16 * i as u64, wire_sge(sge).as_slice())?;
+    }
+    let wqe = RecvWqe {
+        wr_id: Le64::from(wr.wr_id),
+        num_sge: Le32::from(wr.sges.len() as u32),
+        reserved: Le32::from(0),
+    };
+    ring.write(slot, wqe.as_slice())
+}
 
 fn wire_sge(sge: &crate::work::Sge) -> WireSge {
     WireSge {
@@ -807,6 +909,7 @@ impl QueuePair {
             qp_type,
             send_cq: cq,
             recv_cq: cq,
+            srq: None,
             max_send_wr: 16,
             max_recv_wr: 16,
             max_send_sge: 1,
@@ -841,54 +944,40 @@ impl QueuePair {
     /// Writes `wrs` into the SQ and rings the doorbell once. No call into the device unless
     /// its poller is asleep. On error, the requests before the failing one were posted.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
-        self.post(&self.sq, SQ_PRODUCER, SQ_CONSUMER, wrs, |slot, wr| {
-            self.write_send(slot, wr)
-        })
+        let doorbell = Doorbell {
+            record: &self.doorbell,
+            producer_at: SQ_PRODUCER,
+            consumer_at: SQ_CONSUMER,
+        };
+        post(
+            &self.sq,
+            &doorbell,
+            &self.pd.device,
+            self.notify_queue,
+            wrs,
+            |slot, wr| self.write_send(slot, wr),
+        )
     }
 
     /// Writes `wrs` into the RQ and rings the doorbell once.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
-        self.post(&self.rq, RQ_PRODUCER, RQ_CONSUMER, wrs, |slot, wr| {
-            self.write_recv(slot, wr)
-        })
-    }
-
-    fn post<W>(
-        &self,
-        queue: &WorkQueue,
-        producer_at: u64,
-        consumer_at: u64,
-        wrs: &[W],
-        write: impl Fn(u64, &W) -> Result<()>,
-    ) -> Result<()> {
-        let mut producer = queue.producer.lock().unwrap_or_else(|e| e.into_inner());
-        let consumer = self
-            .doorbell
-            .atomic_u32(consumer_at)?
-            .load(Ordering::Acquire);
-        let mut result = Ok(());
-        let mut posted = 0;
-        for wr in wrs {
-            if producer.wrapping_sub(consumer) >= queue.depth {
-                result = Err(Error::QueueFull { posted });
-                break;
-            }
-            let slot = u64::from(*producer & (queue.depth - 1)) * queue.stride;
-            if let Err(e) = write(slot, wr) {
-                result = Err(e);
-                break;
-            }
-            *producer = producer.wrapping_add(1);
-            posted += 1;
-        }
-        if posted > 0 {
-            // Release: the WQEs are visible before the index that publishes them.
-            self.doorbell
-                .atomic_u32(producer_at)?
-                .store(*producer, Ordering::Release);
-            self.pd.device.ring_doorbell(self.notify_queue)?;
-        }
-        result
+        let rq = self
+            .rq
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("this QP receives through its SRQ".into()))?;
+        let doorbell = Doorbell {
+            record: &self.doorbell,
+            producer_at: RQ_PRODUCER,
+            consumer_at: RQ_CONSUMER,
+        };
+        post(
+            rq,
+            &doorbell,
+            &self.pd.device,
+            self.notify_queue,
+            wrs,
+            |slot, wr| write_recv(&rq.ring, self.max_recv_sge, slot, wr),
+        )
     }
 
     fn write_send(&self, slot: u64, wr: &SendWr<'_>) -> Result<()> {
@@ -991,32 +1080,11 @@ impl QueuePair {
         self.sq.ring.write(slot, wqe.as_slice())
     }
 
-    fn write_recv(&self, slot: u64, wr: &RecvWr<'_>) -> Result<()> {
-        if wr.sges.len() > self.max_recv_sge as usize {
-            return Err(Error::InvalidArgument(format!(
-                "{} SGEs exceed max_recv_sge {}",
-                wr.sges.len(),
-                self.max_recv_sge
-            )));
-        }
-        let header = std::mem::size_of::<RecvWqe>() as u64;
-        for (i, sge) in wr.sges.iter().enumerate() {
-            self.rq
-                .ring
-                .write(slot + header + 16 * i as u64, wire_sge(sge).as_slice())?;
-        }
-        let wqe = RecvWqe {
-            wr_id: Le64::from(wr.wr_id),
-            num_sge: Le32::from(wr.sges.len() as u32),
-            reserved: Le32::from(0),
-        };
-        self.rq.ring.write(slot, wqe.as_slice())
-    }
-
     /// Receive WQEs posted but not yet taken by the device. Posting is asynchronous: a UD
     /// sender that must not outrun the receiver waits for this to reach 0.
     pub fn recv_backlog(&self) -> Result<u32> {
-        let producer = *self.rq.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(rq) = &self.rq else { return Ok(0) };
+        let producer = *rq.producer.lock().unwrap_or_else(|e| e.into_inner());
         let consumer = self
             .doorbell
             .atomic_u32(RQ_CONSUMER)?
@@ -1037,6 +1105,95 @@ impl QueuePair {
 impl Drop for QueuePair {
     fn drop(&mut self) {
         self.pd.device.destroy(Opcode::DestroyQp, self.handle);
+    }
+}
+
+struct SrqInner {
+    pd: Arc<PdInner>,
+    handle: u32,
+    notify_queue: u32,
+    max_sge: u32,
+    queue: WorkQueue,
+    doorbell: SharedBuffer,
+}
+
+impl Drop for SrqInner {
+    fn drop(&mut self) {
+        self.pd.device.destroy(Opcode::DestroySrq, self.handle);
+    }
+}
+
+/// A shared receive queue: receives for every QP built on it.
+pub struct SharedReceiveQueue {
+    inner: Arc<SrqInner>,
+}
+
+impl ProtectionDomain {
+    /// An SRQ of `max_wr` entries (rounded up to a power of two) of up to `max_sge` SGEs.
+    pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<SharedReceiveQueue> {
+        let device = &self.inner.device;
+        let depth = max_wr.max(1).next_power_of_two();
+        let stride = (16 + 16 * max_sge).next_power_of_two().max(16);
+        let bytes = u64::from(depth) * u64::from(stride);
+        let ring = device.transport.alloc(bytes, PAGE_SIZE)?;
+        let doorbell = device
+            .transport
+            .alloc(std::mem::size_of::<SrqDoorbell>() as u64, 64)?;
+        let (list, _list_pages) = device.page_list(ring.addr(), bytes)?;
+        let request = CreateSrqRequest {
+            pd: Le32::from(self.inner.handle),
+            max_wr: Le32::from(depth),
+            max_sge: Le32::from(max_sge),
+            srq_limit: Le32::from(0),
+            wqe_shift: stride.trailing_zeros() as u8,
+            reserved: [0; 7],
+            ring: list,
+            doorbell: Le64::from(doorbell.addr()),
+        };
+        let created: CreateSrqResponse = device.command(Opcode::CreateSrq, &request)?;
+        Ok(SharedReceiveQueue {
+            inner: Arc::new(SrqInner {
+                pd: Arc::clone(&self.inner),
+                handle: created.handle.to_native(),
+                notify_queue: u32::from(created.notify_queue.to_native()),
+                max_sge,
+                queue: WorkQueue {
+                    ring,
+                    depth,
+                    stride: u64::from(stride),
+                    producer: Mutex::new(0),
+                },
+                doorbell,
+            }),
+        })
+    }
+}
+
+/// Offsets of the SRQ doorbell record's fields (SPEC.md §8.3).
+const SRQ_PRODUCER: u64 = 0;
+const SRQ_CONSUMER: u64 = 4;
+
+impl SharedReceiveQueue {
+    pub fn handle(&self) -> u32 {
+        self.inner.handle
+    }
+
+    /// Writes `wrs` into the SRQ and rings the doorbell once.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        let srq = &self.inner;
+        let doorbell = Doorbell {
+            record: &srq.doorbell,
+            producer_at: SRQ_PRODUCER,
+            consumer_at: SRQ_CONSUMER,
+        };
+        post(
+            &srq.queue,
+            &doorbell,
+            &srq.pd.device,
+            srq.notify_queue,
+            wrs,
+            |slot, wr| write_recv(&srq.queue.ring, srq.max_sge, slot, wr),
+        )
     }
 }
 

@@ -514,7 +514,9 @@ pub struct CreateSrqResponse {
     pub handle: Le32,
     pub max_wr: Le32,
     pub max_sge: Le32,
-    pub reserved: Le32,
+    /// Index (from 0) of the notification queue that serves this SRQ's doorbell.
+    pub notify_queue: Le16,
+    pub reserved: Le16,
 }
 
 /// MODIFY_SRQ request (SPEC.md §5.13): only the limit can change (mask bit 1 << 1).

@@ -51,6 +51,7 @@ impl RcEndpoint {
         let init = QpInit {
             qp_type: QpType::Rc,
             caps,
+            srq: None,
             sq_sig_all: false,
         };
         let qp = pd.create_qp(&cq, &cq, &init).expect("create RC QP");

@@ -500,3 +500,74 @@ fn a_guest_and_a_native_ibverbs_program_exchange_data_both_ways() {
     memory.read(4096, &mut text).unwrap();
     assert_eq!(&text, b"from a vrdma guest");
 }
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn four_qps_share_one_srq() {
+    const PER_QP: u64 = 50;
+    let backend = start_backend();
+    let a = Endpoint::new(&backend, QpType::Rc, 1 << 16);
+    let b = Endpoint::new(&backend, QpType::Rc, 1 << 16);
+    let srq = b.pd.create_srq(256, 1).unwrap();
+    let senders: Vec<QueuePair> = (0..4)
+        .map(|_| {
+            QueuePair::builder(QpType::Rc, &a.cq)
+                .max_send_wr(64)
+                .max_inline_data(16)
+                .build(&a.pd)
+                .unwrap()
+        })
+        .collect();
+    let receivers: Vec<QueuePair> = (0..4)
+        .map(|_| {
+            QueuePair::builder(QpType::Rc, &b.cq)
+                .srq(&srq)
+                .build(&b.pd)
+                .unwrap()
+        })
+        .collect();
+    let (index, gid) = a.device.gid().unwrap();
+    for (s, r) in senders.iter().zip(&receivers) {
+        connect_guest_qp(s, index as u8, gid, r.qp_num()).unwrap();
+        connect_guest_qp(r, index as u8, gid, s.qp_num()).unwrap();
+    }
+    // Receives go to the SRQ; a QP on it has no RQ of its own.
+    assert!(receivers[0]
+        .post_recv(&[RecvWr {
+            wr_id: 0,
+            sges: &[]
+        }])
+        .is_err());
+    for slot in 0..4 * PER_QP {
+        srq.post_recv(&[RecvWr {
+            wr_id: slot,
+            sges: &[b.sge(slot * 64, 64)],
+        }])
+        .unwrap();
+    }
+    for n in 0..PER_QP {
+        for (q, sender) in senders.iter().enumerate() {
+            let tag = [q as u8, n as u8, 0xaa, 0x55];
+            sender
+                .post_send(&[SendWr::new(n, SendOp::Send, Payload::Inline(&tag))])
+                .unwrap();
+        }
+        wait_for_guest_completions(&a.cq, 4);
+    }
+    let received = wait_for_guest_completions(&b.cq, (4 * PER_QP) as usize);
+    let mut per_qp = std::collections::HashMap::new();
+    for done in &received {
+        assert!(done.is_success() && done.byte_len == 4, "{done:?}");
+        let mut tag = [0u8; 4];
+        b.buffer.read(done.wr_id * 64, &mut tag).unwrap();
+        let receiver = &receivers[tag[0] as usize];
+        assert_eq!(
+            done.qp_num,
+            receiver.qp_num(),
+            "tag {tag:?} arrived on the wrong QP"
+        );
+        *per_qp.entry(done.qp_num).or_insert(0) += 1;
+    }
+    assert_eq!(per_qp.len(), 4);
+    assert!(per_qp.values().all(|&count| count == PER_QP), "{per_qp:?}");
+}

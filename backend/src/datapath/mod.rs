@@ -26,7 +26,7 @@ use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::hostverbs::{
     self, AddressHandle, CompletionChannel, CompletionQueue, Context, Payload, QpAttr, QpState,
-    QueuePair, RecvWr, SendOp, SendWr, Sge, UdDest, WorkCompletion,
+    QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
 };
 use wqe::{MrRange, QpRules, SendRequest, WqeError};
 
@@ -116,7 +116,8 @@ pub struct QpData {
     pub notify_queue: u32,
     rules: QpRules,
     sq: GuestRing,
-    rq: GuestRing,
+    /// None for a QP that receives from an SRQ.
+    rq: Option<GuestRing>,
     doorbell: u64,
     send_cq: Arc<CqData>,
     recv_cq: Arc<CqData>,
@@ -130,7 +131,7 @@ impl QpData {
         qp: QueuePair,
         notify_queue: u32,
         rules: QpRules,
-        (sq, rq): (GuestRing, GuestRing),
+        (sq, rq): (GuestRing, Option<GuestRing>),
         doorbell: u64,
         send_cq: Arc<CqData>,
         recv_cq: Arc<CqData>,
@@ -154,6 +155,47 @@ impl QpData {
     }
 }
 
+struct SrqProgress {
+    consumer: u32,
+    failed: bool,
+}
+
+/// The data-path half of an SRQ.
+pub struct SrqData {
+    pub handle: u32,
+    pub srq: Arc<SharedReceiveQueue>,
+    pub notify_queue: u32,
+    rules: QpRules,
+    ring: GuestRing,
+    doorbell: u64,
+    progress: Mutex<SrqProgress>,
+}
+
+impl SrqData {
+    pub fn new(
+        handle: u32,
+        srq: Arc<SharedReceiveQueue>,
+        notify_queue: u32,
+        rules: QpRules,
+        ring: GuestRing,
+        doorbell: u64,
+    ) -> Self {
+        let progress = Mutex::new(SrqProgress {
+            consumer: 0,
+            failed: false,
+        });
+        SrqData {
+            handle,
+            srq,
+            notify_queue,
+            rules,
+            ring,
+            doorbell,
+            progress,
+        }
+    }
+}
+
 /// Where events for the guest go (the event virtqueue); `deliver` is false when the guest
 /// has no buffer posted.
 pub trait EventSink: Send + Sync {
@@ -163,6 +205,7 @@ pub trait EventSink: Send + Sync {
 #[derive(Default)]
 struct ShardObjects {
     qps: Vec<Arc<QpData>>,
+    srqs: Vec<Arc<SrqData>>,
     cqs: Vec<Arc<CqData>>,
 }
 
@@ -332,6 +375,27 @@ impl DataPath {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .qps
+            .retain(|q| q.handle != handle);
+    }
+
+    pub fn add_srq(&self, srq: Arc<SrqData>) {
+        let shard = self.shard_of_queue(srq.notify_queue);
+        shard
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .srqs
+            .push(srq);
+        let _ = shard.wake.write(1);
+    }
+
+    pub fn remove_srq(&self, handle: u32) {
+        let shard = self.shard_of_queue(self.notify_queue_for(handle));
+        shard
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .srqs
             .retain(|q| q.handle != handle);
     }
 
@@ -564,6 +628,9 @@ impl Poller {
             work |= self.process_sq(&mem, qp);
             work |= self.process_rq(&mem, qp);
         }
+        for srq in &objects.srqs {
+            work |= self.process_srq(&mem, srq);
+        }
         for cq in &objects.cqs {
             work |= self.process_cq(&mem, cq);
         }
@@ -741,65 +808,47 @@ impl Poller {
         }
     }
 
-    fn process_rq(&mut self, mem: &Memory, qp: &QpData) -> bool {
-        let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
-        if progress.failed {
-            return false;
-        }
-        let Ok(producer) = mem.load::<u32>(GuestAddress(qp.doorbell + 4), Ordering::Acquire) else {
-            return false;
-        };
-        let pending = producer.wrapping_sub(progress.rq_consumer);
-        if pending == 0 {
-            return false;
-        }
-        if pending > qp.rq.depth {
-            progress.failed = true;
-            self.fail_qp(
-                mem,
-                qp,
-                &qp.recv_cq,
-                None,
-                &format!(
-                    "RQ producer {producer} runs {pending} ahead of a {}-deep ring",
-                    qp.rq.depth
-                ),
-            );
-            return true;
-        }
+    /// Copies and validates up to a batch of receive WQEs from `ring` (between `consumer` and
+    /// `producer`) into `self.recv`/`self.sges`; returns the first refused one, if any.
+    fn read_receives(
+        &mut self,
+        mem: &Memory,
+        ring: &GuestRing,
+        rules: &QpRules,
+        consumer: u32,
+        pending: u32,
+    ) -> Option<(u64, WqeError)> {
         self.sges.clear();
         self.recv.clear();
-        let mut refused = None;
-        let stride = qp.rq.stride();
-        {
-            let shared = Arc::clone(&self.shared);
-            let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
-            let lookup = |lkey| mrs.get(&lkey).copied();
-            for i in 0..pending.min(BATCH) {
-                let slot = &mut self.slot[..stride];
-                if mem
-                    .read_slice(slot, qp.rq.slot(progress.rq_consumer.wrapping_add(i)))
-                    .is_err()
-                {
-                    refused = Some((
-                        0,
-                        WqeError {
-                            status: wqe::WC_LOC_QP_OP_ERR,
-                            reason: "RQ ring unreadable".into(),
-                        },
-                    ));
-                    break;
-                }
-                let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-                match wqe::parse_recv(slot, &qp.rules, &lookup, &mut self.sges) {
-                    Ok(received) => self.recv.push(received),
-                    Err(error) => {
-                        refused = Some((wr_id, error));
-                        break;
-                    }
-                }
+        let shared = Arc::clone(&self.shared);
+        let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
+        let lookup = |lkey| mrs.get(&lkey).copied();
+        for i in 0..pending.min(BATCH) {
+            let slot = &mut self.slot[..ring.stride()];
+            if mem
+                .read_slice(slot, ring.slot(consumer.wrapping_add(i)))
+                .is_err()
+            {
+                let reason = "receive ring unreadable".to_string();
+                return Some((
+                    0,
+                    WqeError {
+                        status: wqe::WC_LOC_QP_OP_ERR,
+                        reason,
+                    },
+                ));
+            }
+            let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
+            match wqe::parse_recv(slot, rules, &lookup, &mut self.sges) {
+                Ok(received) => self.recv.push(received),
+                Err(error) => return Some((wr_id, error)),
             }
         }
+        None
+    }
+
+    /// Posts what `read_receives` collected with `post`; returns how many the host took.
+    fn post_receives(&self, post: impl Fn(&[RecvWr<'_>]) -> hostverbs::Result<()>) -> usize {
         let mut at = 0;
         let wrs: Vec<RecvWr<'_>> = self
             .recv
@@ -812,16 +861,43 @@ impl Poller {
                 }
             })
             .collect();
-        let posted = match qp.qp.post_recv(&wrs) {
+        match post(&wrs) {
             Ok(()) => wrs.len(),
             Err(hostverbs::Error::Post { posted, .. }) => posted,
             Err(_) => 0,
+        }
+    }
+
+    fn process_rq(&mut self, mem: &Memory, qp: &QpData) -> bool {
+        let Some(rq) = &qp.rq else { return false };
+        let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
+        if progress.failed {
+            return false;
+        }
+        let Ok(producer) = mem.load::<u32>(GuestAddress(qp.doorbell + 4), Ordering::Acquire) else {
+            return false;
         };
+        let pending = producer.wrapping_sub(progress.rq_consumer);
+        if pending == 0 {
+            return false;
+        }
+        if pending > rq.depth {
+            progress.failed = true;
+            let reason = format!(
+                "RQ producer {producer} runs {pending} ahead of a {}-deep ring",
+                rq.depth
+            );
+            self.fail_qp(mem, qp, &qp.recv_cq, None, &reason);
+            return true;
+        }
+        let refused = self.read_receives(mem, rq, &qp.rules, progress.rq_consumer, pending);
+        let posted = self.post_receives(|wrs| qp.qp.post_recv(wrs));
         progress.rq_consumer = progress.rq_consumer.wrapping_add(posted as u32);
-        if let (true, Some((wr_id, error))) = (posted == wrs.len(), refused.as_ref()) {
+        let refused_any = refused.is_some();
+        if let (true, Some((wr_id, error))) = (posted == self.recv.len(), refused) {
             progress.rq_consumer = progress.rq_consumer.wrapping_add(1);
             let cqe = error_cqe(
-                *wr_id,
+                wr_id,
                 qp.qp.qp_num(),
                 error.status,
                 vrdma_spec::ring::wc_opcode::RECV,
@@ -834,7 +910,47 @@ impl Poller {
             Ordering::Release,
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
-        posted > 0 || refused.is_some()
+        posted > 0 || refused_any
+    }
+
+    fn process_srq(&mut self, mem: &Memory, srq: &SrqData) -> bool {
+        let mut progress = srq.progress.lock().unwrap_or_else(|e| e.into_inner());
+        if progress.failed {
+            return false;
+        }
+        let Ok(producer) = mem.load::<u32>(GuestAddress(srq.doorbell), Ordering::Acquire) else {
+            return false;
+        };
+        let pending = producer.wrapping_sub(progress.consumer);
+        if pending == 0 {
+            return false;
+        }
+        let refused = if pending > srq.ring.depth {
+            Some(format!(
+                "SRQ producer {producer} runs {pending} ahead of a {}-deep ring",
+                srq.ring.depth
+            ))
+        } else {
+            let refused =
+                self.read_receives(mem, &srq.ring, &srq.rules, progress.consumer, pending);
+            let posted = self.post_receives(|wrs| srq.srq.post_recv(wrs));
+            progress.consumer = progress.consumer.wrapping_add(posted as u32);
+            self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
+            let _ = mem.store(
+                progress.consumer,
+                GuestAddress(srq.doorbell + 4),
+                Ordering::Release,
+            );
+            refused.map(|(_, error)| error.reason)
+        };
+        if let Some(reason) = refused {
+            log::warn!(
+                "SRQ {:#x}: {reason}; no more WQEs are taken from it",
+                srq.handle
+            );
+            progress.failed = true;
+        }
+        true
     }
 
     /// Free CQE slots, from the guest's published consumer index; `None` if the CQ is broken.

@@ -11,21 +11,21 @@ use vm_memory::GuestMemoryBackend;
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     gid_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
-    CreateQpResponse, CreatedResponse, DeviceAttr as WireDeviceAttr, HandleRequest,
-    ModifyQpRequest, Opcode, PortAttr as WirePortAttr, QpAttr as WireQpAttr, QueryGidRequest,
-    QueryGidResponse, QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
-    SetNotifyAreaRequest, Status,
+    CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse,
+    DeviceAttr as WireDeviceAttr, HandleRequest, ModifyQpRequest, Opcode, PortAttr as WirePortAttr,
+    QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse, QueryPortRequest, RegMrRequest,
+    RegMrResponse, RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status,
 };
-use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, CQE_SIZE};
+use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SIZE};
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::datapath::wqe::{MrRange, QpRules};
-use crate::datapath::{CqData, DataPath, GuestRing, QpData};
+use crate::datapath::{CqData, DataPath, GuestRing, QpData, SrqData};
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpCaps, QpInit, QpType};
 use crate::mtt::{self, pages_needed, GuestPagesMapping, PageListRules};
 use crate::{limits, Config, HostDevice};
 pub use objects::Objects;
-use objects::{AhEntry, CqEntry, MrEntry, QpEntry};
+use objects::{AhEntry, CqEntry, MrEntry, QpEntry, SrqEntry};
 
 /// A command refused or failed: the status the guest sees and why, for the log.
 #[derive(Debug)]
@@ -259,9 +259,11 @@ impl Device {
             Opcode::CreateAh => self.create_ah(parse(payload)),
             Opcode::DestroyAh => self.destroy_ah(parse(payload)),
             Opcode::SetNotifyArea => self.set_notify_area(mem, parse(payload)),
-            Opcode::CreateSrq | Opcode::ModifySrq | Opcode::DestroySrq => Err(CommandError::new(
+            Opcode::CreateSrq => self.create_srq(mem, parse(payload)),
+            Opcode::DestroySrq => self.destroy_srq(parse(payload)),
+            Opcode::ModifySrq => Err(CommandError::new(
                 Status::Unsupported,
-                format!("{opcode:?} is not implemented by this device yet"),
+                "SRQ limit events are not implemented",
             )),
         }
     }
@@ -507,11 +509,20 @@ impl Device {
         let recv_cq = Arc::clone(&self.objects.cq(recv_cq_handle)?.data);
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, QpDoorbell>(mem, doorbell, 16)?;
+        let srq_handle = Some(req.srq.to_native()).filter(|&h| h != 0);
+        let srq = match srq_handle {
+            Some(h) => Some(Arc::clone(&self.objects.srq(h)?.data)),
+            None => None,
+        };
         let sq = self.ring(mem, &req.sq_ring, caps.max_send_wr, req.sq_wqe_shift)?;
-        let rq = self.ring(mem, &req.rq_ring, caps.max_recv_wr, req.rq_wqe_shift)?;
+        let rq = match srq {
+            Some(_) => None,
+            None => Some(self.ring(mem, &req.rq_ring, caps.max_recv_wr, req.rq_wqe_shift)?),
+        };
         let init = QpInit {
             qp_type: shape.qp_type,
             caps,
+            srq: srq.as_ref().map(|s| &s.srq),
             sq_sig_all: req.sq_sig_all == 1,
         };
         let qp = pd.create_qp(&send_cq.host, &recv_cq.host, &init)?;
@@ -544,6 +555,7 @@ impl Device {
             pd: pd_handle,
             send_cq: send_cq_handle,
             recv_cq: recv_cq_handle,
+            srq: srq_handle,
         };
         self.objects.insert_qp(handle, entry);
         self.data_path.add_qp(data);
@@ -558,6 +570,71 @@ impl Device {
             max_recv_sge: Le32::from(caps.max_recv_sge),
             max_inline_data: Le32::from(caps.max_inline_data),
         })
+    }
+
+    fn create_srq<M: GuestMemoryBackend>(
+        &mut self,
+        mem: &M,
+        req: CreateSrqRequest,
+    ) -> CommandResult {
+        if self.features & features::SRQ == 0 {
+            return Err(CommandError::new(
+                Status::Unsupported,
+                "SRQs were not negotiated",
+            ));
+        }
+        self.check_quota("SRQ", self.objects.srqs.len(), self.config.max_srq)?;
+        if self.notify_area.is_none() {
+            return Err(CommandError::invalid("CREATE_SRQ before SET_NOTIFY_AREA"));
+        }
+        let (max_wr, max_sge) = validate::create_srq(&req, &self.config)?;
+        let pd_handle = req.pd.to_native();
+        let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
+        let doorbell = req.doorbell.to_native();
+        validate::guest_record::<M, SrqDoorbell>(mem, doorbell, 16)?;
+        let ring = self.ring(mem, &req.ring, max_wr, req.wqe_shift)?;
+        let srq = pd.create_srq(max_wr, max_sge)?;
+        let handle = self.objects.new_handle();
+        let notify_queue = self.data_path.notify_queue_for(handle);
+        let rules = QpRules {
+            pd: pd_handle,
+            ud: false,
+            atomics: false,
+            max_send_sge: 0,
+            max_recv_sge: max_sge,
+            max_inline: 0,
+            sq_stride: 0,
+            rq_stride: 1 << req.wqe_shift,
+        };
+        let data = Arc::new(SrqData::new(
+            handle,
+            srq,
+            notify_queue,
+            rules,
+            ring,
+            doorbell,
+        ));
+        let entry = SrqEntry {
+            data: Arc::clone(&data),
+            pd: pd_handle,
+            users: 0,
+        };
+        self.objects.insert_srq(handle, entry);
+        self.data_path.add_srq(data);
+        reply(CreateSrqResponse {
+            handle: Le32::from(handle),
+            max_wr: Le32::from(max_wr),
+            max_sge: Le32::from(max_sge),
+            notify_queue: Le16::from(notify_queue as u16),
+            reserved: Le16::from(0),
+        })
+    }
+
+    fn destroy_srq(&mut self, req: HandleRequest) -> CommandResult {
+        let handle = req.handle.to_native();
+        self.objects.remove_srq(handle)?;
+        self.data_path.remove_srq(handle);
+        Ok(Vec::new())
     }
 
     fn destroy_qp(&mut self, req: HandleRequest) -> CommandResult {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use vrdma_spec::ctrl::Status;
 
 use super::CommandError;
-use crate::datapath::{CqData, QpData};
+use crate::datapath::{CqData, QpData, SrqData};
 use crate::hostverbs::{AddressHandle, MemoryRegion, ProtectionDomain};
 
 /// A guest-visible handle: never 0, unique across all object types of one connection.
@@ -35,6 +35,14 @@ pub struct QpEntry {
     pub pd: Handle,
     pub send_cq: Handle,
     pub recv_cq: Handle,
+    pub srq: Option<Handle>,
+}
+
+pub struct SrqEntry {
+    pub data: Arc<SrqData>,
+    pub pd: Handle,
+    /// QPs that receive from this SRQ.
+    pub users: u32,
 }
 
 pub struct AhEntry {
@@ -49,6 +57,7 @@ pub struct Objects {
     // Field order is drop order: children before the objects they use.
     pub qps: HashMap<Handle, QpEntry>,
     pub ahs: HashMap<Handle, AhEntry>,
+    pub srqs: HashMap<Handle, SrqEntry>,
     pub mrs: HashMap<Handle, MrEntry>,
     pub cqs: HashMap<Handle, CqEntry>,
     pub pds: HashMap<Handle, PdEntry>,
@@ -98,6 +107,7 @@ impl Objects {
             || self.mrs.contains_key(&h)
             || self.qps.contains_key(&h)
             || self.ahs.contains_key(&h)
+            || self.srqs.contains_key(&h)
     }
 
     pub fn pd(&self, h: Handle) -> Result<&PdEntry, CommandError> {
@@ -110,6 +120,33 @@ impl Objects {
 
     pub fn qp(&self, h: Handle) -> Result<&QpEntry, CommandError> {
         self.qps.get(&h).ok_or_else(|| bad_handle("QP", h))
+    }
+
+    pub fn srq(&self, h: Handle) -> Result<&SrqEntry, CommandError> {
+        self.srqs.get(&h).ok_or_else(|| bad_handle("SRQ", h))
+    }
+
+    /// Inserts an SRQ under a handle from [`Objects::new_handle`].
+    pub fn insert_srq(&mut self, h: Handle, entry: SrqEntry) {
+        self.use_pd(entry.pd, 1);
+        self.srqs.insert(h, entry);
+    }
+
+    pub fn remove_srq(&mut self, h: Handle) -> Result<(), CommandError> {
+        let users = self.srq(h)?.users;
+        if users > 0 {
+            return Err(busy("SRQ", h, users));
+        }
+        if let Some(entry) = self.srqs.remove(&h) {
+            self.use_pd(entry.pd, -1);
+        }
+        Ok(())
+    }
+
+    fn use_srq(&mut self, h: Option<Handle>, delta: i32) {
+        if let Some(srq) = h.and_then(|h| self.srqs.get_mut(&h)) {
+            srq.users = srq.users.saturating_add_signed(delta);
+        }
     }
 
     pub fn insert_pd(&mut self, pd: Arc<ProtectionDomain>) -> Handle {
@@ -171,6 +208,7 @@ impl Objects {
         self.use_pd(entry.pd, 1);
         self.use_cq(entry.send_cq, 1);
         self.use_cq(entry.recv_cq, 1);
+        self.use_srq(entry.srq, 1);
         self.qps.insert(h, entry);
     }
 
@@ -179,6 +217,7 @@ impl Objects {
         self.use_pd(entry.pd, -1);
         self.use_cq(entry.send_cq, -1);
         self.use_cq(entry.recv_cq, -1);
+        self.use_srq(entry.srq, -1);
         Ok(())
     }
 
@@ -197,7 +236,12 @@ impl Objects {
 
     /// Objects held, of all kinds.
     pub fn count(&self) -> usize {
-        self.pds.len() + self.cqs.len() + self.mrs.len() + self.qps.len() + self.ahs.len()
+        self.pds.len()
+            + self.cqs.len()
+            + self.mrs.len()
+            + self.qps.len()
+            + self.ahs.len()
+            + self.srqs.len()
     }
 }
 

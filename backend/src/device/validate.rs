@@ -5,7 +5,7 @@ use vm_memory::GuestMemoryBackend;
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     access, qp_attr_mask as wire_mask, qp_state, qp_type, AhAttr as WireAhAttr, CreateQpRequest,
-    ModifyQpRequest, Status,
+    CreateSrqRequest, ModifyQpRequest, Status,
 };
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
 
@@ -102,10 +102,11 @@ pub(super) fn create_qp(
         }
         other => return Err(invalid(format!("QP type {other} is not RC (2) or UD (4)"))),
     };
-    if req.srq.to_native() != 0 {
+    let with_srq = req.srq.to_native() != 0;
+    if with_srq && negotiated & features::SRQ == 0 {
         return Err(CommandError::new(
             Status::Unsupported,
-            "SRQs are not implemented by this device yet",
+            "SRQs were not negotiated",
         ));
     }
     if req.sq_sig_all > 1 {
@@ -119,9 +120,27 @@ pub(super) fn create_qp(
     let send_wr = req.max_send_wr.to_native();
     let recv_wr = req.max_recv_wr.to_native();
     depth("max_send_wr", send_wr, 1, max_wr)?;
-    depth("max_recv_wr", recv_wr, 1, max_wr)?;
+    if with_srq {
+        let rq_fields = [
+            recv_wr,
+            req.max_recv_sge.to_native(),
+            req.rq_wqe_shift.into(),
+            req.rq_ring.npages.to_native(),
+        ];
+        if rq_fields.iter().any(|&v| v != 0) {
+            return Err(invalid(
+                "a QP on an SRQ has no RQ: its RQ fields must be 0".into(),
+            ));
+        }
+    } else {
+        depth("max_recv_wr", recv_wr, 1, max_wr)?;
+    }
     let send_sge = range("max_send_sge", req.max_send_sge.to_native(), 1, max_sge)?;
-    let recv_sge = range("max_recv_sge", req.max_recv_sge.to_native(), 1, max_sge)?;
+    let recv_sge = if with_srq {
+        0
+    } else {
+        range("max_recv_sge", req.max_recv_sge.to_native(), 1, max_sge)?
+    };
     let inline = range(
         "max_inline_data",
         req.max_inline_data.to_native(),
@@ -136,12 +155,14 @@ pub(super) fn create_qp(
         MIN_SQ_WQE_SHIFT.into(),
         MAX_WQE_SHIFT.into(),
     )?;
-    range(
-        "rq_wqe_shift",
-        rq_shift,
-        MIN_RQ_WQE_SHIFT.into(),
-        MAX_WQE_SHIFT.into(),
-    )?;
+    if !with_srq {
+        range(
+            "rq_wqe_shift",
+            rq_shift,
+            MIN_RQ_WQE_SHIFT.into(),
+            MAX_WQE_SHIFT.into(),
+        )?;
+    }
     let sq_needed = SEND_WQE_HEADER + (SGE_SIZE * u64::from(send_sge)).max(u64::from(inline));
     if sq_needed > 1 << sq_shift {
         return Err(invalid(format!(
@@ -150,7 +171,7 @@ pub(super) fn create_qp(
         )));
     }
     let rq_needed = RECV_WQE_HEADER + SGE_SIZE * u64::from(recv_sge);
-    if rq_needed > 1 << rq_shift {
+    if !with_srq && rq_needed > 1 << rq_shift {
         return Err(invalid(format!(
             "RQ slots of {} bytes cannot hold {rq_needed}",
             1u64 << rq_shift
@@ -169,6 +190,44 @@ pub(super) fn create_qp(
             max_inline_data: inline,
         },
     })
+}
+
+/// CREATE_SRQ fields (SPEC.md §5.13): the depth and SGE count granted.
+pub fn create_srq(
+    req: &CreateSrqRequest,
+    config: &DeviceConfig,
+) -> Result<(u32, u32), CommandError> {
+    let max_wr = req.max_wr.to_native();
+    depth("SRQ depth", max_wr, 1, config.max_srq_wr.to_native())?;
+    let max_sge = range(
+        "SRQ max_sge",
+        req.max_sge.to_native(),
+        1,
+        config.max_sge.to_native(),
+    )?;
+    if req.srq_limit.to_native() != 0 {
+        return Err(CommandError::new(
+            Status::Unsupported,
+            "SRQ limit events are not implemented",
+        ));
+    }
+    let shift = u32::from(req.wqe_shift);
+    range(
+        "SRQ wqe_shift",
+        shift,
+        MIN_RQ_WQE_SHIFT.into(),
+        MAX_WQE_SHIFT.into(),
+    )?;
+    if RECV_WQE_HEADER + SGE_SIZE * u64::from(max_sge) > 1 << shift {
+        return Err(invalid(format!(
+            "SRQ slots of {} bytes cannot hold {max_sge} SGEs",
+            1u64 << shift
+        )));
+    }
+    if req.reserved.iter().any(|&r| r != 0) {
+        return Err(invalid("reserved fields must be zero".into()));
+    }
+    Ok((max_wr, max_sge))
 }
 
 /// What MODIFY_QP checks fields against.
@@ -676,6 +735,86 @@ mod tests {
             status(create_qp(&ud, &config(), features::RC)),
             Status::Unsupported
         );
+    }
+
+    #[test]
+    fn a_qp_on_an_srq_has_no_rq_of_its_own() {
+        let on_srq = CreateQpRequest {
+            srq: Le32::from(9),
+            max_recv_wr: Le32::from(0),
+            max_recv_sge: Le32::from(0),
+            rq_wqe_shift: 0,
+            ..rc_request()
+        };
+        let shape = create_qp(&on_srq, &config(), features::RC | features::SRQ).unwrap();
+        assert_eq!((shape.caps.max_recv_wr, shape.caps.max_recv_sge), (0, 0));
+        assert_eq!(
+            status(create_qp(&on_srq, &config(), features::RC)),
+            Status::Unsupported
+        );
+        let with_rq_too = CreateQpRequest {
+            max_recv_wr: Le32::from(8),
+            ..on_srq
+        };
+        assert_eq!(
+            status(create_qp(
+                &with_rq_too,
+                &config(),
+                features::RC | features::SRQ
+            )),
+            Status::InvalidArgument
+        );
+    }
+
+    #[test]
+    fn srq_shapes() {
+        let config = DeviceConfig {
+            max_srq_wr: Le32::from(1024),
+            ..config()
+        };
+        let good = CreateSrqRequest {
+            max_wr: Le32::from(64),
+            max_sge: Le32::from(3),
+            wqe_shift: 6,
+            ..Default::default()
+        };
+        assert_eq!(create_srq(&good, &config).unwrap(), (64, 3));
+        for (i, bad) in [
+            CreateSrqRequest {
+                max_wr: Le32::from(48),
+                ..good
+            },
+            CreateSrqRequest {
+                max_sge: Le32::from(0),
+                ..good
+            },
+            CreateSrqRequest {
+                max_sge: Le32::from(4),
+                ..good
+            },
+            CreateSrqRequest {
+                wqe_shift: 13,
+                ..good
+            },
+            CreateSrqRequest {
+                reserved: [1, 0, 0, 0, 0, 0, 0],
+                ..good
+            },
+        ]
+        .iter()
+        .enumerate()
+        {
+            assert_eq!(
+                status(create_srq(bad, &config)),
+                Status::InvalidArgument,
+                "case {i}"
+            );
+        }
+        let limited = CreateSrqRequest {
+            srq_limit: Le32::from(4),
+            ..good
+        };
+        assert_eq!(status(create_srq(&limited, &config)), Status::Unsupported);
     }
 
     #[test]

@@ -97,10 +97,12 @@ impl From<ibv_qp_cap> for QpCaps {
 }
 
 /// What [`ProtectionDomain::create_qp`] needs besides the CQs.
-#[derive(Clone, Copy, Debug)]
-pub struct QpInit {
+#[derive(Clone, Copy)]
+pub struct QpInit<'a> {
     pub qp_type: QpType,
     pub caps: QpCaps,
+    /// Receive from this SRQ instead of an RQ of the QP's own.
+    pub srq: Option<&'a Arc<SharedReceiveQueue>>,
     /// Every send WR completes with a CQE, whatever its `signaled`.
     pub sq_sig_all: bool,
 }
@@ -221,6 +223,7 @@ pub struct QueuePair {
     _pd: Arc<ProtectionDomain>,
     _send_cq: Arc<CompletionQueue>,
     _recv_cq: Arc<CompletionQueue>,
+    _srq: Option<Arc<SharedReceiveQueue>>,
 }
 
 verbs_object_is_thread_safe!(QueuePair);
@@ -230,7 +233,7 @@ impl ProtectionDomain {
         self: &Arc<Self>,
         send_cq: &Arc<CompletionQueue>,
         recv_cq: &Arc<CompletionQueue>,
-        init: &QpInit,
+        init: &QpInit<'_>,
     ) -> Result<QueuePair> {
         // SAFETY: all-zero is a valid ibv_qp_init_attr (null pointers and integers).
         let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
@@ -241,6 +244,7 @@ impl ProtectionDomain {
             QpType::Ud => ibv_qp_type::IBV_QPT_UD,
         };
         attr.sq_sig_all = init.sq_sig_all.into();
+        attr.srq = init.srq.map_or(std::ptr::null_mut(), |srq| srq.as_ptr());
         attr.cap = ibv_qp_cap {
             max_send_wr: init.caps.max_send_wr,
             max_recv_wr: init.caps.max_recv_wr,
@@ -259,6 +263,7 @@ impl ProtectionDomain {
             _pd: Arc::clone(self),
             _send_cq: Arc::clone(send_cq),
             _recv_cq: Arc::clone(recv_cq),
+            _srq: init.srq.cloned(),
         })
     }
 }
@@ -572,36 +577,98 @@ impl QueuePair {
 
     /// Posts receive work requests in order, chained in batches.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
-        let mut posted = 0;
-        for chunk in wrs.chunks(POST_BATCH) {
-            // SAFETY: all-zero is a valid ibv_recv_wr (integers and null pointers).
-            let mut raw: [ibv_recv_wr; POST_BATCH] = unsafe { std::mem::zeroed() };
-            for (i, wr) in chunk.iter().enumerate() {
-                raw[i].wr_id = wr.wr_id;
-                raw[i].sg_list = wr.sges.as_ptr() as *mut ibv_sge;
-                raw[i].num_sge = c_int::try_from(wr.sges.len())
-                    .map_err(|_| Error::InvalidArgument("too many SGEs".into()))?;
-            }
-            let base = raw.as_mut_ptr();
-            for i in 1..chunk.len() {
-                // SAFETY: both indexes are inside the array.
-                unsafe { (*base.add(i - 1)).next = base.add(i) };
-            }
-            let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-            // SAFETY: the QP is alive; the chain and the SGE slices live for the call.
-            let ret = unsafe { ibv_post_recv(self.raw.as_ptr(), base, &mut bad) };
-            if ret != 0 {
-                let accepted = if bad.is_null() {
-                    0
-                } else {
-                    // SAFETY: `bad` points into `raw`, per the verbs contract.
-                    unsafe { bad.offset_from(base) as usize }
-                };
-                return Err(post_error("ibv_post_recv", posted + accepted, ret));
-            }
-            posted += chunk.len();
+        post_recv_chains("ibv_post_recv", wrs, |first, bad| {
+            // SAFETY: the QP is alive; the chain and its SGE slices live for the call.
+            unsafe { ibv_post_recv(self.raw.as_ptr(), first, bad) }
+        })
+    }
+}
+
+/// Chains `wrs` in batches and hands each chain to `post` (a QP's or an SRQ's post_recv).
+fn post_recv_chains(
+    call: &'static str,
+    wrs: &[RecvWr<'_>],
+    post: impl Fn(*mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> c_int,
+) -> Result<()> {
+    let mut posted = 0;
+    for chunk in wrs.chunks(POST_BATCH) {
+        // SAFETY: all-zero is a valid ibv_recv_wr (integers and null pointers).
+        let mut raw: [ibv_recv_wr; POST_BATCH] = unsafe { std::mem::zeroed() };
+        for (i, wr) in chunk.iter().enumerate() {
+            raw[i].wr_id = wr.wr_id;
+            raw[i].sg_list = wr.sges.as_ptr() as *mut ibv_sge;
+            raw[i].num_sge = c_int::try_from(wr.sges.len())
+                .map_err(|_| Error::InvalidArgument("too many SGEs".into()))?;
         }
-        Ok(())
+        let base = raw.as_mut_ptr();
+        for i in 1..chunk.len() {
+            // SAFETY: both indexes are inside the array.
+            unsafe { (*base.add(i - 1)).next = base.add(i) };
+        }
+        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        let ret = post(base, &mut bad);
+        if ret != 0 {
+            let accepted = if bad.is_null() {
+                0
+            } else {
+                // SAFETY: `bad` points into `raw`, per the verbs contract.
+                unsafe { bad.offset_from(base) as usize }
+            };
+            return Err(post_error(call, posted + accepted, ret));
+        }
+        posted += chunk.len();
+    }
+    Ok(())
+}
+
+/// A host shared receive queue.
+pub struct SharedReceiveQueue {
+    raw: NonNull<ibv_srq>,
+    _pd: Arc<ProtectionDomain>,
+}
+
+verbs_object_is_thread_safe!(SharedReceiveQueue);
+
+impl ProtectionDomain {
+    pub fn create_srq(
+        self: &Arc<Self>,
+        max_wr: u32,
+        max_sge: u32,
+    ) -> Result<Arc<SharedReceiveQueue>> {
+        // SAFETY: all-zero is a valid ibv_srq_init_attr (a null context and integers).
+        let mut attr: ibv_srq_init_attr = unsafe { std::mem::zeroed() };
+        attr.attr.max_wr = max_wr;
+        attr.attr.max_sge = max_sge;
+        // SAFETY: the PD is alive (kept alive by the SRQ) and `attr` is valid.
+        let raw = NonNull::new(unsafe { ibv_create_srq(self.as_ptr(), &mut attr) })
+            .ok_or_else(|| last_error("ibv_create_srq"))?;
+        Ok(Arc::new(SharedReceiveQueue {
+            raw,
+            _pd: Arc::clone(self),
+        }))
+    }
+}
+
+impl SharedReceiveQueue {
+    pub(crate) fn as_ptr(&self) -> *mut ibv_srq {
+        self.raw.as_ptr()
+    }
+
+    /// Posts receive work requests in order, chained in batches.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        post_recv_chains("ibv_post_srq_recv", wrs, |first, bad| {
+            // SAFETY: the SRQ is alive; the chain and its SGE slices live for the call.
+            unsafe { ibv_post_srq_recv(self.raw.as_ptr(), first, bad) }
+        })
+    }
+}
+
+impl Drop for SharedReceiveQueue {
+    fn drop(&mut self) {
+        // SAFETY: QPs using the SRQ hold an Arc of it, so none is left.
+        if unsafe { ibv_destroy_srq(self.raw.as_ptr()) } != 0 {
+            log::error!("ibv_destroy_srq failed");
+        }
     }
 }
 
