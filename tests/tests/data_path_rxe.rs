@@ -159,6 +159,55 @@ fn rc_send_recv_round_trips_carry_their_payload() {
     );
 }
 
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn two_guest_processes_make_10000_checked_round_trips() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Command, Stdio};
+    const ROUND_TRIPS: u32 = 10_000;
+    let backend = start_backend();
+    let spawn = |mode: &str| {
+        Command::new(env!("CARGO_BIN_EXE_guest-endpoint"))
+            .args([
+                mode,
+                backend.socket.to_str().unwrap(),
+                &ROUND_TRIPS.to_string(),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start guest-endpoint")
+    };
+    let (mut ping, mut pong) = (spawn("ping"), spawn("pong"));
+    let mut ping_out = BufReader::new(ping.stdout.take().unwrap());
+    let mut pong_out = BufReader::new(pong.stdout.take().unwrap());
+    let line = |reader: &mut BufReader<std::process::ChildStdout>| {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        line.trim().to_string()
+    };
+    let (ping_addr, pong_addr) = (line(&mut ping_out), line(&mut pong_out));
+    let mut ping_in = ping.stdin.take().unwrap();
+    let mut pong_in = pong.stdin.take().unwrap();
+    writeln!(ping_in, "{pong_addr}").unwrap();
+    writeln!(pong_in, "{ping_addr}").unwrap();
+    assert_eq!(line(&mut ping_out), format!("state={}", qp_state::RTS));
+    assert_eq!(line(&mut pong_out), format!("state={}", qp_state::RTS));
+    let ping_done = line(&mut ping_out);
+    let pong_done = line(&mut pong_out);
+    println!("ping: {ping_done}; pong: {pong_done}");
+    assert!(
+        ping_done.starts_with(&format!("done {ROUND_TRIPS} ")),
+        "{ping_done}"
+    );
+    assert!(
+        pong_done.starts_with(&format!("done {ROUND_TRIPS} ")),
+        "{pong_done}"
+    );
+    drop((ping_in, pong_in));
+    assert!(ping.wait().unwrap().success() && pong.wait().unwrap().success());
+}
+
 fn rdma(endpoint: &Endpoint, wr_id: u64, op: SendOp, local: Sge) -> vrdma_guest::WorkCompletion {
     endpoint
         .qp
