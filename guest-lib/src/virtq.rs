@@ -133,9 +133,9 @@ impl SplitQueue {
         self.kick.write(1).map_err(Error::Transport)
     }
 
-    /// The next used buffer of a [`SplitQueue::post_all`] queue: its descriptor index and the
-    /// bytes written, waiting up to `timeout`; the caller gives it back with `repost`.
-    pub fn next_used(&mut self, timeout: Duration) -> Result<Option<(u16, u32)>> {
+    /// The next used element (descriptor id, bytes written), waiting up to `timeout` on the
+    /// call eventfd; `None` when the device returned nothing in time.
+    fn next_used_element(&mut self, timeout: Duration) -> Result<Option<(u32, u32)>> {
         let used = Self::used_offset(self.size);
         let deadline = Instant::now() + timeout;
         loop {
@@ -146,7 +146,7 @@ impl SplitQueue {
                 self.next_used = self.next_used.wrapping_add(1);
                 let id = u32::from_le_bytes(elem[0..4].try_into().expect("4 bytes"));
                 let len = u32::from_le_bytes(elem[4..8].try_into().expect("4 bytes"));
-                return Ok(Some(((id % u32::from(self.size)) as u16, len)));
+                return Ok(Some((id, len)));
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -157,8 +157,17 @@ impl SplitQueue {
             self.epoll
                 .wait(wait_ms, &mut events)
                 .map_err(Error::Transport)?;
+            // Drain the call eventfd; the index check above decides.
             let _ = self.call.read();
         }
+    }
+
+    /// The next used buffer of a [`SplitQueue::post_all`] queue: its descriptor index and the
+    /// bytes written, waiting up to `timeout`; the caller gives it back with `repost`.
+    pub fn next_used(&mut self, timeout: Duration) -> Result<Option<(u16, u32)>> {
+        Ok(self
+            .next_used_element(timeout)?
+            .map(|(id, len)| ((id % u32::from(self.size)) as u16, len)))
     }
 
     /// Makes descriptor `id` available again.
@@ -180,27 +189,9 @@ impl SplitQueue {
 
     /// Waits for the device to return the chain; returns the bytes it wrote.
     pub fn wait_used(&mut self, timeout: Duration) -> Result<u32> {
-        let used = Self::used_offset(self.size);
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.ring.atomic_u16(used + 2)?.load(Ordering::Acquire) != self.next_used {
-                let slot = u64::from(self.next_used % self.size);
-                let mut elem = [0u8; 8];
-                self.ring.read(used + 4 + 8 * slot, &mut elem)?;
-                self.next_used = self.next_used.wrapping_add(1);
-                return Ok(u32::from_le_bytes(elem[4..8].try_into().expect("4 bytes")));
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout(timeout));
-            }
-            let mut events = [EpollEvent::default(); 1];
-            let wait_ms = left.as_millis().clamp(1, 100) as i32;
-            self.epoll
-                .wait(wait_ms, &mut events)
-                .map_err(Error::Transport)?;
-            // Drain the call eventfd; the index check above decides.
-            let _ = self.call.read();
+        match self.next_used_element(timeout)? {
+            Some((_, len)) => Ok(len),
+            None => Err(Error::Timeout(timeout)),
         }
     }
 }

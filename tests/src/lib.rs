@@ -138,19 +138,22 @@ pub fn connected_rc_pair(context: &Arc<Context>) -> (RcEndpoint, RcEndpoint) {
     (a, b)
 }
 
-/// Polls `cq` until `count` completions arrived; panics after a generous timeout (the tests
-/// run under TCG emulation).
-pub fn wait_for_completions(cq: &CompletionQueue, count: usize) -> Vec<WorkCompletion> {
-    let deadline = Instant::now() + Duration::from_secs(30);
+/// Calls `poll` (which fills a batch and says how many it filled) until `count` completions
+/// arrived; panics after a generous timeout (the tests run under TCG emulation).
+fn poll_until<T: Default + std::fmt::Debug>(
+    count: usize,
+    mut poll: impl FnMut(&mut [T]) -> usize,
+) -> Vec<T> {
+    let deadline = Instant::now() + Duration::from_secs(60);
     let mut done = Vec::with_capacity(count);
-    let mut batch: Vec<WorkCompletion> = (0..16).map(|_| WorkCompletion::default()).collect();
+    let mut batch: Vec<T> = (0..16).map(|_| T::default()).collect();
     while done.len() < count {
-        let n = cq.poll(&mut batch).expect("poll CQ");
-        done.extend(batch.drain(..n));
-        batch.resize_with(16, WorkCompletion::default);
+        let want = (count - done.len()).min(batch.len());
+        let n = poll(&mut batch[..want]);
+        done.extend(batch[..n].iter_mut().map(std::mem::take));
         assert!(
             Instant::now() < deadline,
-            "timed out with {} of {count} completions",
+            "timed out with {} of {count} completions: {done:?}",
             done.len()
         );
         if n == 0 {
@@ -158,6 +161,11 @@ pub fn wait_for_completions(cq: &CompletionQueue, count: usize) -> Vec<WorkCompl
         }
     }
     done
+}
+
+/// Polls a host CQ until `count` completions arrived.
+pub fn wait_for_completions(cq: &CompletionQueue, count: usize) -> Vec<WorkCompletion> {
+    poll_until(count, |batch| cq.poll(batch).expect("poll CQ"))
 }
 
 /// A signaled RC send work request, with no other flags.
@@ -304,27 +312,10 @@ pub fn connect_guest_qp(
     )
 }
 
-/// Polls a guest-lib CQ until `count` completions arrived; panics after a generous timeout.
+/// Polls a guest-lib CQ until `count` completions arrived.
 pub fn wait_for_guest_completions(
     cq: &vrdma_guest::CompletionQueue,
     count: usize,
 ) -> Vec<vrdma_guest::WorkCompletion> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut done = Vec::with_capacity(count);
-    let mut batch = [vrdma_guest::WorkCompletion::default(); 16];
-    while done.len() < count {
-        let n = cq
-            .poll(&mut batch[..(count - done.len()).min(16)])
-            .expect("poll guest CQ");
-        done.extend_from_slice(&batch[..n]);
-        assert!(
-            Instant::now() < deadline,
-            "timed out with {} of {count} completions: {done:?}",
-            done.len()
-        );
-        if n == 0 {
-            std::thread::yield_now();
-        }
-    }
-    done
+    poll_until(count, |batch| cq.poll(batch).expect("poll guest CQ"))
 }
