@@ -573,14 +573,18 @@ impl Poller {
                 let _ = cq.host.req_notify(false);
             }
             fence(Ordering::SeqCst);
-            if !self.pass() {
+            let woken = self.pass() || {
                 let mut events = [EpollEvent::default(); 2];
-                let _ = epoll.wait(SLEEP_LIMIT_MS, &mut events);
+                let woken = epoll.wait(SLEEP_LIMIT_MS, &mut events).is_ok_and(|n| n > 0);
                 let _ = self.shard().wake.read();
                 self.shard().channel.drain();
-            }
+                woken
+            };
             self.set_need_wakeup(false);
-            last_work = Instant::now();
+            // Spin again only for real work; after a quiet timeout, go straight back to sleep.
+            if woken {
+                last_work = Instant::now();
+            }
         }
     }
 
