@@ -46,7 +46,7 @@ timeout --foreground "$limit" qemu-system-x86_64 \
   -append "console=ttyS0 quiet loglevel=3 panic=-1 vrdma.results=$run vrdma.rxe=$rxe" \
   -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on \
   -virtfs "local,path=$run,mount_tag=results,security_model=none" \
-  </dev/null | tr -d '\r' | sed -u -e 's/\x1b[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' \
+  </dev/null | sed -u -e 's/\r$//; s/\x1b[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' \
   -e '/^SeaBIOS (version/d; /^Booting from ROM/d; /reboot: Power down/d' || true
 
 if [ ! -f "$run/rc" ]; then
