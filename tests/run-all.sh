@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n=== %s\n' "$*"; }
 
+run_all() {
+set -euo pipefail # the caller turns errexit off around the pipeline; keep it on in here
+
 step "setup (packages, kernel, initramfs)"
 tests/vm/setup.sh >/dev/null
 
@@ -33,3 +36,20 @@ for line in sys.stdin:
 
 step "integration tests with real RDMA (QEMU guest, rdma_rxe)"
 tests/vm/run.sh -- tests/guest-tests.sh "${binaries[@]}"
+
+step "benchmark smoke run (few iterations; numbers are not checked)"
+cargo build --workspace --bins --examples --locked
+VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 \
+  tests/vm/run.sh -- tests/bench-guest.sh "$PWD/target/debug"
+}
+
+mkdir -p target
+log=target/run-all.log
+set +e
+run_all 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+# One closing line for every runner above: the totals of their "test result:" lines.
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+exit "$status"

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs inside the benchmark guest (see tests/demo.sh): the same tests through native perftest
+# on rxe0 and through vrdma (vrdma-perf over the vhost-user backend on rxe0), then prints a
+# markdown table of both and their ratio (its rows are the lines that start with "|").
+# Argument: the release target directory.
+set -euo pipefail
+bin=$1
+lat_size=8 lat_iters=${VRDMA_BENCH_LAT_ITERS:-2000}
+bw_size=65536 bw_iters=${VRDMA_BENCH_BW_ITERS:-3000}
+gid_index=$("$bin/vhost-user-rdma" --device rxe0 --check | awk '/GID index/ {print $6; exit}')
+"$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma.sock &
+backend=$!
+trap 'kill $backend 2>/dev/null' EXIT
+sleep 1
+
+# Prints the value column of the result line for SIZE from a perftest-style table.
+value() { awk -v size="$1" -v column="$2" '$1 == size {print $column; exit}'; }
+
+native() { # TEST SIZE ITERS COLUMN
+  local tool=ib_$1 args=(-d rxe0 -x "$gid_index" -n "$3")
+  [ "$1" = atomic_lat ] || args+=(-s "$2")
+  "$tool" "${args[@]}" >/tmp/server.log 2>&1 &
+  local server=$!
+  sleep 1
+  timeout 120 "$tool" "${args[@]}" 127.0.0.1 | value "$2" "$4"
+  wait $server || true
+}
+
+vrdma() { # TEST SIZE ITERS COLUMN
+  local args=(--socket /tmp/vrdma.sock -s "$2" -n "$3")
+  "$bin/examples/vrdma-perf" "$1" "${args[@]}" >/tmp/server.log 2>&1 &
+  local server=$!
+  timeout 120 "$bin/examples/vrdma-perf" "$1" "${args[@]}" --connect 127.0.0.1 | value "$2" "$4"
+  wait $server || true
+}
+
+failures=0
+{
+  echo "| test | size | native rxe | vrdma | vrdma / native |"
+  echo "|---|---|---|---|---|"
+  for test in write_lat send_lat read_lat atomic_lat write_bw send_bw read_bw; do
+    case $test in
+      *_lat) size=$lat_size iters=$lat_iters unit=us native_col=5 vrdma_col=5 ;;
+      *_bw) size=$bw_size iters=$bw_iters unit=MB/s native_col=4 vrdma_col=3 ;;
+    esac
+    n=$(native $test $size $iters $native_col)
+    v=$(vrdma $test $size $iters $vrdma_col)
+    ratio=$(awk -v n="$n" -v v="$v" 'BEGIN { if (n > 0 && v > 0) printf "%.2f", v / n; else print "n/a" }')
+    label=$([ $test = ${test%_lat} ] && echo "BW average" || echo "t_typical")
+    echo "| $test | $size B | ${n:-failed} $unit | ${v:-failed} $unit | $ratio ($label) |"
+    [ -n "$n" ] && [ -n "$v" ] || failures=$((failures + 1))
+  done
+}
+if [ "$failures" -gt 0 ]; then
+  echo "bench: $failures tests produced no result" >&2
+  exit 1
+fi
