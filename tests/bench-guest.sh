@@ -26,6 +26,9 @@ native() { # TEST SIZE ITERS COLUMN
   wait $server || true
 }
 
+# CPU seconds the backend has used so far (user + system).
+backend_cpu() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.6f", ($14 + $15) / hz }' "/proc/$backend/stat"; }
+
 vrdma() { # TEST SIZE ITERS COLUMN
   local args=(--socket /tmp/vrdma.sock -s "$2" -n "$3")
   "$bin/examples/vrdma-perf" "$1" "${args[@]}" >/tmp/server.log 2>&1 &
@@ -44,13 +47,22 @@ failures=0
       *_bw) size=$bw_size iters=$bw_iters unit=MB/s native_col=4 vrdma_col=3 ;;
     esac
     n=$(native $test $size $iters $native_col)
+    cpu_before=$(backend_cpu)
     v=$(vrdma $test $size $iters $vrdma_col)
+    if [ $test = write_bw ]; then
+      # Every write is one WQE the backend takes from a ring and one CQE it writes back.
+      cpu_per_wqe=$(awk -v a="$cpu_before" -v b="$(backend_cpu)" -v n="$iters" 'BEGIN { printf "%.1f", (b - a) * 1e6 / n }')
+    fi
     ratio=$(awk -v n="$n" -v v="$v" 'BEGIN { if (n > 0 && v > 0) printf "%.2f", v / n; else print "n/a" }')
     label=$([ $test = ${test%_lat} ] && echo "BW average" || echo "t_typical")
     echo "| $test | $size B | ${n:-failed} $unit | ${v:-failed} $unit | $ratio ($label) |"
     [ -n "$n" ] && [ -n "$v" ] || failures=$((failures + 1))
   done
+  echo
+  echo "Backend CPU per WQE (write_bw, ${bw_size}-byte writes; user + system time of the backend process, busy polling included, so an upper bound): ${cpu_per_wqe:-n/a} us"
 }
+echo
+"$bin/ctl-bench" /tmp/vrdma.sock "$backend" || failures=$((failures + 1))
 if [ "$failures" -gt 0 ]; then
   echo "bench: $failures tests produced no result" >&2
   exit 1

@@ -78,6 +78,10 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), vrdma_backend::Error> {
+    match vrdma_backend::hostverbs::raise_open_file_limit() {
+        Ok(limit) => log::info!("open file limit: {limit} (about 20 per guest connection)"),
+        Err(e) => log::warn!("cannot raise the open file limit: {e}"),
+    }
     let socket_path = args.socket_path.clone();
     let config = Config::from(args);
     // Fail fast on an unusable device, before listening.

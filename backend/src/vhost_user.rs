@@ -257,7 +257,17 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
         .map_err(Error::Daemon)?;
         daemon.start(&mut listener).map_err(Error::Daemon)?;
         log::info!("connection {connection}: front end attached");
-        let next = Arc::new(RwLock::new(RdmaBackend::new(config)?));
+        // Running out of descriptors or host resources must not stop the guests already
+        // served: keep trying to prepare the next connection.
+        let next = loop {
+            match RdmaBackend::new(config) {
+                Ok(next) => break Arc::new(RwLock::new(next)),
+                Err(e) => {
+                    log::error!("cannot prepare a device for the next guest: {e}; retrying in 1 s");
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                }
+            }
+        };
         let serving = std::mem::replace(&mut backend, next);
         std::thread::Builder::new()
             .name(format!("vrdma-conn{connection}-wait"))

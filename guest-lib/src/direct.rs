@@ -35,17 +35,28 @@ const QUEUE_SIZE: u16 = 16;
 const EVENT_SIZE: u64 = std::mem::size_of::<Event>() as u64;
 /// Control requests and responses are at most this long.
 const CONTROL_BUFFER: u64 = 4096;
-/// Shared memory added at a time, unless a single allocation needs more.
+/// Default shared memory added at a time, unless a single allocation needs more.
 const REGION_SIZE: u64 = 32 << 20;
 /// How long a control request may take before the device is considered gone. Generous: the
 /// tests run under full emulation.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Options of a direct attachment.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct DirectOptions {
     /// Back shared memory with 2 MiB huge pages.
     pub huge_pages: bool,
+    /// Shared memory created at attach time, and added at a time when more is needed.
+    pub region_size: u64,
+}
+
+impl Default for DirectOptions {
+    fn default() -> Self {
+        DirectOptions {
+            huge_pages: false,
+            region_size: REGION_SIZE,
+        }
+    }
 }
 
 struct Control {
@@ -146,7 +157,7 @@ impl DirectTransport {
         let features = offered & WANTED_FEATURES;
         frontend.set_features(features).map_err(vhost)?;
 
-        let region = Region::new(REGION_SIZE, options.huge_pages)?;
+        let region = Region::new(options.region_size, options.huge_pages)?;
         frontend
             .set_mem_table(&[region_info(&region)])
             .map_err(vhost)?;
@@ -265,7 +276,7 @@ impl Transport for DirectTransport {
         let size = len
             .checked_add(align)
             .ok_or(Error::OutOfSharedMemory(len))?
-            .max(REGION_SIZE);
+            .max(self.options.region_size);
         let region = Region::new(size, self.options.huge_pages)?;
         self.frontend
             .lock()

@@ -137,7 +137,13 @@ fn a_native_peer_writes_into_a_guest_mr_at_the_guest_address() {
 fn a_guest_mr_over_huge_pages_works_the_same() {
     std::fs::write("/proc/sys/vm/nr_hugepages", "64")
         .expect("reserve huge pages (root in the test guest)");
-    native_peer_writes_into_guest_memory(DirectOptions { huge_pages: true }, 8 << 20);
+    native_peer_writes_into_guest_memory(
+        DirectOptions {
+            huge_pages: true,
+            ..Default::default()
+        },
+        8 << 20,
+    );
 }
 
 fn request<T: ByteValued>(opcode: u16, payload: &T) -> Vec<u8> {

@@ -154,6 +154,26 @@ pub const PORT_ACTIVE: u32 = ibv_port_state::IBV_PORT_ACTIVE;
 /// `link_layer` value of an Ethernet (RoCE) port.
 pub const LINK_LAYER_ETHERNET: u8 = 2; // IBV_LINK_LAYER_ETHERNET, a #define bindgen skips
 
+/// Raises this process's soft limit on open files to its hard limit: every guest connection
+/// holds about twenty descriptors (device context, eventfds, epoll, shared memory).
+pub fn raise_open_file_limit() -> io::Result<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        limit.rlim_cur = limit.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(limit.rlim_cur)
+}
+
 /// Names of the RDMA devices the host has.
 pub fn device_names() -> Vec<String> {
     let mut count: c_int = 0;
@@ -205,9 +225,17 @@ impl Context {
         // SAFETY: `count` is a valid out-pointer; the list is freed before returning.
         let list = unsafe { ibv_get_device_list(&mut count) };
         if list.is_null() {
-            return Err(Error::DeviceNotFound {
-                name: name.to_string(),
-                present: Vec::new(),
+            let error = io::Error::last_os_error();
+            // ENOSYS: no RDMA support in the kernel at all, which reads as "no devices".
+            if error.raw_os_error() == Some(libc::ENOSYS) {
+                return Err(Error::DeviceNotFound {
+                    name: name.to_string(),
+                    present: Vec::new(),
+                });
+            }
+            return Err(Error::Verbs {
+                call: "ibv_get_device_list",
+                source: error,
             });
         }
         let mut present = Vec::new();

@@ -1,0 +1,206 @@
+//! Control-path timings (native rxe against vrdma) and the scaling run, for the benchmark.
+//!
+//! usage: ctl-bench SOCKET BACKEND_PID
+//!
+//! Prints markdown tables: QP create -> RTS and 1 GiB reg/dereg, natively through the backend's
+//! host verbs layer and through vrdma (guest-lib over the backend at SOCKET); then 16,384 QPs
+//! in one guest and 64 concurrent guests, with the backend's memory (from /proc/BACKEND_PID).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vrdma_backend::hostverbs::{AnonymousMemory, PinnedMemory, QpCaps, QpInit, QpType};
+use vrdma_guest::{access, Device, DirectOptions, QueuePair};
+use vrdma_tests::{connect_guest_qp, open_test_device, RcEndpoint, FULL_ACCESS, PORT};
+
+const QPS_TIMED: u32 = 100;
+const GIB: u64 = 1 << 30;
+const SCALE_QPS: u32 = 16_384;
+const SCALE_GUESTS: usize = 64;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, socket, pid] = args.as_slice() else {
+        eprintln!("usage: ctl-bench SOCKET BACKEND_PID");
+        std::process::exit(2);
+    };
+    // 64 guests in this process need more descriptors than the default soft limit.
+    vrdma_backend::hostverbs::raise_open_file_limit().expect("raise the open file limit");
+    let rss = || backend_rss_kib(pid);
+    let per = |d: Duration, n: u32| d.as_secs_f64() * 1e6 / f64::from(n);
+
+    let (native_qp, native_reg, native_dereg) = native_control_path();
+    let (vrdma_qp, vrdma_reg, vrdma_dereg) = vrdma_control_path(socket);
+    println!("| control path | native rxe | vrdma | vrdma / native |");
+    println!("|---|---|---|---|");
+    let row = |what: &str, unit: &str, n: f64, v: f64| {
+        println!("| {what} | {n:.1} {unit} | {v:.1} {unit} | {:.2} |", v / n);
+    };
+    row(
+        "QP create -> RTS (per QP, 100 QPs)",
+        "us",
+        per(native_qp, QPS_TIMED),
+        per(vrdma_qp, QPS_TIMED),
+    );
+    row(
+        "reg_mr 1 GiB",
+        "ms",
+        native_reg.as_secs_f64() * 1e3,
+        vrdma_reg.as_secs_f64() * 1e3,
+    );
+    row(
+        "dereg_mr 1 GiB",
+        "ms",
+        native_dereg.as_secs_f64() * 1e3,
+        vrdma_dereg.as_secs_f64() * 1e3,
+    );
+
+    // 16,384 QPs in one guest.
+    let device = Device::attach(socket).expect("attach");
+    let pd = device.alloc_pd().unwrap();
+    let cq = device.create_cq(64).unwrap();
+    let before = rss();
+    let start = Instant::now();
+    let qps: Vec<QueuePair> = (0..SCALE_QPS)
+        .map(|i| {
+            QueuePair::builder(vrdma_guest::QpType::Rc, &cq)
+                .max_send_wr(1)
+                .max_recv_wr(1)
+                .build(&pd)
+                .unwrap_or_else(|e| panic!("QP {i}: {e}"))
+        })
+        .collect();
+    let created = start.elapsed();
+    let qp_memory = (rss() - before) as f64 / f64::from(SCALE_QPS);
+    let start = Instant::now();
+    drop(qps);
+    let destroyed = start.elapsed();
+
+    // 64 concurrent guests, each on its own connection.
+    let before = rss();
+    let start = Instant::now();
+    let small = DirectOptions {
+        region_size: 4 << 20,
+        ..Default::default()
+    };
+    let guests: Vec<Device> = (0..SCALE_GUESTS)
+        .map(|i| Device::attach_with(socket, small).unwrap_or_else(|e| panic!("guest {i}: {e}")))
+        .collect();
+    let attached = start.elapsed();
+    // Connections are served after the attach returns; give the backend a moment to settle.
+    std::thread::sleep(Duration::from_millis(500));
+    let guest_memory = (rss() - before) as f64 / SCALE_GUESTS as f64;
+    for guest in &guests {
+        guest.query_device().expect("every guest is served");
+    }
+    drop(guests);
+
+    println!();
+    println!("| scaling | result |");
+    println!("|---|---|");
+    println!(
+        "| {SCALE_QPS} QPs in one guest: CREATE_QP | {:.1} us per QP |",
+        per(created, SCALE_QPS)
+    );
+    println!(
+        "| {SCALE_QPS} QPs in one guest: DESTROY_QP | {:.1} us per QP |",
+        per(destroyed, SCALE_QPS)
+    );
+    println!("| backend memory per QP | {qp_memory:.1} KiB |");
+    println!(
+        "| {SCALE_GUESTS} concurrent guests: attach | {:.1} ms per guest |",
+        attached.as_secs_f64() * 1e3 / SCALE_GUESTS as f64
+    );
+    println!("| backend memory per guest connection | {guest_memory:.0} KiB |");
+}
+
+/// Resident memory of the backend, in KiB.
+fn backend_rss_kib(pid: &str) -> i64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("backend status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS")
+}
+
+/// Native: QP create -> RTS, 1 GiB reg_mr and dereg through host verbs.
+fn native_control_path() -> (Duration, Duration, Duration) {
+    let context = open_test_device();
+    let (gid_index, gid) = context.find_roce_v2_ipv4_gid(PORT).unwrap();
+    let pd = context.alloc_pd().unwrap();
+    let cq = context.create_cq(64, None).unwrap();
+    let init = QpInit {
+        qp_type: QpType::Rc,
+        caps: QpCaps {
+            max_send_wr: 1,
+            max_recv_wr: 1,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        srq: None,
+        sq_sig_all: false,
+    };
+    let start = Instant::now();
+    let endpoints: Vec<RcEndpoint> = (0..QPS_TIMED)
+        .map(|_| {
+            let qp = pd.create_qp(&cq, &cq, &init).unwrap();
+            let endpoint = RcEndpoint {
+                pd: Arc::clone(&pd),
+                cq: Arc::clone(&cq),
+                qp,
+            };
+            endpoint.connect(gid_index as u8, gid, endpoint.qp.qp_num(), 0);
+            endpoint
+        })
+        .collect();
+    let qps = start.elapsed();
+    drop(endpoints);
+    let memory = Arc::new(AnonymousMemory::new(GIB as usize).unwrap());
+    for page in (0..GIB as usize).step_by(4096) {
+        memory.write(page, &[1]).unwrap(); // fault it in, as guest RAM already is
+    }
+    let start = Instant::now();
+    let mr = pd
+        .reg_mr(memory as Arc<dyn PinnedMemory>, 0x10_0000_0000, FULL_ACCESS)
+        .unwrap();
+    let reg = start.elapsed();
+    let start = Instant::now();
+    drop(mr);
+    (qps, reg, start.elapsed())
+}
+
+/// vrdma: the same through guest-lib and the backend.
+fn vrdma_control_path(socket: &str) -> (Duration, Duration, Duration) {
+    let device = Device::attach(socket).unwrap();
+    let (gid_index, gid) = device.gid().unwrap();
+    let pd = device.alloc_pd().unwrap();
+    let cq = device.create_cq(64).unwrap();
+    let start = Instant::now();
+    let qps: Vec<QueuePair> = (0..QPS_TIMED)
+        .map(|_| {
+            let qp = QueuePair::builder(vrdma_guest::QpType::Rc, &cq)
+                .max_send_wr(1)
+                .max_recv_wr(1)
+                .build(&pd)
+                .unwrap();
+            connect_guest_qp(&qp, gid_index as u8, gid, qp.qp_num()).unwrap();
+            qp
+        })
+        .collect();
+    let qps_time = start.elapsed();
+    drop(qps);
+    let buffer = device.alloc_buffer(GIB).unwrap();
+    let start = Instant::now();
+    let mr = pd
+        .reg_mr(
+            &buffer,
+            access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ,
+        )
+        .unwrap();
+    let reg = start.elapsed();
+    let start = Instant::now();
+    drop(mr);
+    (qps_time, reg, start.elapsed())
+}
