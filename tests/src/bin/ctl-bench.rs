@@ -2,6 +2,9 @@
 //!
 //! usage: ctl-bench SOCKET BACKEND_PID
 //!
+//! Sizes: VRDMA_BENCH_QPS (16384), VRDMA_BENCH_GUESTS (64), VRDMA_BENCH_MR_MIB (1024); the test
+//! suite's smoke run makes them small.
+//!
 //! Prints markdown tables: QP create -> RTS and 1 GiB reg/dereg, natively through the backend's
 //! host verbs layer and through vrdma (guest-lib over the backend at SOCKET); then 16,384 QPs
 //! in one guest and 64 concurrent guests, with the backend's memory (from /proc/BACKEND_PID).
@@ -14,9 +17,13 @@ use vrdma_guest::{access, Device, DirectOptions, QueuePair};
 use vrdma_tests::{connect_guest_qp, open_test_device, RcEndpoint, FULL_ACCESS, PORT};
 
 const QPS_TIMED: u32 = 100;
-const GIB: u64 = 1 << 30;
-const SCALE_QPS: u32 = 16_384;
-const SCALE_GUESTS: usize = 64;
+
+fn size_from_env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -28,9 +35,13 @@ fn main() {
     vrdma_backend::hostverbs::raise_open_file_limit().expect("raise the open file limit");
     let rss = || backend_rss_kib(pid);
     let per = |d: Duration, n: u32| d.as_secs_f64() * 1e6 / f64::from(n);
+    let scale_qps = size_from_env("VRDMA_BENCH_QPS", 16_384) as u32;
+    let scale_guests = size_from_env("VRDMA_BENCH_GUESTS", 64) as usize;
+    let mr_bytes = size_from_env("VRDMA_BENCH_MR_MIB", 1024) << 20;
+    let mr_label = format!("{} MiB", mr_bytes >> 20);
 
-    let (native_qp, native_reg, native_dereg) = native_control_path();
-    let (vrdma_qp, vrdma_reg, vrdma_dereg) = vrdma_control_path(socket);
+    let (native_qp, native_reg, native_dereg) = native_control_path(mr_bytes);
+    let (vrdma_qp, vrdma_reg, vrdma_dereg) = vrdma_control_path(socket, mr_bytes);
     println!("| control path | native rxe | vrdma | vrdma / native |");
     println!("|---|---|---|---|");
     let row = |what: &str, unit: &str, n: f64, v: f64| {
@@ -43,13 +54,13 @@ fn main() {
         per(vrdma_qp, QPS_TIMED),
     );
     row(
-        "reg_mr 1 GiB",
+        &format!("reg_mr {mr_label}"),
         "ms",
         native_reg.as_secs_f64() * 1e3,
         vrdma_reg.as_secs_f64() * 1e3,
     );
     row(
-        "dereg_mr 1 GiB",
+        &format!("dereg_mr {mr_label}"),
         "ms",
         native_dereg.as_secs_f64() * 1e3,
         vrdma_dereg.as_secs_f64() * 1e3,
@@ -61,7 +72,7 @@ fn main() {
     let cq = device.create_cq(64).unwrap();
     let before = rss();
     let start = Instant::now();
-    let qps: Vec<QueuePair> = (0..SCALE_QPS)
+    let qps: Vec<QueuePair> = (0..scale_qps)
         .map(|i| {
             QueuePair::builder(vrdma_guest::QpType::Rc, &cq)
                 .max_send_wr(1)
@@ -71,7 +82,7 @@ fn main() {
         })
         .collect();
     let created = start.elapsed();
-    let qp_memory = (rss() - before) as f64 / f64::from(SCALE_QPS);
+    let qp_memory = (rss() - before) as f64 / f64::from(scale_qps);
     let start = Instant::now();
     drop(qps);
     let destroyed = start.elapsed();
@@ -83,13 +94,13 @@ fn main() {
         region_size: 4 << 20,
         ..Default::default()
     };
-    let guests: Vec<Device> = (0..SCALE_GUESTS)
+    let guests: Vec<Device> = (0..scale_guests)
         .map(|i| Device::attach_with(socket, small).unwrap_or_else(|e| panic!("guest {i}: {e}")))
         .collect();
     let attached = start.elapsed();
     // Connections are served after the attach returns; give the backend a moment to settle.
     std::thread::sleep(Duration::from_millis(500));
-    let guest_memory = (rss() - before) as f64 / SCALE_GUESTS as f64;
+    let guest_memory = (rss() - before) as f64 / scale_guests as f64;
     for guest in &guests {
         guest.query_device().expect("every guest is served");
     }
@@ -99,17 +110,17 @@ fn main() {
     println!("| scaling | result |");
     println!("|---|---|");
     println!(
-        "| {SCALE_QPS} QPs in one guest: CREATE_QP | {:.1} us per QP |",
-        per(created, SCALE_QPS)
+        "| {scale_qps} QPs in one guest: CREATE_QP | {:.1} us per QP |",
+        per(created, scale_qps)
     );
     println!(
-        "| {SCALE_QPS} QPs in one guest: DESTROY_QP | {:.1} us per QP |",
-        per(destroyed, SCALE_QPS)
+        "| {scale_qps} QPs in one guest: DESTROY_QP | {:.1} us per QP |",
+        per(destroyed, scale_qps)
     );
     println!("| backend memory per QP | {qp_memory:.1} KiB |");
     println!(
-        "| {SCALE_GUESTS} concurrent guests: attach | {:.1} ms per guest |",
-        attached.as_secs_f64() * 1e3 / SCALE_GUESTS as f64
+        "| {scale_guests} concurrent guests: attach | {:.1} ms per guest |",
+        attached.as_secs_f64() * 1e3 / scale_guests as f64
     );
     println!("| backend memory per guest connection | {guest_memory:.0} KiB |");
 }
@@ -124,8 +135,8 @@ fn backend_rss_kib(pid: &str) -> i64 {
         .expect("VmRSS")
 }
 
-/// Native: QP create -> RTS, 1 GiB reg_mr and dereg through host verbs.
-fn native_control_path() -> (Duration, Duration, Duration) {
+/// Native: QP create -> RTS, reg_mr and dereg of `mr_bytes` through host verbs.
+fn native_control_path(mr_bytes: u64) -> (Duration, Duration, Duration) {
     let context = open_test_device();
     let (gid_index, gid) = context.find_roce_v2_ipv4_gid(PORT).unwrap();
     let pd = context.alloc_pd().unwrap();
@@ -157,8 +168,8 @@ fn native_control_path() -> (Duration, Duration, Duration) {
         .collect();
     let qps = start.elapsed();
     drop(endpoints);
-    let memory = Arc::new(AnonymousMemory::new(GIB as usize).unwrap());
-    for page in (0..GIB as usize).step_by(4096) {
+    let memory = Arc::new(AnonymousMemory::new(mr_bytes as usize).unwrap());
+    for page in (0..mr_bytes as usize).step_by(4096) {
         memory.write(page, &[1]).unwrap(); // fault it in, as guest RAM already is
     }
     let start = Instant::now();
@@ -172,7 +183,7 @@ fn native_control_path() -> (Duration, Duration, Duration) {
 }
 
 /// vrdma: the same through guest-lib and the backend.
-fn vrdma_control_path(socket: &str) -> (Duration, Duration, Duration) {
+fn vrdma_control_path(socket: &str, mr_bytes: u64) -> (Duration, Duration, Duration) {
     let device = Device::attach(socket).unwrap();
     let (gid_index, gid) = device.gid().unwrap();
     let pd = device.alloc_pd().unwrap();
@@ -191,7 +202,7 @@ fn vrdma_control_path(socket: &str) -> (Duration, Duration, Duration) {
         .collect();
     let qps_time = start.elapsed();
     drop(qps);
-    let buffer = device.alloc_buffer(GIB).unwrap();
+    let buffer = device.alloc_buffer(mr_bytes).unwrap();
     let start = Instant::now();
     let mr = pd
         .reg_mr(
