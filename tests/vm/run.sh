@@ -47,7 +47,7 @@ timeout --foreground "$limit" qemu-system-x86_64 \
   -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on \
   -virtfs "local,path=$run,mount_tag=results,security_model=none" \
   </dev/null | sed -u -e 's/\r$//; s/\x1b[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' \
-  -e '/^SeaBIOS (version/d; /^Booting from ROM/d; /reboot: Power down/d' || true
+  -e '/^SeaBIOS (version/d; s/^Booting from ROM\.*//; /reboot: Power down/d' || true
 
 if [ ! -f "$run/rc" ]; then
   echo "run.sh: the guest ended without the command's exit code (boot failure or timeout after ${limit}s)" >&2
