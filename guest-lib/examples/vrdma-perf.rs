@@ -14,9 +14,8 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use vrdma_guest::{
-    access, qp_attr_mask as mask, qp_state, wc_opcode, AhAttr, CompletionQueue, Device, Gid,
-    MemoryRegion, Payload, QpAttr, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedBuffer,
-    WorkCompletion,
+    access, wc_opcode, CompletionQueue, Device, Gid, MemoryRegion, Payload, QpType, QueuePair,
+    RcPeer, RecvWr, SendOp, SendWr, Sge, SharedBuffer, WorkCompletion,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -227,60 +226,12 @@ fn setup(args: &Args, largest: u32) -> Result<Side, Error> {
 }
 
 fn connect(qp: &QueuePair, sgid_index: u8, peer: &PeerInfo) -> Result<(), Error> {
-    let init = QpAttr {
-        qp_state: qp_state::INIT,
-        port_num: 1,
-        qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
-        ..Default::default()
+    let far = RcPeer {
+        qp_num: peer.qpn,
+        gid: peer.gid,
+        psn: 0,
     };
-    qp.modify(
-        &init,
-        mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS,
-    )?;
-    let rtr = QpAttr {
-        qp_state: qp_state::RTR,
-        path_mtu: 3,
-        dest_qp_num: peer.qpn,
-        rq_psn: 0,
-        max_dest_rd_atomic: 16,
-        min_rnr_timer: 12,
-        ah_attr: AhAttr {
-            dgid: peer.gid,
-            sgid_index,
-            hop_limit: 1,
-            is_global: true,
-            port_num: 1,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    let rtr_mask = mask::STATE
-        | mask::AV
-        | mask::PATH_MTU
-        | mask::DEST_QPN
-        | mask::RQ_PSN
-        | mask::MAX_DEST_RD_ATOMIC
-        | mask::MIN_RNR_TIMER;
-    qp.modify(&rtr, rtr_mask)?;
-    let rts = QpAttr {
-        qp_state: qp_state::RTS,
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        sq_psn: 0,
-        max_rd_atomic: 16,
-        ..Default::default()
-    };
-    qp.modify(
-        &rts,
-        mask::STATE
-            | mask::TIMEOUT
-            | mask::RETRY_CNT
-            | mask::RNR_RETRY
-            | mask::SQ_PSN
-            | mask::MAX_QP_RD_ATOMIC,
-    )?;
-    Ok(())
+    Ok(qp.connect_rc(sgid_index, 0, &far)?)
 }
 
 /// Polls until one completion arrives; errors on a failed one.

@@ -638,6 +638,15 @@ impl From<&WireQpAttr> for QpAttr {
     }
 }
 
+/// The far end of an RC connection, as exchanged out of band.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RcPeer {
+    pub qp_num: u32,
+    pub gid: Gid,
+    /// The first packet sequence number the peer sends.
+    pub psn: u32,
+}
+
 /// Builds a [`QueuePair`]: `QueuePair::builder(QpType::Rc, &cq).max_send_wr(64).build(&pd)`.
 pub struct QueuePairBuilder<'a> {
     qp_type: QpType,
@@ -1090,6 +1099,79 @@ impl QueuePair {
             .atomic_u32(RQ_CONSUMER)?
             .load(Ordering::Acquire);
         Ok(producer.wrapping_sub(consumer))
+    }
+
+    /// Walks an RC QP RESET -> INIT -> RTR -> RTS towards `peer`, sending from GID
+    /// `sgid_index`, with the usual settings: the port's active MTU, remote read/write/atomic
+    /// access, up to 16 outstanding reads and atomics (as the device allows), unlimited RNR
+    /// retries.
+    pub fn connect_rc(&self, sgid_index: u8, local_psn: u32, peer: &RcPeer) -> Result<()> {
+        let device = &self.pd.device;
+        let path_mtu = device
+            .command::<_, vrdma_spec::ctrl::PortAttr>(
+                Opcode::QueryPort,
+                &QueryPortRequest {
+                    port: 1,
+                    reserved: [0; 7],
+                },
+            )?
+            .active_mtu;
+        let config = device.transport.config();
+        let reads = |limit: Le32| limit.to_native().clamp(1, 16) as u8;
+        let init = QpAttr {
+            qp_state: qp_state::INIT,
+            port_num: 1,
+            qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
+            ..Default::default()
+        };
+        self.modify(
+            &init,
+            qp_attr_mask::STATE
+                | qp_attr_mask::PKEY_INDEX
+                | qp_attr_mask::PORT
+                | qp_attr_mask::ACCESS_FLAGS,
+        )?;
+        let rtr = QpAttr {
+            qp_state: qp_state::RTR,
+            path_mtu,
+            dest_qp_num: peer.qp_num,
+            rq_psn: peer.psn,
+            max_dest_rd_atomic: reads(config.max_qp_rd_atom),
+            min_rnr_timer: 12,
+            ah_attr: AhAttr {
+                dgid: peer.gid,
+                sgid_index,
+                hop_limit: 1,
+                is_global: true,
+                port_num: 1,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let m = qp_attr_mask::STATE
+            | qp_attr_mask::AV
+            | qp_attr_mask::PATH_MTU
+            | qp_attr_mask::DEST_QPN
+            | qp_attr_mask::RQ_PSN
+            | qp_attr_mask::MAX_DEST_RD_ATOMIC
+            | qp_attr_mask::MIN_RNR_TIMER;
+        self.modify(&rtr, m)?;
+        let rts = QpAttr {
+            qp_state: qp_state::RTS,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            sq_psn: local_psn,
+            max_rd_atomic: reads(config.max_qp_init_rd_atom),
+            ..Default::default()
+        };
+        let m = qp_attr_mask::STATE
+            | qp_attr_mask::TIMEOUT
+            | qp_attr_mask::RETRY_CNT
+            | qp_attr_mask::RNR_RETRY
+            | qp_attr_mask::SQ_PSN
+            | qp_attr_mask::MAX_QP_RD_ATOMIC;
+        self.modify(&rts, m)
     }
 
     pub fn query(&self) -> Result<QpAttr> {

@@ -255,61 +255,20 @@ pub fn wait_for_host_counts(baseline: &std::collections::BTreeMap<String, u64>) 
     }
 }
 
-/// Walks a guest-lib RC QP RESET -> INIT -> RTR -> RTS towards `remote_qpn` at `remote_gid`.
+/// Walks a guest-lib RC QP to RTS towards `remote_qpn` at `remote_gid` (both sides use PSN
+/// 0x1234, as [`RcEndpoint::connect`] does).
 pub fn connect_guest_qp(
     qp: &vrdma_guest::QueuePair,
     sgid_index: u8,
     remote_gid: Gid,
     remote_qpn: u32,
 ) -> vrdma_guest::Result<()> {
-    use vrdma_guest::{
-        access, qp_attr_mask as m, qp_state, AhAttr as GuestAh, QpAttr as GuestAttr,
+    let peer = vrdma_guest::RcPeer {
+        qp_num: remote_qpn,
+        gid: remote_gid,
+        psn: 0x1234,
     };
-    let init = GuestAttr {
-        qp_state: qp_state::INIT,
-        port_num: PORT,
-        qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
-        ..Default::default()
-    };
-    qp.modify(&init, m::STATE | m::PKEY_INDEX | m::PORT | m::ACCESS_FLAGS)?;
-    let rtr = GuestAttr {
-        qp_state: qp_state::RTR,
-        path_mtu: MTU_1024 as u8,
-        dest_qp_num: remote_qpn,
-        rq_psn: 0x1234,
-        max_dest_rd_atomic: 1,
-        min_rnr_timer: 12,
-        ah_attr: GuestAh {
-            dgid: remote_gid,
-            sgid_index,
-            hop_limit: 1,
-            is_global: true,
-            port_num: PORT,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    let rtr_mask = m::STATE
-        | m::AV
-        | m::PATH_MTU
-        | m::DEST_QPN
-        | m::RQ_PSN
-        | m::MAX_DEST_RD_ATOMIC
-        | m::MIN_RNR_TIMER;
-    qp.modify(&rtr, rtr_mask)?;
-    let rts = GuestAttr {
-        qp_state: qp_state::RTS,
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        sq_psn: 0x1234,
-        max_rd_atomic: 1,
-        ..Default::default()
-    };
-    qp.modify(
-        &rts,
-        m::STATE | m::TIMEOUT | m::RETRY_CNT | m::RNR_RETRY | m::SQ_PSN | m::MAX_QP_RD_ATOMIC,
-    )
+    qp.connect_rc(sgid_index, 0x1234, &peer)
 }
 
 /// Polls a guest-lib CQ until `count` completions arrived.
