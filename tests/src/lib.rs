@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::{
-    qp_attr_mask as mask, AhAttr, CompletionQueue, Context, Gid, Payload, ProtectionDomain, QpAttr,
-    QpCaps, QpInit, QpState, QpType, QueuePair, SendOp, SendWr, WorkCompletion,
+    qp_attr_mask as mask, AhAttr, CompletionQueue, Context, Gid, ProtectionDomain, QpAttr, QpCaps,
+    QpInit, QpState, QpType, QueuePair, WorkCompletion,
 };
 
 /// The RDMA device the tests use: `$VRDMA_TEST_DEVICE`, or the harness's `rxe0`.
@@ -166,19 +166,6 @@ fn poll_until<T: Default + std::fmt::Debug>(
 /// Polls a host CQ until `count` completions arrived.
 pub fn wait_for_completions(cq: &CompletionQueue, count: usize) -> Vec<WorkCompletion> {
     poll_until(count, |batch| cq.poll(batch).expect("poll CQ"))
-}
-
-/// A signaled RC send work request, with no other flags.
-pub fn signaled<'a>(wr_id: u64, op: SendOp, payload: Payload<'a>) -> SendWr<'a> {
-    SendWr {
-        wr_id,
-        op,
-        payload,
-        signaled: true,
-        solicited: false,
-        fence: false,
-        ud: None,
-    }
 }
 
 /// A backend serving guests on a fresh socket, in this process, on the test device.

@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
-use vrdma_backend::hostverbs::{Payload, PinnedMemory, SendOp, Sge};
+use vrdma_backend::hostverbs::{Payload, PinnedMemory, SendOp, SendWr, Sge};
 use vrdma_guest::spec::ctrl::{HandleRequest, Opcode, RegMrRequest, RequestHeader};
 use vrdma_guest::spec::mem::PageList;
 use vrdma_guest::spec::{ByteValued, Le16, Le32, Le64};
@@ -14,8 +14,8 @@ use vrdma_guest::{
     QueuePair, Status,
 };
 use vrdma_tests::{
-    connect_guest_qp, host_resource_counts, open_test_device, signaled, start_backend,
-    wait_for_completions, wait_for_host_counts, RcEndpoint, FULL_ACCESS,
+    connect_guest_qp, host_resource_counts, open_test_device, start_backend, wait_for_completions,
+    wait_for_host_counts, RcEndpoint, FULL_ACCESS,
 };
 
 const GUEST_ENDPOINT: &str = env!("CARGO_BIN_EXE_guest-endpoint");
@@ -114,7 +114,7 @@ fn native_peer_writes_into_guest_memory(options: DirectOptions, buffer_len: u64)
         };
         native
             .qp
-            .post_send(&[signaled(1, write, Payload::Sges(&sge))])
+            .post_send(&[SendWr::new(1, write, Payload::Sges(&sge))])
             .unwrap();
         let done = wait_for_completions(&native.cq, 1);
         assert!(done[0].is_success(), "{:?}", done[0]);

@@ -4,12 +4,10 @@
 use std::sync::Arc;
 
 use vrdma_backend::hostverbs::{
-    AnonymousMemory, GidType, MemoryRegion, Payload, PinnedMemory, QpState, RecvWr, SendOp, Sge,
-    LINK_LAYER_ETHERNET, PORT_ACTIVE,
+    AnonymousMemory, GidType, MemoryRegion, Payload, PinnedMemory, QpState, RecvWr, SendOp, SendWr,
+    Sge, LINK_LAYER_ETHERNET, PORT_ACTIVE,
 };
-use vrdma_tests::{
-    connected_rc_pair, open_test_device, signaled, wait_for_completions, FULL_ACCESS, PORT,
-};
+use vrdma_tests::{connected_rc_pair, open_test_device, wait_for_completions, FULL_ACCESS, PORT};
 
 /// An IOVA far from any address the buffers really have, as a guest VA would be.
 const TARGET_IOVA: u64 = 0x0000_7f00_dead_0000;
@@ -89,7 +87,7 @@ fn rc_send_recv_moves_bytes_and_immediate_data() {
         length: 5000,
         lkey: src_mr.lkey(),
     }];
-    a.qp.post_send(&[signaled(
+    a.qp.post_send(&[SendWr::new(
         9,
         SendOp::SendWithImm { imm: 0xfeed_beef },
         Payload::Sges(&send_sge),
@@ -127,7 +125,7 @@ fn inline_send_copies_payload_at_post_time() {
     }])
     .unwrap();
     let mut payload = *b"inline payload, 32 bytes long!!!";
-    a.qp.post_send(&[signaled(2, SendOp::Send, Payload::Inline(&payload))])
+    a.qp.post_send(&[SendWr::new(2, SendOp::Send, Payload::Inline(&payload))])
         .expect("post inline send");
     payload.fill(0); // the provider copied it when posting
     assert!(wait_for_completions(&a.cq, 1)[0].is_success());
@@ -155,7 +153,7 @@ fn rdma_write_to_an_explicit_iova_lands_at_the_matching_host_offset() {
         length: 1000,
         lkey: src_mr.lkey(),
     }];
-    a.qp.post_send(&[signaled(
+    a.qp.post_send(&[SendWr::new(
         11,
         SendOp::RdmaWrite {
             remote_addr: TARGET_IOVA + 4096 + 16,
@@ -179,7 +177,7 @@ fn rdma_write_to_an_explicit_iova_lands_at_the_matching_host_offset() {
 
     // Reading it back with RDMA READ goes through the same translation.
     src.write(0, &[0u8; 1000]).unwrap();
-    a.qp.post_send(&[signaled(
+    a.qp.post_send(&[SendWr::new(
         12,
         SendOp::RdmaRead {
             remote_addr: TARGET_IOVA + 4096 + 16,
@@ -206,7 +204,7 @@ fn rdma_write_past_the_end_of_an_mr_completes_with_remote_access_error() {
         length: 64,
         lkey: src_mr.lkey(),
     }];
-    a.qp.post_send(&[signaled(
+    a.qp.post_send(&[SendWr::new(
         13,
         SendOp::RdmaWrite {
             remote_addr: TARGET_IOVA + 4096 - 32,

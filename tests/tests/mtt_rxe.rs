@@ -6,13 +6,11 @@ use std::fs::File;
 use std::sync::Arc;
 
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap};
-use vrdma_backend::hostverbs::{AnonymousMemory, Payload, PinnedMemory, SendOp, Sge};
+use vrdma_backend::hostverbs::{AnonymousMemory, Payload, PinnedMemory, SendOp, SendWr, Sge};
 use vrdma_backend::mtt::{pages_needed, resolve_page_list, GuestPagesMapping, PageListRules};
 use vrdma_spec::mem::{PageList, PageListForm};
 use vrdma_spec::{Le16, Le32, Le64};
-use vrdma_tests::{
-    connected_rc_pair, open_test_device, signaled, wait_for_completions, FULL_ACCESS,
-};
+use vrdma_tests::{connected_rc_pair, open_test_device, wait_for_completions, FULL_ACCESS};
 
 const PAGE: u64 = 4096;
 
@@ -104,7 +102,7 @@ fn rdma_at_guest_virtual_addresses_reaches_scattered_guest_pages() {
         remote_addr: target,
         rkey: guest_mr.rkey(),
     };
-    a.qp.post_send(&[signaled(1, write, Payload::Sges(&sge))])
+    a.qp.post_send(&[SendWr::new(1, write, Payload::Sges(&sge))])
         .unwrap();
     let done = wait_for_completions(&a.cq, 1);
     assert!(done[0].is_success(), "{:?}", done[0]);
@@ -133,7 +131,7 @@ fn rdma_at_guest_virtual_addresses_reaches_scattered_guest_pages() {
         remote_addr: read_va,
         rkey: guest_mr.rkey(),
     };
-    a.qp.post_send(&[signaled(2, read, Payload::Sges(&sge_read))])
+    a.qp.post_send(&[SendWr::new(2, read, Payload::Sges(&sge_read))])
         .unwrap();
     assert!(wait_for_completions(&a.cq, 1)[0].is_success());
     let mut read_back = [0u8; 16];
@@ -145,7 +143,7 @@ fn rdma_at_guest_virtual_addresses_reaches_scattered_guest_pages() {
         remote_addr: virt_addr + length - 8,
         rkey: guest_mr.rkey(),
     };
-    a.qp.post_send(&[signaled(3, past_the_end, Payload::Sges(&sge_read))])
+    a.qp.post_send(&[SendWr::new(3, past_the_end, Payload::Sges(&sge_read))])
         .unwrap();
     const IBV_WC_REM_ACCESS_ERR: u32 = 10;
     assert_eq!(

@@ -346,6 +346,21 @@ pub struct SendWr<'a> {
     pub ud: Option<UdDest<'a>>,
 }
 
+impl<'a> SendWr<'a> {
+    /// A signaled request with no other flags (and no UD destination).
+    pub fn new(wr_id: u64, op: SendOp, payload: Payload<'a>) -> Self {
+        SendWr {
+            wr_id,
+            op,
+            payload,
+            signaled: true,
+            solicited: false,
+            fence: false,
+            ud: None,
+        }
+    }
+}
+
 /// A receive work request.
 #[derive(Clone, Copy, Debug)]
 pub struct RecvWr<'a> {

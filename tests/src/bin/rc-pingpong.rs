@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use vrdma_backend::hostverbs::{AnonymousMemory, Payload, PinnedMemory, RecvWr, SendOp, Sge};
-use vrdma_tests::{
-    connected_rc_pair, open_test_device, signaled, wait_for_completions, FULL_ACCESS,
+use vrdma_backend::hostverbs::{
+    AnonymousMemory, Payload, PinnedMemory, RecvWr, SendOp, SendWr, Sge,
 };
+use vrdma_tests::{connected_rc_pair, open_test_device, wait_for_completions, FULL_ACCESS};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -50,7 +50,7 @@ fn main() {
         length: size,
         lkey: b_mr.lkey(),
     }];
-    let send = |sges| signaled(0, SendOp::Send, Payload::Sges(sges));
+    let send = |sges| SendWr::new(0, SendOp::Send, Payload::Sges(sges));
 
     let mut round_trips = Vec::with_capacity(iterations);
     for i in 0..iterations {
