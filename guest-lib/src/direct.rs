@@ -133,14 +133,15 @@ impl DirectTransport {
                 &vec![0; size as usize],
             )
             .map_err(vhost)?;
-        let mut config = DeviceConfig::default();
-        if bytes.len() != size as usize {
-            return Err(Error::Attach(format!(
-                "config space of {} bytes, expected {size}",
-                bytes.len()
-            )));
-        }
-        config.as_mut_slice().copy_from_slice(&bytes);
+        let config: DeviceConfig = match vrdma_spec::read_wire(&bytes) {
+            Some(config) if bytes.len() == size as usize => config,
+            _ => {
+                return Err(Error::Attach(format!(
+                    "config space of {} bytes, expected {size}",
+                    bytes.len()
+                )))
+            }
+        };
         let notify_queues = config.num_notify_queues.to_native();
         if !(1..=MAX_NOTIFY_QUEUES).contains(&notify_queues) {
             return Err(Error::Attach(format!(

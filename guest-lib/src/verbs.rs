@@ -19,7 +19,7 @@ use vrdma_spec::ring::{
     cqe_is_valid, event_kind, wqe_flags, wr_opcode, CqDoorbell, Cqe, NotifyState, QpDoorbell,
     RecvWqe, SendWqe, Sge as WireSge, SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
-use vrdma_spec::{ByteValued, Gid, Le16, Le32, Le64};
+use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64};
 
 use crate::direct::{DirectOptions, DirectTransport};
 use crate::shm::{SharedBuffer, PAGE_SIZE};
@@ -87,10 +87,10 @@ impl DeviceInner {
                 len: written,
             });
         }
-        let mut header = ResponseHeader::default();
-        header
-            .as_mut_slice()
-            .copy_from_slice(&response[..header_len]);
+        let header: ResponseHeader = read_wire(&response).ok_or(Error::BadResponse {
+            opcode,
+            len: written,
+        })?;
         let status =
             Status::try_from(header.status.to_native()).map_err(|_| Error::BadResponse {
                 opcode,
@@ -109,11 +109,10 @@ impl DeviceInner {
                 len: written,
             });
         }
-        let mut value = Resp::default();
-        value
-            .as_mut_slice()
-            .copy_from_slice(&response[header_len..]);
-        Ok(value)
+        read_wire(&response[header_len..]).ok_or(Error::BadResponse {
+            opcode,
+            len: written,
+        })
     }
 
     /// Destroys `handle` with `opcode`; used by Drop, where an error can only be logged.

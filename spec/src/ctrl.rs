@@ -587,6 +587,19 @@ mod tests {
     }
 
     #[test]
+    fn wire_structs_are_read_from_unaligned_bytes_and_short_input_is_refused() {
+        let header = RequestHeader {
+            opcode: Le16::from(4),
+            flags: Le16::from(0),
+            length: Le32::from(8),
+        };
+        let mut bytes = vec![0xffu8];
+        bytes.extend_from_slice(crate::ByteValued::as_slice(&header));
+        assert_eq!(crate::read_wire::<RequestHeader>(&bytes[1..]), Some(header));
+        assert_eq!(crate::read_wire::<RequestHeader>(&bytes[1..8]), None);
+    }
+
+    #[test]
     fn status_values_are_stable() {
         assert_eq!(Status::try_from(8), Ok(Status::HostError));
         assert_eq!(Status::try_from(9), Err(9));

@@ -20,6 +20,15 @@ pub const VIRTIO_ID_RDMA: u32 = 42;
 /// Version of this specification; reported in the config space (SPEC.md §3).
 pub const SPEC_VERSION: u32 = 0;
 
+/// Copies a wire struct out of the start of `bytes`, which need not be aligned; `None` when
+/// `bytes` is shorter than the struct.
+pub fn read_wire<T: ByteValued + Default>(bytes: &[u8]) -> Option<T> {
+    let mut value = T::default();
+    let size = core::mem::size_of::<T>();
+    value.as_mut_slice().copy_from_slice(bytes.get(..size)?);
+    Some(value)
+}
+
 /// Implements [`ByteValued`] for wire structs and asserts their specified size.
 macro_rules! wire_struct {
     ($($ty:ty = $size:expr),+ $(,)?) => {

@@ -71,11 +71,9 @@ const SEND_HEADER: usize = std::mem::size_of::<SendWqe>();
 const RECV_HEADER: usize = std::mem::size_of::<RecvWqe>();
 const SGE_SIZE: usize = std::mem::size_of::<WireSge>();
 
+/// A wire struct from a slot, which callers size to hold it.
 fn read<T: ByteValued + Default>(bytes: &[u8]) -> T {
-    let mut value = T::default();
-    let n = std::mem::size_of::<T>();
-    value.as_mut_slice().copy_from_slice(&bytes[..n]);
-    value
+    vrdma_spec::read_wire(bytes).expect("a slot holds its header and SGEs")
 }
 
 /// Checks `count` SGEs at `bytes` against the MR table and appends them to `out`.

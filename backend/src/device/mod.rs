@@ -73,17 +73,12 @@ impl From<mtt::MttError> for CommandError {
 
 type CommandResult = Result<Vec<u8>, CommandError>;
 
-/// What the guest learned about the port at connection time; guides validation.
-#[derive(Clone, Copy, Debug)]
-struct PortLimits {
-    attr: PortAttr,
-}
-
 /// One guest connection's device: its own host context, its objects, its negotiated state.
 pub struct Device {
     host: HostDevice,
     host_attr: hostverbs::DeviceAttr,
-    port: PortLimits,
+    /// The port as it was when the connection began; guides validation.
+    port: PortAttr,
     config: DeviceConfig,
     features: u64,
     objects: Objects,
@@ -95,12 +90,9 @@ fn reply<T: ByteValued>(value: T) -> CommandResult {
     Ok(value.as_slice().to_vec())
 }
 
-/// Copies a wire struct out of request bytes (which need not be aligned).
+/// A wire struct from request bytes whose length `execute` has already checked.
 fn parse<T: ByteValued + Default>(payload: &[u8]) -> T {
-    let mut value = T::default();
-    let n = value.as_slice().len();
-    value.as_mut_slice().copy_from_slice(&payload[..n]);
-    value
+    vrdma_spec::read_wire(payload).expect("the request length was checked")
 }
 
 impl Device {
@@ -108,9 +100,7 @@ impl Device {
     pub fn new(config: &Config) -> Result<Device, crate::Error> {
         let host = HostDevice::open(config)?;
         let host_attr = host.context.query_device()?;
-        let port = PortLimits {
-            attr: host.context.query_port(host.port)?,
-        };
+        let port = host.context.query_port(host.port)?;
         let advertised =
             limits::advertised_config(&host_attr, &config.quotas, config.notify_queues);
         let data_path = DataPath::new(
@@ -339,10 +329,10 @@ impl Device {
     fn query_gid(&self, req: QueryGidRequest) -> CommandResult {
         self.check_port(req.port)?;
         let index = req.index.to_native();
-        if index >= self.port.attr.gid_tbl_len {
+        if index >= self.port.gid_tbl_len {
             return Err(CommandError::invalid(format!(
                 "GID index {index} beyond the table ({})",
-                self.port.attr.gid_tbl_len
+                self.port.gid_tbl_len
             )));
         }
         if index != self.host.gid_index {
@@ -649,7 +639,7 @@ impl Device {
     fn modify_qp(&mut self, req: ModifyQpRequest) -> CommandResult {
         let entry = self.objects.qp(req.handle.to_native())?;
         let limits = validate::QpLimits {
-            port: self.port.attr,
+            port: self.port,
             gid_index: self.host.gid_index,
             max_rd_atomic: self.config.max_qp_init_rd_atom.to_native(),
             max_dest_rd_atomic: self.config.max_qp_rd_atom.to_native(),
@@ -693,7 +683,7 @@ impl Device {
         self.check_quota("AH", self.objects.ahs.len(), self.config.max_ah)?;
         let pd_handle = req.pd.to_native();
         let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
-        let attr = validate::ah_attr(&req.attr, &self.port.attr, self.host.gid_index)?;
+        let attr = validate::ah_attr(&req.attr, &self.port, self.host.gid_index)?;
         let ah = Arc::new(pd.create_ah(&attr)?);
         let handle = self.objects.insert_ah(AhEntry {
             ah: Arc::clone(&ah),

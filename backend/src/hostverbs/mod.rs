@@ -174,29 +174,6 @@ pub fn raise_open_file_limit() -> io::Result<u64> {
     Ok(limit.rlim_cur)
 }
 
-/// Names of the RDMA devices the host has.
-pub fn device_names() -> Vec<String> {
-    let mut count: c_int = 0;
-    // SAFETY: `count` is a valid out-pointer; the list is freed below.
-    let list = unsafe { ibv_get_device_list(&mut count) };
-    if list.is_null() {
-        // No uverbs support at all (ENOSYS) reads as "no devices".
-        return Vec::new();
-    }
-    let names = (0..count as usize)
-        .map(|i| {
-            // SAFETY: the list holds `count` valid device pointers while it is not freed, and
-            // each name is a NUL-terminated string owned by the device.
-            unsafe { CStr::from_ptr(ibv_get_device_name(*list.add(i))) }
-                .to_string_lossy()
-                .into_owned()
-        })
-        .collect();
-    // SAFETY: `list` came from ibv_get_device_list and is freed once.
-    unsafe { ibv_free_device_list(list) };
-    names
-}
-
 extern "C" {
     // Exported by libibverbs behind the static inline ibv_query_gid_ex(); rdma-sys's allowlist
     // does not bind names with a leading underscore.
