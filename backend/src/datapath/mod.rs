@@ -314,6 +314,15 @@ impl DataPath {
         *self.shared.sink.lock().unwrap_or_else(|e| e.into_inner()) = Some(sink);
     }
 
+    /// The notify area the guest set (SPEC.md §8.5), if any since the last reset.
+    pub fn notify_area(&self) -> Option<u64> {
+        *self
+            .shared
+            .notify_area
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn set_notify_area(&self, gpa: Option<u64>) {
         *self
             .shared

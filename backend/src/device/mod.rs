@@ -82,7 +82,6 @@ pub struct Device {
     config: DeviceConfig,
     features: u64,
     objects: Objects,
-    notify_area: Option<u64>,
     data_path: DataPath,
 }
 
@@ -117,7 +116,6 @@ impl Device {
             port,
             config: advertised,
             objects: Objects::new(),
-            notify_area: None,
         })
     }
 
@@ -146,7 +144,6 @@ impl Device {
         self.data_path.clear();
         let count = self.objects.count();
         self.objects = Objects::new();
-        self.notify_area = None;
         if count > 0 {
             log::info!("device reset: destroyed {count} objects");
         }
@@ -487,7 +484,7 @@ impl Device {
 
     fn create_qp<M: GuestMemoryBackend>(&mut self, mem: &M, req: CreateQpRequest) -> CommandResult {
         self.check_quota("QP", self.objects.qps.len(), self.config.max_qp)?;
-        if self.notify_area.is_none() {
+        if self.data_path.notify_area().is_none() {
             return Err(CommandError::invalid("CREATE_QP before SET_NOTIFY_AREA"));
         }
         let shape = validate::create_qp(&req, &self.config, self.features)?;
@@ -574,7 +571,7 @@ impl Device {
             ));
         }
         self.check_quota("SRQ", self.objects.srqs.len(), self.config.max_srq)?;
-        if self.notify_area.is_none() {
+        if self.data_path.notify_area().is_none() {
             return Err(CommandError::invalid("CREATE_SRQ before SET_NOTIFY_AREA"));
         }
         let (max_wr, max_sge) = validate::create_srq(&req, &self.config)?;
@@ -708,7 +705,7 @@ impl Device {
         mem: &M,
         req: SetNotifyAreaRequest,
     ) -> CommandResult {
-        if self.notify_area.is_some() {
+        if self.data_path.notify_area().is_some() {
             return Err(CommandError::invalid(
                 "SET_NOTIFY_AREA was already issued since the last reset",
             ));
@@ -724,7 +721,6 @@ impl Device {
         }
         validate::guest_record::<M, NotifyState>(mem, addr, 64)?;
         validate::guest_range(mem, addr, len)?;
-        self.notify_area = Some(addr);
         self.data_path.set_notify_area(Some(addr));
         Ok(Vec::new())
     }
