@@ -265,3 +265,41 @@ pub fn wait_for_guest_completions(
 ) -> Vec<vrdma_guest::WorkCompletion> {
     poll_until(count, |batch| cq.poll(batch).expect("poll guest CQ"))
 }
+
+/// Walks a guest-lib UD QP to RTS with queue key `qkey` on port 1.
+pub fn ud_to_rts(qp: &vrdma_guest::QueuePair, qkey: u32) -> vrdma_guest::Result<()> {
+    use vrdma_guest::{qp_attr_mask as mask, qp_state, QpAttr};
+    let init = QpAttr {
+        qp_state: qp_state::INIT,
+        port_num: 1,
+        qkey,
+        ..Default::default()
+    };
+    qp.modify(
+        &init,
+        mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::QKEY,
+    )?;
+    for (state, extra) in [(qp_state::RTR, 0), (qp_state::RTS, mask::SQ_PSN)] {
+        let attr = QpAttr {
+            qp_state: state,
+            ..Default::default()
+        };
+        qp.modify(&attr, mask::STATE | extra)?;
+    }
+    Ok(())
+}
+
+/// The bytes the data-path tests write and verify: distinct per `seed`, aperiodic enough that
+/// a shifted or repeated block does not match.
+pub fn test_pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| ((i ^ seed << 32).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8)
+        .collect()
+}
+
+/// The value of `name=value` in a line of space-separated fields (the guest-endpoint
+/// programs' output).
+pub fn line_field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|word| word.strip_prefix(name)?.strip_prefix('='))
+}

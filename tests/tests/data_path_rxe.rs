@@ -2,18 +2,20 @@
 //! memory and poll CQEs from it; the backend's pollers move them to and from the host NIC.
 //! Runs inside the VM harness (see `vrdma_tests`).
 
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use vrdma_backend::hostverbs::{self, PinnedMemory};
 use vrdma_guest::{
-    access, qp_attr_mask as mask, qp_state, wc_opcode, wc_status, AhAttr, CompletionQueue, Device,
-    DeviceEvent, MemoryRegion, Payload, ProtectionDomain, QpAttr, QpType, QueuePair, RecvWr,
-    SendOp, SendWr, Sge, SharedBuffer, UdDest,
+    access, qp_state, wc_opcode, wc_status, AhAttr, CompletionQueue, Device, DeviceEvent,
+    MemoryRegion, Payload, ProtectionDomain, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge,
+    SharedBuffer, UdDest,
 };
 use vrdma_tests::{
-    connect_guest_qp, open_test_device, start_backend, wait_for_completions,
-    wait_for_guest_completions, RcEndpoint, TestBackend, FULL_ACCESS,
+    connect_guest_qp, line_field, open_test_device, start_backend, test_pattern, ud_to_rts,
+    wait_for_completions, wait_for_guest_completions, RcEndpoint, TestBackend, FULL_ACCESS,
 };
 
 const ALL_ACCESS: u32 =
@@ -162,8 +164,6 @@ fn rc_send_recv_round_trips_carry_their_payload() {
 #[test]
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn two_guest_processes_make_10000_checked_round_trips() {
-    use std::io::{BufRead, BufReader, Write};
-    use std::process::{Command, Stdio};
     const ROUND_TRIPS: u32 = 10_000;
     let backend = start_backend();
     let spawn = |mode: &str| {
@@ -223,63 +223,66 @@ fn rdma(endpoint: &Endpoint, wr_id: u64, op: SendOp, local: Sge) -> vrdma_guest:
 fn rdma_write_and_read_move_exact_bytes_from_1_byte_to_64_mib() {
     const SIZE: u64 = 64 << 20;
     let backend = start_backend();
-    let (a, b) = rc_pair(&backend, 2 * SIZE);
+    let a = Endpoint::new(&backend, QpType::Rc, SIZE);
+    let mut target = TargetProcess::start(&backend, SIZE + 8);
+    target.connect_rc(&a);
     for (n, len) in [1u64, 4096, 1 << 20, SIZE].into_iter().enumerate() {
-        let pattern: Vec<u8> = (0..len)
-            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8 ^ n as u8)
-            .collect();
-        a.buffer.write(0, &pattern).unwrap();
+        let (seed, len_usize) = (n as u64, len as usize);
+        a.buffer.write(0, &test_pattern(len_usize, seed)).unwrap();
         let write = SendOp::RdmaWrite {
-            remote_addr: b.mr.addr() + 8,
-            rkey: b.mr.rkey(),
+            remote_addr: target.va + 8,
+            rkey: target.rkey,
         };
-        let done = rdma(&a, 2 * n as u64, write, a.sge(0, len as u32));
+        let done = rdma(&a, 2 * seed, write, a.sge(0, len as u32));
         assert!(done.is_success(), "write of {len}: {done:?}");
-        let mut landed = vec![0u8; len as usize];
-        b.buffer.read(8, &mut landed).unwrap();
-        assert!(landed == pattern, "RDMA WRITE of {len} bytes differs");
-        // Read it back into the other half of A's buffer.
+        target.expect(8, len, seed);
+        // Read back different bytes than were written, so a READ that moved nothing fails.
+        target.ask_ok(&format!("fill 8 {len} {}", seed + 100));
         let read = SendOp::RdmaRead {
-            remote_addr: b.mr.addr() + 8,
-            rkey: b.mr.rkey(),
+            remote_addr: target.va + 8,
+            rkey: target.rkey,
         };
-        let done = rdma(&a, 2 * n as u64 + 1, read, a.sge(SIZE, len as u32));
+        let done = rdma(&a, 2 * seed + 1, read, a.sge(0, len as u32));
         assert!(done.is_success(), "read of {len}: {done:?}");
-        let mut read_back = vec![0u8; len as usize];
-        a.buffer.read(SIZE, &mut read_back).unwrap();
-        assert!(read_back == pattern, "RDMA READ of {len} bytes differs");
+        let mut read_back = vec![0u8; len_usize];
+        a.buffer.read(0, &mut read_back).unwrap();
+        assert!(
+            read_back == test_pattern(len_usize, seed + 100),
+            "RDMA READ of {len} bytes differs"
+        );
     }
+    target.finish();
 }
 
 #[test]
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn atomics_leave_an_exact_count() {
     let backend = start_backend();
-    let (a, b) = rc_pair(&backend, 1 << 16);
-    let counter = b.mr.addr() + 64;
+    let a = Endpoint::new(&backend, QpType::Rc, 1 << 16);
+    let mut target = TargetProcess::start(&backend, 1 << 16);
+    target.connect_rc(&a);
+    let counter = target.va + 64;
     for i in 0..1000u64 {
         let op = SendOp::FetchAndAdd {
             remote_addr: counter,
-            rkey: b.mr.rkey(),
+            rkey: target.rkey,
             add: 1,
         };
         let done = rdma(&a, i, op, a.sge(8 * (i % 512), 8));
         assert!(done.is_success(), "{done:?}");
     }
-    let mut value = [0u8; 8];
-    b.buffer.read(64, &mut value).unwrap();
-    assert_eq!(u64::from_le_bytes(value), 1000);
+    assert_eq!(target.ask("u64 64"), "value=1000");
     // Compare-and-swap: succeeds once on the right value, returns the old one either way.
     let swap = SendOp::CompareAndSwap {
         remote_addr: counter,
-        rkey: b.mr.rkey(),
+        rkey: target.rkey,
         compare: 1000,
         swap: 7,
     };
     assert!(rdma(&a, 2000, swap, a.sge(0, 8)).is_success());
     let missed = SendOp::CompareAndSwap {
         remote_addr: counter,
-        rkey: b.mr.rkey(),
+        rkey: target.rkey,
         compare: 1000,
         swap: 9,
     };
@@ -293,8 +296,8 @@ fn atomics_leave_an_exact_count() {
         ),
         (1000, 7)
     );
-    b.buffer.read(64, &mut value).unwrap();
-    assert_eq!(u64::from_le_bytes(value), 7);
+    assert_eq!(target.ask("u64 64"), "value=7");
+    target.finish();
 }
 
 #[test]
@@ -302,99 +305,53 @@ fn atomics_leave_an_exact_count() {
 fn ud_datagrams_arrive_behind_a_grh() {
     const QKEY: u32 = 0x1111_1111;
     const DATAGRAMS: u64 = 1000;
+    const CHUNK: u64 = 100;
+    const SLOT: u64 = 40 + 256; // GRH + payload
     let backend = start_backend();
     let a = Endpoint::new(&backend, QpType::Ud, 1 << 20);
-    let b = Endpoint::new(&backend, QpType::Ud, 1 << 20);
-    for endpoint in [&a, &b] {
-        let init = QpAttr {
-            qp_state: qp_state::INIT,
-            port_num: 1,
-            qkey: QKEY,
-            ..Default::default()
-        };
-        endpoint
-            .qp
-            .modify(
-                &init,
-                mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::QKEY,
-            )
-            .unwrap();
-        endpoint
-            .qp
-            .modify(
-                &QpAttr {
-                    qp_state: qp_state::RTR,
-                    ..Default::default()
-                },
-                mask::STATE,
-            )
-            .unwrap();
-        endpoint
-            .qp
-            .modify(
-                &QpAttr {
-                    qp_state: qp_state::RTS,
-                    ..Default::default()
-                },
-                mask::STATE | mask::SQ_PSN,
-            )
-            .unwrap();
-    }
-    let (index, gid) = a.device.gid().unwrap();
+    ud_to_rts(&a.qp, QKEY).unwrap();
+    let mut target = TargetProcess::start(&backend, CHUNK * SLOT);
+    let remote_qpn = target.new_qp(&format!("ud {QKEY}"));
     let route = AhAttr {
-        dgid: gid,
-        sgid_index: index as u8,
+        dgid: target.gid,
+        sgid_index: target.gid_index,
         hop_limit: 1,
         is_global: true,
         port_num: 1,
         ..Default::default()
     };
     let ah = a.pd.create_ah(&route).unwrap();
-    const SLOT: u64 = 40 + 256; // GRH + payload
     let mut received = 0;
-    for chunk in 0..DATAGRAMS / 100 {
-        for i in 0..100 {
-            let n = chunk * 100 + i;
-            b.qp.post_recv(&[RecvWr {
-                wr_id: n,
-                sges: &[b.sge(i * SLOT, SLOT as u32)],
-            }])
-            .unwrap();
-        }
-        // UD drops what arrives before a receive: wait until the device has taken them all.
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while b.qp.recv_backlog().unwrap() > 0 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "receives never reached the device"
-            );
-            std::thread::yield_now();
-        }
-        for i in 0..100 {
-            let n = chunk * 100 + i;
-            a.buffer.write(i * 256, &[n as u8; 256]).unwrap();
-            let sges = [a.sge(i * 256, 256)];
+    for first in (0..DATAGRAMS).step_by(CHUNK as usize) {
+        // UD drops what arrives before a receive: the target answers once the device has them.
+        target.ask_ok(&format!("recv {remote_qpn} {first} {CHUNK} {SLOT}"));
+        for n in first..first + CHUNK {
+            let offset = (n - first) * 256;
+            a.buffer.write(offset, &test_pattern(256, n)).unwrap();
+            let sges = [a.sge(offset, 256)];
             let mut wr = SendWr::new(n, SendOp::Send, Payload::Sges(&sges));
             wr.ud = Some(UdDest {
                 ah: &ah,
-                remote_qpn: b.qp.qp_num(),
+                remote_qpn,
                 remote_qkey: QKEY,
             });
             a.qp.post_send(&[wr]).unwrap();
             assert!(wait_for_guest_completions(&a.cq, 1)[0].is_success());
         }
-        for done in wait_for_guest_completions(&b.cq, 100) {
-            assert!(done.is_success() && done.grh, "{done:?}");
-            assert_eq!((done.byte_len, done.src_qp), (SLOT as u32, a.qp.qp_num()));
-            let mut payload = [0u8; 256];
-            b.buffer
-                .read((done.wr_id % 100) * SLOT + 40, &mut payload)
-                .unwrap();
-            assert_eq!(payload, [done.wr_id as u8; 256], "datagram {}", done.wr_id);
+        for done in target.wait(CHUNK) {
+            let expected = format!(
+                "qpn={remote_qpn} src_qp={} len={SLOT} status={} grh=1",
+                a.qp.qp_num(),
+                wc_status::SUCCESS
+            );
+            assert!(done.ends_with(&expected), "{done}");
+            let n: u64 = line_field(&done, "wr_id").unwrap().parse().unwrap();
+            target.expect((n - first) * SLOT + 40, 256, n);
             received += 1;
         }
     }
     assert_eq!(received, DATAGRAMS);
+    target.finish();
 }
 
 #[test]
@@ -554,10 +511,10 @@ fn a_guest_and_a_native_ibverbs_program_exchange_data_both_ways() {
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn four_qps_share_one_srq() {
     const PER_QP: u64 = 50;
+    const SLOT: u64 = 64;
     let backend = start_backend();
     let a = Endpoint::new(&backend, QpType::Rc, 1 << 16);
-    let b = Endpoint::new(&backend, QpType::Rc, 1 << 16);
-    let srq = b.pd.create_srq(256, 1).unwrap();
+    let mut target = TargetProcess::start(&backend, 4 * PER_QP * SLOT);
     let senders: Vec<QueuePair> = (0..4)
         .map(|_| {
             QueuePair::builder(QpType::Rc, &a.cq)
@@ -567,56 +524,141 @@ fn four_qps_share_one_srq() {
                 .unwrap()
         })
         .collect();
-    let receivers: Vec<QueuePair> = (0..4)
-        .map(|_| {
-            QueuePair::builder(QpType::Rc, &b.cq)
-                .srq(&srq)
-                .build(&b.pd)
-                .unwrap()
-        })
-        .collect();
-    let (index, gid) = a.device.gid().unwrap();
-    for (s, r) in senders.iter().zip(&receivers) {
-        connect_guest_qp(s, index as u8, gid, r.qp_num()).unwrap();
-        connect_guest_qp(r, index as u8, gid, s.qp_num()).unwrap();
+    let receivers: Vec<u32> = (0..4).map(|_| target.new_qp("srq-rc")).collect();
+    for (sender, &receiver) in senders.iter().zip(&receivers) {
+        connect_guest_qp(sender, target.gid_index, target.gid, receiver).unwrap();
+        target.ask_ok(&format!("connect {receiver} {}", sender.qp_num()));
     }
-    // Receives go to the SRQ; a QP on it has no RQ of its own.
-    assert!(receivers[0]
-        .post_recv(&[RecvWr {
-            wr_id: 0,
-            sges: &[]
-        }])
-        .is_err());
-    for slot in 0..4 * PER_QP {
-        srq.post_recv(&[RecvWr {
-            wr_id: slot,
-            sges: &[b.sge(slot * 64, 64)],
-        }])
-        .unwrap();
-    }
+    target.ask_ok(&format!("recv srq 0 {} {SLOT}", 4 * PER_QP));
+    let seed = |q: usize, n: u64| q as u64 * PER_QP + n;
     for n in 0..PER_QP {
         for (q, sender) in senders.iter().enumerate() {
-            let tag = [q as u8, n as u8, 0xaa, 0x55];
+            let tag = test_pattern(16, seed(q, n));
             sender
                 .post_send(&[SendWr::new(n, SendOp::Send, Payload::Inline(&tag))])
                 .unwrap();
         }
         wait_for_guest_completions(&a.cq, 4);
     }
-    let received = wait_for_guest_completions(&b.cq, (4 * PER_QP) as usize);
-    let mut per_qp = std::collections::HashMap::new();
-    for done in &received {
-        assert!(done.is_success() && done.byte_len == 4, "{done:?}");
-        let mut tag = [0u8; 4];
-        b.buffer.read(done.wr_id * 64, &mut tag).unwrap();
-        let receiver = &receivers[tag[0] as usize];
-        assert_eq!(
-            done.qp_num,
-            receiver.qp_num(),
-            "tag {tag:?} arrived on the wrong QP"
+    // Each receiver sees its sender's messages in order, in whichever SRQ slots they landed.
+    let mut per_qp = [0u64; 4];
+    for done in target.wait(4 * PER_QP) {
+        assert!(
+            done.contains(&format!("len=16 status={}", wc_status::SUCCESS)),
+            "{done}"
         );
-        *per_qp.entry(done.qp_num).or_insert(0) += 1;
+        let qpn: u32 = line_field(&done, "qpn").unwrap().parse().unwrap();
+        let slot: u64 = line_field(&done, "wr_id").unwrap().parse().unwrap();
+        let q = receivers
+            .iter()
+            .position(|&r| r == qpn)
+            .expect("a receiver's QPN");
+        target.expect(slot * SLOT, 16, seed(q, per_qp[q]));
+        per_qp[q] += 1;
     }
-    assert_eq!(per_qp.len(), 4);
-    assert!(per_qp.values().all(|&count| count == PER_QP), "{per_qp:?}");
+    assert_eq!(per_qp, [PER_QP; 4]);
+    // Receives go to the SRQ; a QP on it has no RQ of its own.
+    let srq = a.pd.create_srq(16, 1).unwrap();
+    let on_srq = QueuePair::builder(QpType::Rc, &a.cq)
+        .srq(&srq)
+        .build(&a.pd)
+        .unwrap();
+    let no_sges = RecvWr {
+        wr_id: 0,
+        sges: &[],
+    };
+    assert!(on_srq.post_recv(&[no_sges]).is_err());
+    target.finish();
+}
+
+/// A `guest-endpoint target` process: the second guest of a two-process test, on its own
+/// backend connection, driven through its stdin (the commands are documented there).
+struct TargetProcess {
+    child: Child,
+    input: ChildStdin,
+    output: BufReader<ChildStdout>,
+    gid_index: u8,
+    gid: vrdma_guest::Gid,
+    rkey: u32,
+    va: u64,
+}
+
+impl TargetProcess {
+    fn start(backend: &TestBackend, bytes: u64) -> TargetProcess {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_guest-endpoint"))
+            .args([
+                "target",
+                backend.socket.to_str().unwrap(),
+                &bytes.to_string(),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start guest-endpoint");
+        let input = child.stdin.take().unwrap();
+        let mut output = BufReader::new(child.stdout.take().unwrap());
+        let mut hello = String::new();
+        output.read_line(&mut hello).unwrap();
+        let field = |name| line_field(&hello, name).unwrap_or_else(|| panic!("{hello}: {name}?"));
+        let gid: std::net::Ipv6Addr = field("gid").parse().unwrap();
+        TargetProcess {
+            gid_index: field("gid_index").parse().unwrap(),
+            gid: vrdma_guest::Gid(gid.octets()),
+            rkey: field("rkey").parse().unwrap(),
+            va: u64::from_str_radix(field("va").trim_start_matches("0x"), 16).unwrap(),
+            child,
+            input,
+            output,
+        }
+    }
+
+    fn line(&mut self) -> String {
+        let mut line = String::new();
+        self.output.read_line(&mut line).unwrap();
+        assert!(!line.is_empty(), "the target process died");
+        line.trim().to_string()
+    }
+
+    fn ask(&mut self, command: &str) -> String {
+        writeln!(self.input, "{command}").unwrap();
+        self.line()
+    }
+
+    fn ask_ok(&mut self, command: &str) {
+        assert_eq!(self.ask(command), "ok", "{command}");
+    }
+
+    fn new_qp(&mut self, command: &str) -> u32 {
+        let reply = self.ask(command);
+        line_field(&reply, "qpn")
+            .and_then(|qpn| qpn.parse().ok())
+            .unwrap_or_else(|| panic!("{command}: {reply}"))
+    }
+
+    /// An RC QP in the target, connected both ways with `peer`'s.
+    fn connect_rc(&mut self, peer: &Endpoint) {
+        let qpn = self.new_qp("rc");
+        connect_guest_qp(&peer.qp, self.gid_index, self.gid, qpn).unwrap();
+        self.ask_ok(&format!("connect {qpn} {}", peer.qp.qp_num()));
+    }
+
+    /// Checks, byte for byte in the target, that its buffer holds `test_pattern(len, seed)`
+    /// at `offset`.
+    fn expect(&mut self, offset: u64, len: u64, seed: u64) {
+        self.ask_ok(&format!("expect {offset} {len} {seed}"));
+    }
+
+    /// The target's next `count` completions, one line each.
+    fn wait(&mut self, count: u64) -> Vec<String> {
+        writeln!(self.input, "wait {count}").unwrap();
+        (0..count).map(|_| self.line()).collect()
+    }
+
+    fn finish(mut self) {
+        drop(self.input);
+        assert!(
+            self.child.wait().unwrap().success(),
+            "the target process failed"
+        );
+    }
 }

@@ -8,13 +8,18 @@
 //!                                    each message carries a checksum the peer verifies and
 //!                                    echoes; prints `done N kicks=K`
 //!        guest-endpoint pong SOCKET N  as `rc`, then echoes N messages, verifying each
+//!        guest-endpoint target SOCKET BYTES  a passive peer with a BYTES-long registered
+//!                                    buffer, driven line by line from stdin (see [`Target`])
 
 use std::io::BufRead;
 
 use vrdma_guest::{
-    access, wc_opcode, Device, Gid, Payload, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge,
+    access, wc_opcode, CompletionQueue, Device, Gid, MemoryRegion, Payload, ProtectionDomain,
+    QpType, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedBuffer, SharedReceiveQueue,
 };
-use vrdma_tests::{connect_guest_qp, wait_for_guest_completions};
+use vrdma_tests::{
+    connect_guest_qp, line_field, test_pattern, ud_to_rts, wait_for_guest_completions,
+};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -22,11 +27,14 @@ fn main() {
         [_, mode, socket] => (mode.as_str(), socket, 0),
         [_, mode, socket, n] => (mode.as_str(), socket, n.parse().expect("N is a number")),
         _ => {
-            eprintln!("usage: guest-endpoint rc|hold|ping|pong SOCKET [N]");
+            eprintln!("usage: guest-endpoint rc|hold|ping|pong|target SOCKET [N]");
             std::process::exit(2);
         }
     };
     let device = Device::attach(socket).expect("attach to the backend");
+    if mode == "target" {
+        return Target::new(device, count).serve();
+    }
     let pd = device.alloc_pd().expect("alloc PD");
     let buffer = device.alloc_buffer(1 << 16).expect("shared buffer");
     let mr = pd
@@ -97,9 +105,7 @@ struct Peer {
 
 fn parse_peer(line: &str) -> Peer {
     let field = |name: &str| {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
-            .unwrap_or_else(|| panic!("peer line without {name}: {line}"))
+        line_field(line, name).unwrap_or_else(|| panic!("peer line without {name}: {line}"))
     };
     let gid: std::net::Ipv6Addr = field("gid").parse().expect("peer gid");
     Peer {
@@ -202,5 +208,168 @@ impl Endpoint<'_> {
         }
         // The last echo's send completion.
         wait_for_guest_completions(self.cq, 1);
+    }
+}
+
+/// The passive side of the data-path tests: it owns one registered buffer (all remote access)
+/// and creates, connects and feeds QPs on request, so that the test process and this one are
+/// two guests on two backend connections. One command per stdin line, one reply line each
+/// (`wait` replies with one line per completion):
+///
+/// | command                          | reply                                           |
+/// |----------------------------------|-------------------------------------------------|
+/// | (on start)                       | `gid_index=I gid=G rkey=K va=A`                 |
+/// | `rc` / `srq-rc` / `ud QKEY`      | `qpn=N` (a new QP; `srq-rc` receives from the SRQ, `ud` is at RTS) |
+/// | `connect QPN PEER_QPN`           | `ok` (RC QP `QPN` at RTS towards `PEER_QPN`)    |
+/// | `fill OFFSET LEN SEED`           | `ok` (buffer bytes = `test_pattern(LEN, SEED)`) |
+/// | `expect OFFSET LEN SEED`         | `ok` or `mismatch at OFFSET`                    |
+/// | `u64 OFFSET`                     | `value=V`                                       |
+/// | `recv QPN\|srq FIRST COUNT SLOT` | `ok` once COUNT receives, `wr_id` FIRST.., each SLOT bytes from offset 0, are with the device |
+/// | `wait COUNT`                     | COUNT lines `wr_id=W qpn=Q src_qp=S len=L status=T grh=G` |
+struct Target {
+    device: Device,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    buffer: SharedBuffer,
+    mr: MemoryRegion,
+    srq: SharedReceiveQueue,
+    qps: Vec<QueuePair>,
+}
+
+impl Target {
+    fn new(device: Device, bytes: u64) -> Target {
+        let pd = device.alloc_pd().expect("alloc PD");
+        let buffer = device.alloc_buffer(bytes).expect("shared buffer");
+        let all = access::LOCAL_WRITE
+            | access::REMOTE_WRITE
+            | access::REMOTE_READ
+            | access::REMOTE_ATOMIC;
+        let mr = pd.reg_mr(&buffer, all).expect("register MR");
+        let cq = device.create_cq(1024).expect("create CQ");
+        let srq = pd.create_srq(256, 1).expect("create SRQ");
+        Target {
+            device,
+            pd,
+            cq,
+            buffer,
+            mr,
+            srq,
+            qps: Vec::new(),
+        }
+    }
+
+    fn serve(mut self) {
+        let (gid_index, gid) = self.device.gid().expect("assigned GID");
+        println!(
+            "gid_index={gid_index} gid={} rkey={} va={:#x}",
+            std::net::Ipv6Addr::from(gid.0),
+            self.mr.rkey(),
+            self.mr.addr()
+        );
+        for line in std::io::stdin().lock().lines() {
+            let line = line.expect("read a command");
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let number = |i: usize| -> u64 {
+                let word = words.get(i).unwrap_or_else(|| panic!("{line}: too short"));
+                word.parse().unwrap_or_else(|_| panic!("{line}: {word}?"))
+            };
+            match words.first().copied() {
+                Some("rc") => println!("qpn={}", self.create_qp(QpType::Rc, false).qp_num()),
+                Some("srq-rc") => println!("qpn={}", self.create_qp(QpType::Rc, true).qp_num()),
+                Some("ud") => {
+                    let qp = self.create_qp(QpType::Ud, false);
+                    ud_to_rts(qp, number(1) as u32).expect("UD QP to RTS");
+                    println!("qpn={}", qp.qp_num());
+                }
+                Some("connect") => {
+                    let (gid_index, gid) = self.device.gid().expect("assigned GID");
+                    connect_guest_qp(self.qp(number(1)), gid_index as u8, gid, number(2) as u32)
+                        .expect("connect");
+                    println!("ok");
+                }
+                Some("fill") => {
+                    let bytes = test_pattern(number(2) as usize, number(3));
+                    self.buffer.write(number(1), &bytes).expect("fill");
+                    println!("ok");
+                }
+                Some("expect") => {
+                    let (offset, expected) =
+                        (number(1), test_pattern(number(2) as usize, number(3)));
+                    let mut actual = vec![0u8; expected.len()];
+                    self.buffer.read(offset, &mut actual).expect("read buffer");
+                    match actual.iter().zip(&expected).position(|(a, e)| a != e) {
+                        None => println!("ok"),
+                        Some(at) => println!("mismatch at {}", offset + at as u64),
+                    }
+                }
+                Some("u64") => {
+                    let mut value = [0u8; 8];
+                    self.buffer
+                        .read(number(1), &mut value)
+                        .expect("read buffer");
+                    println!("value={}", u64::from_le_bytes(value));
+                }
+                Some("recv") => {
+                    let (first, count, slot) = (number(2), number(3), number(4));
+                    for n in first..first + count {
+                        let sges = [Sge {
+                            addr: self.mr.addr() + (n - first) * slot,
+                            length: slot as u32,
+                            lkey: self.mr.lkey(),
+                        }];
+                        let wr = [RecvWr {
+                            wr_id: n,
+                            sges: &sges,
+                        }];
+                        match words[1] {
+                            "srq" => self.srq.post_recv(&wr),
+                            _ => self.qp(number(1)).post_recv(&wr),
+                        }
+                        .expect("post receive");
+                    }
+                    if words[1] != "srq" {
+                        // UD drops what arrives before a receive: return once the device has
+                        // taken them all.
+                        while self.qp(number(1)).recv_backlog().expect("backlog") > 0 {
+                            std::thread::yield_now();
+                        }
+                    }
+                    println!("ok");
+                }
+                Some("wait") => {
+                    for done in wait_for_guest_completions(&self.cq, number(1) as usize) {
+                        println!(
+                            "wr_id={} qpn={} src_qp={} len={} status={} grh={}",
+                            done.wr_id,
+                            done.qp_num,
+                            done.src_qp,
+                            done.byte_len,
+                            done.status,
+                            u8::from(done.grh)
+                        );
+                    }
+                }
+                _ => panic!("unknown command: {line}"),
+            }
+        }
+    }
+
+    fn create_qp(&mut self, qp_type: QpType, on_srq: bool) -> &QueuePair {
+        let mut builder = QueuePair::builder(qp_type, &self.cq)
+            .max_send_wr(16)
+            .max_recv_wr(256);
+        if on_srq {
+            builder = builder.srq(&self.srq);
+        }
+        let qp = builder.build(&self.pd).expect("create QP");
+        self.qps.push(qp);
+        self.qps.last().unwrap()
+    }
+
+    fn qp(&self, qpn: u64) -> &QueuePair {
+        self.qps
+            .iter()
+            .find(|qp| u64::from(qp.qp_num()) == qpn)
+            .unwrap_or_else(|| panic!("no QP {qpn} here"))
     }
 }
