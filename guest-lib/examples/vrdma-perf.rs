@@ -44,9 +44,9 @@ impl Test {
 #[command(version, about)]
 struct Args {
     test: Test,
-    /// The backend's vhost-user socket.
+    /// The backend's vhost-user socket, or `pci` inside a VM (see `Device::open`).
     #[arg(long)]
-    socket: std::path::PathBuf,
+    socket: String,
     /// Run as the client of the server at this address (otherwise serve).
     #[arg(long)]
     connect: Option<String>,
@@ -196,7 +196,7 @@ fn read_peer(reader: &mut impl BufRead) -> Result<PeerInfo, Error> {
 }
 
 fn setup(args: &Args, largest: u32) -> Result<Side, Error> {
-    let device = Device::attach(&args.socket)?;
+    let device = Device::open(&args.socket)?;
     let pd = device.alloc_pd()?;
     // Room for the in-flight window of the largest message, and a separate receive area.
     let window = u64::from(largest) * u64::from(args.tx_depth.min(64));

@@ -3,7 +3,7 @@
 
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use vhost::vhost_user::message::{
@@ -13,11 +13,10 @@ use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vrdma_spec::config::{features, DeviceConfig, FIRST_NOTIFY_QUEUE, MAX_NOTIFY_QUEUES};
 use vrdma_spec::ring::Event;
-use vrdma_spec::ByteValued;
 
-use crate::shm::{Region, SharedBuffer};
+use crate::shm::{Region, RegionSet, SharedBuffer};
 use crate::transport::Transport;
-use crate::virtq::{ChainBuffer, SplitQueue};
+use crate::virtq::{DeviceQueues, EventFdSignal, SplitQueue, QUEUE_SIZE};
 use crate::{Error, Result};
 
 /// VHOST_USER_F_PROTOCOL_FEATURES.
@@ -30,16 +29,8 @@ const WANTED_FEATURES: u64 = features::VERSION_1
     | features::ATOMIC
     | features::INDIRECT_PAGE_LIST
     | PROTOCOL_FEATURES;
-const QUEUE_SIZE: u16 = 16;
-/// Size of one event (SPEC.md §8.4).
-const EVENT_SIZE: u64 = std::mem::size_of::<Event>() as u64;
-/// Control requests and responses are at most this long.
-const CONTROL_BUFFER: u64 = 4096;
 /// Default shared memory added at a time, unless a single allocation needs more.
 const REGION_SIZE: u64 = 32 << 20;
-/// How long a control request may take before the device is considered gone. Generous: the
-/// tests run under full emulation.
-const CONTROL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Options of a direct attachment.
 #[derive(Clone, Copy, Debug)]
@@ -59,24 +50,10 @@ impl Default for DirectOptions {
     }
 }
 
-struct Control {
-    queue: SplitQueue,
-    request: SharedBuffer,
-    response: SharedBuffer,
-}
-
-struct Events {
-    queue: SplitQueue,
-    buffers: SharedBuffer,
-}
-
 pub struct DirectTransport {
     frontend: Mutex<Frontend>,
-    regions: Mutex<Vec<Arc<Region>>>,
-    control: Mutex<Control>,
-    events: Mutex<Events>,
-    /// Notification queues: only ever kicked.
-    notify: Vec<SplitQueue>,
+    memory: RegionSet,
+    queues: DeviceQueues,
     config: DeviceConfig,
     features: u64,
     options: DirectOptions,
@@ -162,9 +139,18 @@ impl DirectTransport {
         frontend
             .set_mem_table(&[region_info(&region)])
             .map_err(vhost)?;
+        let memory = RegionSet::default();
+        memory.add(region);
         let mut queues = Vec::with_capacity(num_queues);
         for index in 0..num_queues {
-            let queue = SplitQueue::new(&region, QUEUE_SIZE)?;
+            let signal = EventFdSignal::new()?;
+            frontend
+                .set_vring_call(index, &signal.call)
+                .map_err(vhost)?;
+            frontend
+                .set_vring_kick(index, &signal.kick)
+                .map_err(vhost)?;
+            let queue = SplitQueue::new(&memory, QUEUE_SIZE, Box::new(signal))?;
             let ring = VringConfigData {
                 queue_max_size: QUEUE_SIZE,
                 queue_size: QUEUE_SIZE,
@@ -177,31 +163,13 @@ impl DirectTransport {
             frontend.set_vring_num(index, QUEUE_SIZE).map_err(vhost)?;
             frontend.set_vring_addr(index, &ring).map_err(vhost)?;
             frontend.set_vring_base(index, 0).map_err(vhost)?;
-            frontend.set_vring_call(index, &queue.call).map_err(vhost)?;
-            frontend.set_vring_kick(index, &queue.kick).map_err(vhost)?;
             frontend.set_vring_enable(index, true).map_err(vhost)?;
             queues.push(queue);
         }
-        let control_queue = queues.remove(0);
-        let buffer = |len| region.alloc(len, 8).ok_or(Error::OutOfSharedMemory(len));
-        let control = Control {
-            queue: control_queue,
-            request: buffer(CONTROL_BUFFER)?,
-            response: buffer(CONTROL_BUFFER)?,
-        };
-        let mut event_queue = queues.remove(0);
-        let event_buffers = buffer(EVENT_SIZE * u64::from(QUEUE_SIZE))?;
-        event_queue.post_all(event_buffers.addr(), EVENT_SIZE as u32)?;
-        let events = Events {
-            queue: event_queue,
-            buffers: event_buffers,
-        };
         Ok(DirectTransport {
             frontend: Mutex::new(frontend),
-            regions: Mutex::new(vec![region]),
-            control: Mutex::new(control),
-            events: Mutex::new(events),
-            notify: queues,
+            queues: DeviceQueues::new(&memory, queues)?,
+            memory,
             config,
             features: features & !PROTOCOL_FEATURES,
             options,
@@ -219,59 +187,19 @@ impl Transport for DirectTransport {
     }
 
     fn control(&self, request: &[u8], response: &mut [u8]) -> Result<usize> {
-        if request.len() as u64 > CONTROL_BUFFER || response.len() as u64 > CONTROL_BUFFER {
-            return Err(Error::OutOfBounds {
-                offset: 0,
-                len: request.len().max(response.len()) as u64,
-                size: CONTROL_BUFFER,
-            });
-        }
-        let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
-        let control = &mut *control;
-        control.request.write(0, request)?;
-        let chain = [
-            ChainBuffer {
-                addr: control.request.addr(),
-                len: request.len() as u32,
-                device_writes: false,
-            },
-            ChainBuffer {
-                addr: control.response.addr(),
-                len: response.len() as u32,
-                device_writes: true,
-            },
-        ];
-        control.queue.submit(&chain)?;
-        let written = (control.queue.wait_used(CONTROL_TIMEOUT)? as usize).min(response.len());
-        control.response.read(0, &mut response[..written])?;
-        Ok(written)
+        self.queues.control(request, response)
     }
 
     fn notify(&self, queue: u32) -> Result<()> {
-        let queue = self.notify.get(queue as usize).ok_or_else(|| {
-            Error::InvalidArgument(format!("the device has no notification queue {queue}"))
-        })?;
-        queue.kick()
+        self.queues.notify(queue)
     }
 
     fn next_event(&self, timeout: Duration) -> Result<Option<Event>> {
-        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((id, len)) = events.queue.next_used(timeout)? else {
-            return Ok(None);
-        };
-        let mut event = Event::default();
-        if len as u64 >= EVENT_SIZE {
-            events
-                .buffers
-                .read(u64::from(id) * EVENT_SIZE, event.as_mut_slice())?;
-        }
-        events.queue.repost(id)?;
-        Ok(Some(event))
+        self.queues.next_event(timeout)
     }
 
     fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer> {
-        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(buffer) = regions.iter().find_map(|r| r.alloc(len, align)) {
+        if let Some(buffer) = self.memory.alloc(len, align) {
             return Ok(buffer);
         }
         let size = len
@@ -287,16 +215,11 @@ impl Transport for DirectTransport {
         let buffer = region
             .alloc(len, align)
             .ok_or(Error::OutOfSharedMemory(len))?;
-        regions.push(region);
+        self.memory.add(region);
         Ok(buffer)
     }
 
-    fn page_size(&self, addr: u64, len: u64) -> Option<u64> {
-        self.regions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .find(|r| r.contains(addr, len))
-            .map(|r| r.page_size())
+    fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {
+        self.memory.device_pages(addr, len)
     }
 }

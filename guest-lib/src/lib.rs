@@ -1,13 +1,16 @@
 //! vrdma guest library: RDMA verbs over the vrdma device, with no guest kernel driver.
 //!
-//! It speaks the wire format of `vrdma-spec` (see `spec/SPEC.md`) over a [`transport`]. Today
-//! that is direct attach: the process is the vhost-user front end of a backend, sharing its
-//! memory through memfd ([`Device::attach`]). The verbs API ([`verbs`]) is the same whatever
-//! the transport.
+//! It speaks the wire format of `vrdma-spec` (see `spec/SPEC.md`) over a [`transport`]:
+//! - direct attach ([`direct`]): the process is the vhost-user front end of a backend, sharing
+//!   its memory through memfd (a process or container on the host);
+//! - PCI ([`pci`]): inside a VM, the process drives the vrdma virtio-pci device from userspace.
+//!
+//! [`Device::open`] picks one at run time from a name (`pci`, or a socket path); the verbs API
+//! ([`verbs`]) is the same whatever the transport.
 //!
 //! ```no_run
 //! use vrdma_guest::{access, Device, QpType, QueuePair};
-//! let device = Device::attach("/run/vrdma.sock")?;
+//! let device = Device::open("/run/vrdma.sock")?; // or Device::open("pci") inside a VM
 //! let pd = device.alloc_pd()?;
 //! let buffer = device.alloc_buffer(1 << 20)?;
 //! let mr = pd.reg_mr(&buffer, access::LOCAL_WRITE | access::REMOTE_WRITE)?;
@@ -17,6 +20,8 @@
 //! ```
 
 pub mod direct;
+mod mmio;
+pub mod pci;
 pub mod shm;
 pub mod transport;
 pub mod verbs;
@@ -65,10 +70,14 @@ pub enum Error {
         "memory {addr:#x}+{len:#x} is not shared with the device; allocate it with Device::alloc_buffer"
     )]
     NotShared { addr: u64, len: u64 },
+    #[error("memory {addr:#x}+{len:#x} is not physically contiguous, yet the device must find it by one address")]
+    NotContiguous { addr: u64, len: u64 },
     #[error("the work queue is full after {posted} requests were posted")]
     QueueFull { posted: usize },
     #[error("{0}")]
     InvalidArgument(String),
+    #[error("the device was reset (status {0:#04x}): its backend restarted or failed; open the device again")]
+    DeviceReset(u8),
 }
 
 fn errno_suffix(detail: u32) -> String {

@@ -1,13 +1,17 @@
-//! Memory shared with the device: memfd regions mapped into this process and handed to the
-//! backend through the vhost-user memory table. In direct-attach mode a region's guest-physical
-//! address is its address in this process, so a buffer's "guest virtual" and "guest physical"
-//! addresses are one and the same.
+//! Memory shared with the device: memfd regions mapped into this process.
 //!
-//! This is guest-lib's only `unsafe` module: mapping, and access to memory the device also
-//! writes.
+//! How the device addresses a region depends on the transport. In direct attach the region is
+//! handed to the backend through the vhost-user memory table with its address in this process
+//! as its guest-physical address, so a buffer's "guest virtual" and "guest physical" addresses
+//! are one and the same. Inside a VM a region is locked in RAM and each of its pages has the
+//! guest-physical address the kernel reports in `/proc/self/pagemap`.
+//!
+//! This module and `mmio` hold guest-lib's `unsafe`: mapping, and access to memory the device
+//! also writes.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU8};
 use std::sync::{Arc, Mutex};
@@ -66,12 +70,22 @@ impl FreeList {
     }
 }
 
+/// How the device addresses a region's memory.
+#[derive(Debug)]
+enum DeviceAddressing {
+    /// At this process's addresses (direct attach).
+    SameAsProcess,
+    /// Page by page, at these guest-physical addresses (inside a VM).
+    Pages(Vec<u64>),
+}
+
 /// One memfd, mapped shared into this process.
 pub struct Region {
     file: File,
     base: NonNull<u8>,
     len: u64,
     page_size: u64,
+    addressing: DeviceAddressing,
     free: Mutex<FreeList>,
 }
 
@@ -85,6 +99,33 @@ impl Region {
     /// A zeroed region of `len` bytes (rounded up to the page size); with `huge`, backed by
     /// 2 MiB huge pages (the host must have them reserved).
     pub fn new(len: u64, huge: bool) -> Result<Arc<Region>> {
+        Self::map(len, huge).map(Arc::new)
+    }
+
+    /// As [`Region::new`], locked in RAM, with each page's guest-physical address looked up in
+    /// `/proc/self/pagemap` (which needs CAP_SYS_ADMIN). Locked pages stay where they are, so
+    /// the device may keep using these addresses for as long as the region lives.
+    pub fn new_pinned(len: u64, huge: bool) -> Result<Arc<Region>> {
+        let mut region = Self::map(len, huge)?;
+        // SAFETY: locks our own mapping; no memory is accessed.
+        if unsafe { libc::mlock(region.base.as_ptr().cast(), region.len as usize) } != 0 {
+            return Err(Error::SharedMemory(std::io::Error::last_os_error()));
+        }
+        let pagemap = File::open("/proc/self/pagemap").map_err(Error::SharedMemory)?;
+        let mut pages = Vec::with_capacity((region.len / region.page_size) as usize);
+        for page in (0..region.len).step_by(region.page_size as usize) {
+            let virtual_page = (region.addr() + page) / PAGE_SIZE;
+            let mut entry = [0u8; 8];
+            pagemap
+                .read_exact_at(&mut entry, virtual_page * 8)
+                .map_err(Error::SharedMemory)?;
+            pages.push(physical_address(u64::from_le_bytes(entry))?);
+        }
+        region.addressing = DeviceAddressing::Pages(pages);
+        Ok(Arc::new(region))
+    }
+
+    fn map(len: u64, huge: bool) -> Result<Region> {
         let page_size = if huge { HUGE_PAGE_SIZE } else { PAGE_SIZE };
         let len = len.max(page_size).next_multiple_of(page_size);
         let mut flags = libc::MFD_CLOEXEC;
@@ -113,16 +154,17 @@ impl Region {
         if ptr == libc::MAP_FAILED {
             return Err(Error::SharedMemory(std::io::Error::last_os_error()));
         }
-        Ok(Arc::new(Region {
+        Ok(Region {
             file,
             base: NonNull::new(ptr.cast()).expect("mmap never returns page 0"),
             len,
             page_size,
+            addressing: DeviceAddressing::SameAsProcess,
             free: Mutex::new(FreeList::new(len)),
-        }))
+        })
     }
 
-    /// The region's guest-physical (= process virtual) address.
+    /// The region's address in this process.
     pub fn addr(&self) -> u64 {
         self.base.as_ptr() as u64
     }
@@ -145,6 +187,28 @@ impl Region {
             && addr
                 .checked_add(len)
                 .is_some_and(|end| end <= self.addr() + self.len)
+    }
+
+    /// The device's address of each page of `offset..offset + len`.
+    fn device_pages(&self, offset: u64, len: u64) -> impl Iterator<Item = u64> + '_ {
+        let first = offset / self.page_size * self.page_size;
+        (first..offset + len.max(1))
+            .step_by(self.page_size as usize)
+            .map(move |page| match &self.addressing {
+                DeviceAddressing::SameAsProcess => self.addr() + page,
+                DeviceAddressing::Pages(pages) => pages[(page / self.page_size) as usize],
+            })
+    }
+
+    /// The device's address of `offset..offset + len` when the device sees it as one
+    /// contiguous range.
+    fn device_range(&self, offset: u64, len: u64) -> Option<u64> {
+        let mut pages = self.device_pages(offset, len);
+        let first = pages.next()?;
+        let contiguous = pages
+            .enumerate()
+            .all(|(i, page)| page == first + (i as u64 + 1) * self.page_size);
+        contiguous.then_some(first + offset % self.page_size)
     }
 
     /// A zeroed buffer of `len` bytes aligned to `align` (a power of two), if there is room.
@@ -186,9 +250,20 @@ impl std::fmt::Debug for SharedBuffer {
 }
 
 impl SharedBuffer {
-    /// The buffer's address: guest-virtual and guest-physical alike.
+    /// The buffer's address in this process: the guest-virtual address verbs speak of.
     pub fn addr(&self) -> u64 {
         self.region.addr() + self.offset
+    }
+
+    /// The device's (guest-physical) address of the buffer, for structures the device finds
+    /// by one address: virtqueues, doorbell records, page-list pages.
+    pub fn device_addr(&self) -> Result<u64> {
+        self.region
+            .device_range(self.offset, self.len)
+            .ok_or(Error::NotContiguous {
+                addr: self.addr(),
+                len: self.len,
+            })
     }
 
     pub fn len(&self) -> u64 {
@@ -277,6 +352,49 @@ impl SharedBuffer {
     }
 }
 
+/// The guest-physical address in a `/proc/self/pagemap` entry: bit 63 "present", bits 0-54
+/// the page frame number (reported as 0 without CAP_SYS_ADMIN).
+fn physical_address(entry: u64) -> Result<u64> {
+    let frame = entry & ((1 << 55) - 1);
+    if entry >> 63 == 0 || frame == 0 {
+        return Err(Error::SharedMemory(std::io::Error::other(
+            "/proc/self/pagemap gives no physical address (not present, or no CAP_SYS_ADMIN)",
+        )));
+    }
+    Ok(frame * PAGE_SIZE)
+}
+
+/// The regions of one transport: where its buffers come from and how the device addresses
+/// them.
+#[derive(Default)]
+pub struct RegionSet {
+    regions: Mutex<Vec<Arc<Region>>>,
+}
+
+impl RegionSet {
+    pub fn add(&self, region: Arc<Region>) {
+        self.lock().push(region);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Region>>> {
+        self.regions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A buffer from the regions there are, if one has room.
+    pub fn alloc(&self, len: u64, align: u64) -> Option<SharedBuffer> {
+        self.lock().iter().find_map(|r| r.alloc(len, align))
+    }
+
+    /// The page size and the device's address of every page of `addr..addr + len`, or
+    /// `None` when the range is not inside one region.
+    pub fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {
+        let regions = self.lock();
+        let region = regions.iter().find(|r| r.contains(addr, len))?;
+        let pages = region.device_pages(addr - region.addr(), len).collect();
+        Some((region.page_size, pages))
+    }
+}
+
 impl Drop for SharedBuffer {
     fn drop(&mut self) {
         self.region
@@ -323,5 +441,41 @@ mod tests {
         let mut first = [1u8; 16];
         again.read(0, &mut first).unwrap();
         assert_eq!(first, [0u8; 16], "reused memory is zeroed");
+    }
+
+    #[test]
+    fn device_addresses_follow_the_page_table() {
+        let mut region = Region::map(3 * PAGE_SIZE, false).unwrap();
+        // Pages 0 and 1 are contiguous for the device, page 2 is elsewhere.
+        region.addressing = DeviceAddressing::Pages(vec![0x10_0000, 0x10_1000, 0x50_0000]);
+        let region = Arc::new(region);
+        let set = RegionSet::default();
+        set.add(Arc::clone(&region));
+        let (page_size, pages) = set
+            .device_pages(region.addr() + 100, 2 * PAGE_SIZE)
+            .unwrap();
+        assert_eq!(
+            (page_size, pages),
+            (PAGE_SIZE, vec![0x10_0000, 0x10_1000, 0x50_0000])
+        );
+        assert!(set
+            .device_pages(region.addr() + 100, 3 * PAGE_SIZE)
+            .is_none());
+        assert_eq!(region.device_range(8, 2 * PAGE_SIZE - 8), Some(0x10_0008));
+        assert_eq!(region.device_range(PAGE_SIZE + 8, PAGE_SIZE), None);
+        let a = region.alloc(PAGE_SIZE, PAGE_SIZE).unwrap();
+        let b = region.alloc(2 * PAGE_SIZE, PAGE_SIZE).unwrap();
+        assert_eq!(a.device_addr().unwrap(), 0x10_0000);
+        assert!(matches!(b.device_addr(), Err(Error::NotContiguous { .. })));
+    }
+
+    #[test]
+    fn pagemap_entries_need_a_present_frame() {
+        assert_eq!(
+            physical_address(1 << 63 | 0x1234).unwrap(),
+            0x1234 * PAGE_SIZE
+        );
+        assert!(physical_address(0x1234).is_err(), "not present");
+        assert!(physical_address(1 << 63).is_err(), "frame hidden");
     }
 }

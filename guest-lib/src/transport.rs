@@ -29,7 +29,8 @@ pub trait Transport: Send + Sync {
     /// The next event the device posted on the event queue, waiting up to `timeout`.
     fn next_event(&self, timeout: Duration) -> Result<Option<Event>>;
 
-    /// The page size of the shared memory holding `addr..addr + len`, or `None` when the
-    /// range is not (entirely) in memory shared with the device.
-    fn page_size(&self, addr: u64, len: u64) -> Option<u64>;
+    /// The page size of the shared memory holding `addr..addr + len` and the device's
+    /// (guest-physical) address of each of its pages, or `None` when the range is not
+    /// (entirely) in memory shared with the device.
+    fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)>;
 }

@@ -22,6 +22,7 @@ use vrdma_spec::ring::{
 use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64};
 
 use crate::direct::{DirectOptions, DirectTransport};
+use crate::pci::PciTransport;
 use crate::shm::{SharedBuffer, PAGE_SIZE};
 use crate::transport::Transport;
 use crate::work::{DeviceEvent, Payload, RecvWr, SendOp, SendWr, WorkCompletion};
@@ -128,13 +129,10 @@ impl DeviceInner {
 
     /// A page list for `addr..addr + len` of shared memory, and the list pages it lives in.
     fn page_list(&self, addr: u64, len: u64) -> Result<(PageList, Vec<SharedBuffer>)> {
-        let page_size = self
+        let (page_size, pages) = self
             .transport
-            .page_size(addr, len)
+            .device_pages(addr, len)
             .ok_or(Error::NotShared { addr, len })?;
-        let first = addr & !(page_size - 1);
-        // Shared memory is mapped 1:1, so each page's guest-physical address is its address.
-        let pages: Vec<u64> = (first..addr + len).step_by(page_size as usize).collect();
         let entries =
             |pages: &[u64]| -> Vec<u8> { pages.iter().flat_map(|p| p.to_le_bytes()).collect() };
         let list_page = |bytes: &[u8]| -> Result<SharedBuffer> {
@@ -152,7 +150,7 @@ impl DeviceInner {
             let mut tops = Vec::new();
             for chunk in pages.chunks(PAGE_LIST_ENTRIES_PER_PAGE as usize) {
                 let page = list_page(&entries(chunk))?;
-                tops.push(page.addr());
+                tops.push(page.device_addr()?);
                 keep.push(page);
             }
             if tops.len() > PAGE_LIST_ENTRIES_PER_PAGE as usize {
@@ -164,7 +162,7 @@ impl DeviceInner {
             PageListForm::Indirect
         };
         let list = PageList {
-            addr: Le64::from(keep[0].addr()),
+            addr: Le64::from(keep[0].device_addr()?),
             npages: Le32::from(npages),
             page_shift: page_size.trailing_zeros() as u8,
             form: form as u8,
@@ -175,6 +173,20 @@ impl DeviceInner {
 }
 
 impl Device {
+    /// Opens the device `target` names, choosing the transport at run time:
+    /// - `pci`: the first vrdma PCI device of the VM this runs in (see [`PciTransport`]);
+    /// - `pci:DDDD:BB:DD.F`: the vrdma PCI device at that address;
+    /// - anything else: the path of a backend's vhost-user socket, attached directly.
+    pub fn open(target: &str) -> Result<Device> {
+        match target.strip_prefix("pci") {
+            Some("") => Self::with_transport(Box::new(PciTransport::open(None)?)),
+            Some(address) if address.starts_with(':') => {
+                Self::with_transport(Box::new(PciTransport::open(Some(&address[1..]))?))
+            }
+            _ => Self::attach(target),
+        }
+    }
+
     /// Attaches directly to the backend's vhost-user socket (a process or container on the
     /// host), with default options.
     pub fn attach(socket: impl AsRef<Path>) -> Result<Device> {
@@ -196,7 +208,7 @@ impl Device {
             PAGE_SIZE,
         )?;
         let request = SetNotifyAreaRequest {
-            addr: Le64::from(notify_area.addr()),
+            addr: Le64::from(notify_area.device_addr()?),
         };
         let inner = DeviceInner {
             transport,
@@ -275,7 +287,7 @@ impl Device {
             cqe: Le32::from(depth),
             flags: Le32::from(0),
             ring: list,
-            doorbell: Le64::from(doorbell.addr()),
+            doorbell: Le64::from(doorbell.device_addr()?),
         };
         let created: CreatedResponse = self.inner.command(Opcode::CreateCq, &request)?;
         Ok(CompletionQueue {
@@ -757,7 +769,7 @@ impl<'a> QueuePairBuilder<'a> {
             reserved: Default::default(),
             sq_ring: sq_list,
             rq_ring: rq_list,
-            doorbell: Le64::from(doorbell.addr()),
+            doorbell: Le64::from(doorbell.device_addr()?),
         };
         let created: CreateQpResponse = device.command(Opcode::CreateQp, &request)?;
         Ok(QueuePair {
@@ -1229,7 +1241,7 @@ impl ProtectionDomain {
             wqe_shift: stride.trailing_zeros() as u8,
             reserved: [0; 7],
             ring: list,
-            doorbell: Le64::from(doorbell.addr()),
+            doorbell: Le64::from(doorbell.device_addr()?),
         };
         let created: CreateSrqResponse = device.command(Opcode::CreateSrq, &request)?;
         Ok(SharedReceiveQueue {

@@ -1,15 +1,69 @@
-//! The driver side of a virtio split virtqueue in shared memory, for synchronous requests (one
-//! chain in flight at a time), as the control queue needs.
+//! The driver side of virtio split virtqueues in shared memory, for synchronous requests (one
+//! chain in flight at a time), as the control queue needs; and the device's set of queues
+//! (SPEC.md §4), which every transport drives the same way once it has set them up.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_spec::ring::Event;
+use vrdma_spec::ByteValued;
 
-use crate::shm::{Region, SharedBuffer, PAGE_SIZE};
+use crate::shm::{RegionSet, SharedBuffer, PAGE_SIZE};
 use crate::{Error, Result};
+
+/// How a transport tells the device about new buffers, and learns about used ones.
+pub trait QueueSignal: Send + Sync {
+    /// Notifies the device that the queue has new buffers.
+    fn kick(&self) -> Result<()>;
+    /// Returns when the device may have used buffers, or after `timeout` at the latest.
+    fn wait(&self, timeout: Duration) -> Result<()>;
+}
+
+/// Kick and call eventfds, as vhost-user passes them to the backend.
+pub struct EventFdSignal {
+    pub kick: EventFd,
+    pub call: EventFd,
+    epoll: Epoll,
+}
+
+impl EventFdSignal {
+    pub fn new() -> Result<EventFdSignal> {
+        let call = EventFd::new(EFD_NONBLOCK).map_err(Error::Transport)?;
+        let epoll = Epoll::new().map_err(Error::Transport)?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                std::os::fd::AsRawFd::as_raw_fd(&call),
+                EpollEvent::new(EventSet::IN, 0),
+            )
+            .map_err(Error::Transport)?;
+        Ok(EventFdSignal {
+            kick: EventFd::new(EFD_NONBLOCK).map_err(Error::Transport)?,
+            call,
+            epoll,
+        })
+    }
+}
+
+impl QueueSignal for EventFdSignal {
+    fn kick(&self) -> Result<()> {
+        self.kick.write(1).map_err(Error::Transport)
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        let mut events = [EpollEvent::default(); 1];
+        let wait_ms = timeout.as_millis().clamp(1, 100) as i32;
+        self.epoll
+            .wait(wait_ms, &mut events)
+            .map_err(Error::Transport)?;
+        // Drain the call eventfd; the caller's index check decides.
+        let _ = self.call.read();
+        Ok(())
+    }
+}
 
 const DESC_SIZE: u64 = 16;
 const DESC_F_NEXT: u16 = 1;
@@ -25,40 +79,29 @@ pub struct ChainBuffer {
 
 pub struct SplitQueue {
     ring: SharedBuffer,
+    /// The device's address of `ring`.
+    ring_addr: u64,
     size: u16,
     next_avail: u16,
     next_used: u16,
-    pub kick: EventFd,
-    pub call: EventFd,
-    epoll: Epoll,
+    signal: Box<dyn QueueSignal>,
 }
 
 impl SplitQueue {
-    /// A queue of `size` entries (a power of two) with its rings in `region`.
-    pub fn new(region: &Arc<Region>, size: u16) -> Result<SplitQueue> {
+    /// A queue of `size` entries (a power of two) with its rings in `memory`.
+    pub fn new(memory: &RegionSet, size: u16, signal: Box<dyn QueueSignal>) -> Result<SplitQueue> {
         assert!(size.is_power_of_two(), "queue sizes are powers of two");
-        let n = u64::from(size);
-        let bytes = Self::used_offset(size) + 6 + 8 * n;
-        let ring = region
+        let bytes = Self::used_offset(size) + 6 + 8 * u64::from(size);
+        let ring = memory
             .alloc(bytes, PAGE_SIZE)
             .ok_or(Error::OutOfSharedMemory(bytes))?;
-        let call = EventFd::new(EFD_NONBLOCK).map_err(Error::Transport)?;
-        let epoll = Epoll::new().map_err(Error::Transport)?;
-        epoll
-            .ctl(
-                ControlOperation::Add,
-                std::os::fd::AsRawFd::as_raw_fd(&call),
-                EpollEvent::new(EventSet::IN, 0),
-            )
-            .map_err(Error::Transport)?;
         Ok(SplitQueue {
+            ring_addr: ring.device_addr()?,
             ring,
             size,
             next_avail: 0,
             next_used: 0,
-            kick: EventFd::new(EFD_NONBLOCK).map_err(Error::Transport)?,
-            call,
-            epoll,
+            signal,
         })
     }
 
@@ -70,14 +113,17 @@ impl SplitQueue {
         (Self::avail_offset(size) + 6 + 2 * u64::from(size)).next_multiple_of(4)
     }
 
+    pub fn size(&self) -> u16 {
+        self.size
+    }
     pub fn desc_addr(&self) -> u64 {
-        self.ring.addr()
+        self.ring_addr
     }
     pub fn avail_addr(&self) -> u64 {
-        self.ring.addr() + Self::avail_offset(self.size)
+        self.ring_addr + Self::avail_offset(self.size)
     }
     pub fn used_addr(&self) -> u64 {
-        self.ring.addr() + Self::used_offset(self.size)
+        self.ring_addr + Self::used_offset(self.size)
     }
 
     /// Makes `chain` available to the device and kicks it.
@@ -110,7 +156,7 @@ impl SplitQueue {
         self.ring
             .atomic_u16(avail + 2)?
             .store(self.next_avail, Ordering::Release);
-        self.kick.write(1).map_err(Error::Transport)
+        self.signal.kick()
     }
 
     /// Makes every descriptor available as one device-writable buffer of `len` bytes at
@@ -130,7 +176,7 @@ impl SplitQueue {
         self.ring
             .atomic_u16(avail + 2)?
             .store(self.next_avail, Ordering::Release);
-        self.kick.write(1).map_err(Error::Transport)
+        self.signal.kick()
     }
 
     /// The next used element (descriptor id, bytes written), waiting up to `timeout` on the
@@ -152,13 +198,7 @@ impl SplitQueue {
             if left.is_zero() {
                 return Ok(None);
             }
-            let mut events = [EpollEvent::default(); 1];
-            let wait_ms = left.as_millis().clamp(1, 100) as i32;
-            self.epoll
-                .wait(wait_ms, &mut events)
-                .map_err(Error::Transport)?;
-            // Drain the call eventfd; the index check above decides.
-            let _ = self.call.read();
+            self.signal.wait(left)?;
         }
     }
 
@@ -179,12 +219,12 @@ impl SplitQueue {
         self.ring
             .atomic_u16(avail + 2)?
             .store(self.next_avail, Ordering::Release);
-        self.kick.write(1).map_err(Error::Transport)
+        self.signal.kick()
     }
 
     /// Kicks the device (a notification queue: no buffers).
     pub fn kick(&self) -> Result<()> {
-        self.kick.write(1).map_err(Error::Transport)
+        self.signal.kick()
     }
 
     /// Waits for the device to return the chain; returns the bytes it wrote.
@@ -193,5 +233,121 @@ impl SplitQueue {
             Some((_, len)) => Ok(len),
             None => Err(Error::Timeout(timeout)),
         }
+    }
+}
+
+/// Queue size guest-lib sets up on every queue: one control request is in flight at a time,
+/// and events are few.
+pub const QUEUE_SIZE: u16 = 16;
+/// Size of one event (SPEC.md §8.4).
+const EVENT_SIZE: u64 = std::mem::size_of::<Event>() as u64;
+/// Control requests and responses are at most this long (one page each, so that they are
+/// contiguous for the device on any transport).
+const CONTROL_BUFFER: u64 = PAGE_SIZE;
+/// How long a control request may take before the device is considered gone. Generous: the
+/// tests run under full emulation, nested.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(60);
+
+struct Control {
+    queue: SplitQueue,
+    request: SharedBuffer,
+    response: SharedBuffer,
+}
+
+struct Events {
+    queue: SplitQueue,
+    buffers: SharedBuffer,
+}
+
+/// The device's queues once a transport has set them up: control, event, notification.
+pub struct DeviceQueues {
+    control: Mutex<Control>,
+    events: Mutex<Events>,
+    /// Notification queues: only ever kicked.
+    notify: Vec<SplitQueue>,
+}
+
+impl DeviceQueues {
+    /// Takes `queues` in device order; posts the event queue's buffers.
+    pub fn new(memory: &RegionSet, queues: Vec<SplitQueue>) -> Result<DeviceQueues> {
+        let buffer = |len, align| {
+            memory
+                .alloc(len, align)
+                .ok_or(Error::OutOfSharedMemory(len))
+        };
+        let mut queues = queues.into_iter();
+        let (Some(control_queue), Some(mut event_queue)) = (queues.next(), queues.next()) else {
+            return Err(Error::Attach("the device needs at least two queues".into()));
+        };
+        let control = Control {
+            queue: control_queue,
+            request: buffer(CONTROL_BUFFER, PAGE_SIZE)?,
+            response: buffer(CONTROL_BUFFER, PAGE_SIZE)?,
+        };
+        let buffers = buffer(EVENT_SIZE * u64::from(event_queue.size()), PAGE_SIZE)?;
+        event_queue.post_all(buffers.device_addr()?, EVENT_SIZE as u32)?;
+        Ok(DeviceQueues {
+            control: Mutex::new(control),
+            events: Mutex::new(Events {
+                queue: event_queue,
+                buffers,
+            }),
+            notify: queues.collect(),
+        })
+    }
+
+    /// Sends one control request and waits for its response; returns the bytes the device
+    /// wrote into `response`.
+    pub fn control(&self, request: &[u8], response: &mut [u8]) -> Result<usize> {
+        if request.len() as u64 > CONTROL_BUFFER || response.len() as u64 > CONTROL_BUFFER {
+            return Err(Error::OutOfBounds {
+                offset: 0,
+                len: request.len().max(response.len()) as u64,
+                size: CONTROL_BUFFER,
+            });
+        }
+        let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+        let control = &mut *control;
+        control.request.write(0, request)?;
+        let chain = [
+            ChainBuffer {
+                addr: control.request.device_addr()?,
+                len: request.len() as u32,
+                device_writes: false,
+            },
+            ChainBuffer {
+                addr: control.response.device_addr()?,
+                len: response.len() as u32,
+                device_writes: true,
+            },
+        ];
+        control.queue.submit(&chain)?;
+        let written = (control.queue.wait_used(CONTROL_TIMEOUT)? as usize).min(response.len());
+        control.response.read(0, &mut response[..written])?;
+        Ok(written)
+    }
+
+    /// Kicks notification queue `queue`.
+    pub fn notify(&self, queue: u32) -> Result<()> {
+        let queue = self.notify.get(queue as usize).ok_or_else(|| {
+            Error::InvalidArgument(format!("the device has no notification queue {queue}"))
+        })?;
+        queue.kick()
+    }
+
+    /// The next event the device posted, waiting up to `timeout`.
+    pub fn next_event(&self, timeout: Duration) -> Result<Option<Event>> {
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((id, len)) = events.queue.next_used(timeout)? else {
+            return Ok(None);
+        };
+        let mut event = Event::default();
+        if len as u64 >= EVENT_SIZE {
+            events
+                .buffers
+                .read(u64::from(id) * EVENT_SIZE, event.as_mut_slice())?;
+        }
+        events.queue.repost(id)?;
+        Ok(Some(event))
     }
 }

@@ -30,6 +30,7 @@ mount -t proc proc /newroot/proc
 mount -t sysfs sysfs /newroot/sys
 mount -t devtmpfs devtmpfs /newroot/dev
 mkdir -p /newroot/dev/shm /newroot/dev/pts 2>/dev/null
+ln -sf /proc/self/fd /newroot/dev/fd # bash process substitution
 mount -t tmpfs tmpfs /newroot/dev/shm
 mount -t tmpfs tmpfs /newroot/run
 # /tmp must be writable, yet what the machine keeps under /tmp (a checkout, its build) must stay

@@ -3,28 +3,57 @@
 # GID 192.168.77.1) and the machine's root as its root filesystem, so binaries built here run
 # there unchanged. Prints the command's output and exits with its exit code.
 #
-# usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--timeout SECONDS] -- COMMAND [ARG...]
-#   --no-rxe   boot without loading rdma_rxe (also VRDMA_VM_NO_RXE=1): RDMA tests must then fail
-# Environment passed into the guest: RUST_LOG, RUST_BACKTRACE, and every VRDMA_* variable.
+# usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--timeout SECONDS] [--vrdma SOCKET]
+#                        -- COMMAND [ARG...]
+#   --no-rxe        boot without loading rdma_rxe (also VRDMA_VM_NO_RXE=1): RDMA tests must
+#                   then fail
+#   --vrdma SOCKET  give the guest a vrdma PCI device served by the backend listening on
+#                   SOCKET (with the QEMU that tests/vm/qemu/build.sh builds); the guest is
+#                   then a nested one when run.sh itself runs inside a harness guest
+# Environment passed into the guest: RUST_LOG, RUST_BACKTRACE, and every VRDMA_* variable;
+# the command finds a writable folder shared with the machine in $VRDMA_VM_RUN_DIR.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 rxe=$([ "${VRDMA_VM_NO_RXE:-0}" = 1 ] && echo 0 || echo 1) mem=3072 limit=${VRDMA_VM_TIMEOUT:-1800}
+vrdma_socket=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-rxe) rxe=0; shift ;;
     --mem) mem=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
+    --vrdma) vrdma_socket=$2; shift 2 ;;
     --) shift; break ;;
     -*) echo "run.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
 done
-[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--timeout S] -- COMMAND [ARG...]" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--timeout S] [--vrdma SOCKET] -- COMMAND [ARG...]" >&2; exit 2; }
 
-cache=$("$repo/tests/vm/setup.sh")
-mkdir -p "$cache/runs"
-run=$(mktemp -d "$cache/runs/run.XXXXXX")
+qemu=(qemu-system-x86_64)
+if [ -n "$vrdma_socket" ]; then
+  # The device's queues: control, event, and one notification queue per the backend's
+  # --notify-queues (VRDMA_NOTIFY_QUEUES, default 1); its config space is 128 bytes (SPEC.md).
+  queues=$((2 + ${VRDMA_NOTIFY_QUEUES:-1}))
+  patched="$repo/target/qemu/build/qemu-system-x86_64"
+  [ -x "$patched" ] || { echo "run.sh: --vrdma needs $patched: run tests/vm/qemu/build.sh" >&2; exit 2; }
+  qemu=("$patched" -L /usr/share/qemu -L /usr/share/seabios
+    -object "memory-backend-memfd,id=mem,size=${mem}M,share=on" -numa node,memdev=mem
+    -chardev "socket,id=vrdma0,path=$vrdma_socket,reconnect-ms=1000"
+    -device "vhost-user-device-pci,chardev=vrdma0,virtio-id=42,num_vqs=$queues,config_size=128")
+fi
+
+cpus=2
+if [ -n "${VRDMA_VM_RUN_DIR:-}" ]; then
+  # Inside a harness guest: the machine's root is read-only here and already set up; runs
+  # go below this guest's own run folder. One vCPU: emulation inside emulation.
+  cache="$repo/target/vm" cpus=1
+  run=$(mktemp -d "$VRDMA_VM_RUN_DIR/nested.XXXXXX")
+else
+  cache=$("$repo/tests/vm/setup.sh")
+  mkdir -p "$cache/runs"
+  run=$(mktemp -d "$cache/runs/run.XXXXXX")
+fi
 case "$run" in *[[:space:]]*) echo "run.sh: the repository path must not contain spaces" >&2; exit 2 ;; esac
 trap 'rm -rf "$run"' EXIT
 
@@ -36,12 +65,13 @@ trap 'rm -rf "$run"' EXIT
   while IFS='=' read -r name value; do
     echo "export $name=$(printf '%q' "$value")"
   done < <(env | grep '^VRDMA_' || true)
+  echo "export VRDMA_VM_RUN_DIR=$run"
   printf '%q ' "$@"
   echo
 } >"$run/cmd.sh"
 
-timeout --foreground "$limit" qemu-system-x86_64 \
-  -accel tcg -m "$mem" -smp 2 -nographic -no-reboot -nic none \
+timeout --foreground "$limit" "${qemu[@]}" \
+  -accel tcg -m "$mem" -smp "$cpus" -nographic -no-reboot -nic none \
   -kernel "$cache/kernel/vmlinuz" -initrd "$cache/initrd.gz" \
   -append "console=ttyS0 quiet loglevel=3 panic=-1 vrdma.results=$run vrdma.rxe=$rxe" \
   -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on \

@@ -14,13 +14,18 @@ log() { echo "vm-setup: $*" >&2; }
 
 # Modules the guest loads, in dependency order after resolution through modules.dep.
 # crc32_generic: rxe needs the crc32 shash when a link is added (ENOENT otherwise).
-guest_modules=(crc32_generic veth 9p 9pnet_virtio overlay virtio_net ib_uverbs rdma_rxe)
+# uio_pci_generic: guest-lib's PCI transport drives the vrdma device of a nested guest with it.
+guest_modules=(crc32_generic veth 9p 9pnet_virtio overlay virtio_net ib_uverbs rdma_rxe
+  uio_pci_generic)
 
 # QEMU comes from bookworm-backports (10.x: bookworm's 7.2 lacks vhost-user-device); the rest
 # from the main suite.
 backports_packages=(qemu-system-x86 qemu-system-data)
 packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev rdmacm-utils
-  perftest busybox-static cpio kmod xz-utils zstd libclang-dev clang pkg-config iproute2)
+  perftest busybox-static cpio kmod xz-utils zstd libclang-dev clang pkg-config iproute2
+  # to build the nested-VM tests' QEMU (tests/vm/qemu/build.sh)
+  libglib2.0-dev libpixman-1-dev libfdt-dev libcap-ng-dev libattr1-dev ninja-build flex bison
+  python3-venv patch)
 
 # deb822 sources entry for bookworm-backports, derived from the machine's main Debian entry so
 # that no package host is named here.

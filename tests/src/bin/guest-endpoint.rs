@@ -1,14 +1,16 @@
 //! A guest-lib program for the integration tests, run as its own process.
 //!
-//! usage: guest-endpoint rc SOCKET    attach, create PD/CQ/MR/RC QP, print
+//! DEVICE is a backend socket path, or `pci` inside a VM (see `Device::open`).
+//!
+//! usage: guest-endpoint rc DEVICE    attach, create PD/CQ/MR/RC QP, print
 //!                                    `qpn=N gid=G rkey=K va=A`, read the peer's line, go to
 //!                                    RTS, print `state=S`, then wait for stdin to close
-//!        guest-endpoint hold SOCKET  attach, create PD/CQ/MR/QP, print `ready`, sleep
-//!        guest-endpoint ping SOCKET N  as `rc`, then N SEND/RECV round trips as the initiator:
+//!        guest-endpoint hold DEVICE  attach, create PD/CQ/MR/QP, print `ready`, sleep
+//!        guest-endpoint ping DEVICE N  as `rc`, then N SEND/RECV round trips as the initiator:
 //!                                    each message carries a checksum the peer verifies and
 //!                                    echoes; prints `done N kicks=K`
-//!        guest-endpoint pong SOCKET N  as `rc`, then echoes N messages, verifying each
-//!        guest-endpoint target SOCKET BYTES  a passive peer with a BYTES-long registered
+//!        guest-endpoint pong DEVICE N  as `rc`, then echoes N messages, verifying each
+//!        guest-endpoint target DEVICE BYTES  a passive peer with a BYTES-long registered
 //!                                    buffer, driven line by line from stdin (see [`Target`])
 
 use std::io::BufRead;
@@ -27,11 +29,11 @@ fn main() {
         [_, mode, socket] => (mode.as_str(), socket, 0),
         [_, mode, socket, n] => (mode.as_str(), socket, n.parse().expect("N is a number")),
         _ => {
-            eprintln!("usage: guest-endpoint rc|hold|ping|pong|target SOCKET [N]");
+            eprintln!("usage: guest-endpoint rc|hold|ping|pong|target DEVICE [N]");
             std::process::exit(2);
         }
     };
-    let device = Device::attach(socket).expect("attach to the backend");
+    let device = Device::open(socket).expect("open the vrdma device");
     if mode == "target" {
         return Target::new(device, count).serve();
     }

@@ -1,0 +1,603 @@
+//! PCI transport: guest-lib drives the vrdma virtio-pci device of the VM it runs in from
+//! userspace, with no guest kernel driver. The device is bound to `uio_pci_generic` (which
+//! enables it and keeps other drivers off it), its BARs are mapped through sysfs, and the
+//! virtio 1.x initialisation runs here (virtio spec §3.1, §4.1). Memory shared with the device
+//! is locked, and its guest-physical addresses come from `/proc/self/pagemap`; so this needs
+//! root.
+//!
+//! Completions of the control and event queues are polled (every 100 µs while waiting): the
+//! device's interrupts are not used.
+
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vrdma_spec::config::{features, DeviceConfig, FIRST_NOTIFY_QUEUE, MAX_NOTIFY_QUEUES};
+use vrdma_spec::ring::Event;
+
+use crate::mmio::Bar;
+use crate::shm::{Region, RegionSet, SharedBuffer};
+use crate::transport::Transport;
+use crate::virtq::{DeviceQueues, QueueSignal, SplitQueue, QUEUE_SIZE};
+use crate::{Error, Result};
+
+/// PCI vendor of virtio devices.
+pub const VIRTIO_VENDOR: u16 = 0x1af4;
+/// Modern virtio-pci device id of virtio device type 42 (RDMA): 0x1040 + 42.
+pub const VRDMA_DEVICE_ID: u16 = 0x106a;
+const SYSFS_DEVICES: &str = "/sys/bus/pci/devices";
+const UIO_DRIVER: &str = "uio_pci_generic";
+/// Device features guest-lib knows how to use.
+const WANTED_FEATURES: u64 = features::VERSION_1
+    | features::RC
+    | features::UD
+    | features::SRQ
+    | features::ATOMIC
+    | features::INDIRECT_PAGE_LIST;
+/// Shared memory locked at a time.
+const REGION_SIZE: u64 = 8 << 20;
+const POLL_INTERVAL: Duration = Duration::from_micros(100);
+
+/// Device status bits (virtio spec §2.1).
+mod status {
+    pub const ACKNOWLEDGE: u8 = 1;
+    pub const DRIVER: u8 = 2;
+    pub const DRIVER_OK: u8 = 4;
+    pub const FEATURES_OK: u8 = 8;
+    pub const NEEDS_RESET: u8 = 64;
+    pub const FAILED: u8 = 128;
+}
+
+/// Offsets in the common configuration structure (virtio spec §4.1.4.3).
+mod common {
+    pub const DEVICE_FEATURE_SELECT: u64 = 0x00;
+    pub const DEVICE_FEATURE: u64 = 0x04;
+    pub const DRIVER_FEATURE_SELECT: u64 = 0x08;
+    pub const DRIVER_FEATURE: u64 = 0x0c;
+    pub const NUM_QUEUES: u64 = 0x12;
+    pub const DEVICE_STATUS: u64 = 0x14;
+    pub const CONFIG_GENERATION: u64 = 0x15;
+    pub const QUEUE_SELECT: u64 = 0x16;
+    pub const QUEUE_SIZE: u64 = 0x18;
+    pub const QUEUE_ENABLE: u64 = 0x1c;
+    pub const QUEUE_NOTIFY_OFF: u64 = 0x1e;
+    pub const QUEUE_DESC: u64 = 0x20;
+    pub const QUEUE_DRIVER: u64 = 0x28;
+    pub const QUEUE_DEVICE: u64 = 0x30;
+}
+
+/// Where one virtio structure lives: BAR, offset, length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub bar: u8,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// The virtio structures a vendor-specific capability list points at (virtio spec §4.1.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VirtioCapabilities {
+    pub common: Location,
+    pub notify: Location,
+    pub notify_off_multiplier: u32,
+    pub device: Location,
+}
+
+/// Finds the virtio structures in a PCI configuration space (as the sysfs `config` file
+/// reads). Every pointer is checked: a device, too, can be wrong.
+pub fn parse_capabilities(config: &[u8]) -> Result<VirtioCapabilities> {
+    const CAP_VENDOR: u8 = 0x09;
+    const STATUS_CAP_LIST: u8 = 0x10;
+    let bad = |what: &str| Error::Attach(format!("PCI configuration space: {what}"));
+    let byte = |at: usize| config.get(at).copied().ok_or_else(|| bad("truncated"));
+    let le32 = |at: usize| -> Result<u32> {
+        let bytes = config.get(at..at + 4).ok_or_else(|| bad("truncated"))?;
+        Ok(u32::from_le_bytes(bytes.try_into().expect("4 bytes")))
+    };
+    if byte(0x06)? & STATUS_CAP_LIST == 0 {
+        return Err(bad("no capability list"));
+    }
+    let (mut common, mut notify, mut device) = (None, None, None);
+    let mut at = usize::from(byte(0x34)? & !3);
+    // 48 capabilities fill the 192 bytes after the header: more means a loop.
+    for _ in 0..48 {
+        if at == 0 {
+            break;
+        }
+        if at < 0x40 {
+            return Err(bad("capability pointer into the header"));
+        }
+        if byte(at)? == CAP_VENDOR && byte(at + 2)? >= 16 {
+            let location = Location {
+                bar: byte(at + 4)?,
+                offset: u64::from(le32(at + 8)?),
+                length: u64::from(le32(at + 12)?),
+            };
+            match byte(at + 3)? {
+                1 => common = common.or(Some(location)),
+                2 => notify = notify.or(Some((location, le32(at + 16)?))),
+                4 => device = device.or(Some(location)),
+                _ => {}
+            }
+        }
+        at = usize::from(byte(at + 1)? & !3);
+    }
+    match (common, notify, device) {
+        (Some(common), Some((notify, notify_off_multiplier)), Some(device)) => {
+            Ok(VirtioCapabilities {
+                common,
+                notify,
+                notify_off_multiplier,
+                device,
+            })
+        }
+        _ => Err(bad("missing a virtio common, notify or device capability")),
+    }
+}
+
+/// A mapped virtio structure.
+struct Structure {
+    bar: Arc<Bar>,
+    offset: u64,
+    length: u64,
+}
+
+impl Structure {
+    fn at(&self, offset: u64, width: u64) -> Result<u64> {
+        if offset + width > self.length {
+            return Err(Error::Attach(format!(
+                "register {offset:#x} beyond a {}-byte virtio structure",
+                self.length
+            )));
+        }
+        Ok(self.offset + offset)
+    }
+    fn read8(&self, offset: u64) -> Result<u8> {
+        self.bar.read(self.at(offset, 1)?)
+    }
+    fn read16(&self, offset: u64) -> Result<u16> {
+        self.bar.read::<u16>(self.at(offset, 2)?).map(u16::from_le)
+    }
+    fn read32(&self, offset: u64) -> Result<u32> {
+        self.bar.read::<u32>(self.at(offset, 4)?).map(u32::from_le)
+    }
+    fn write8(&self, offset: u64, value: u8) -> Result<()> {
+        self.bar.write(self.at(offset, 1)?, value)
+    }
+    fn write16(&self, offset: u64, value: u16) -> Result<()> {
+        self.bar.write(self.at(offset, 2)?, value.to_le())
+    }
+    fn write32(&self, offset: u64, value: u32) -> Result<()> {
+        self.bar.write(self.at(offset, 4)?, value.to_le())
+    }
+    /// 64-bit fields are written as two 32-bit halves, low first (virtio spec §4.1.3.1).
+    fn write64(&self, offset: u64, value: u64) -> Result<()> {
+        self.write32(offset, value as u32)?;
+        self.write32(offset + 4, (value >> 32) as u32)
+    }
+}
+
+/// A queue's notification register.
+struct PciSignal {
+    bar: Arc<Bar>,
+    offset: u64,
+    queue: u16,
+}
+
+impl QueueSignal for PciSignal {
+    fn kick(&self) -> Result<()> {
+        self.bar.write(self.offset, self.queue.to_le())
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        std::thread::sleep(timeout.min(POLL_INTERVAL));
+        Ok(())
+    }
+}
+
+pub struct PciTransport {
+    common: Structure,
+    memory: RegionSet,
+    queues: DeviceQueues,
+    config: DeviceConfig,
+    features: u64,
+}
+
+impl PciTransport {
+    /// Takes over the vrdma PCI device at `address` (`DDDD:BB:DD.F`), or the first one found.
+    /// Resets it first: whatever an earlier user left on it is gone.
+    pub fn open(address: Option<&str>) -> Result<PciTransport> {
+        let path = find_device(address)?;
+        bind_to_uio(&path)?;
+        enable_bus_mastering(&path)?;
+        let config_space = fs::read(path.join("config"))
+            .map_err(|e| Error::Attach(format!("reading {}/config: {e}", path.display())))?;
+        let capabilities = parse_capabilities(&config_space)?;
+        let mut bars: Vec<(u8, Arc<Bar>)> = Vec::new();
+        let mut structure = |location: Location| -> Result<Structure> {
+            let bar = match bars.iter().find(|(index, _)| *index == location.bar) {
+                Some((_, bar)) => Arc::clone(bar),
+                None => {
+                    if location.bar > 5 {
+                        return Err(Error::Attach(format!(
+                            "capability names BAR {}",
+                            location.bar
+                        )));
+                    }
+                    let bar = Arc::new(Bar::map(&path.join(format!("resource{}", location.bar)))?);
+                    bars.push((location.bar, Arc::clone(&bar)));
+                    bar
+                }
+            };
+            Ok(Structure {
+                bar,
+                offset: location.offset,
+                length: location.length,
+            })
+        };
+        let common = structure(capabilities.common)?;
+        let notify = structure(capabilities.notify)?;
+        let device = structure(capabilities.device)?;
+
+        reset(&common)?;
+        common.write8(common::DEVICE_STATUS, status::ACKNOWLEDGE | status::DRIVER)?;
+        let offered = read_features(&common)?;
+        if offered & features::VERSION_1 == 0 {
+            return fail(
+                &common,
+                "the device does not offer VIRTIO_F_VERSION_1".into(),
+            );
+        }
+        let features = offered & WANTED_FEATURES;
+        for half in 0..2u32 {
+            common.write32(common::DRIVER_FEATURE_SELECT, half)?;
+            common.write32(common::DRIVER_FEATURE, (features >> (32 * half)) as u32)?;
+        }
+        let negotiating = status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK;
+        common.write8(common::DEVICE_STATUS, negotiating)?;
+        if common.read8(common::DEVICE_STATUS)? & status::FEATURES_OK == 0 {
+            return fail(&common, "the device refused our features".into());
+        }
+        let config = read_device_config(&common, &device)?;
+        let notify_queues = config.num_notify_queues.to_native();
+        if !(1..=MAX_NOTIFY_QUEUES).contains(&notify_queues) {
+            return fail(
+                &common,
+                format!("the device reports {notify_queues} notification queues"),
+            );
+        }
+        let num_queues = FIRST_NOTIFY_QUEUE + notify_queues as u16;
+        let offered_queues = common.read16(common::NUM_QUEUES)?;
+        if offered_queues < num_queues {
+            return fail(
+                &common,
+                format!("the device has {offered_queues} queues, it needs {num_queues}"),
+            );
+        }
+
+        let memory = RegionSet::default();
+        memory.add(Region::new_pinned(REGION_SIZE, false)?);
+        let mut queues = Vec::with_capacity(usize::from(num_queues));
+        for index in 0..num_queues {
+            common.write16(common::QUEUE_SELECT, index)?;
+            let max = common.read16(common::QUEUE_SIZE)?;
+            if max < QUEUE_SIZE {
+                return fail(&common, format!("queue {index} holds only {max} entries"));
+            }
+            let signal = PciSignal {
+                bar: Arc::clone(&notify.bar),
+                offset: notify.at(
+                    u64::from(common.read16(common::QUEUE_NOTIFY_OFF)?)
+                        * u64::from(capabilities.notify_off_multiplier),
+                    2,
+                )?,
+                queue: index,
+            };
+            let queue = SplitQueue::new(&memory, QUEUE_SIZE, Box::new(signal))?;
+            common.write16(common::QUEUE_SIZE, QUEUE_SIZE)?;
+            common.write64(common::QUEUE_DESC, queue.desc_addr())?;
+            common.write64(common::QUEUE_DRIVER, queue.avail_addr())?;
+            common.write64(common::QUEUE_DEVICE, queue.used_addr())?;
+            common.write16(common::QUEUE_ENABLE, 1)?;
+            queues.push(queue);
+        }
+        common.write8(common::DEVICE_STATUS, negotiating | status::DRIVER_OK)?;
+        let queues = DeviceQueues::new(&memory, queues)?;
+        log::info!("attached to the vrdma PCI device {}", path.display());
+        Ok(PciTransport {
+            common,
+            memory,
+            queues,
+            config,
+            features,
+        })
+    }
+
+    /// Fails if the device asks to be reset (its backend went away, or it found an error).
+    fn check_device(&self) -> Result<()> {
+        let device_status = self.common.read8(common::DEVICE_STATUS)?;
+        if device_status & (status::NEEDS_RESET | status::FAILED) != 0
+            || device_status & status::DRIVER_OK == 0
+        {
+            return Err(Error::DeviceReset(device_status));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PciTransport {
+    fn drop(&mut self) {
+        // The backend destroys every object of this device when it is reset.
+        if let Err(e) = reset(&self.common) {
+            log::error!("resetting the vrdma device: {e}");
+        }
+    }
+}
+
+impl Transport for PciTransport {
+    fn config(&self) -> &DeviceConfig {
+        &self.config
+    }
+
+    fn features(&self) -> u64 {
+        self.features
+    }
+
+    fn control(&self, request: &[u8], response: &mut [u8]) -> Result<usize> {
+        self.check_device()?;
+        self.queues.control(request, response).inspect_err(|_| {
+            // A timeout is explained better by the device's state, if it says anything.
+            let _ = self.check_device();
+        })
+    }
+
+    fn notify(&self, queue: u32) -> Result<()> {
+        self.queues.notify(queue)
+    }
+
+    fn next_event(&self, timeout: Duration) -> Result<Option<Event>> {
+        self.check_device()?;
+        self.queues.next_event(timeout)
+    }
+
+    fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer> {
+        if let Some(buffer) = self.memory.alloc(len, align) {
+            return Ok(buffer);
+        }
+        let size = len
+            .checked_add(align)
+            .ok_or(Error::OutOfSharedMemory(len))?
+            .max(REGION_SIZE);
+        let region = Region::new_pinned(size, false)?;
+        let buffer = region
+            .alloc(len, align)
+            .ok_or(Error::OutOfSharedMemory(len))?;
+        self.memory.add(region);
+        Ok(buffer)
+    }
+
+    fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {
+        self.memory.device_pages(addr, len)
+    }
+}
+
+fn fail<T>(common: &Structure, why: String) -> Result<T> {
+    let _ = common.write8(common::DEVICE_STATUS, status::FAILED);
+    Err(Error::Attach(why))
+}
+
+/// Writes 0 to the device status and waits until the device reads back 0 (virtio spec
+/// §4.1.4.3.2).
+fn reset(common: &Structure) -> Result<()> {
+    common.write8(common::DEVICE_STATUS, 0)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while common.read8(common::DEVICE_STATUS)? != 0 {
+        if Instant::now() > deadline {
+            return Err(Error::Attach("the device does not finish its reset".into()));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
+}
+
+fn read_features(common: &Structure) -> Result<u64> {
+    let mut offered = 0;
+    for half in 0..2u32 {
+        common.write32(common::DEVICE_FEATURE_SELECT, half)?;
+        offered |= u64::from(common.read32(common::DEVICE_FEATURE)?) << (32 * half);
+    }
+    Ok(offered)
+}
+
+/// Reads the device configuration, again if it changed meanwhile (its generation moved).
+fn read_device_config(common: &Structure, device: &Structure) -> Result<DeviceConfig> {
+    let size = std::mem::size_of::<DeviceConfig>() as u64;
+    if device.length < size {
+        return Err(Error::Attach(format!(
+            "config space of {} bytes, expected {size}",
+            device.length
+        )));
+    }
+    for _ in 0..10 {
+        let generation = common.read8(common::CONFIG_GENERATION)?;
+        let mut bytes = Vec::with_capacity(size as usize);
+        for offset in (0..size).step_by(4) {
+            bytes.extend_from_slice(&device.read32(offset)?.to_le_bytes());
+        }
+        if common.read8(common::CONFIG_GENERATION)? == generation {
+            return vrdma_spec::read_wire(&bytes)
+                .ok_or_else(|| Error::Attach("malformed config space".into()));
+        }
+    }
+    Err(Error::Attach("the config space keeps changing".into()))
+}
+
+fn sysfs_hex(path: &Path) -> Option<u16> {
+    let text = fs::read_to_string(path).ok()?;
+    u16::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
+}
+
+/// The sysfs folder of the vrdma device at `address`, or of the first one.
+fn find_device(address: Option<&str>) -> Result<PathBuf> {
+    let is_vrdma = |path: &Path| {
+        sysfs_hex(&path.join("vendor")) == Some(VIRTIO_VENDOR)
+            && sysfs_hex(&path.join("device")) == Some(VRDMA_DEVICE_ID)
+    };
+    if let Some(address) = address {
+        let path = Path::new(SYSFS_DEVICES).join(address);
+        return if is_vrdma(&path) {
+            Ok(path)
+        } else {
+            Err(Error::Attach(format!(
+                "{address} is not a vrdma PCI device"
+            )))
+        };
+    }
+    let mut found: Vec<PathBuf> = fs::read_dir(SYSFS_DEVICES)
+        .map_err(|e| Error::Attach(format!("{SYSFS_DEVICES}: {e}")))?
+        .filter_map(|entry| Some(entry.ok()?.path()))
+        .filter(|path| is_vrdma(path))
+        .collect();
+    found.sort();
+    found.into_iter().next().ok_or_else(|| {
+        Error::Attach(format!(
+            "no vrdma PCI device ({VIRTIO_VENDOR:04x}:{VRDMA_DEVICE_ID:04x}) in this VM"
+        ))
+    })
+}
+
+/// Hands the device to `uio_pci_generic`, unless it has it already.
+fn bind_to_uio(path: &Path) -> Result<()> {
+    let driver = |path: &Path| {
+        fs::read_link(path.join("driver"))
+            .ok()
+            .and_then(|link| Some(link.file_name()?.to_string_lossy().into_owned()))
+    };
+    if driver(path).as_deref() == Some(UIO_DRIVER) {
+        return Ok(());
+    }
+    let address = path
+        .file_name()
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let write = |file: PathBuf, value: &str| {
+        fs::write(&file, value)
+            .map_err(|e| Error::Attach(format!("writing {value} to {}: {e}", file.display())))
+    };
+    if driver(path).is_some() {
+        write(path.join("driver/unbind"), &address)?;
+    }
+    if !Path::new("/sys/bus/pci/drivers").join(UIO_DRIVER).exists() {
+        return Err(Error::Attach(format!(
+            "the {UIO_DRIVER} driver is not loaded (modprobe {UIO_DRIVER})"
+        )));
+    }
+    write(path.join("driver_override"), UIO_DRIVER)?;
+    write(PathBuf::from("/sys/bus/pci/drivers_probe"), &address)?;
+    match driver(path) {
+        Some(name) if name == UIO_DRIVER => Ok(()),
+        other => Err(Error::Attach(format!(
+            "{address} did not bind to {UIO_DRIVER} (driver: {other:?})"
+        ))),
+    }
+}
+
+/// Sets Bus Master Enable in the PCI command register: the device's queues live in our
+/// memory.
+fn enable_bus_mastering(path: &Path) -> Result<()> {
+    const COMMAND: u64 = 0x04;
+    const BUS_MASTER: u16 = 1 << 2;
+    let io = |e: std::io::Error| Error::Attach(format!("PCI command register: {e}"));
+    let config = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path.join("config"))
+        .map_err(io)?;
+    let mut command = [0u8; 2];
+    config.read_exact_at(&mut command, COMMAND).map_err(io)?;
+    let value = u16::from_le_bytes(command);
+    if value & BUS_MASTER == 0 {
+        config
+            .write_all_at(&(value | BUS_MASTER).to_le_bytes(), COMMAND)
+            .map_err(io)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A configuration space with a capability list: `caps` are (offset, bytes).
+    fn config_space(first: u8, caps: &[(usize, Vec<u8>)]) -> Vec<u8> {
+        let mut config = vec![0u8; 256];
+        config[0x06] = 0x10;
+        config[0x34] = first;
+        for (at, bytes) in caps {
+            config[*at..*at + bytes.len()].copy_from_slice(bytes);
+        }
+        config
+    }
+
+    fn virtio_cap(next: u8, cfg_type: u8, bar: u8, offset: u32, length: u32) -> Vec<u8> {
+        let mut cap = vec![0x09, next, 16, cfg_type, bar, 0, 0, 0];
+        cap.extend_from_slice(&offset.to_le_bytes());
+        cap.extend_from_slice(&length.to_le_bytes());
+        if cfg_type == 2 {
+            cap[2] = 20;
+            cap.extend_from_slice(&4u32.to_le_bytes());
+        }
+        cap
+    }
+
+    #[test]
+    fn finds_the_virtio_structures() {
+        let config = config_space(
+            0x40,
+            &[
+                (0x40, virtio_cap(0x50, 1, 4, 0x0000, 0x38)),
+                (0x50, vec![0x11, 0x60, 0, 0]), // MSI-X: skipped
+                (0x60, virtio_cap(0x78, 2, 4, 0x3000, 0x1000)),
+                (0x78, virtio_cap(0x00, 4, 4, 0x2000, 0x100)),
+            ],
+        );
+        let caps = parse_capabilities(&config).unwrap();
+        assert_eq!(
+            caps.common,
+            Location {
+                bar: 4,
+                offset: 0,
+                length: 0x38
+            }
+        );
+        assert_eq!(
+            (caps.notify.offset, caps.notify_off_multiplier),
+            (0x3000, 4)
+        );
+        assert_eq!(caps.device.offset, 0x2000);
+    }
+
+    #[test]
+    fn hostile_capability_lists_are_refused() {
+        // A loop between two capabilities, neither of them useful.
+        let looping = config_space(
+            0x40,
+            &[
+                (0x40, vec![0x11, 0x50, 0, 0]),
+                (0x50, vec![0x11, 0x40, 0, 0]),
+            ],
+        );
+        assert!(parse_capabilities(&looping).is_err());
+        // A pointer into the header.
+        assert!(parse_capabilities(&config_space(0x10, &[])).is_err());
+        // A pointer past the end of what was read.
+        let truncated = config_space(0xfc, &[(0xfc, vec![0x09, 0x00, 16, 1])]);
+        assert!(parse_capabilities(&truncated).is_err());
+        // No capability list at all.
+        let mut none = config_space(0x40, &[]);
+        none[0x06] = 0;
+        assert!(parse_capabilities(&none).is_err());
+    }
+}
