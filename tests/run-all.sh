@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every vrdma check and test: formatting, clippy, unit tests on this machine, then the
-# integration tests that need real RDMA inside a QEMU guest with rdma_rxe (tests/vm/).
-# Installs what it needs on first use (tests/vm/setup.sh); caches under target/.
+# integration tests that need real RDMA inside a QEMU guest with rdma_rxe (tests/vm/), a
+# benchmark smoke run, and the nested-VM end-to-end test (a VM with a vrdma PCI device inside
+# the rxe guest). Installs what it needs on first use (tests/vm/setup.sh, and the patched QEMU
+# of tests/vm/qemu/build.sh); caches under target/.
 #   VRDMA_VM_NO_RXE=1  boot the guest without rdma_rxe: the RDMA tests must then fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,8 +13,9 @@ step() { printf '\n=== %s\n' "$*"; }
 run_all() {
 set -euo pipefail # the caller turns errexit off around the pipeline; keep it on in here
 
-step "setup (packages, kernel, initramfs)"
+step "setup (packages, kernel, initramfs; the nested VM's QEMU: ~5 minutes the first time)"
 tests/vm/setup.sh >/dev/null
+tests/vm/qemu/build.sh >/dev/null
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -42,6 +45,9 @@ cargo build --workspace --bins --examples --locked
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENCH_GUESTS=8 \
   VRDMA_BENCH_MR_MIB=64 \
   tests/vm/run.sh -- tests/bench-guest.sh "$PWD/target/debug"
+
+step "nested VM end to end: guest-lib over the vrdma PCI device (about 5 minutes)"
+tests/vm/run.sh -- tests/nested-e2e.sh "$PWD/target/debug"
 }
 
 mkdir -p target
@@ -50,7 +56,10 @@ set +e
 run_all 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
-# One closing line for every runner above: the totals of their "test result:" lines.
+# One closing line for every runner above: the totals of their "test result:" lines and of
+# the nested-VM checks.
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
+     /^nested-e2e: .* ok$/ { p++ }
+     /^nested-e2e: .* FAILED$/ { f++ }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"

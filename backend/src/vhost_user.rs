@@ -179,6 +179,16 @@ impl VhostUserBackendMut for RdmaBackend {
         self.device.reset();
     }
 
+    /// QEMU's generic vhost-user device sends neither RESET_DEVICE nor SET_STATUS when the
+    /// driver resets it; it stops the rings. A stopped control queue means the driver is
+    /// gone: its objects go too. (So does a paused VM's: pausing is a reset for this device.)
+    fn stop_vring(&mut self, queue_index: u32) -> io::Result<()> {
+        if queue_index == u32::from(CONTROL_QUEUE) {
+            self.device.reset();
+        }
+        Ok(())
+    }
+
     fn set_event_idx(&mut self, enabled: bool) {
         self.event_idx = enabled;
     }

@@ -76,8 +76,8 @@ pub enum Error {
     QueueFull { posted: usize },
     #[error("{0}")]
     InvalidArgument(String),
-    #[error("the device was reset (status {0:#04x}): its backend restarted or failed; open the device again")]
-    DeviceReset(u8),
+    #[error("the device was reset (its backend restarted, or it failed): every object on it is gone; drop the Device and open it again")]
+    DeviceReset,
 }
 
 fn errno_suffix(detail: u32) -> String {

@@ -321,7 +321,7 @@ impl PciTransport {
         if device_status & (status::NEEDS_RESET | status::FAILED) != 0
             || device_status & status::DRIVER_OK == 0
         {
-            return Err(Error::DeviceReset(device_status));
+            return Err(Error::DeviceReset);
         }
         Ok(())
     }

@@ -97,6 +97,9 @@ impl DeviceInner {
                 opcode,
                 len: written,
             })?;
+        if status == Status::NotReady {
+            return Err(Error::DeviceReset);
+        }
         if status != Status::Ok {
             return Err(Error::Device {
                 opcode,

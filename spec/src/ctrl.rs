@@ -92,6 +92,9 @@ wire_enum! {
         Busy = 7,
         /// The host verbs call failed; `detail` holds its errno.
         HostError = 8,
+        /// SET_NOTIFY_AREA has not come yet: the device is fresh, or was reset (its backend
+        /// restarted), and holds none of the driver's earlier objects.
+        NotReady = 9,
     }
 }
 
@@ -602,6 +605,7 @@ mod tests {
     #[test]
     fn status_values_are_stable() {
         assert_eq!(Status::try_from(8), Ok(Status::HostError));
-        assert_eq!(Status::try_from(9), Err(9));
+        assert_eq!(Status::try_from(9), Ok(Status::NotReady));
+        assert_eq!(Status::try_from(10), Err(10));
     }
 }

@@ -303,3 +303,80 @@ pub fn line_field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
     line.split_whitespace()
         .find_map(|word| word.strip_prefix(name)?.strip_prefix('='))
 }
+
+/// Length of one ping-pong message (guest-endpoint, native-endpoint).
+pub const MESSAGE_LEN: usize = 512;
+
+/// FNV-1a, enough to catch a byte that went astray.
+pub fn checksum(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    })
+}
+
+/// Ping-pong message `i`: its sequence number, a pattern, and the checksum of both.
+pub fn ping_message(i: u64) -> [u8; MESSAGE_LEN] {
+    let mut message = [0u8; MESSAGE_LEN];
+    message[..8].copy_from_slice(&i.to_le_bytes());
+    message[8..MESSAGE_LEN - 4].copy_from_slice(&test_pattern(MESSAGE_LEN - 12, i));
+    let sum = checksum(&message[..MESSAGE_LEN - 4]);
+    message[MESSAGE_LEN - 4..].copy_from_slice(&sum.to_le_bytes());
+    message
+}
+
+/// Panics unless `message` is an intact message `i`.
+pub fn check_message(i: u64, message: &[u8]) {
+    assert_eq!(message.len(), MESSAGE_LEN, "message {i}: length");
+    let sum = u32::from_le_bytes(message[MESSAGE_LEN - 4..].try_into().unwrap());
+    assert_eq!(
+        checksum(&message[..MESSAGE_LEN - 4]),
+        sum,
+        "message {i}: checksum"
+    );
+    assert_eq!(message[..8], i.to_le_bytes(), "message {i}: sequence");
+}
+
+/// Where in its buffer a ping-pong peer exposes memory to one-sided operations, and how much.
+pub const RDMA_AREA: (u64, usize) = (16 << 10, 16 << 10);
+
+/// What a test endpoint publishes on its first output line, `qpn=N gid=G rkey=K va=A`: enough
+/// for a peer to connect to its QP and to address its memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndpointAddress {
+    pub qpn: u32,
+    pub gid: Gid,
+    pub rkey: u32,
+    pub va: u64,
+}
+
+impl std::fmt::Display for EndpointAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gid = std::net::Ipv6Addr::from(self.gid.0);
+        write!(
+            f,
+            "qpn={} gid={gid} rkey={} va={:#x}",
+            self.qpn, self.rkey, self.va
+        )
+    }
+}
+
+impl EndpointAddress {
+    /// Parses a published line; panics, naming the field, on a malformed one.
+    pub fn parse(line: &str) -> EndpointAddress {
+        let field = |name| line_field(line, name).unwrap_or_else(|| panic!("{line}: no {name}"));
+        let gid: std::net::Ipv6Addr = field("gid").parse().expect("gid");
+        EndpointAddress {
+            qpn: field("qpn").parse().expect("qpn"),
+            gid: Gid(gid.octets()),
+            rkey: field("rkey").parse().expect("rkey"),
+            va: u64::from_str_radix(field("va").trim_start_matches("0x"), 16).expect("va"),
+        }
+    }
+
+    /// Reads the peer's line from stdin.
+    pub fn read_peer() -> EndpointAddress {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::stdin().lock(), &mut line).expect("peer line");
+        Self::parse(&line)
+    }
+}

@@ -419,3 +419,37 @@ fn ud_qps_and_address_handles() {
     }
     wait_for_host_counts(&baseline);
 }
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_device_not_yet_initialised_answers_not_ready() {
+    use vrdma_guest::transport::Transport;
+    let backend = start_backend();
+    // The transport alone: attached, but SET_NOTIFY_AREA (SPEC.md §9 step 3) never sent.
+    let transport =
+        vrdma_guest::direct::DirectTransport::connect(&backend.socket, DirectOptions::default())
+            .unwrap();
+    let mut response = [0u8; 64];
+    let mut status = |bytes: &[u8]| {
+        let written = transport.control(bytes, &mut response).unwrap();
+        status_of(&response[..written])
+    };
+    let alloc_pd = [RequestHeader {
+        opcode: Le16::from(Opcode::AllocPd as u16),
+        flags: Le16::from(0),
+        length: Le32::from(0),
+    }
+    .as_slice()]
+    .concat();
+    assert_eq!(status(&alloc_pd), Status::NotReady as u16);
+    let destroy = request(Opcode::DeallocPd as u16, &handle_request(1));
+    assert_eq!(status(&destroy), Status::NotReady as u16);
+    let query = [RequestHeader {
+        opcode: Le16::from(Opcode::QueryDevice as u16),
+        flags: Le16::from(0),
+        length: Le32::from(0),
+    }
+    .as_slice()]
+    .concat();
+    assert_eq!(status(&query), Status::Ok as u16, "queries need no set-up");
+}

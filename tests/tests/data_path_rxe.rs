@@ -14,8 +14,9 @@ use vrdma_guest::{
     SharedBuffer, UdDest,
 };
 use vrdma_tests::{
-    connect_guest_qp, line_field, open_test_device, start_backend, test_pattern, ud_to_rts,
-    wait_for_completions, wait_for_guest_completions, RcEndpoint, TestBackend, FULL_ACCESS,
+    checksum, connect_guest_qp, line_field, open_test_device, start_backend, test_pattern,
+    ud_to_rts, wait_for_completions, wait_for_guest_completions, RcEndpoint, TestBackend,
+    FULL_ACCESS,
 };
 
 const ALL_ACCESS: u32 =
@@ -73,12 +74,6 @@ fn rc_pair(backend: &TestBackend, buffer_len: u64) -> (Endpoint, Endpoint) {
     connect_guest_qp(&a.qp, index as u8, gid, b.qp.qp_num()).unwrap();
     connect_guest_qp(&b.qp, index as u8, gid, a.qp.qp_num()).unwrap();
     (a, b)
-}
-
-fn checksum(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5u32, |h, b| {
-        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
-    })
 }
 
 #[test]

@@ -226,6 +226,16 @@ impl Device {
             ));
         }
         let payload = &readable[header_len..header_len + length];
+        let query_or_setup = matches!(
+            opcode,
+            Opcode::QueryDevice | Opcode::QueryPort | Opcode::QueryGid | Opcode::SetNotifyArea
+        );
+        if !query_or_setup && self.data_path.notify_area().is_none() {
+            return Err(CommandError::new(
+                Status::NotReady,
+                "SET_NOTIFY_AREA first: the device was reset or has just started",
+            ));
+        }
         match opcode {
             Opcode::QueryDevice => self.query_device(),
             Opcode::QueryPort => self.query_port(parse(payload)),
@@ -484,9 +494,6 @@ impl Device {
 
     fn create_qp<M: GuestMemoryBackend>(&mut self, mem: &M, req: CreateQpRequest) -> CommandResult {
         self.check_quota("QP", self.objects.qps.len(), self.config.max_qp)?;
-        if self.data_path.notify_area().is_none() {
-            return Err(CommandError::invalid("CREATE_QP before SET_NOTIFY_AREA"));
-        }
         let shape = validate::create_qp(&req, &self.config, self.features)?;
         let caps = shape.caps;
         let pd_handle = req.pd.to_native();
@@ -571,9 +578,6 @@ impl Device {
             ));
         }
         self.check_quota("SRQ", self.objects.srqs.len(), self.config.max_srq)?;
-        if self.data_path.notify_area().is_none() {
-            return Err(CommandError::invalid("CREATE_SRQ before SET_NOTIFY_AREA"));
-        }
         let (max_wr, max_sge) = validate::create_srq(&req, &self.config)?;
         let pd_handle = req.pd.to_native();
         let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);

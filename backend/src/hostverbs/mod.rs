@@ -524,6 +524,10 @@ impl WorkCompletion {
     pub fn opcode(&self) -> u32 {
         self.0.opcode
     }
+    /// A receive completion (`IBV_WC_RECV` or `IBV_WC_RECV_RDMA_WITH_IMM`).
+    pub fn is_recv(&self) -> bool {
+        self.0.opcode & ibv_wc_opcode::IBV_WC_RECV != 0
+    }
     pub fn byte_len(&self) -> u32 {
         self.0.byte_len
     }

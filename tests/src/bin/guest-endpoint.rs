@@ -6,6 +6,10 @@
 //!                                    `qpn=N gid=G rkey=K va=A`, read the peer's line, go to
 //!                                    RTS, print `state=S`, then wait for stdin to close
 //!        guest-endpoint hold DEVICE  attach, create PD/CQ/MR/QP, print `ready`, sleep
+//!        guest-endpoint reopen DEVICE  as `hold`, then after a line on stdin (the device was
+//!                                    reset meanwhile) print the `error: ...` the next command
+//!                                    gets, open the device again, create a QP and print
+//!                                    `reopened qpn=N`
 //!        guest-endpoint ping DEVICE N  as `rc`, then N SEND/RECV round trips as the initiator:
 //!                                    each message carries a checksum the peer verifies and
 //!                                    echoes; prints `done N kicks=K`
@@ -16,11 +20,12 @@
 use std::io::BufRead;
 
 use vrdma_guest::{
-    access, wc_opcode, CompletionQueue, Device, Gid, MemoryRegion, Payload, ProtectionDomain,
-    QpType, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedBuffer, SharedReceiveQueue,
+    access, wc_opcode, CompletionQueue, Device, MemoryRegion, Payload, ProtectionDomain, QpType,
+    QueuePair, RecvWr, SendOp, SendWr, Sge, SharedBuffer, SharedReceiveQueue,
 };
 use vrdma_tests::{
-    connect_guest_qp, line_field, test_pattern, ud_to_rts, wait_for_guest_completions,
+    check_message, connect_guest_qp, ping_message, test_pattern, ud_to_rts,
+    wait_for_guest_completions, EndpointAddress, MESSAGE_LEN, RDMA_AREA,
 };
 
 fn main() {
@@ -29,7 +34,7 @@ fn main() {
         [_, mode, socket] => (mode.as_str(), socket, 0),
         [_, mode, socket, n] => (mode.as_str(), socket, n.parse().expect("N is a number")),
         _ => {
-            eprintln!("usage: guest-endpoint rc|hold|ping|pong|target DEVICE [N]");
+            eprintln!("usage: guest-endpoint rc|hold|reopen|ping|pong|target DEVICE [N]");
             std::process::exit(2);
         }
     };
@@ -40,7 +45,10 @@ fn main() {
     let pd = device.alloc_pd().expect("alloc PD");
     let buffer = device.alloc_buffer(1 << 16).expect("shared buffer");
     let mr = pd
-        .reg_mr(&buffer, access::LOCAL_WRITE | access::REMOTE_WRITE)
+        .reg_mr(
+            &buffer,
+            access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ,
+        )
         .expect("register MR");
     let cq = device.create_cq(64).expect("create CQ");
     let qp = QueuePair::builder(QpType::Rc, &cq)
@@ -55,23 +63,38 @@ fn main() {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             }
         }
-        "rc" | "ping" | "pong" => {
-            let (gid_index, gid) = device.gid().expect("assigned GID");
-            println!(
-                "qpn={} gid={} rkey={} va={:#x}",
-                qp.qp_num(),
-                std::net::Ipv6Addr::from(gid.0),
-                mr.rkey(),
-                mr.addr()
-            );
+        "reopen" => {
+            println!("ready");
             let mut line = String::new();
             std::io::stdin()
                 .lock()
                 .read_line(&mut line)
-                .expect("peer line");
-            let peer = parse_peer(&line);
-            let (peer_qpn, peer_gid) = (peer.qpn, peer.gid);
-            connect_guest_qp(&qp, gid_index as u8, peer_gid, peer_qpn)
+                .expect("go line");
+            match device.alloc_pd() {
+                Ok(_) => panic!("the device still works: it was not reset"),
+                Err(e) => println!("error: {e}"),
+            }
+            // Everything of the old device goes first: dropping it resets the device.
+            drop((qp, cq, mr, buffer, pd, device));
+            let device = Device::open(socket).expect("open the device again");
+            let pd = device.alloc_pd().expect("alloc PD");
+            let cq = device.create_cq(64).expect("create CQ");
+            let qp = QueuePair::builder(QpType::Rc, &cq)
+                .build(&pd)
+                .expect("create QP");
+            println!("reopened qpn={}", qp.qp_num());
+        }
+        "rc" | "ping" | "pong" => {
+            let (gid_index, gid) = device.gid().expect("assigned GID");
+            let address = EndpointAddress {
+                qpn: qp.qp_num(),
+                gid,
+                rkey: mr.rkey(),
+                va: mr.addr(),
+            };
+            println!("{address}");
+            let peer = EndpointAddress::read_peer();
+            connect_guest_qp(&qp, gid_index as u8, peer.gid, peer.qpn)
                 .expect("connect to the peer");
             println!("state={}", qp.query().expect("query QP").qp_state);
             let endpoint = Endpoint {
@@ -82,7 +105,7 @@ fn main() {
                 addr: mr.addr(),
             };
             match mode {
-                "ping" => endpoint.ping(count),
+                "ping" => endpoint.ping(count, &peer),
                 "pong" => endpoint.pong(count),
                 _ => {}
             }
@@ -90,56 +113,29 @@ fn main() {
                 println!("done {count} kicks={}", device.kicks_sent());
             }
             // Keep everything alive until the test closes stdin.
-            let _ = std::io::stdin().lock().read_line(&mut line);
+            let _ = std::io::stdin().lock().read_line(&mut String::new());
         }
         other => panic!("unknown mode {other}"),
     }
 }
 
-/// What a peer publishes: enough to connect to it and to address its memory.
-struct Peer {
-    qpn: u32,
-    gid: Gid,
-    /// The peer's MR, for one-sided operations (the data path's tests use them).
-    _rkey: u32,
-    _va: u64,
-}
-
-fn parse_peer(line: &str) -> Peer {
-    let field = |name: &str| {
-        line_field(line, name).unwrap_or_else(|| panic!("peer line without {name}: {line}"))
-    };
-    let gid: std::net::Ipv6Addr = field("gid").parse().expect("peer gid");
-    Peer {
-        qpn: field("qpn").parse().expect("peer qpn"),
-        gid: Gid(gid.octets()),
-        _rkey: field("rkey").parse().expect("peer rkey"),
-        _va: u64::from_str_radix(field("va").trim_start_matches("0x"), 16).expect("peer va"),
-    }
-}
-
-const MESSAGE: usize = 512;
-
 struct Endpoint<'a> {
     qp: &'a QueuePair,
-    cq: &'a vrdma_guest::CompletionQueue,
-    buffer: &'a vrdma_guest::SharedBuffer,
+    cq: &'a CompletionQueue,
+    buffer: &'a SharedBuffer,
     lkey: u32,
     addr: u64,
 }
 
-/// FNV-1a, enough to catch a byte that went astray.
-fn checksum(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5u32, |h, b| {
-        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
-    })
-}
+/// Where messages are sent from and received into.
+const SEND_AT: u64 = 0;
+const RECV_AT: u64 = 4096;
 
 impl Endpoint<'_> {
-    fn sge(&self, offset: u64) -> Sge {
+    fn sge(&self, offset: u64, length: usize) -> Sge {
         Sge {
             addr: self.addr + offset,
-            length: MESSAGE as u32,
+            length: length as u32,
             lkey: self.lkey,
         }
     }
@@ -148,68 +144,100 @@ impl Endpoint<'_> {
         self.qp
             .post_recv(&[RecvWr {
                 wr_id: i,
-                sges: &[self.sge(4096)],
+                sges: &[self.sge(RECV_AT, MESSAGE_LEN)],
             }])
             .expect("post receive");
     }
 
-    fn send(&self, i: u64, offset: u64) {
-        let sges = [self.sge(offset)];
+    fn send(&self, i: u64, message: &[u8]) {
+        self.buffer.write(SEND_AT, message).expect("write message");
+        let sges = [self.sge(SEND_AT, message.len())];
         let wr = SendWr::new(i, SendOp::Send, Payload::Sges(&sges));
         self.qp.post_send(&[wr]).expect("post send");
     }
 
-    /// Waits for the receive of message `i` (and any send completions); checks its checksum.
-    fn receive(&self, i: u64) -> [u8; MESSAGE] {
+    /// Waits for the receive of message `i` (and any send completions); checks it.
+    fn receive(&self, i: u64) -> [u8; MESSAGE_LEN] {
         loop {
             let done = wait_for_guest_completions(self.cq, 1)[0];
             assert!(done.is_success(), "message {i}: {done:?}");
             if done.opcode == wc_opcode::RECV {
-                assert_eq!((done.wr_id, done.byte_len), (i, MESSAGE as u32));
+                assert_eq!((done.wr_id, done.byte_len), (i, MESSAGE_LEN as u32));
                 break;
             }
         }
-        let mut message = [0u8; MESSAGE];
-        self.buffer.read(4096, &mut message).expect("read message");
-        let sum = u32::from_le_bytes(message[MESSAGE - 4..].try_into().unwrap());
-        assert_eq!(
-            checksum(&message[..MESSAGE - 4]),
-            sum,
-            "message {i}: checksum"
-        );
-        assert_eq!(message[..8], i.to_le_bytes(), "message {i}: sequence");
+        let mut message = [0u8; MESSAGE_LEN];
+        self.buffer
+            .read(RECV_AT, &mut message)
+            .expect("read message");
+        check_message(i, &message);
         message
     }
 
-    fn ping(&self, count: u64) {
-        let mut message = [0u8; MESSAGE];
+    /// One-sided operation `op` on the local range `offset..offset + len`; waits for it.
+    fn rdma(&self, wr_id: u64, op: SendOp, offset: u64, len: usize) {
+        let sges = [self.sge(offset, len)];
+        self.qp
+            .post_send(&[SendWr::new(wr_id, op, Payload::Sges(&sges))])
+            .expect("post RDMA");
+        let done = wait_for_guest_completions(self.cq, 1)[0];
+        assert!(
+            done.is_success() && done.wr_id == wr_id,
+            "RDMA {wr_id}: {done:?}"
+        );
+    }
+
+    /// `count` round trips as the initiator; then an RDMA WRITE of the peer's RDMA area, read
+    /// back with an RDMA READ and compared, and a last message that tells the peer to check
+    /// what was written.
+    fn ping(&self, count: u64, peer: &EndpointAddress) {
         for i in 0..count {
             self.post_recv(i);
-            message[..8].copy_from_slice(&i.to_le_bytes());
-            for (j, byte) in message[8..MESSAGE - 4].iter_mut().enumerate() {
-                *byte = (i as usize).wrapping_mul(131).wrapping_add(j) as u8;
-            }
-            let sum = checksum(&message[..MESSAGE - 4]);
-            message[MESSAGE - 4..].copy_from_slice(&sum.to_le_bytes());
-            self.buffer.write(0, &message).expect("write message");
-            self.send(i, 0);
+            let message = ping_message(i);
+            self.send(i, &message);
             let echo = self.receive(i);
             assert!(echo == message, "round trip {i}: the echo differs");
         }
+        let (at, len) = RDMA_AREA;
+        let pattern = test_pattern(len, count);
+        self.buffer.write(at, &pattern).expect("write pattern");
+        let (remote_addr, rkey) = (peer.va + at, peer.rkey);
+        self.rdma(1 << 32, SendOp::RdmaWrite { remote_addr, rkey }, at, len);
+        let read_at = at + len as u64;
+        self.rdma(
+            1 << 33,
+            SendOp::RdmaRead { remote_addr, rkey },
+            read_at,
+            len,
+        );
+        let mut read_back = vec![0u8; len];
+        self.buffer
+            .read(read_at, &mut read_back)
+            .expect("read back");
+        assert!(
+            read_back == pattern,
+            "RDMA READ returned other bytes than were written"
+        );
+        self.send(count, &ping_message(count));
+        wait_for_guest_completions(self.cq, 1);
     }
 
     fn pong(&self, count: u64) {
         self.post_recv(0);
         for i in 0..count {
             let message = self.receive(i);
-            if i + 1 < count {
-                self.post_recv(i + 1);
-            }
-            self.buffer.write(0, &message).expect("write echo");
-            self.send(i, 0);
+            self.post_recv(i + 1);
+            self.send(i, &message);
         }
-        // The last echo's send completion.
-        wait_for_guest_completions(self.cq, 1);
+        // The initiator's last message: its RDMA WRITE is in place.
+        self.receive(count);
+        let (at, len) = RDMA_AREA;
+        let mut written = vec![0u8; len];
+        self.buffer.read(at, &mut written).expect("read RDMA area");
+        assert!(
+            written == test_pattern(len, count),
+            "the RDMA WRITE did not land intact"
+        );
     }
 }
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs inside the nested VM that tests/nested-e2e.sh boots: guest-lib programs on the vrdma PCI
+# device, one session after the other, each talking to a peer in the outer guest through files
+# in this VM's run folder, the only one it can write to: the peer's lines arrive in
+# NAME.to-nested (a line `end` closes the session), the program's output goes to
+# NAME.from-nested and its exit code to NAME.nested-rc.
+# usage: tests/nested-guest.sh BIN_DIR ROUND_TRIPS
+set -uo pipefail
+exchange=${VRDMA_VM_RUN_DIR:?run me inside the VM harness} bin=$1 round_trips=$2
+
+# Prints the lines of FILE as they are appended (9p has no inotify: polls), until `end`.
+follow() {
+  local file=$1 n=0 line lines
+  while :; do
+    if [ -f "$file" ]; then
+      mapfile -t lines <"$file"
+      while [ "$n" -lt "${#lines[@]}" ]; do
+        line=${lines[$n]}
+        n=$((n + 1))
+        [ "$line" = end ] && return 0
+        echo "$line"
+      done
+    fi
+    sleep 0.2
+  done
+}
+
+session() {
+  local name=$1
+  shift
+  follow "$exchange/$name.to-nested" |
+    "$bin/guest-endpoint" "$@" >"$exchange/$name.from-nested" 2>"$exchange/$name.nested-err"
+  echo "${PIPESTATUS[1]}" >"$exchange/$name.nested-rc"
+}
+
+modprobe uio_pci_generic 2>/dev/null # the initramfs loaded it already, if it has it
+session guest-peer ping pci "$round_trips"
+session native-peer pong pci "$round_trips"
+session reopen reopen pci
