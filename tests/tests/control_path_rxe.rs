@@ -429,7 +429,7 @@ fn a_device_not_yet_initialised_answers_not_ready() {
     let transport =
         vrdma_guest::direct::DirectTransport::connect(&backend.socket, DirectOptions::default())
             .unwrap();
-    let mut response = [0u8; 64];
+    let mut response = [0u8; 1024]; // room for any response
     let mut status = |bytes: &[u8]| {
         let written = transport.control(bytes, &mut response).unwrap();
         status_of(&response[..written])
