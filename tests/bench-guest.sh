@@ -63,6 +63,38 @@ failures=0
 }
 echo
 "$bin/ctl-bench" /tmp/vrdma.sock "$backend" || failures=$((failures + 1))
+
+# Instructions per WQE: a second backend under callgrind that counts only inside the
+# functions taking WQEs from the rings and writing CQEs back (Poller::process_*), with busy
+# polling off so that few idle passes are counted, over a fixed workload: write_bw of N
+# 64-byte writes (one WQE and one CQE each). The profile is dumped while the backend runs
+# (it does not exit cleanly under valgrind), then the backend is killed.
+instructions_per_wqe() {
+  local writes=${VRDMA_BENCH_CALLGRIND_WRITES:-2000} socket=/tmp/vrdma-callgrind.sock
+  local out=/tmp/callgrind.out
+  rm -f "$out"*
+  valgrind --tool=callgrind --callgrind-out-file="$out" --collect-atstart=no \
+    --toggle-collect='*Poller*process_*' \
+    "$bin/vhost-user-rdma" --device rxe0 --socket-path "$socket" --poll-idle-us 0 \
+    2>/tmp/callgrind.log &
+  local traced=$! instructions=
+  for _ in $(seq 600); do [ -S "$socket" ] && break; sleep 0.1; done
+  local args=(--socket "$socket" -s 64 -n "$writes")
+  "$bin/examples/vrdma-perf" write_bw "${args[@]}" >/tmp/server.log 2>&1 &
+  local server=$!
+  if timeout 600 "$bin/examples/vrdma-perf" write_bw "${args[@]}" --connect 127.0.0.1 >/dev/null &&
+    timeout 120 callgrind_control -d "$traced" >/dev/null 2>&1; then
+    instructions=$(cat "$out".* 2>/dev/null | awk '/^totals:/ { n += $2 } END { if (n) print n }')
+  fi
+  kill -9 "$traced" "$server" 2>/dev/null
+  wait "$traced" "$server" 2>/dev/null
+  if [ -z "$instructions" ]; then
+    echo "bench: callgrind measured nothing (see /tmp/callgrind.log)" >&2
+    return 1
+  fi
+  echo "Backend instructions per WQE (callgrind; write_bw of $writes 64-byte writes; counted in WQE and CQE processing only, busy polling off): $((instructions / writes))"
+}
+instructions_per_wqe || failures=$((failures + 1))
 if [ "$failures" -gt 0 ]; then
   echo "bench: $failures tests produced no result" >&2
   exit 1

@@ -12,9 +12,10 @@ cargo build --release --locked -p vrdma-guest --example vrdma-perf
 mkdir -p target/bench
 log=target/bench/run.log
 tests/vm/run.sh --mem 4096 -- tests/bench-guest.sh "$PWD/target/release" | tee "$log"
-# Table rows, the CPU line, and the blank lines between them (other output is skipped).
+# Table rows, the backend's CPU lines, and the blank lines between them (other output is
+# skipped).
 table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
-             /^Backend CPU/ { print ""; print; gap = 1; next }
+             /^Backend (CPU|instructions)/ { print ""; print; gap = 1; next }
              /^$/ { gap = 1 }' "$log")
 [ -n "$table" ] || { echo "demo: the benchmark produced no table" >&2; exit 1; }
 {

@@ -43,7 +43,7 @@ tests/vm/run.sh -- tests/guest-tests.sh "${binaries[@]}"
 step "benchmark smoke run (few iterations; numbers are not checked)"
 cargo build --workspace --bins --examples --locked
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENCH_GUESTS=8 \
-  VRDMA_BENCH_MR_MIB=64 \
+  VRDMA_BENCH_MR_MIB=64 VRDMA_BENCH_CALLGRIND_WRITES=200 \
   tests/vm/run.sh -- tests/bench-guest.sh "$PWD/target/debug"
 
 step "nested VM end to end: guest-lib over the vrdma PCI device (about 5 minutes)"

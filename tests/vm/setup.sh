@@ -25,7 +25,9 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
   perftest busybox-static cpio kmod xz-utils zstd libclang-dev clang pkg-config iproute2
   # to build the nested-VM tests' QEMU (tests/vm/qemu/build.sh)
   libglib2.0-dev libpixman-1-dev libfdt-dev libcap-ng-dev libattr1-dev ninja-build flex bison
-  python3-venv patch)
+  python3-venv patch
+  # to count the backend's instructions per WQE in the benchmark (callgrind)
+  valgrind)
 
 # deb822 sources entry for bookworm-backports, derived from the machine's main Debian entry so
 # that no package host is named here.

@@ -671,6 +671,9 @@ impl Poller {
         }
     }
 
+    // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
+    // functions per WQE.
+    #[inline(never)]
     fn process_sq(&mut self, mem: &Memory, qp: &QpData) -> bool {
         let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
         if progress.failed {
@@ -881,6 +884,9 @@ impl Poller {
         }
     }
 
+    // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
+    // functions per WQE.
+    #[inline(never)]
     fn process_rq(&mut self, mem: &Memory, qp: &QpData) -> bool {
         let Some(rq) = &qp.rq else { return false };
         let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
@@ -926,6 +932,9 @@ impl Poller {
         posted > 0 || refused_any
     }
 
+    // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
+    // functions per WQE.
+    #[inline(never)]
     fn process_srq(&mut self, mem: &Memory, srq: &SrqData) -> bool {
         let mut progress = srq.progress.lock().unwrap_or_else(|e| e.into_inner());
         if progress.failed {
@@ -1033,6 +1042,9 @@ impl Poller {
         written
     }
 
+    // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
+    // functions per WQE.
+    #[inline(never)]
     fn process_cq(&mut self, mem: &Memory, cq: &CqData) -> bool {
         let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
         let mut moved = self.flush_pending(mem, cq, &mut progress);
