@@ -199,24 +199,16 @@ impl Transport for DirectTransport {
     }
 
     fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer> {
-        if let Some(buffer) = self.memory.alloc(len, align) {
-            return Ok(buffer);
-        }
-        let size = len
-            .checked_add(align)
-            .ok_or(Error::OutOfSharedMemory(len))?
-            .max(self.options.region_size);
-        let region = Region::new(size, self.options.huge_pages)?;
-        self.frontend
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .add_mem_region(&region_info(&region))
-            .map_err(|e| Error::Attach(format!("adding shared memory: {e}")))?;
-        let buffer = region
-            .alloc(len, align)
-            .ok_or(Error::OutOfSharedMemory(len))?;
-        self.memory.add(region);
-        Ok(buffer)
+        self.memory
+            .alloc_or_grow(len, align, self.options.region_size, |size| {
+                let region = Region::new(size, self.options.huge_pages)?;
+                self.frontend
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .add_mem_region(&region_info(&region))
+                    .map_err(|e| Error::Attach(format!("adding shared memory: {e}")))?;
+                Ok(region)
+            })
     }
 
     fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {

@@ -347,10 +347,7 @@ impl Transport for PciTransport {
 
     fn control(&self, request: &[u8], response: &mut [u8]) -> Result<usize> {
         self.check_device()?;
-        self.queues.control(request, response).inspect_err(|_| {
-            // A timeout is explained better by the device's state, if it says anything.
-            let _ = self.check_device();
-        })
+        self.queues.control(request, response)
     }
 
     fn notify(&self, queue: u32) -> Result<()> {
@@ -363,19 +360,10 @@ impl Transport for PciTransport {
     }
 
     fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer> {
-        if let Some(buffer) = self.memory.alloc(len, align) {
-            return Ok(buffer);
-        }
-        let size = len
-            .checked_add(align)
-            .ok_or(Error::OutOfSharedMemory(len))?
-            .max(REGION_SIZE);
-        let region = Region::new_pinned(size, false)?;
-        let buffer = region
-            .alloc(len, align)
-            .ok_or(Error::OutOfSharedMemory(len))?;
-        self.memory.add(region);
-        Ok(buffer)
+        // The device reaches all guest RAM: a new region needs no announcing.
+        self.memory.alloc_or_grow(len, align, REGION_SIZE, |size| {
+            Region::new_pinned(size, false)
+        })
     }
 
     fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {

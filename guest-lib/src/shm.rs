@@ -385,6 +385,30 @@ impl RegionSet {
         self.lock().iter().find_map(|r| r.alloc(len, align))
     }
 
+    /// A buffer from the regions there are or, when none has room, from a new region of at
+    /// least `min_region` bytes that `new_region` makes (and makes known to the device).
+    pub fn alloc_or_grow(
+        &self,
+        len: u64,
+        align: u64,
+        min_region: u64,
+        new_region: impl FnOnce(u64) -> Result<Arc<Region>>,
+    ) -> Result<SharedBuffer> {
+        if let Some(buffer) = self.alloc(len, align) {
+            return Ok(buffer);
+        }
+        let size = len
+            .checked_add(align)
+            .ok_or(Error::OutOfSharedMemory(len))?
+            .max(min_region);
+        let region = new_region(size)?;
+        let buffer = region
+            .alloc(len, align)
+            .ok_or(Error::OutOfSharedMemory(len))?;
+        self.add(region);
+        Ok(buffer)
+    }
+
     /// The page size and the device's address of every page of `addr..addr + len`, or
     /// `None` when the range is not inside one region.
     pub fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {
