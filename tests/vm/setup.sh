@@ -34,11 +34,12 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
 ensure_backports_source() {
   local main=/etc/apt/sources.list.d/debian.sources out=/etc/apt/sources.list.d/vrdma-backports.sources
   [ -f "$out" ] && return 0
-  [ -f "$main" ] || { log "no $main: cannot derive the backports source"; return 1; }
+  [ -f "$main" ] || fail "no $main: cannot derive the bookworm-backports source from it" \
+    "add a deb822 entry for Debian bookworm (Types: deb, Suites: bookworm) to $main"
   local uri keyring
   uri=$(awk '/^URIs:/ {print $2; exit}' "$main")
   keyring=$(awk '/^Signed-By:/ {print $2; exit}' "$main")
-  [ -n "$uri" ] || { log "no URIs line in $main"; return 1; }
+  [ -n "$uri" ] || fail "no URIs line in $main" "give its Debian entry a URIs line"
   {
     echo "Types: deb deb-src"
     echo "URIs: $uri"
@@ -51,24 +52,92 @@ ensure_backports_source() {
 
 apt_update_once() {
   [ -f "$cache/.apt-updated" ] && return 0
-  apt-get update -qq
+  apt-get update -qq >"$cache/apt-update.log" 2>&1 ||
+    fail "apt-get update failed (log: $cache/apt-update.log)" \
+      "check the machine's Debian package sources, then run tests/vm/setup.sh again"
   touch "$cache/.apt-updated"
 }
 
+fail() { # WHAT FIX
+  log "ERROR: $1"
+  log "fix: $2"
+  exit 1
+}
+
+missing_packages() { # prints the packages of "$@" that are not installed
+  local p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || echo "$p"
+  done
+}
+
+qemu_major() {
+  qemu-system-x86_64 --version 2>/dev/null | awk '/version/ { split($4, v, "."); print v[1]; exit }'
+}
+
+# apt-get install "$@" with its output in apt.log; on failure, names what could not be installed.
+apt_install() { # SUITE-OPTION... -- PACKAGE...
+  local options=()
+  while [ "$1" != -- ]; do options+=("$1"); shift; done
+  shift
+  log "installing: $* (apt log: $cache/apt.log)"
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${options[@]}" "$@" \
+    >>"$cache/apt.log" 2>&1; then
+    grep -E '^(E:| .*: Depends:)' "$cache/apt.log" | tail -n 8 | sed 's/^/vm-setup:   apt: /' >&2
+    fail "could not install: $*" \
+      "the packages must be installable from the machine's Debian sources (bookworm, and bookworm-backports for QEMU); see $cache/apt.log"
+  fi
+}
+
 ensure_packages() {
-  local missing=() p
-  for p in "${packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
-  done
-  for p in "${backports_packages[@]}"; do
-    dpkg-query -W -f='${Version}' "$p" 2>/dev/null | grep -q '^1:10\.' || missing+=("$p/bookworm-backports")
-  done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  log "installing: ${missing[*]} (apt log: $cache/apt.log)"
+  local missing_main missing_bp missing_backports=
+  mapfile -t missing_main < <(missing_packages "${packages[@]}")
+  [ "$(qemu_major)" -ge 10 ] 2>/dev/null || missing_backports=1
+  mapfile -t missing_bp < <(missing_packages "${backports_packages[@]}")
+  [ ${#missing_bp[@]} -gt 0 ] && missing_backports=1
+  [ ${#missing_main[@]} -eq 0 ] && [ -z "$missing_backports" ] && return 0
   ensure_backports_source
   apt_update_once
-  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" \
-    >"$cache/apt.log" 2>&1 || { tail -n 30 "$cache/apt.log" >&2; return 1; }
+  : >"$cache/apt.log"
+  [ ${#missing_main[@]} -gt 0 ] && apt_install -- "${missing_main[@]}"
+  # -t makes backports the target release for the dependencies too (qemu-system-common,
+  # seabios, ...): naming only the packages as pkg/bookworm-backports leaves their
+  # dependencies to bookworm, whose versions do not fit.
+  [ -n "$missing_backports" ] && apt_install -t bookworm-backports -- "${backports_packages[@]}"
+  return 0
+}
+
+# What the harness relies on, checked after installing: each missing piece is named with its fix.
+verify_setup() {
+  local major
+  major=$(qemu_major)
+  [ -n "$major" ] || fail "qemu-system-x86_64 is not installed" \
+    "apt-get install -t bookworm-backports ${backports_packages[*]}"
+  [ "$major" -ge 10 ] || fail "qemu-system-x86_64 is version $major; the harness needs QEMU 10 or newer" \
+    "apt-get install -t bookworm-backports ${backports_packages[*]}"
+  qemu-system-x86_64 -object help 2>/dev/null | grep -q memory-backend-memfd ||
+    fail "this QEMU cannot share guest RAM with vhost-user backends (no memory-backend-memfd)" \
+      "install Debian's qemu-system-x86 from bookworm-backports"
+  qemu-system-x86_64 -device help 2>/dev/null | grep -q vhost-user ||
+    fail "this QEMU has no vhost-user devices" "install Debian's qemu-system-x86 from bookworm-backports"
+  local tool
+  for tool in rdma:iproute2 ibv_devinfo:ibverbs-utils ib_write_bw:perftest busybox:busybox-static \
+    cpio:cpio depmod:kmod valgrind:valgrind ninja:ninja-build; do
+    command -v "${tool%%:*}" >/dev/null || [ -x "/sbin/${tool%%:*}" ] ||
+      fail "${tool%%:*} is missing" "apt-get install ${tool#*:}"
+  done
+  pkg-config --exists libibverbs librdmacm ||
+    fail "libibverbs/librdmacm development files are missing (rdma-sys needs them)" \
+      "apt-get install libibverbs-dev librdmacm-dev"
+  [ -n "$(find /usr/lib -name 'libclang*.so*' -print -quit 2>/dev/null)" ] ||
+    fail "libclang is missing (rdma-sys's bindgen needs it)" "apt-get install libclang-dev"
+  [ -f "$cache/kernel/vmlinuz" ] || fail "the guest kernel is missing from $cache/kernel" \
+    "rm -rf $cache/kernel and run tests/vm/setup.sh again"
+  local version
+  version=$(cat "$cache/kernel/version")
+  grep -q '/rdma_rxe\.ko' "$cache/kernel/root/lib/modules/$version/modules.dep" ||
+    fail "the guest kernel $version has no rdma_rxe module" \
+      "rm -rf $cache/kernel and run tests/vm/setup.sh again (it takes the kernel from linux-image-amd64)"
 }
 
 # The kernel version comes from the backports metapackage's dependency, never hard-coded.
@@ -83,10 +152,12 @@ ensure_kernel() {
   ensure_backports_source
   local pkg
   pkg=$(resolve_kernel_package)
-  [ -n "$pkg" ] || { log "cannot resolve the kernel package from linux-image-amd64"; return 1; }
+  [ -n "$pkg" ] || fail "cannot resolve the kernel package from bookworm-backports' linux-image-amd64" \
+    "check that apt-cache policy linux-image-amd64 lists bookworm-backports"
   log "fetching $pkg"
   rm -rf "$cache/kernel.tmp" && mkdir -p "$cache/kernel.tmp/deb"
-  (cd "$cache/kernel.tmp/deb" && apt-get download -qq -o APT::Sandbox::User=root "$pkg" >&2)
+  (cd "$cache/kernel.tmp/deb" && apt-get download -qq -o APT::Sandbox::User=root "$pkg" >&2) ||
+    fail "could not download $pkg" "check the machine's Debian package sources and the network"
   dpkg -x "$cache"/kernel.tmp/deb/*.deb "$cache/kernel.tmp/root"
   local version
   version=$(ls "$cache/kernel.tmp/root/lib/modules")
@@ -149,4 +220,5 @@ ensure_initramfs() {
 ensure_packages
 ensure_kernel
 ensure_initramfs
+verify_setup
 echo "$cache"
