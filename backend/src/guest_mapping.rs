@@ -1,10 +1,17 @@
 //! Contiguous mappings of guest pages in the backend's address space: the only place that maps
 //! guest memory for the NIC.
+//!
+//! Every run of pages that is not adjacent in the backing file costs one kernel mapping, and a
+//! process has a fixed number of them (`vm.max_map_count`) for everything it does. Guests
+//! choose their page lists, so mappings are drawn from a process-wide [`MapBudget`], and the
+//! device holds them only while it registers an MR (registration pins the pages).
 
 use std::io;
+use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use crate::hostverbs::PinnedMemory;
 use crate::mtt::{BackedPage, MttError};
@@ -17,6 +24,7 @@ use crate::mtt::{BackedPage, MttError};
 pub struct GuestPagesMapping {
     base: NonNull<u8>,
     len: usize,
+    _reservation: MapReservation,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; accesses go through raw
@@ -27,13 +35,24 @@ unsafe impl Sync for GuestPagesMapping {}
 
 impl GuestPagesMapping {
     /// Maps `pages` (each `page_size` bytes, a power of two) contiguously, with the start
-    /// aligned to `page_size` so that huge pages map as huge pages.
+    /// aligned to `page_size` so that huge pages map as huge pages; the mappings come from
+    /// the process-wide budget.
     pub fn new(pages: &[BackedPage], page_size: u64) -> Result<Arc<Self>, MttError> {
+        Self::new_within(MapBudget::process(), pages, page_size)
+    }
+
+    /// As [`new`](Self::new), with mappings drawn from `budget`.
+    pub fn new_within(
+        budget: &'static MapBudget,
+        pages: &[BackedPage],
+        page_size: u64,
+    ) -> Result<Arc<Self>, MttError> {
         let map_err = |e: io::Error| MttError::Map(e);
         let too_large = || MttError::Map(io::Error::from_raw_os_error(libc::ENOMEM));
         if pages.is_empty() || !page_size.is_power_of_two() {
             return Err(MttError::Map(io::Error::from_raw_os_error(libc::EINVAL)));
         }
+        let reservation = budget.reserve(file_runs(pages, page_size).count())?;
         let page_size = usize::try_from(page_size).map_err(|_| too_large())?;
         let len = pages.len().checked_mul(page_size).ok_or_else(too_large)?;
         let reserved_len = len.checked_add(page_size).ok_or_else(too_large)?;
@@ -69,17 +88,9 @@ impl GuestPagesMapping {
         let mapping = GuestPagesMapping {
             base: NonNull::new(base as *mut u8).expect("mmap never returns page 0"),
             len,
+            _reservation: reservation,
         };
-        // Map runs of pages that are consecutive in the same file with one call each.
-        let mut start = 0;
-        while start < pages.len() {
-            let mut end = start + 1;
-            while end < pages.len()
-                && Arc::ptr_eq(&pages[end].file, &pages[start].file)
-                && pages[end].offset == pages[end - 1].offset + page_size as u64
-            {
-                end += 1;
-            }
+        for Range { start, end } in file_runs(pages, page_size as u64) {
             let offset = libc::off_t::try_from(pages[start].offset).map_err(|_| too_large())?;
             // SAFETY: the target range lies inside this value's reserved range (replaced in
             // place by MAP_FIXED, so no other mapping is touched); the fd is open for the
@@ -98,9 +109,98 @@ impl GuestPagesMapping {
                 // `mapping` unmaps the whole range when dropped here.
                 return Err(map_err(io::Error::last_os_error()));
             }
-            start = end;
         }
         Ok(Arc::new(mapping))
+    }
+}
+
+/// Index ranges of `pages` that are consecutive in one file: each is one mapping.
+fn file_runs(pages: &[BackedPage], page_size: u64) -> impl Iterator<Item = Range<usize>> + '_ {
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        if start >= pages.len() {
+            return None;
+        }
+        let mut end = start + 1;
+        while end < pages.len()
+            && Arc::ptr_eq(&pages[end].file, &pages[start].file)
+            && Some(pages[end].offset) == pages[end - 1].offset.checked_add(page_size)
+        {
+            end += 1;
+        }
+        let run = start..end;
+        start = end;
+        Some(run)
+    })
+}
+
+/// Kernel mappings the backend may hold for guest pages at once, shared by all connections.
+pub struct MapBudget {
+    limit: usize,
+    in_use: AtomicUsize,
+}
+
+/// Mappings taken from a [`MapBudget`], given back when dropped.
+pub struct MapReservation {
+    budget: &'static MapBudget,
+    count: usize,
+}
+
+impl MapBudget {
+    /// A budget of `limit` mappings.
+    pub const fn new(limit: usize) -> MapBudget {
+        MapBudget {
+            limit,
+            in_use: AtomicUsize::new(0),
+        }
+    }
+
+    /// The process's budget: half of `vm.max_map_count`; the other half is left to
+    /// everything else (threads, guest RAM regions, the host provider's queue buffers).
+    pub fn process() -> &'static MapBudget {
+        static BUDGET: OnceLock<MapBudget> = OnceLock::new();
+        BUDGET.get_or_init(|| {
+            let max_map_count = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+                .unwrap_or(65_530);
+            MapBudget::new(max_map_count / 2)
+        })
+    }
+
+    /// Most mappings one registration may take: a quarter of the budget, so that one guest's
+    /// scattered list leaves room for others registering at the same time.
+    pub fn per_registration(&self) -> usize {
+        self.limit / 4
+    }
+
+    /// Takes `count` mappings, or says why not.
+    pub fn reserve(&'static self, count: usize) -> Result<MapReservation, MttError> {
+        let max = self.per_registration();
+        if count > max {
+            return Err(MttError::TooManyRuns { runs: count, max });
+        }
+        self.in_use
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |in_use| {
+                in_use
+                    .checked_add(count)
+                    .filter(|&total| total <= self.limit)
+            })
+            .map_err(|_| MttError::MappingsExhausted { runs: count })?;
+        Ok(MapReservation {
+            budget: self,
+            count,
+        })
+    }
+
+    pub fn in_use(&self) -> usize {
+        self.in_use.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for MapReservation {
+    fn drop(&mut self) {
+        self.budget.in_use.fetch_sub(self.count, Ordering::AcqRel);
     }
 }
 

@@ -16,7 +16,7 @@ use vrdma_spec::mem::{
     PAGE_LIST_ENTRIES_PER_PAGE, PAGE_LIST_PAGE_SIZE,
 };
 
-pub use crate::guest_mapping::GuestPagesMapping;
+pub use crate::guest_mapping::{GuestPagesMapping, MapBudget};
 
 /// Why a page list was refused.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +41,10 @@ pub enum MttError {
     NotFileBacked(u64),
     #[error("mapping guest pages failed: {0}")]
     Map(#[source] std::io::Error),
+    #[error("the pages form {runs} separate runs in guest RAM; one registration may map at most {max} (use larger or contiguous pages)")]
+    TooManyRuns { runs: usize, max: usize },
+    #[error("no room for {runs} more guest-page mappings while other registrations hold theirs")]
+    MappingsExhausted { runs: usize },
 }
 
 impl MttError {
@@ -56,7 +60,9 @@ impl MttError {
             | MttError::OutsideGuestMemory { .. }
             | MttError::PageMisaligned { .. }
             | MttError::NotFileBacked(_) => Status::BadAddress,
-            MttError::Map(_) => Status::NoResources,
+            MttError::Map(_)
+            | MttError::TooManyRuns { .. }
+            | MttError::MappingsExhausted { .. } => Status::NoResources,
         }
     }
 }
@@ -307,6 +313,42 @@ mod tests {
         mem.read_slice(&mut seen, GuestAddress(5 * PAGE + 100))
             .unwrap();
         assert_eq!(&seen, b"from the NIC");
+    }
+
+    #[test]
+    fn scattered_pages_draw_on_the_mapping_budget() {
+        // 16 mappings in all, 4 per registration.
+        static BUDGET: MapBudget = MapBudget::new(16);
+        let mem = guest_memory();
+        let every_other: Vec<u64> = (0..5).map(|i| 2 * i * PAGE).collect();
+        write_list(&mem, 64 * PAGE, &every_other);
+        let scattered = resolve_page_list(&mem, &direct(64 * PAGE, 5), 5, &RULES).unwrap();
+        assert!(matches!(
+            GuestPagesMapping::new_within(&BUDGET, &scattered, PAGE),
+            Err(MttError::TooManyRuns { runs: 5, max: 4 })
+        ));
+        let held: Vec<_> = (0..4)
+            .map(|_| GuestPagesMapping::new_within(&BUDGET, &scattered[..4], PAGE).unwrap())
+            .collect();
+        assert_eq!(BUDGET.in_use(), 16);
+        let Err(err) = GuestPagesMapping::new_within(&BUDGET, &scattered[..1], PAGE) else {
+            panic!("the budget is spent");
+        };
+        assert!(
+            matches!(err, MttError::MappingsExhausted { runs: 1 }),
+            "{err}"
+        );
+        assert_eq!(err.status(), Status::NoResources);
+        drop(held);
+        assert_eq!(BUDGET.in_use(), 0);
+        // Pages adjacent in the backing file are one mapping, however many there are.
+        let contiguous: Vec<u64> = (0..64).map(|i| (100 + i) * PAGE).collect();
+        write_list(&mem, 64 * PAGE, &contiguous);
+        let pages = resolve_page_list(&mem, &direct(64 * PAGE, 64), 64, &RULES).unwrap();
+        let mapping = GuestPagesMapping::new_within(&BUDGET, &pages, PAGE).unwrap();
+        assert_eq!(BUDGET.in_use(), 1);
+        drop(mapping);
+        assert_eq!(BUDGET.in_use(), 0);
     }
 
     #[test]

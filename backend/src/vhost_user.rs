@@ -259,17 +259,15 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
     let mut listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
     log::info!("listening on {}", socket_path.display());
     for connection in 1u64.. {
-        let mut daemon = VhostUserDaemon::new(
-            format!("vrdma-conn{connection}"),
-            Arc::clone(&backend),
-            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
-        )
-        .map_err(Error::Daemon)?;
-        daemon.start(&mut listener).map_err(Error::Daemon)?;
-        log::info!("connection {connection}: front end attached");
-        // Running out of descriptors or host resources must not stop the guests already
-        // served: keep trying to prepare the next connection.
-        let next = loop {
+        // One connection failing to start (no threads, descriptors or memory left) must not
+        // stop the guests already served, nor the ones that come later.
+        if let Err(e) = start_connection(connection, Arc::clone(&backend), &mut listener) {
+            log::error!("connection {connection}: cannot be served: {e}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        // The backend was handed to the connection, or half used by a failed start: either
+        // way the next connection gets a fresh one.
+        backend = loop {
             match RdmaBackend::new(config) {
                 Ok(next) => break Arc::new(RwLock::new(next)),
                 Err(e) => {
@@ -278,33 +276,60 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
                 }
             }
         };
-        let serving = std::mem::replace(&mut backend, next);
-        std::thread::Builder::new()
-            .name(format!("vrdma-conn{connection}-wait"))
-            .spawn(move || {
-                match daemon.wait() {
-                    Ok(())
-                    | Err(vhost_user_backend::Error::HandleRequest(
-                        vhost::vhost_user::Error::Disconnected
-                        | vhost::vhost_user::Error::PartialMessage,
-                    )) => {}
-                    Err(e) => log::warn!("connection {connection} ended with an error: {e}"),
-                }
-                let state = serving.read().unwrap_or_else(|e| e.into_inner());
-                let objects = state.device.object_count();
-                let stats = state.device.data_path().stats();
-                state.stop_workers();
-                drop(state);
-                drop(daemon);
-                drop(serving); // the last reference: the device and its host objects go
-                log::info!(
-                    "connection {connection}: closed, {objects} objects released; {} WQEs, {} completions, {} kicks",
-                    stats.wqes,
-                    stats.completions,
-                    stats.kicks
-                );
-            })
-            .map_err(Error::Io)?;
     }
+    Ok(())
+}
+
+/// Accepts one front end and serves it with `backend` until it disconnects, in threads of its
+/// own; returns once the connection is running.
+fn start_connection(
+    connection: u64,
+    backend: Arc<RwLock<RdmaBackend>>,
+    listener: &mut Listener,
+) -> Result<(), Error> {
+    // The thread that tears the connection down exists before the connection is accepted, so
+    // an accepted connection always has one.
+    let (daemon_tx, daemon_rx) = std::sync::mpsc::channel::<VhostUserDaemon<_>>();
+    let serving = Arc::clone(&backend);
+    std::thread::Builder::new()
+        .name(format!("vrdma-conn{connection}-wait"))
+        .spawn(move || {
+            let Ok(mut daemon) = daemon_rx.recv() else {
+                return; // the connection never started
+            };
+            match daemon.wait() {
+                Ok(())
+                | Err(vhost_user_backend::Error::HandleRequest(
+                    vhost::vhost_user::Error::Disconnected
+                    | vhost::vhost_user::Error::PartialMessage,
+                )) => {}
+                Err(e) => log::warn!("connection {connection} ended with an error: {e}"),
+            }
+            let state = serving.read().unwrap_or_else(|e| e.into_inner());
+            let objects = state.device.object_count();
+            let stats = state.device.data_path().stats();
+            state.stop_workers();
+            drop(state);
+            drop(daemon);
+            drop(serving); // the last reference: the device and its host objects go
+            log::info!(
+                "connection {connection}: closed, {objects} objects released; {} WQEs, {} completions, {} kicks",
+                stats.wqes,
+                stats.completions,
+                stats.kicks
+            );
+        })
+        .map_err(Error::Io)?;
+    let mut daemon = VhostUserDaemon::new(
+        format!("vrdma-conn{connection}"),
+        backend,
+        GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+    )
+    .map_err(Error::Daemon)?;
+    daemon.start(listener).map_err(Error::Daemon)?;
+    log::info!("connection {connection}: front end attached");
+    daemon_tx
+        .send(daemon)
+        .expect("the wait thread holds the receiver until it gets the daemon");
     Ok(())
 }

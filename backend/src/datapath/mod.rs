@@ -280,16 +280,28 @@ impl DataPath {
             idle_spin,
             stop: AtomicBool::new(false),
         });
-        let threads = (0..shared.shards.len())
-            .map(|index| {
-                let shared = Arc::clone(&shared);
-                std::thread::Builder::new()
-                    .name(format!("vrdma-poll{index}"))
-                    .spawn(move || Poller::new(shared, index).run())
-                    .expect("spawn a poller thread")
-            })
-            .collect();
-        Ok(DataPath { shared, threads })
+        // Threads start one by one; if one cannot, dropping `data_path` stops the others.
+        let mut data_path = DataPath {
+            shared,
+            threads: Vec::new(),
+        };
+        let os_error = |call| move |source| hostverbs::Error::Verbs { call, source };
+        for index in 0..data_path.shared.shards.len() {
+            let shard = &data_path.shared.shards[index];
+            let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
+            for (fd, id) in [(shard.wake.as_raw_fd(), 0), (shard.channel.fd(), 1)] {
+                epoll
+                    .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, id))
+                    .map_err(os_error("epoll_ctl"))?;
+            }
+            let shared = Arc::clone(&data_path.shared);
+            let thread = std::thread::Builder::new()
+                .name(format!("vrdma-poll{index}"))
+                .spawn(move || Poller::new(shared, index).run(epoll))
+                .map_err(os_error("spawn a poller thread"))?;
+            data_path.threads.push(thread);
+        }
+        Ok(data_path)
     }
 
     fn shard_of_queue(&self, notify_queue: u32) -> &Shard {
@@ -548,16 +560,7 @@ impl Poller {
         (0..self.shared.num_notify_queues).filter(move |q| q % n == self.index as u32)
     }
 
-    fn run(mut self) {
-        let epoll = Epoll::new().expect("epoll");
-        for (fd, id) in [
-            (self.shard().wake.as_raw_fd(), 0),
-            (self.shard().channel.fd(), 1),
-        ] {
-            epoll
-                .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, id))
-                .expect("epoll add");
-        }
+    fn run(mut self, epoll: Epoll) {
         let mut last_work = Instant::now();
         while !self.shared.stop.load(Ordering::Acquire) {
             if self.pass() {

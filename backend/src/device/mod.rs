@@ -468,8 +468,17 @@ impl Device {
         let expected = pages_needed(offset, length, shift)
             .ok_or_else(|| CommandError::invalid("MR range overflows"))?;
         let pages = mtt::resolve_page_list(mem, &req.pages, expected, &self.page_rules())?;
+        // The mapping lives only for the registration: the MR keeps the pages pinned, so the
+        // mappings a guest causes do not pile up with its MRs (SPEC.md §6).
         let mapping = GuestPagesMapping::new(&pages, page_size)?;
-        let mr = pd.reg_mr_range(mapping, offset as usize, length as usize, virt_addr, access)?;
+        let mr = pd.reg_mr_pinned(
+            &*mapping,
+            offset as usize,
+            length as usize,
+            virt_addr,
+            access,
+        )?;
+        drop(mapping);
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
         let handle = self.objects.insert_mr(MrEntry { mr, pd: pd_handle });
         let range = MrRange {

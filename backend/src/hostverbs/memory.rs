@@ -116,7 +116,11 @@ impl Drop for AnonymousMemory {
 pub struct MemoryRegion {
     raw: NonNull<ibv_mr>,
     iova: u64,
-    _memory: Arc<dyn PinnedMemory>,
+    /// The mapping registered over, kept while the MR lives; `None` for [`reg_mr_pinned`]
+    /// regions, whose pages the kernel holds pinned without it.
+    ///
+    /// [`reg_mr_pinned`]: ProtectionDomain::reg_mr_pinned
+    _memory: Option<Arc<dyn PinnedMemory>>,
     _pd: Arc<ProtectionDomain>,
 }
 
@@ -135,7 +139,8 @@ impl ProtectionDomain {
         self.reg_mr_range(memory, 0, len, iova, access)
     }
 
-    /// Registers `len` bytes of `memory` from `offset`, seen by the NIC at `iova`.
+    /// Registers `len` bytes of `memory` from `offset`, seen by the NIC at `iova`; the MR
+    /// keeps `memory` mapped while it lives.
     pub fn reg_mr_range(
         self: &Arc<Self>,
         memory: Arc<dyn PinnedMemory>,
@@ -144,6 +149,52 @@ impl ProtectionDomain {
         iova: u64,
         access: u32,
     ) -> Result<MemoryRegion> {
+        let raw = self.register(&*memory, offset, len, iova, access)?;
+        Ok(MemoryRegion {
+            raw,
+            iova,
+            _memory: Some(memory),
+            _pd: Arc::clone(self),
+        })
+    }
+
+    /// Registers `len` bytes of `memory` from `offset`, seen by the NIC at `iova`, without
+    /// keeping `memory`: registration pins the pages behind the range (on-demand paging is
+    /// refused), and the NIC reaches them through the MR's own page list, not through this
+    /// process's address space. So the mapping may go as soon as this returns, and the NIC
+    /// keeps reading and writing the same pages (for guest memory: the guest's RAM) until
+    /// the MR is deregistered. The backend uses this to register guest pages without holding
+    /// a mapping per MR.
+    pub fn reg_mr_pinned(
+        self: &Arc<Self>,
+        memory: &dyn PinnedMemory,
+        offset: usize,
+        len: usize,
+        iova: u64,
+        access: u32,
+    ) -> Result<MemoryRegion> {
+        if access & ibv_access_flags::IBV_ACCESS_ON_DEMAND.0 != 0 {
+            return Err(Error::InvalidArgument(
+                "an on-demand-paging MR does not pin its pages".into(),
+            ));
+        }
+        let raw = self.register(memory, offset, len, iova, access)?;
+        Ok(MemoryRegion {
+            raw,
+            iova,
+            _memory: None,
+            _pd: Arc::clone(self),
+        })
+    }
+
+    fn register(
+        &self,
+        memory: &dyn PinnedMemory,
+        offset: usize,
+        len: usize,
+        iova: u64,
+        access: u32,
+    ) -> Result<NonNull<ibv_mr>> {
         if len == 0 {
             return Err(Error::InvalidArgument("cannot register zero bytes".into()));
         }
@@ -154,8 +205,9 @@ impl ProtectionDomain {
             )));
         }
         // SAFETY: the PD is alive; `offset..offset + len` is inside the memory (checked
-        // above), which through the Arc kept in the MR stays mapped until after ibv_dereg_mr.
-        let raw = NonNull::new(unsafe {
+        // above), mapped for the duration of the call (the caller holds it). Afterwards the
+        // MR either keeps the mapping (reg_mr_range) or, pinned, needs none (reg_mr_pinned).
+        NonNull::new(unsafe {
             ibv_reg_mr_iova2(
                 self.as_ptr(),
                 memory.as_ptr().add(offset).cast(),
@@ -164,13 +216,7 @@ impl ProtectionDomain {
                 access,
             )
         })
-        .ok_or_else(|| last_error("ibv_reg_mr_iova2"))?;
-        Ok(MemoryRegion {
-            raw,
-            iova,
-            _memory: memory,
-            _pd: Arc::clone(self),
-        })
+        .ok_or_else(|| last_error("ibv_reg_mr_iova2"))
     }
 }
 
@@ -198,8 +244,8 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        // SAFETY: the MR was registered by reg_mr and is deregistered once; its memory is
-        // still mapped (the Arc is dropped after this).
+        // SAFETY: the MR was registered by `register` and is deregistered once; a mapping it
+        // keeps is dropped only after this.
         let ret = unsafe { ibv_dereg_mr(self.raw.as_ptr()) };
         if ret != 0 {
             log::error!("ibv_dereg_mr failed: {ret}");

@@ -1,0 +1,95 @@
+//! What a hostile (or merely unusual) guest must not be able to do to the backend, on rxe: each
+//! test is the regression test of an attack that once worked. Runs inside the VM harness.
+
+use vrdma_guest::spec::ctrl::{Opcode, RegMrRequest, RequestHeader};
+use vrdma_guest::spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES};
+use vrdma_guest::spec::{ByteValued, Le16, Le32, Le64};
+use vrdma_guest::{access, Device, QpType, QueuePair, Status};
+use vrdma_tests::start_backend;
+
+const PAGE: u64 = 4096;
+
+fn request<T: ByteValued>(opcode: Opcode, payload: &T) -> Vec<u8> {
+    let header = RequestHeader {
+        opcode: Le16::from(opcode as u16),
+        flags: Le16::from(0),
+        length: Le32::from(std::mem::size_of::<T>() as u32),
+    };
+    [header.as_slice(), payload.as_slice()].concat()
+}
+
+fn status_of(response: &[u8]) -> u16 {
+    assert!(response.len() >= 8, "no response header: {response:?}");
+    u16::from_le_bytes([response[0], response[1]])
+}
+
+/// Mappings in this process (the backend runs in it).
+fn mapping_count() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .expect("read /proc/self/maps")
+        .lines()
+        .count()
+}
+
+/// Finding: every MR kept one kernel mapping per run of guest pages that were not adjacent in
+/// the backing file. Registering ~70,000 scattered pages (within the MR quota) filled the
+/// process's 65,530 mappings, and the next guest to connect made the backend exit.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn scattered_registrations_keep_no_mappings_and_the_next_guest_is_served() {
+    let backend = start_backend();
+    let device = Device::attach(&backend.socket).unwrap();
+    let pd = device.alloc_pd().unwrap();
+    // Every other page of a buffer: no two listed pages are adjacent in the memfd.
+    let runs_per_mr = u64::from(MAX_DIRECT_PAGES);
+    let buffer = device.alloc_buffer(2 * runs_per_mr * PAGE).unwrap();
+    let list = device.alloc_buffer(runs_per_mr * 8).unwrap();
+    let entries: Vec<u8> = (0..runs_per_mr)
+        .flat_map(|i| (buffer.addr() + 2 * i * PAGE).to_le_bytes())
+        .collect();
+    list.write(0, &entries).unwrap();
+
+    let before = mapping_count();
+    let registrations = 141; // 141 * 512 = 72,192 runs, more than vm.max_map_count's default
+    for i in 0..registrations {
+        let req = RegMrRequest {
+            pd: Le32::from(pd.handle()),
+            access: Le32::from(access::LOCAL_WRITE | access::REMOTE_WRITE),
+            virt_addr: Le64::from((i + 1) << 32),
+            length: Le64::from(runs_per_mr * PAGE),
+            pages: PageList {
+                addr: Le64::from(list.addr()),
+                npages: Le32::from(MAX_DIRECT_PAGES),
+                page_shift: 12,
+                form: PageListForm::Direct as u8,
+                reserved: Le16::from(0),
+            },
+        };
+        let response = device
+            .raw_control(&request(Opcode::RegMr, &req), 64)
+            .unwrap();
+        assert_eq!(
+            status_of(&response),
+            Status::Ok as u16,
+            "registration {i} of {registrations}"
+        );
+    }
+    let growth = mapping_count().saturating_sub(before);
+    assert!(
+        growth < 1000,
+        "{registrations} registered MRs left {growth} more mappings in the backend"
+    );
+
+    // Another guest connects and works; the first one is still served.
+    let second = Device::attach(&backend.socket).unwrap();
+    let second_pd = second.alloc_pd().unwrap();
+    let cq = second.create_cq(16).unwrap();
+    let _qp = QueuePair::builder(QpType::Rc, &cq)
+        .build(&second_pd)
+        .unwrap();
+    let second_buffer = second.alloc_buffer(1 << 20).unwrap();
+    second_pd
+        .reg_mr(&second_buffer, access::LOCAL_WRITE)
+        .unwrap();
+    assert!(device.query_device().unwrap().max_qp.to_native() > 0);
+}
