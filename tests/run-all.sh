@@ -37,6 +37,9 @@ for line in sys.stdin:
         print(m["executable"])')
 [ ${#binaries[@]} -gt 0 ] || { echo "run-all: no integration test binaries were built" >&2; exit 1; }
 
+step "link vrdma's libibverbs.so.1 (for the unmodified-program tests)"
+guest-lib/ibverbs/link.sh >/dev/null
+
 step "integration tests with real RDMA (QEMU guest, rdma_rxe)"
 tests/vm/run.sh -- tests/guest-tests.sh "${binaries[@]}"
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Builds vrdma's libibverbs.so.1: the vrdma-ibverbs static library linked into a shared
+# library whose symbols carry the version nodes of the libibverbs installed on this machine
+# (IBVERBS_1.0 ... IBVERBS_1.x, IBVERBS_PRIVATE_nn), read from it at build time, so the
+# dynamic loader accepts it in place of the system's for programs and provider libraries.
+# (rustc cannot attach symbol versions to a cdylib, hence the separate link.)
+#
+# usage: guest-lib/ibverbs/link.sh [--release]
+# Prints the directory holding libibverbs.so.1. Needs libibverbs-dev (tests/vm/setup.sh
+# installs it), cc, nm and objdump.
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+profile=debug cargo_flags=(--locked)
+case "${1:-}" in
+  --release) profile=release cargo_flags+=(--release) ;;
+  "") ;;
+  *) echo "usage: $0 [--release]" >&2; exit 2 ;;
+esac
+log() { echo "vrdma-ibverbs: $*" >&2; }
+
+system_lib="$(pkg-config --variable=libdir libibverbs 2>/dev/null)/libibverbs.so.1"
+[ -e "$system_lib" ] || { log "no system libibverbs.so.1 to take symbol versions from: apt-get install libibverbs-dev"; exit 1; }
+
+(cd "$repo" && cargo build -q -p vrdma-ibverbs "${cargo_flags[@]}") >&2
+archive="$repo/target/$profile/libvrdma_ibverbs.a"
+out="$repo/target/$profile/vrdma-ibverbs"
+mkdir -p "$out"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Symbols this library defines, and each default-versioned symbol of the system's library
+# with its version node ("IBVERBS_1.1 ibv_get_device_list"; hidden "(IBVERBS_1.0)" copies
+# are old ABIs and are left out).
+nm -g --defined-only "$archive" 2>/dev/null | awk '$2 == "T" { print $3 }' | sort -u >"$work/defined"
+objdump -T "$system_lib" | awk 'NF > 2 && $(NF-1) ~ /^IBVERBS_/ { print $(NF-1), $NF }' | sort -k2 >"$work/system"
+# Version nodes in definition order, each with its parent: "IBVERBS_1.1 IBVERBS_1.0".
+readelf -V "$system_lib" | awk '
+  /Version definition section/ { in_defs = 1; next }
+  /Version needs section/ { in_defs = 0 }
+  in_defs && /Name: IBVERBS_/ { if (node) print node, parent; node = $NF; parent = "" }
+  in_defs && /Parent 1:/ { parent = $NF }
+  END { if (node) print node, parent }' >"$work/nodes"
+
+{
+  first=1
+  while read -r node parent; do
+    echo "$node {"
+    symbols=$(awk -v node="$node" '$1 == node { print $2 }' "$work/system" | sort | comm -12 - "$work/defined")
+    [ -n "$symbols" ] && { echo "  global:"; sed 's/^/    /; s/$/;/' <<<"$symbols"; }
+    [ "$first" = 1 ] && { echo "  local: *;"; first=0; }
+    echo "}${parent:+ $parent};"
+  done <"$work/nodes"
+} >"$work/libibverbs.map"
+
+exported=$(awk '{ print $2 }' "$work/system" | sort -u | comm -12 - "$work/defined")
+missing=$(awk '{ print $2 }' "$work/system" | sort -u | comm -23 - "$work/defined")
+undefined_args=()
+for symbol in $exported; do undefined_args+=("-Wl,--undefined=$symbol"); done
+
+cc -shared -o "$out/libibverbs.so.1.tmp" -Wl,-soname,libibverbs.so.1 \
+  -Wl,--version-script="$work/libibverbs.map" -Wl,--gc-sections -Wl,-z,now \
+  "${undefined_args[@]}" "$archive" -lgcc_s -lutil -lrt -lpthread -lm -ldl -lc
+mv "$out/libibverbs.so.1.tmp" "$out/libibverbs.so.1"
+cp "$work/libibverbs.map" "$out/libibverbs.map"
+log "$(wc -w <<<"$exported") symbols exported, $(wc -w <<<"$missing") of the system library's not provided (see $out/not-provided)"
+echo "$missing" >"$out/not-provided"
+echo "$out"

@@ -1,0 +1,612 @@
+//! The C edge: libibverbs' exported functions, each a thin skin over guest-lib. Everything
+//! unsafe in this library is here: C callers hand in raw pointers that only they can vouch
+//! for, exactly as with the system's libibverbs.
+//!
+//! Objects programs receive (`ibv_device`, `ibv_context`, ...) are the first field of a
+//! `#[repr(C)]` struct of this library's own, so a pointer a program passes back leads to
+//! its guest-lib object. Verbs vrdma does not serve yet fail with `EOPNOTSUPP` and a NULL or
+//! error return, as libibverbs documents for unsupported verbs.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::raw::{c_char, c_int, c_void};
+use std::ptr;
+use std::sync::{Mutex, OnceLock};
+
+use rdma_sys::{
+    ibv_async_event, ibv_comp_channel, ibv_context, ibv_device, ibv_device_attr, ibv_gid,
+    ibv_gid_entry, ibv_port_attr, verbs_context, IBV_FORK_UNNEEDED,
+};
+use vrdma_guest::Device;
+
+use crate::attr::{self, COMPAT_PORT_ATTR_LEN};
+use crate::config::{self, DeviceTarget, NotConfigured, DEVICE_NAME};
+use crate::strings;
+
+/// The one device this library shows, as programs see it and as guest-lib opens it.
+#[repr(C)]
+struct VrdmaDevice {
+    device: ibv_device,
+    target: DeviceTarget,
+}
+
+// SAFETY: the C part is plain data written once, before the value is shared, and only read
+// afterwards; the target is an immutable String.
+unsafe impl Sync for VrdmaDevice {}
+// SAFETY: as above.
+unsafe impl Send for VrdmaDevice {}
+
+/// An open device: libibverbs' extended context (which ends with the `ibv_context` programs
+/// hold), then this library's state.
+#[repr(C)]
+struct VrdmaContext {
+    verbs: verbs_context,
+    device: Device,
+    /// Where asynchronous events are read from (`context->async_fd`): an eventfd.
+    async_events: OwnedFd,
+}
+
+pub(crate) fn set_errno(errno: c_int) {
+    // SAFETY: __errno_location returns this thread's errno slot, valid for the thread's life.
+    unsafe { *libc::__errno_location() = errno };
+}
+
+/// Says `message` on standard error once per process and kind: a library cannot log through
+/// the program, and a program looping over a failing call must not flood its terminal.
+pub(crate) fn report_once(kind: &'static str, message: &str) {
+    static SAID: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if !said.contains(&kind) {
+        said.push(kind);
+        eprintln!("vrdma: {message}");
+    }
+}
+
+/// The configured device, resolved once per process.
+fn vrdma_device() -> Option<&'static VrdmaDevice> {
+    static DEVICE: OnceLock<Option<VrdmaDevice>> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| match config::configured_device() {
+            Ok(target) => {
+                // SAFETY: ibv_device is plain C data (enums, char arrays and two unused
+                // function pointers, all valid as zero).
+                let mut device: ibv_device = unsafe { std::mem::zeroed() };
+                device.node_type = rdma_sys::ibv_node_type::IBV_NODE_CA;
+                device.transport_type = rdma_sys::ibv_transport_type::IBV_TRANSPORT_IB;
+                attr::fill_c_string(&mut device.name, DEVICE_NAME);
+                attr::fill_c_string(&mut device.dev_name, DEVICE_NAME);
+                Some(VrdmaDevice { device, target })
+            }
+            Err(NotConfigured::Nothing) => {
+                report_once("config", &NotConfigured::Nothing.to_string());
+                None
+            }
+            Err(e) => {
+                report_once("config", &e.to_string());
+                None
+            }
+        })
+        .as_ref()
+}
+
+/// The vrdma device behind `device`, if it is this library's.
+fn device_of(device: *mut ibv_device) -> Option<&'static VrdmaDevice> {
+    vrdma_device().filter(|ours| ptr::eq(&ours.device, device))
+}
+
+/// # Safety
+/// `context` must be a context this library's `ibv_open_device` returned and not yet closed.
+unsafe fn context_of<'a>(context: *mut ibv_context) -> &'a VrdmaContext {
+    let offset = std::mem::offset_of!(verbs_context, context);
+    // SAFETY: per the contract, `context` is the `verbs.context` field of a live
+    // VrdmaContext whose first field is `verbs`; stepping back by the field's offset gives
+    // the whole value.
+    unsafe { &*(context.cast::<u8>().sub(offset).cast::<VrdmaContext>()) }
+}
+
+/// An errno for a guest-lib error: the host's errno when the device passed one on (an empty
+/// GID entry is ENODATA, as on a native device), else what the status means.
+fn errno_of(error: &vrdma_guest::Error) -> c_int {
+    use vrdma_guest::{Error, Status};
+    match error {
+        Error::Device { detail, .. } if *detail != 0 => {
+            c_int::try_from(*detail).unwrap_or(libc::EIO)
+        }
+        Error::Device { status, .. } => match status {
+            Status::NoResources => libc::ENOMEM,
+            Status::Unsupported => libc::EOPNOTSUPP,
+            Status::Busy => libc::EBUSY,
+            Status::BadAddress => libc::EFAULT,
+            Status::BadHandle => libc::EBADF,
+            _ => libc::EINVAL,
+        },
+        Error::InvalidArgument(_) | Error::OutOfBounds { .. } => libc::EINVAL,
+        Error::OutOfSharedMemory(_) => libc::ENOMEM,
+        Error::Timeout(_) => libc::ETIMEDOUT,
+        Error::DeviceReset => libc::EIO,
+        _ => libc::EIO,
+    }
+}
+
+// ---- device list -------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *mut ibv_device {
+    let device = vrdma_device();
+    // NULL-terminated, freed by ibv_free_device_list with free().
+    // SAFETY: calloc has no preconditions; the result is checked.
+    let list = unsafe { libc::calloc(2, std::mem::size_of::<*mut ibv_device>()) }
+        .cast::<*mut ibv_device>();
+    if list.is_null() {
+        set_errno(libc::ENOMEM);
+        return ptr::null_mut();
+    }
+    let count = match device {
+        Some(device) => {
+            // SAFETY: `list` has room for two pointers. Programs never write through an
+            // ibv_device pointer; the cast only follows the C signature.
+            unsafe { *list = ptr::from_ref(&device.device).cast_mut() };
+            1
+        }
+        None => 0,
+    };
+    if !num_devices.is_null() {
+        // SAFETY: the caller passes NULL or a valid int pointer.
+        unsafe { *num_devices = count };
+    }
+    list
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_free_device_list(list: *mut *mut ibv_device) {
+    // SAFETY: `list` came from ibv_get_device_list's calloc (or is NULL).
+    unsafe { libc::free(list.cast()) };
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_get_device_name(device: *mut ibv_device) -> *const c_char {
+    match device_of(device) {
+        Some(ours) => ours.device.name.as_ptr(),
+        None => {
+            set_errno(libc::ENODEV);
+            ptr::null()
+        }
+    }
+}
+
+/// The node GUID, in network byte order; 0 when the device cannot be reached.
+#[no_mangle]
+unsafe extern "C" fn ibv_get_device_guid(device: *mut ibv_device) -> u64 {
+    let Some(ours) = device_of(device) else {
+        return 0;
+    };
+    match Device::open(&ours.target.target).and_then(|device| device.query_device()) {
+        Ok(attr) => attr.node_guid.to_native().to_be(),
+        Err(e) => {
+            report_once("open", &open_failure(ours, &e));
+            0
+        }
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_get_device_index(device: *mut ibv_device) -> c_int {
+    if device_of(device).is_some() {
+        0
+    } else {
+        -1
+    }
+}
+
+fn open_failure(device: &VrdmaDevice, error: &vrdma_guest::Error) -> String {
+    format!(
+        "cannot open {DEVICE_NAME} at {}: {error}",
+        device.target.describe()
+    )
+}
+
+// ---- open / close ------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_context {
+    let Some(ours) = device_of(device) else {
+        set_errno(libc::ENODEV);
+        return ptr::null_mut();
+    };
+    let opened = match Device::open(&ours.target.target) {
+        Ok(opened) => opened,
+        Err(e) => {
+            report_once("open", &open_failure(ours, &e));
+            set_errno(libc::ENODEV);
+            return ptr::null_mut();
+        }
+    };
+    // SAFETY: eventfd has no memory preconditions; the result is checked.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return ptr::null_mut(); // errno is eventfd's
+    }
+    // SAFETY: `fd` is a new descriptor nothing else owns.
+    let async_events = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: verbs_context is C data (pointers, function pointers as Options, integers, a
+    // pthread mutex for which all-zero is PTHREAD_MUTEX_INITIALIZER on glibc).
+    let mut verbs: verbs_context = unsafe { std::mem::zeroed() };
+    verbs.sz = std::mem::size_of::<verbs_context>();
+    verbs.query_port = Some(query_port_extended);
+    verbs.context.device = device;
+    verbs.context.cmd_fd = -1;
+    verbs.context.async_fd = async_events.as_raw_fd();
+    verbs.context.num_comp_vectors = 1;
+    // __VERBS_ABI_IS_EXTENDED: tells verbs.h's inline functions that `verbs` surrounds the
+    // context.
+    verbs.context.abi_compat = usize::MAX as *mut c_void;
+    let context = Box::into_raw(Box::new(VrdmaContext {
+        verbs,
+        device: opened,
+        async_events,
+    }));
+    // SAFETY: `context` is a valid, uniquely owned allocation until ibv_close_device.
+    unsafe { ptr::addr_of_mut!((*context).verbs.context) }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_close_device(context: *mut ibv_context) -> c_int {
+    if context.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: per libibverbs' contract `context` came from ibv_open_device and is closed
+    // once; the VrdmaContext it sits in was made by Box::new there.
+    let owned = unsafe {
+        let offset = std::mem::offset_of!(verbs_context, context);
+        Box::from_raw(context.cast::<u8>().sub(offset).cast::<VrdmaContext>())
+    };
+    drop(owned); // guest-lib closes the device; the eventfd closes
+    0
+}
+
+// ---- queries -----------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_query_device(
+    context: *mut ibv_context,
+    device_attr: *mut ibv_device_attr,
+) -> c_int {
+    if context.is_null() || device_attr.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    let ours = unsafe { context_of(context) };
+    match ours.device.query_device() {
+        Ok(wire) => {
+            // SAFETY: the caller passes a valid ibv_device_attr to fill.
+            unsafe { device_attr.write(attr::device_attr(&wire)) };
+            0
+        }
+        Err(e) => errno_of(&e),
+    }
+}
+
+fn port_attributes(context: &VrdmaContext, port: u8) -> Result<ibv_port_attr, c_int> {
+    if port != 1 {
+        return Err(libc::EINVAL);
+    }
+    context
+        .device
+        .query_port()
+        .map(|wire| attr::port_attr(&wire))
+        .map_err(|e| errno_of(&e))
+}
+
+/// `verbs_context.query_port`: what verbs.h's `ibv_query_port` calls.
+unsafe extern "C" fn query_port_extended(
+    context: *mut ibv_context,
+    port: u8,
+    port_attr: *mut ibv_port_attr,
+    port_attr_len: usize,
+) -> c_int {
+    if port_attr.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: verbs.h passes the context the program gave it, one of ours.
+    match port_attributes(unsafe { context_of(context) }, port) {
+        Ok(attr) => {
+            let len = port_attr_len.min(std::mem::size_of::<ibv_port_attr>());
+            // SAFETY: the caller's buffer holds `port_attr_len` bytes; at most that many are
+            // written, from a local value that cannot overlap it.
+            unsafe {
+                ptr::copy_nonoverlapping(
+                    ptr::from_ref(&attr).cast::<u8>(),
+                    port_attr.cast::<u8>(),
+                    len,
+                )
+            };
+            0
+        }
+        Err(errno) => errno,
+    }
+}
+
+/// The exported `ibv_query_port`, for programs built before `verbs_context.query_port`:
+/// their structure ends before `flags`.
+#[no_mangle]
+unsafe extern "C" fn ibv_query_port(
+    context: *mut ibv_context,
+    port: u8,
+    port_attr: *mut ibv_port_attr,
+) -> c_int {
+    // SAFETY: same contract as the extended entry point, with the older, shorter structure.
+    unsafe { query_port_extended(context, port, port_attr, COMPAT_PORT_ATTR_LEN) }
+}
+
+fn gid_entry(context: &VrdmaContext, port: u8, index: u32) -> Result<(ibv_gid, u8), c_int> {
+    if port != 1 {
+        return Err(libc::EINVAL);
+    }
+    let (gid, gid_type) = context.device.query_gid(index).map_err(|e| errno_of(&e))?;
+    Ok((ibv_gid { raw: gid.0 }, gid_type))
+}
+
+/// 0, or -1 with errno set, as libibverbs documents. Entries the device does not show this
+/// guest read as zero, as empty entries of a native device's table do.
+#[no_mangle]
+unsafe extern "C" fn ibv_query_gid(
+    context: *mut ibv_context,
+    port: u8,
+    index: c_int,
+    gid: *mut ibv_gid,
+) -> c_int {
+    let Ok(index) = u32::try_from(index) else {
+        set_errno(libc::EINVAL);
+        return -1;
+    };
+    if context.is_null() || gid.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    let value = match gid_entry(unsafe { context_of(context) }, port, index) {
+        Ok((value, _)) => value,
+        Err(libc::ENODATA) => ibv_gid { raw: [0; 16] },
+        Err(errno) => {
+            set_errno(errno);
+            return -1;
+        }
+    };
+    // SAFETY: the caller passes a valid ibv_gid to fill.
+    unsafe { gid.write(value) };
+    0
+}
+
+/// `enum ibv_gid_type_sysfs` (driver.h): what the private `ibv_query_gid_type` reports.
+const GID_TYPE_SYSFS_IB_ROCE_V1: c_int = 0;
+const GID_TYPE_SYSFS_ROCE_V2: c_int = 1;
+
+/// Private ABI, but ibv_devinfo calls it for each GID it prints: 0, or -1 with errno set.
+#[no_mangle]
+unsafe extern "C" fn ibv_query_gid_type(
+    context: *mut ibv_context,
+    port: u8,
+    index: u32,
+    gid_type: *mut c_int,
+) -> c_int {
+    if context.is_null() || gid_type.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    match gid_entry(unsafe { context_of(context) }, port, index) {
+        Ok((_, kind)) => {
+            let value = if kind == vrdma_guest::spec::ctrl::gid_type::ROCE_V2 {
+                GID_TYPE_SYSFS_ROCE_V2
+            } else {
+                GID_TYPE_SYSFS_IB_ROCE_V1
+            };
+            // SAFETY: the caller passes a valid enum to fill.
+            unsafe { gid_type.write(value) };
+            0
+        }
+        Err(errno) => {
+            set_errno(errno);
+            -1
+        }
+    }
+}
+
+/// What verbs.h's `ibv_query_gid_ex` calls: 0 or an errno.
+#[no_mangle]
+unsafe extern "C" fn _ibv_query_gid_ex(
+    context: *mut ibv_context,
+    port: u32,
+    index: u32,
+    entry: *mut ibv_gid_entry,
+    flags: u32,
+    entry_size: usize,
+) -> c_int {
+    if context.is_null()
+        || entry.is_null()
+        || flags != 0
+        || entry_size < std::mem::size_of::<ibv_gid_entry>()
+    {
+        return libc::EINVAL;
+    }
+    let Ok(port) = u8::try_from(port) else {
+        return libc::EINVAL;
+    };
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    match gid_entry(unsafe { context_of(context) }, port, index) {
+        Ok((gid, gid_type)) => {
+            let value = ibv_gid_entry {
+                gid,
+                gid_index: index,
+                port_num: port.into(),
+                gid_type: gid_type.into(),
+                ndev_ifindex: 0,
+            };
+            // SAFETY: the caller's entry holds at least size_of::<ibv_gid_entry>() bytes.
+            unsafe { entry.write(value) };
+            0
+        }
+        Err(errno) => {
+            set_errno(errno); // callers test either
+            errno
+        }
+    }
+}
+
+/// The only P_Key of a RoCE port: the default, full-membership 0xffff.
+const DEFAULT_PKEY: u16 = 0xffff;
+
+#[no_mangle]
+unsafe extern "C" fn ibv_query_pkey(
+    context: *mut ibv_context,
+    port: u8,
+    index: c_int,
+    pkey: *mut u16,
+) -> c_int {
+    if context.is_null() || pkey.is_null() || port != 1 || index != 0 {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: the caller passes a valid __be16 to fill.
+    unsafe { pkey.write(DEFAULT_PKEY.to_be()) };
+    0
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_get_pkey_index(context: *mut ibv_context, port: u8, pkey: u16) -> c_int {
+    if !context.is_null() && port == 1 && u16::from_be(pkey) == DEFAULT_PKEY {
+        0
+    } else {
+        set_errno(libc::ENOENT);
+        -1
+    }
+}
+
+// ---- asynchronous events -----------------------------------------------------------------
+
+/// Blocks until the device reports an asynchronous event. vrdma does not forward any yet,
+/// so this waits (as it does on a healthy native device); a non-blocking `async_fd` gives
+/// EAGAIN.
+#[no_mangle]
+unsafe extern "C" fn ibv_get_async_event(
+    context: *mut ibv_context,
+    _event: *mut ibv_async_event,
+) -> c_int {
+    if context.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    let fd = unsafe { context_of(context) }.async_events.as_raw_fd();
+    let mut value = 0u64;
+    // SAFETY: reads 8 bytes into a local u64 from an eventfd this context owns.
+    let n = unsafe { libc::read(fd, ptr::addr_of_mut!(value).cast(), 8) };
+    if n < 0 {
+        return -1; // errno is read's
+    }
+    set_errno(libc::EIO);
+    -1
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_ack_async_event(_event: *mut ibv_async_event) {}
+
+// ---- completion channels -----------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_create_comp_channel(context: *mut ibv_context) -> *mut ibv_comp_channel {
+    if context.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: eventfd has no memory preconditions; the result is checked.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return ptr::null_mut();
+    }
+    Box::into_raw(Box::new(ibv_comp_channel {
+        context,
+        fd,
+        refcnt: 0,
+    }))
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut ibv_comp_channel) -> c_int {
+    if channel.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: `channel` came from ibv_create_comp_channel and is not destroyed yet.
+    if unsafe { (*channel).refcnt } != 0 {
+        return libc::EBUSY; // CQs still use it, as libibverbs refuses too
+    }
+    // SAFETY: as above; it is destroyed exactly once, here.
+    let channel = unsafe { Box::from_raw(channel) };
+    // SAFETY: the descriptor was made by ibv_create_comp_channel and is closed once.
+    drop(unsafe { OwnedFd::from_raw_fd(channel.fd) });
+    0
+}
+
+// ---- fork support ------------------------------------------------------------------------
+
+/// Nothing to do: memory registered through vrdma is shared memory, which fork leaves
+/// shared rather than copy-on-write.
+#[no_mangle]
+unsafe extern "C" fn ibv_fork_init() -> c_int {
+    0
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_is_fork_initialized() -> rdma_sys::ibv_fork_status {
+    IBV_FORK_UNNEEDED
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_dontfork_range(_base: *mut c_void, _size: usize) -> c_int {
+    0
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_dofork_range(_base: *mut c_void, _size: usize) -> c_int {
+    0
+}
+
+// ---- strings -----------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_wc_status_str(status: c_int) -> *const c_char {
+    strings::wc_status(status).as_ptr()
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_node_type_str(node_type: c_int) -> *const c_char {
+    strings::node_type(node_type).as_ptr()
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_port_state_str(state: c_int) -> *const c_char {
+    strings::port_state(state).as_ptr()
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_event_type_str(event: c_int) -> *const c_char {
+    strings::event_type(event).as_ptr()
+}
+
+// ---- sysfs helpers of the 1.0 ABI --------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_get_sysfs_path() -> *const c_char {
+    c"/sys".as_ptr()
+}
+
+/// vrdma devices have no sysfs entries: always -1.
+#[no_mangle]
+unsafe extern "C" fn ibv_read_sysfs_file(
+    _dir: *const c_char,
+    _file: *const c_char,
+    _buf: *mut c_char,
+    _size: usize,
+) -> c_int {
+    set_errno(libc::ENOENT);
+    -1
+}

@@ -1,0 +1,73 @@
+//! libibverbs verbs that vrdma does not serve yet. Programs linked against them must still
+//! load (Debian builds them with BIND_NOW), so each exists, says once on standard error that
+//! it is not served, and fails as libibverbs documents: NULL or an errno, with errno set to
+//! EOPNOTSUPP.
+
+use std::os::raw::{c_int, c_uint, c_void};
+use std::ptr;
+
+use crate::abi::{report_once, set_errno};
+
+fn refuse(verb: &'static str) {
+    report_once(verb, &format!("{verb} is not served by vrdma yet"));
+    set_errno(libc::EOPNOTSUPP);
+}
+
+/// Each entry: name, parameter types, and whether it answers with a NULL pointer, an errno
+/// (`int`), -1 (`minus_one`) or nothing (`void`).
+macro_rules! unserved {
+    ($($name:ident($($ty:ty),*) -> $kind:ident;)*) => {$(
+        #[no_mangle]
+        unsafe extern "C" fn $name($(_: $ty),*) -> unserved!(@type $kind) {
+            refuse(stringify!($name));
+            unserved!(@value $kind)
+        }
+    )*};
+    (@type null) => { *mut c_void };
+    (@type int) => { c_int };
+    (@type minus_one) => { c_int };
+    (@type void) => { () };
+    (@value null) => { ptr::null_mut() };
+    (@value int) => { libc::EOPNOTSUPP };
+    (@value minus_one) => { -1 };
+    (@value void) => { () };
+}
+
+type P = *mut c_void;
+
+unserved! {
+    ibv_alloc_pd(P) -> null;
+    ibv_dealloc_pd(P) -> int;
+    ibv_reg_mr(P, P, usize, c_int) -> null;
+    ibv_reg_mr_iova2(P, P, usize, u64, c_uint) -> null;
+    ibv_rereg_mr(P, c_int, P, P, usize, c_int) -> int;
+    ibv_dereg_mr(P) -> int;
+    ibv_create_cq(P, c_int, P, P, c_int) -> null;
+    ibv_resize_cq(P, c_int) -> int;
+    ibv_destroy_cq(P) -> int;
+    ibv_get_cq_event(P, P, P) -> minus_one;
+    ibv_ack_cq_events(P, c_uint) -> void;
+    ibv_create_qp(P, P) -> null;
+    ibv_modify_qp(P, P, c_int) -> int;
+    ibv_query_qp(P, P, c_int, P) -> int;
+    ibv_destroy_qp(P) -> int;
+    ibv_qp_to_qp_ex(P) -> null;
+    ibv_query_ece(P, P) -> int;
+    ibv_set_ece(P, P) -> int;
+    ibv_create_srq(P, P) -> null;
+    ibv_modify_srq(P, P, c_int) -> int;
+    ibv_query_srq(P, P) -> int;
+    ibv_destroy_srq(P) -> int;
+    ibv_create_ah(P, P) -> null;
+    ibv_create_ah_from_wc(P, P, P, u8) -> null;
+    ibv_init_ah_from_wc(P, u8, P, P, P) -> int;
+    ibv_destroy_ah(P) -> int;
+    ibv_attach_mcast(P, P, u16) -> int;
+    ibv_detach_mcast(P, P, u16) -> int;
+    ibv_resolve_eth_l2_from_gid(P, P, P, P) -> int;
+    // Kernel ABI converters librdmacm uses on the kernel's RDMA CM path, which a vrdma
+    // device never takes.
+    ibv_copy_qp_attr_from_kern(P, P) -> void;
+    ibv_copy_ah_attr_from_kern(P, P) -> void;
+    ibv_copy_path_rec_from_kern(P, P) -> void;
+}

@@ -1,0 +1,175 @@
+//! Unmodified libibverbs programs (Debian's binaries) on vrdma through vrdma's libibverbs.so.1,
+//! run with `vrdma-run`, against a backend on rxe. Runs inside the VM harness; the library is
+//! linked beforehand by guest-lib/ibverbs/link.sh (tests/run-all.sh does it).
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use vrdma_tests::start_backend;
+
+/// Where link.sh put libibverbs.so.1 for this build.
+fn library_dir() -> PathBuf {
+    let dir = std::env::var_os("VRDMA_IBVERBS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/vrdma-ibverbs")
+        });
+    assert!(
+        dir.join("libibverbs.so.1").exists(),
+        "no libibverbs.so.1 in {}: run guest-lib/ibverbs/link.sh first",
+        dir.display()
+    );
+    dir
+}
+
+fn vrdma_run() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../guest-lib/ibverbs/vrdma-run")
+}
+
+/// Runs `program` under a time limit, with `env` set and vrdma's library in place; never
+/// hangs the test.
+fn run(env: &[(&str, &str)], program: &[&str]) -> Output {
+    let mut command = Command::new("timeout");
+    command
+        .arg("60")
+        .args(program)
+        .env("LD_LIBRARY_PATH", library_dir())
+        .env_remove("VRDMA_DEVICE")
+        .env_remove("VRDMA_CONFIG");
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command.output().expect("run the program")
+}
+
+/// Runs `program` with `vrdma-run --device device`.
+fn run_on(device: &str, program: &[&str]) -> Output {
+    let output = Command::new("timeout")
+        .arg("60")
+        .arg(vrdma_run())
+        .args(["--device", device, "--"])
+        .args(program)
+        .env("VRDMA_IBVERBS_DIR", library_dir())
+        .output()
+        .expect("run vrdma-run");
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{program:?} failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn ibv_devices_lists_vrdma0_with_the_node_guid() {
+    let backend = start_backend();
+    let socket = backend.socket.to_str().unwrap();
+    let stdout = text(&run_on(socket, &["ibv_devices"]).stdout);
+    let line = stdout
+        .lines()
+        .find(|line| line.trim_start().starts_with("vrdma0"))
+        .unwrap_or_else(|| panic!("vrdma0 not listed:\n{stdout}"));
+    let guid = line.split_whitespace().nth(1).unwrap();
+    assert_eq!(guid.len(), 16, "{line}");
+    assert_ne!(guid, "0000000000000000", "the GUID comes from the device");
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn ibv_devinfo_shows_the_attributes_port_and_gid_of_vrdma0() {
+    let backend = start_backend();
+    let socket = backend.socket.to_str().unwrap();
+    let stdout = text(&run_on(socket, &["ibv_devinfo", "-v"]).stdout);
+    let field = |name: &str| {
+        stdout
+            .lines()
+            .find_map(|line| line.trim().strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("no {name} in:\n{stdout}"))
+    };
+    assert_eq!(field("hca_id"), "vrdma0");
+    assert!(field("fw_ver").starts_with("vrdma "), "{stdout}");
+    assert_eq!(field("phys_port_cnt"), "1");
+    assert!(field("max_qp").parse::<u32>().unwrap() > 0, "{stdout}");
+    assert!(field("max_cqe").parse::<u32>().unwrap() > 0, "{stdout}");
+    assert_eq!(field("state"), "PORT_ACTIVE (4)");
+    assert_eq!(field("link_layer"), "Ethernet");
+    assert!(
+        stdout.contains("::ffff:192.168.77.1"),
+        "the guest's GID is listed:\n{stdout}"
+    );
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn without_a_configured_device_programs_see_none_and_are_told_what_to_set() {
+    let output = run(&[], &["ibv_devices"]);
+    assert_eq!(output.status.code(), Some(0));
+    assert!(!text(&output.stdout).contains("vrdma0"));
+    assert!(
+        text(&output.stderr).contains("VRDMA_DEVICE"),
+        "{}",
+        text(&output.stderr)
+    );
+    let devinfo = run(&[], &["ibv_devinfo"]);
+    assert!(
+        devinfo
+            .status
+            .code()
+            .is_some_and(|code| code != 0 && code != 124),
+        "fails cleanly, neither killed nor hung: {:?}",
+        devinfo.status
+    );
+    assert!(text(&devinfo.stderr).contains("No IB devices found"));
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn with_the_backend_down_opening_fails_with_the_socket_named() {
+    let socket = std::env::temp_dir().join(format!("vrdma-nobody-{}.sock", std::process::id()));
+    let socket = socket.to_str().unwrap();
+    let output = run(&[("VRDMA_DEVICE", socket)], &["ibv_devinfo"]);
+    assert!(
+        output
+            .status
+            .code()
+            .is_some_and(|code| code != 0 && code != 124),
+        "fails cleanly, neither killed nor hung: {:?}",
+        output.status
+    );
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.contains(&format!("cannot open vrdma0 at socket {socket}")),
+        "{stderr}"
+    );
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn perftest_and_its_provider_libraries_load_with_vrdmas_library() {
+    // perftest links libmlx5, libefa and librdmacm, which import libibverbs' private ABI;
+    // Debian links everything with BIND_NOW, so a missing symbol or version stops the loader.
+    for program in ["ib_write_bw", "ib_send_lat", "ibv_rc_pingpong", "rping"] {
+        let output = run(&[], &[program, "--help"]);
+        let stderr = text(&output.stderr);
+        assert!(
+            !stderr.contains("symbol lookup error") && !stderr.contains("version `IBVERBS"),
+            "{program} does not load: {stderr}"
+        );
+        assert!(
+            output
+                .status
+                .code()
+                .is_some_and(|code| code != 127 && code != 124),
+            "{program}: {:?} {stderr}",
+            output.status
+        );
+    }
+}
