@@ -66,11 +66,24 @@ fn region_info(region: &Region) -> VhostUserMemoryRegionInfo {
         memory_size: region.size(),
         userspace_addr: region.addr(),
         mmap_offset: 0,
-        mmap_handle: region.file().as_raw_fd(),
+        mmap_handle: region
+            .file()
+            .expect("direct attach only makes memfd regions")
+            .as_raw_fd(),
     }
 }
 
 impl DirectTransport {
+    /// Adds `region` to the backend's memory table.
+    fn announce(&self, region: std::sync::Arc<Region>) -> Result<std::sync::Arc<Region>> {
+        self.frontend
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add_mem_region(&region_info(&region))
+            .map_err(|e| Error::Attach(format!("adding shared memory: {e}")))?;
+        Ok(region)
+    }
+
     /// Attaches to the backend listening on `socket`.
     pub fn connect(socket: &Path, options: DirectOptions) -> Result<DirectTransport> {
         let max_queues = u64::from(FIRST_NOTIFY_QUEUE) + u64::from(MAX_NOTIFY_QUEUES);
@@ -201,14 +214,17 @@ impl Transport for DirectTransport {
     fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer> {
         self.memory
             .alloc_or_grow(len, align, self.options.region_size, |size| {
-                let region = Region::new(size, self.options.huge_pages)?;
-                self.frontend
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .add_mem_region(&region_info(&region))
-                    .map_err(|e| Error::Attach(format!("adding shared memory: {e}")))?;
-                Ok(region)
+                self.announce(Region::new(size, self.options.huge_pages)?)
             })
+    }
+
+    unsafe fn share(&self, addr: u64, len: u64) -> Result<()> {
+        // SAFETY: the caller's contract is Region::share_in_place's.
+        unsafe {
+            self.memory.share(addr, len, |start, len| {
+                self.announce(Region::share_in_place(start, len)?)
+            })
+        }
     }
 
     fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {

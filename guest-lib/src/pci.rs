@@ -366,6 +366,15 @@ impl Transport for PciTransport {
         })
     }
 
+    unsafe fn share(&self, addr: u64, len: u64) -> Result<()> {
+        // The device reaches all guest RAM: locked pages need no announcing.
+        // SAFETY: the caller's contract is Region::pin_in_place's.
+        unsafe {
+            self.memory
+                .share(addr, len, |start, len| Region::pin_in_place(start, len))
+        }
+    }
+
     fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {
         self.memory.device_pages(addr, len)
     }

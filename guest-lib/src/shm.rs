@@ -79,14 +79,20 @@ enum DeviceAddressing {
     Pages(Vec<u64>),
 }
 
-/// One memfd, mapped shared into this process.
+/// Memory this process shares with the device: a memfd mapped for guest-lib's own buffers,
+/// or memory of the program's that was made shareable in place (`share_in_place`,
+/// `pin_in_place`), which guest-lib never allocates from nor unmaps.
 pub struct Region {
-    file: File,
+    /// The memfd behind the memory, when there is one (not for pinned program memory).
+    file: Option<File>,
     base: NonNull<u8>,
     len: u64,
     page_size: u64,
     addressing: DeviceAddressing,
     free: Mutex<FreeList>,
+    /// Whether dropping the region unmaps it (guest-lib's own) or only unlocks it (the
+    /// program's).
+    owned: bool,
 }
 
 // SAFETY: the mapping is plain shared memory; all access goes through bounds-checked copies or
@@ -107,22 +113,108 @@ impl Region {
     /// the device may keep using these addresses for as long as the region lives.
     pub fn new_pinned(len: u64, huge: bool) -> Result<Arc<Region>> {
         let mut region = Self::map(len, huge)?;
-        // SAFETY: locks our own mapping; no memory is accessed.
-        if unsafe { libc::mlock(region.base.as_ptr().cast(), region.len as usize) } != 0 {
+        region.addressing = DeviceAddressing::Pages(lock_and_locate(
+            region.addr(),
+            region.len,
+            region.page_size,
+        )?);
+        Ok(Arc::new(region))
+    }
+
+    /// Makes `addr..addr + len` (page-aligned) of this process's memory shared with a
+    /// backend in direct attach, in place: its bytes are copied into a new memfd, which is
+    /// then mapped over the same addresses. The program sees the same bytes at the same
+    /// addresses, now in memory the backend can map too.
+    ///
+    /// # Safety
+    /// The range must be memory of this process that nothing writes during the call (writes
+    /// between the copy and the remap would be lost) and that the program does not unmap or
+    /// remap while the device uses it.
+    pub unsafe fn share_in_place(addr: u64, len: u64) -> Result<Arc<Region>> {
+        check_page_range(addr, len)?;
+        // SAFETY: the name is a NUL-terminated literal; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"vrdma-user-memory".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
             return Err(Error::SharedMemory(std::io::Error::last_os_error()));
         }
-        let pagemap = File::open("/proc/self/pagemap").map_err(Error::SharedMemory)?;
-        let mut pages = Vec::with_capacity((region.len / region.page_size) as usize);
-        for page in (0..region.len).step_by(region.page_size as usize) {
-            let virtual_page = (region.addr() + page) / PAGE_SIZE;
-            let mut entry = [0u8; 8];
-            pagemap
-                .read_exact_at(&mut entry, virtual_page * 8)
-                .map_err(Error::SharedMemory)?;
-            pages.push(physical_address(u64::from_le_bytes(entry))?);
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(len).map_err(Error::SharedMemory)?;
+        // The kernel copies out of the program's memory, so an unmapped or unreadable range is
+        // an EFAULT here rather than a crash.
+        let mut copied = 0;
+        while copied < len {
+            // SAFETY: write() reads `len - copied` bytes at `addr + copied` through the
+            // kernel, which checks the range; nothing in this process is dereferenced.
+            let n = unsafe {
+                libc::pwrite(
+                    fd,
+                    (addr + copied) as *const libc::c_void,
+                    (len - copied) as usize,
+                    copied as libc::off_t,
+                )
+            };
+            if n <= 0 {
+                return Err(Error::SharedMemory(std::io::Error::last_os_error()));
+            }
+            copied += n as u64;
         }
-        region.addressing = DeviceAddressing::Pages(pages);
-        Ok(Arc::new(region))
+        // SAFETY: replaces the caller's range (page-aligned, checked above) with a shared
+        // mapping of a file holding the same bytes; per the contract nothing else relies on
+        // the old pages.
+        let ptr = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::SharedMemory(std::io::Error::last_os_error()));
+        }
+        Ok(Arc::new(Self::program_memory(
+            Some(file),
+            addr,
+            len,
+            DeviceAddressing::SameAsProcess,
+        )))
+    }
+
+    /// Makes `addr..addr + len` (page-aligned) of this process's memory reachable by the
+    /// device of a VM, in place: the pages are locked in RAM and the device is given their
+    /// guest-physical addresses.
+    ///
+    /// # Safety
+    /// The range must stay mapped, as it is, while the device uses it.
+    pub unsafe fn pin_in_place(addr: u64, len: u64) -> Result<Arc<Region>> {
+        check_page_range(addr, len)?;
+        let pages = lock_and_locate(addr, len, PAGE_SIZE)?;
+        Ok(Arc::new(Self::program_memory(
+            None,
+            addr,
+            len,
+            DeviceAddressing::Pages(pages),
+        )))
+    }
+
+    fn program_memory(
+        file: Option<File>,
+        addr: u64,
+        len: u64,
+        addressing: DeviceAddressing,
+    ) -> Region {
+        Region {
+            file,
+            base: NonNull::new(addr as *mut u8).expect("checked to be page-aligned and nonzero"),
+            len,
+            page_size: PAGE_SIZE,
+            addressing,
+            free: Mutex::new(FreeList { free: Vec::new() }),
+            owned: false,
+        }
     }
 
     fn map(len: u64, huge: bool) -> Result<Region> {
@@ -155,12 +247,13 @@ impl Region {
             return Err(Error::SharedMemory(std::io::Error::last_os_error()));
         }
         Ok(Region {
-            file,
+            file: Some(file),
             base: NonNull::new(ptr.cast()).expect("mmap never returns page 0"),
             len,
             page_size,
             addressing: DeviceAddressing::SameAsProcess,
             free: Mutex::new(FreeList::new(len)),
+            owned: true,
         })
     }
 
@@ -178,8 +271,9 @@ impl Region {
         self.page_size
     }
 
-    pub fn file(&self) -> &File {
-        &self.file
+    /// The memfd behind the region; `None` for program memory pinned in a VM.
+    pub fn file(&self) -> Option<&File> {
+        self.file.as_ref()
     }
 
     pub fn contains(&self, addr: u64, len: u64) -> bool {
@@ -231,9 +325,49 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`; buffers hold an Arc of the region, so none is left.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len as usize) };
+        if self.owned {
+            // SAFETY: the mapping made in `map`; buffers hold an Arc of the region, so none
+            // is left.
+            unsafe { libc::munmap(self.base.as_ptr().cast(), self.len as usize) };
+        } else if let DeviceAddressing::Pages(_) = self.addressing {
+            // The program's memory stays as it is, only no longer locked for the device.
+            // SAFETY: unlocking pages has no effect on their contents or mapping.
+            unsafe { libc::munlock(self.base.as_ptr().cast(), self.len as usize) };
+        }
     }
+}
+
+fn check_page_range(addr: u64, len: u64) -> Result<()> {
+    if addr == 0 || !addr.is_multiple_of(PAGE_SIZE) || len == 0 || !len.is_multiple_of(PAGE_SIZE) {
+        return Err(Error::InvalidArgument(format!(
+            "{addr:#x}+{len:#x} is not a range of whole pages"
+        )));
+    }
+    addr.checked_add(len)
+        .map(|_| ())
+        .ok_or_else(|| Error::InvalidArgument(format!("{addr:#x}+{len:#x} overflows")))
+}
+
+/// Locks `addr..addr + len` in RAM and returns the guest-physical address of each of its
+/// pages of `page_size` bytes, from `/proc/self/pagemap` (which needs CAP_SYS_ADMIN). Locked
+/// pages stay where they are, so the device may keep using these addresses.
+fn lock_and_locate(addr: u64, len: u64, page_size: u64) -> Result<Vec<u64>> {
+    // SAFETY: locking memory changes neither its contents nor its mapping; the kernel checks
+    // the range.
+    if unsafe { libc::mlock(addr as *const libc::c_void, len as usize) } != 0 {
+        return Err(Error::SharedMemory(std::io::Error::last_os_error()));
+    }
+    let pagemap = File::open("/proc/self/pagemap").map_err(Error::SharedMemory)?;
+    (addr..addr + len)
+        .step_by(page_size as usize)
+        .map(|page| {
+            let mut entry = [0u8; 8];
+            pagemap
+                .read_exact_at(&mut entry, page / PAGE_SIZE * 8)
+                .map_err(Error::SharedMemory)?;
+            physical_address(u64::from_le_bytes(entry))
+        })
+        .collect()
 }
 
 /// A piece of shared memory; returned to its region when dropped.
@@ -410,12 +544,59 @@ impl RegionSet {
     }
 
     /// The page size and the device's address of every page of `addr..addr + len`, or
-    /// `None` when the range is not inside one region.
+    /// `None` when some of the range is not shared, or it spans regions of different page
+    /// sizes.
     pub fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {
         let regions = self.lock();
-        let region = regions.iter().find(|r| r.contains(addr, len))?;
-        let pages = region.device_pages(addr - region.addr(), len).collect();
-        Some((region.page_size, pages))
+        let end = addr.checked_add(len.max(1))?;
+        let first = regions.iter().find(|r| r.contains(addr, 1))?;
+        let page_size = first.page_size;
+        let mut pages = Vec::new();
+        let mut at = addr;
+        // Region by region, for ranges that run on into an adjacent region.
+        while at < end {
+            let region = regions
+                .iter()
+                .find(|r| r.contains(at, 1) && r.page_size == page_size)?;
+            let piece = (region.addr() + region.len).min(end) - at;
+            // Regions are page-aligned: every piece after the first starts on a page.
+            pages.extend(region.device_pages(at - region.addr(), piece));
+            at += piece;
+        }
+        Some((page_size, pages))
+    }
+
+    /// Makes `addr..addr + len` of this process's memory reachable by the device, in place:
+    /// every whole page of it not shared yet goes into a region `share` makes (and makes
+    /// known to the device). Pages already shared stay as they are.
+    ///
+    /// # Safety
+    /// As for [`Region::share_in_place`], which `share` is expected to call.
+    pub unsafe fn share(
+        &self,
+        addr: u64,
+        len: u64,
+        share: impl Fn(u64, u64) -> Result<Arc<Region>>,
+    ) -> Result<()> {
+        let start = addr / PAGE_SIZE * PAGE_SIZE;
+        let end = addr
+            .checked_add(len.max(1))
+            .and_then(|end| end.checked_next_multiple_of(PAGE_SIZE))
+            .ok_or_else(|| Error::InvalidArgument(format!("{addr:#x}+{len:#x} overflows")))?;
+        let mut page = start;
+        while page < end {
+            if self.lock().iter().any(|r| r.contains(page, 1)) {
+                page += PAGE_SIZE;
+                continue;
+            }
+            let mut run_end = page + PAGE_SIZE;
+            while run_end < end && !self.lock().iter().any(|r| r.contains(run_end, 1)) {
+                run_end += PAGE_SIZE;
+            }
+            self.add(share(page, run_end - page)?);
+            page = run_end;
+        }
+        Ok(())
     }
 }
 
@@ -491,6 +672,100 @@ mod tests {
         let b = region.alloc(2 * PAGE_SIZE, PAGE_SIZE).unwrap();
         assert_eq!(a.device_addr().unwrap(), 0x10_0000);
         assert!(matches!(b.device_addr(), Err(Error::NotContiguous { .. })));
+    }
+
+    /// Anonymous private memory of `pages` pages, as malloc would give a program.
+    fn program_memory(pages: u64) -> u64 {
+        // SAFETY: a fresh anonymous mapping; checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                (pages * PAGE_SIZE) as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        ptr as u64
+    }
+
+    #[test]
+    fn program_memory_is_shared_in_place_with_its_bytes_and_addresses() {
+        let addr = program_memory(4);
+        let bytes = addr as *mut u8;
+        // SAFETY: the 4 pages mapped above, written and read only by this test.
+        unsafe { std::ptr::copy_nonoverlapping(b"kept".as_ptr(), bytes.add(5000), 4) };
+        let set = RegionSet::default();
+        let made = std::cell::RefCell::new(Vec::new());
+        let share = |start, len| {
+            made.borrow_mut().push((start, len));
+            // SAFETY: nothing else uses this test's memory.
+            unsafe { Region::share_in_place(start, len) }
+        };
+        // Bytes 100..4200: pages 0 and 1.
+        // SAFETY: as above.
+        unsafe { set.share(addr + 100, 4100, share).unwrap() };
+        // Pages 1..4 next: only 2 and 3 are new.
+        // SAFETY: as above.
+        unsafe { set.share(addr + PAGE_SIZE, 3 * PAGE_SIZE, share).unwrap() };
+        assert_eq!(
+            *made.borrow(),
+            vec![(addr, 2 * PAGE_SIZE), (addr + 2 * PAGE_SIZE, 2 * PAGE_SIZE)]
+        );
+        // SAFETY: as above.
+        let kept = unsafe { std::slice::from_raw_parts(bytes.add(5000), 4) };
+        assert_eq!(kept, b"kept", "contents survive the remap");
+        // The memfd now backs the program's memory: a write to the file shows there.
+        let regions = set.lock();
+        regions[0]
+            .file()
+            .unwrap()
+            .write_all_at(b"NIC", 5000)
+            .unwrap();
+        drop(regions);
+        // SAFETY: as above.
+        let seen = unsafe { std::slice::from_raw_parts(bytes.add(5000), 3) };
+        assert_eq!(seen, b"NIC");
+        // One page list across both regions, at the program's own addresses.
+        let (page_size, pages) = set.device_pages(addr + 10, 4 * PAGE_SIZE - 10).unwrap();
+        assert_eq!(page_size, PAGE_SIZE);
+        assert_eq!(
+            pages,
+            (0..4).map(|i| addr + i * PAGE_SIZE).collect::<Vec<_>>()
+        );
+        assert!(
+            set.device_pages(addr, 5 * PAGE_SIZE).is_none(),
+            "page 4 is not shared"
+        );
+        assert!(
+            set.alloc(8, 8).is_none(),
+            "program memory is never handed out"
+        );
+        drop(set);
+        // SAFETY: as above: the program's memory outlives the regions.
+        assert_eq!(
+            unsafe { std::slice::from_raw_parts(bytes.add(5000), 3) },
+            b"NIC"
+        );
+    }
+
+    #[test]
+    fn sharing_memory_that_is_not_mapped_fails_cleanly() {
+        let addr = program_memory(1);
+        // SAFETY: unmaps this test's own page.
+        unsafe { libc::munmap(addr as *mut libc::c_void, PAGE_SIZE as usize) };
+        // SAFETY: the range is unmapped, which the kernel reports; nothing is dereferenced.
+        let err = unsafe { Region::share_in_place(addr, PAGE_SIZE) }
+            .err()
+            .unwrap();
+        assert!(matches!(err, Error::SharedMemory(_)), "{err}");
+        // SAFETY: as above.
+        assert!(
+            unsafe { Region::share_in_place(addr + 1, PAGE_SIZE) }.is_err(),
+            "unaligned"
+        );
     }
 
     #[test]

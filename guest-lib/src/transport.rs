@@ -29,6 +29,15 @@ pub trait Transport: Send + Sync {
     /// The next event the device posted on the event queue, waiting up to `timeout`.
     fn next_event(&self, timeout: Duration) -> Result<Option<Event>>;
 
+    /// Makes `addr..addr + len` of this process's own memory (malloc'd, stack, mmap'd)
+    /// reachable by the device without moving it: in direct attach it becomes shared memory
+    /// in place, in a VM its pages are locked and addressed by their guest-physical address.
+    ///
+    /// # Safety
+    /// The range must be memory of this process that nothing writes during the call and
+    /// that stays mapped, as it is, while the device uses it.
+    unsafe fn share(&self, addr: u64, len: u64) -> Result<()>;
+
     /// The page size of the shared memory holding `addr..addr + len` and the device's
     /// (guest-physical) address of each of its pages, or `None` when the range is not
     /// (entirely) in memory shared with the device.

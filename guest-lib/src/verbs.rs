@@ -388,6 +388,22 @@ impl ProtectionDomain {
         })
     }
 
+    /// Registers `addr..addr + len` of any memory of this process (malloc'd, stack,
+    /// mmap'd), as libibverbs programs do: the memory is made reachable by the device in
+    /// place first (see [`Transport::share`]), with no copy of what later goes through it.
+    ///
+    /// # Safety
+    /// The range must be memory of this process that nothing writes during the call and
+    /// that stays mapped, as it is, until the MR and the device are gone.
+    pub unsafe fn reg_user_mr(&self, addr: u64, len: u64, access: u32) -> Result<MemoryRegion> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("cannot register zero bytes".into()));
+        }
+        // SAFETY: the caller's contract is Transport::share's.
+        unsafe { self.inner.device.transport.share(addr, len)? };
+        self.reg_mr_range(addr, len, access)
+    }
+
     pub fn create_ah(&self, attr: &AhAttr) -> Result<AddressHandle> {
         let request = CreateAhRequest {
             pd: Le32::from(self.inner.handle),
