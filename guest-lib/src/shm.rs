@@ -745,10 +745,10 @@ mod tests {
         );
         drop(set);
         // SAFETY: as above: the program's memory outlives the regions.
-        assert_eq!(
-            unsafe { std::slice::from_raw_parts(bytes.add(5000), 3) },
-            b"NIC"
-        );
+        let after = unsafe { std::slice::from_raw_parts(bytes.add(5000), 3) };
+        assert_eq!(after, b"NIC");
+        // SAFETY: the test's own mapping, no longer used.
+        unsafe { libc::munmap(addr as *mut libc::c_void, (4 * PAGE_SIZE) as usize) };
     }
 
     #[test]
@@ -762,10 +762,8 @@ mod tests {
             .unwrap();
         assert!(matches!(err, Error::SharedMemory(_)), "{err}");
         // SAFETY: as above.
-        assert!(
-            unsafe { Region::share_in_place(addr + 1, PAGE_SIZE) }.is_err(),
-            "unaligned"
-        );
+        let unaligned = unsafe { Region::share_in_place(addr + 1, PAGE_SIZE) };
+        assert!(unaligned.is_err(), "unaligned");
     }
 
     #[test]
