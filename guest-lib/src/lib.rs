@@ -34,7 +34,8 @@ pub use direct::DirectOptions;
 pub use shm::SharedBuffer;
 pub use verbs::{
     access, qp_attr_mask, qp_state, AddressHandle, AhAttr, CompletionQueue, Device, MemoryRegion,
-    ProtectionDomain, QpAttr, QpType, QueuePair, QueuePairBuilder, RcPeer, SharedReceiveQueue,
+    ProtectionDomain, QpAttr, QpCaps, QpType, QueuePair, QueuePairBuilder, RcPeer,
+    SharedReceiveQueue,
 };
 pub use vrdma_spec as spec;
 pub use vrdma_spec::ctrl::{Opcode, Status};

@@ -830,6 +830,17 @@ struct WorkQueue {
     producer: Mutex<u32>,
 }
 
+/// What a QP was made with: depths as rounded up, the rest as requested.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QpCaps {
+    pub max_send_wr: u32,
+    /// 0 when the QP receives through an SRQ.
+    pub max_recv_wr: u32,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline_data: u32,
+}
+
 /// A queue pair.
 pub struct QueuePair {
     handle: u32,
@@ -961,6 +972,16 @@ impl QueuePair {
     /// The QP number peers address.
     pub fn qp_num(&self) -> u32 {
         self.qp_num
+    }
+
+    pub fn caps(&self) -> QpCaps {
+        QpCaps {
+            max_send_wr: self.sq.depth,
+            max_recv_wr: self.rq.as_ref().map_or(0, |rq| rq.depth),
+            max_send_sge: self.max_send_sge,
+            max_recv_sge: self.max_recv_sge,
+            max_inline_data: self.max_inline_data,
+        }
     }
 
     pub fn handle(&self) -> u32 {

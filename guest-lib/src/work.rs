@@ -5,6 +5,9 @@ use vrdma_spec::ring::{wc_flags, Cqe};
 use crate::verbs::AddressHandle;
 
 /// A scatter/gather entry: `length` bytes at `addr` of the MR whose lkey is `lkey`.
+/// A scatter/gather element. `#[repr(C)]` with the layout of libibverbs' `struct ibv_sge`,
+/// so that a C program's SGE arrays can be used as they are.
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sge {
     pub addr: u64,

@@ -20,7 +20,7 @@ use vrdma_guest::Device;
 
 use crate::attr::{self, COMPAT_PORT_ATTR_LEN};
 use crate::config::{self, DeviceTarget, NotConfigured, DEVICE_NAME};
-use crate::strings;
+use crate::{objects, strings};
 
 /// The one device this library shows, as programs see it and as guest-lib opens it.
 #[repr(C)]
@@ -38,9 +38,9 @@ unsafe impl Send for VrdmaDevice {}
 /// An open device: libibverbs' extended context (which ends with the `ibv_context` programs
 /// hold), then this library's state.
 #[repr(C)]
-struct VrdmaContext {
+pub(crate) struct VrdmaContext {
     verbs: verbs_context,
-    device: Device,
+    pub(crate) device: Device,
     /// Where asynchronous events are read from (`context->async_fd`): an eventfd.
     async_events: OwnedFd,
 }
@@ -95,7 +95,7 @@ fn device_of(device: *mut ibv_device) -> Option<&'static VrdmaDevice> {
 
 /// # Safety
 /// `context` must be a context this library's `ibv_open_device` returned and not yet closed.
-unsafe fn context_of<'a>(context: *mut ibv_context) -> &'a VrdmaContext {
+pub(crate) unsafe fn context_of<'a>(context: *mut ibv_context) -> &'a VrdmaContext {
     let offset = std::mem::offset_of!(verbs_context, context);
     // SAFETY: per the contract, `context` is the `verbs.context` field of a live
     // VrdmaContext whose first field is `verbs`; stepping back by the field's offset gives
@@ -105,7 +105,7 @@ unsafe fn context_of<'a>(context: *mut ibv_context) -> &'a VrdmaContext {
 
 /// An errno for a guest-lib error: the host's errno when the device passed one on (an empty
 /// GID entry is ENODATA, as on a native device), else what the status means.
-fn errno_of(error: &vrdma_guest::Error) -> c_int {
+pub(crate) fn errno_of(error: &vrdma_guest::Error) -> c_int {
     use vrdma_guest::{Error, Status};
     match error {
         Error::Device { detail, .. } if *detail != 0 => {
@@ -232,6 +232,11 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
     let mut verbs: verbs_context = unsafe { std::mem::zeroed() };
     verbs.sz = std::mem::size_of::<verbs_context>();
     verbs.query_port = Some(query_port_extended);
+    // The verbs verbs.h inlines call these through the context.
+    verbs.context.ops.post_send = Some(objects::post_send);
+    verbs.context.ops.post_recv = Some(objects::post_recv);
+    verbs.context.ops.poll_cq = Some(objects::poll_cq);
+    verbs.context.ops.req_notify_cq = Some(objects::req_notify_cq);
     verbs.context.device = device;
     verbs.context.cmd_fd = -1;
     verbs.context.async_fd = async_events.as_raw_fd();

@@ -8,13 +8,16 @@
 //! with the version nodes of the installed libibverbs. Which device it shows comes from
 //! [`config`].
 //!
-//! Layout: [`config`] and the conversions in `attr` and `strings` are safe and unit-tested;
-//! `abi` is the C edge (all `unsafe` is there); `unserved` holds the verbs not served yet and
-//! `private` the provider-only ABI that must exist for programs to load.
+//! Layout: [`config`] and the conversions in `attr`, `translate` and `strings` are safe and
+//! unit-tested; `abi` (device, context, queries) and `objects` (PD, MR, CQ, QP, AH and the
+//! inlined data path) are the C edge, where all `unsafe` is; `unserved` holds the verbs not
+//! served yet and `private` the provider-only ABI that must exist for programs to load.
 
 mod abi;
 mod attr;
 pub mod config;
+mod objects;
 mod private;
 mod strings;
+mod translate;
 mod unserved;

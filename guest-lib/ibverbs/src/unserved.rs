@@ -3,7 +3,7 @@
 //! it is not served, and fails as libibverbs documents: NULL or an errno, with errno set to
 //! EOPNOTSUPP.
 
-use std::os::raw::{c_int, c_uint, c_void};
+use std::os::raw::{c_int, c_void};
 use std::ptr;
 
 use crate::abi::{report_once, set_errno};
@@ -36,21 +36,9 @@ macro_rules! unserved {
 type P = *mut c_void;
 
 unserved! {
-    ibv_alloc_pd(P) -> null;
-    ibv_dealloc_pd(P) -> int;
-    ibv_reg_mr(P, P, usize, c_int) -> null;
-    ibv_reg_mr_iova2(P, P, usize, u64, c_uint) -> null;
     ibv_rereg_mr(P, c_int, P, P, usize, c_int) -> int;
-    ibv_dereg_mr(P) -> int;
-    ibv_create_cq(P, c_int, P, P, c_int) -> null;
     ibv_resize_cq(P, c_int) -> int;
-    ibv_destroy_cq(P) -> int;
     ibv_get_cq_event(P, P, P) -> minus_one;
-    ibv_ack_cq_events(P, c_uint) -> void;
-    ibv_create_qp(P, P) -> null;
-    ibv_modify_qp(P, P, c_int) -> int;
-    ibv_query_qp(P, P, c_int, P) -> int;
-    ibv_destroy_qp(P) -> int;
     ibv_qp_to_qp_ex(P) -> null;
     ibv_query_ece(P, P) -> int;
     ibv_set_ece(P, P) -> int;
@@ -58,10 +46,8 @@ unserved! {
     ibv_modify_srq(P, P, c_int) -> int;
     ibv_query_srq(P, P) -> int;
     ibv_destroy_srq(P) -> int;
-    ibv_create_ah(P, P) -> null;
     ibv_create_ah_from_wc(P, P, P, u8) -> null;
     ibv_init_ah_from_wc(P, u8, P, P, P) -> int;
-    ibv_destroy_ah(P) -> int;
     ibv_attach_mcast(P, P, u16) -> int;
     ibv_detach_mcast(P, P, u16) -> int;
     ibv_resolve_eth_l2_from_gid(P, P, P, P) -> int;

@@ -1,0 +1,587 @@
+//! The C edge for verbs objects (PD, MR, CQ, QP, AH) and the data path that verbs.h inlines
+//! (`ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq`, `ibv_req_notify_cq` call through
+//! `context->ops`). Each object programs hold is the first field of a `#[repr(C)]` struct
+//! that owns its guest-lib object, so the hot path finds guest-lib's rings with one cast: no
+//! allocation, no lock beyond guest-lib's own, no system call while the backend's poller is
+//! awake.
+
+use std::os::raw::{c_int, c_uint, c_void};
+use std::ptr;
+
+use rdma_sys::{
+    ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_qp,
+    ibv_qp_attr, ibv_qp_init_attr, ibv_qp_state, ibv_recv_wr, ibv_send_wr, ibv_wc,
+};
+use vrdma_guest::{
+    qp_attr_mask, AddressHandle, CompletionQueue, MemoryRegion, Payload, ProtectionDomain, QpCaps,
+    QueuePair, RecvWr, SendWr, Sge, UdDest, WorkCompletion,
+};
+
+use crate::abi::{context_of, errno_of, report_once, set_errno};
+use crate::translate::{self, send_flags};
+
+#[repr(C)]
+struct VrdmaPd {
+    pd: ibv_pd,
+    inner: ProtectionDomain,
+}
+
+#[repr(C)]
+struct VrdmaMr {
+    mr: ibv_mr,
+    _inner: MemoryRegion,
+}
+
+#[repr(C)]
+struct VrdmaCq {
+    cq: ibv_cq,
+    inner: CompletionQueue,
+}
+
+#[repr(C)]
+struct VrdmaQp {
+    qp: ibv_qp,
+    inner: QueuePair,
+    caps: QpCaps,
+    sq_sig_all: bool,
+}
+
+#[repr(C)]
+struct VrdmaAh {
+    ah: ibv_ah,
+    inner: AddressHandle,
+}
+
+/// Completions moved per guest-lib poll, on the stack.
+const POLL_BATCH: usize = 16;
+/// Most inline bytes gathered from several SGEs (on the stack); a single SGE is sent from
+/// where it is.
+const MAX_GATHERED_INLINE: usize = 4096;
+/// `IBV_ACCESS_OPTIONAL_RANGE`: hints a device may ignore (relaxed ordering, ...).
+const ACCESS_OPTIONAL_RANGE: c_uint = 0x3ff0_0000;
+
+/// Boxes `value` and returns a pointer to its first field, the C object.
+fn into_c<T, C>(value: T) -> *mut C {
+    Box::into_raw(Box::new(value)).cast()
+}
+
+/// # Safety
+/// `object` must be the C object of a live `T` made by [`into_c`].
+unsafe fn ours<'a, T>(object: *mut impl Sized) -> &'a T {
+    // SAFETY: per the contract, `object` points at the first field of a `#[repr(C)]` T.
+    unsafe { &*object.cast::<T>() }
+}
+
+/// Drops the `T` whose C object is `object`; 0, or EINVAL for NULL.
+///
+/// # Safety
+/// `object` must be NULL or the C object of a live `T` made by [`into_c`], destroyed once.
+unsafe fn destroy<T>(object: *mut impl Sized) -> c_int {
+    if object.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: per the contract, the Box made by `into_c`, given back exactly once. guest-lib
+    // destroys the device object when the value drops.
+    drop(unsafe { Box::from_raw(object.cast::<T>()) });
+    0
+}
+
+// ---- PD, MR, AH --------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd {
+    if context.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    match unsafe { context_of(context) }.device.alloc_pd() {
+        Ok(inner) => into_c(VrdmaPd {
+            pd: ibv_pd {
+                context,
+                handle: inner.handle(),
+            },
+            inner,
+        }),
+        Err(e) => {
+            report_once("alloc_pd", &format!("ibv_alloc_pd failed: {e}"));
+            set_errno(errno_of(&e));
+            ptr::null_mut()
+        }
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
+    // SAFETY: a PD from ibv_alloc_pd, deallocated once, per the API contract.
+    unsafe { destroy::<VrdmaPd>(pd) }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_reg_mr(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    access: c_int,
+) -> *mut ibv_mr {
+    // SAFETY: the same contract as ibv_reg_mr_iova2's, at the buffer's own address.
+    unsafe { ibv_reg_mr_iova2(pd, addr, length, addr as u64, access as c_uint) }
+}
+
+/// Registers memory the program owns, where it is. vrdma registers MRs at the process's
+/// own addresses, so `iova` must be `addr` (what `ibv_reg_mr` asks for).
+#[no_mangle]
+unsafe extern "C" fn ibv_reg_mr_iova2(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_uint,
+) -> *mut ibv_mr {
+    if pd.is_null() || addr.is_null() || length == 0 {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    if iova != addr as u64 {
+        report_once(
+            "iova",
+            "ibv_reg_mr_iova2 with an IOVA other than the address is not served by vrdma yet",
+        );
+        set_errno(libc::EOPNOTSUPP);
+        return ptr::null_mut();
+    }
+    // SAFETY: a PD from ibv_alloc_pd, per the API contract.
+    let owner = unsafe { ours::<VrdmaPd>(pd) };
+    let access = access & !ACCESS_OPTIONAL_RANGE;
+    // SAFETY: libibverbs' contract for registered memory is reg_user_mr's: the program's own
+    // memory, kept mapped while registered.
+    let registered = unsafe { owner.inner.reg_user_mr(addr as u64, length as u64, access) };
+    match registered {
+        Ok(inner) => into_c(VrdmaMr {
+            mr: ibv_mr {
+                context: owner.pd.context,
+                pd,
+                addr,
+                length,
+                handle: inner.handle(),
+                lkey: inner.lkey(),
+                rkey: inner.rkey(),
+            },
+            _inner: inner,
+        }),
+        Err(e) => {
+            report_once("reg_mr", &format!("ibv_reg_mr failed: {e}"));
+            set_errno(errno_of(&e));
+            ptr::null_mut()
+        }
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
+    // SAFETY: an MR from ibv_reg_mr, deregistered once, per the API contract.
+    unsafe { destroy::<VrdmaMr>(mr) }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *mut ibv_ah {
+    if pd.is_null() || attr.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: a PD from ibv_alloc_pd and an attribute block the caller filled.
+    let (owner, attr) = unsafe { (ours::<VrdmaPd>(pd), &*attr) };
+    match owner.inner.create_ah(&translate::ah_attr(attr)) {
+        Ok(inner) => into_c(VrdmaAh {
+            ah: ibv_ah {
+                context: owner.pd.context,
+                pd,
+                handle: inner.handle(),
+            },
+            inner,
+        }),
+        Err(e) => {
+            set_errno(errno_of(&e));
+            ptr::null_mut()
+        }
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_destroy_ah(ah: *mut ibv_ah) -> c_int {
+    // SAFETY: an AH from ibv_create_ah, destroyed once, per the API contract.
+    unsafe { destroy::<VrdmaAh>(ah) }
+}
+
+// ---- CQ ----------------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_create_cq(
+    context: *mut ibv_context,
+    cqe: c_int,
+    cq_context: *mut c_void,
+    channel: *mut ibv_comp_channel,
+    _comp_vector: c_int,
+) -> *mut ibv_cq {
+    let Ok(depth) = u32::try_from(cqe) else {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    };
+    if context.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    if !channel.is_null() {
+        report_once(
+            "cq_events",
+            "completion events (a CQ on a completion channel) are not served by vrdma yet; poll the CQ instead",
+        );
+        set_errno(libc::EOPNOTSUPP);
+        return ptr::null_mut();
+    }
+    // `cqe` is a minimum; vrdma's CQ depths are powers of two.
+    let Some(depth) = depth.max(2).checked_next_power_of_two() else {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    };
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    match unsafe { context_of(context) }.device.create_cq(depth) {
+        Ok(inner) => {
+            // SAFETY: ibv_cq is C data (pointers, integers, a pthread mutex and condition
+            // variable), valid as all-zero bytes (their static initialisers on glibc).
+            let mut cq: ibv_cq = unsafe { std::mem::zeroed() };
+            cq.context = context;
+            cq.channel = channel;
+            cq.cq_context = cq_context;
+            cq.handle = inner.handle();
+            cq.cqe = c_int::try_from(inner.depth()).unwrap_or(c_int::MAX);
+            into_c(VrdmaCq { cq, inner })
+        }
+        Err(e) => {
+            report_once("create_cq", &format!("ibv_create_cq failed: {e}"));
+            set_errno(errno_of(&e));
+            ptr::null_mut()
+        }
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
+    // SAFETY: a CQ from ibv_create_cq, destroyed once, per the API contract.
+    unsafe { destroy::<VrdmaCq>(cq) }
+}
+
+/// Completion events are acknowledged in bulk; vrdma keeps no count to wait on at destroy.
+#[no_mangle]
+unsafe extern "C" fn ibv_ack_cq_events(_cq: *mut ibv_cq, _nevents: c_uint) {}
+
+/// `ops.poll_cq`: up to `num_entries` completions into `wc`; how many, or -1.
+pub(crate) unsafe extern "C" fn poll_cq(
+    cq: *mut ibv_cq,
+    num_entries: c_int,
+    wc: *mut ibv_wc,
+) -> c_int {
+    // SAFETY: a CQ from ibv_create_cq, per the API contract.
+    let cq = unsafe { ours::<VrdmaCq>(cq) };
+    let wanted = usize::try_from(num_entries).unwrap_or(0);
+    let mut batch = [WorkCompletion::default(); POLL_BATCH];
+    let mut done = 0;
+    while done < wanted {
+        let room = (wanted - done).min(POLL_BATCH);
+        let polled = match cq.inner.poll(&mut batch[..room]) {
+            Ok(polled) => polled,
+            Err(_) if done > 0 => break,
+            Err(e) => {
+                set_errno(errno_of(&e));
+                return -1;
+            }
+        };
+        for (i, completion) in batch[..polled].iter().enumerate() {
+            // SAFETY: the caller's array holds `num_entries` entries; done + i < that.
+            unsafe { wc.add(done + i).write(translate::wc(completion)) };
+        }
+        done += polled;
+        if polled < room {
+            break;
+        }
+    }
+    done as c_int
+}
+
+/// `ops.req_notify_cq`.
+pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int {
+    // SAFETY: a CQ from ibv_create_cq, per the API contract.
+    match unsafe { ours::<VrdmaCq>(cq) }
+        .inner
+        .req_notify(solicited_only != 0)
+    {
+        Ok(()) => 0,
+        Err(e) => errno_of(&e),
+    }
+}
+
+// ---- QP ----------------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, init: *mut ibv_qp_init_attr) -> *mut ibv_qp {
+    if pd.is_null() || init.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: a PD from ibv_alloc_pd and an attribute block the caller filled.
+    let (owner, init) = unsafe { (ours::<VrdmaPd>(pd), &mut *init) };
+    let Some(qp_type) = translate::qp_type(init.qp_type) else {
+        report_once("qp_type", "vrdma serves RC and UD QPs only");
+        set_errno(libc::EOPNOTSUPP);
+        return ptr::null_mut();
+    };
+    if init.send_cq.is_null() || init.recv_cq.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    if !init.srq.is_null() {
+        report_once(
+            "srq",
+            "QPs on an SRQ are not served by vrdma's libibverbs yet",
+        );
+        set_errno(libc::EOPNOTSUPP);
+        return ptr::null_mut();
+    }
+    // SAFETY: CQs from ibv_create_cq, per the API contract.
+    let (send_cq, recv_cq) =
+        unsafe { (ours::<VrdmaCq>(init.send_cq), ours::<VrdmaCq>(init.recv_cq)) };
+    let cap = init.cap;
+    let built = QueuePair::builder(qp_type, &send_cq.inner)
+        .recv_cq(&recv_cq.inner)
+        .max_send_wr(cap.max_send_wr)
+        .max_recv_wr(cap.max_recv_wr)
+        .max_send_sge(cap.max_send_sge)
+        .max_recv_sge(cap.max_recv_sge)
+        .max_inline_data(cap.max_inline_data)
+        .sq_sig_all(init.sq_sig_all != 0)
+        .build(&owner.inner);
+    match built {
+        Ok(inner) => {
+            let caps = inner.caps();
+            init.cap = translate::qp_cap(&caps); // the caller learns what it got
+                                                 // SAFETY: ibv_qp is C data valid as all-zero bytes (see ibv_cq).
+            let mut qp: ibv_qp = unsafe { std::mem::zeroed() };
+            qp.context = owner.pd.context;
+            qp.qp_context = init.qp_context;
+            qp.pd = pd;
+            qp.send_cq = init.send_cq;
+            qp.recv_cq = init.recv_cq;
+            qp.handle = inner.handle();
+            qp.qp_num = inner.qp_num();
+            qp.state = ibv_qp_state::IBV_QPS_RESET;
+            qp.qp_type = init.qp_type;
+            into_c(VrdmaQp {
+                qp,
+                inner,
+                caps,
+                sq_sig_all: init.sq_sig_all != 0,
+            })
+        }
+        Err(e) => {
+            report_once("create_qp", &format!("ibv_create_qp failed: {e}"));
+            set_errno(errno_of(&e));
+            ptr::null_mut()
+        }
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int) -> c_int {
+    if qp.is_null() || attr.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: a QP from ibv_create_qp and an attribute block the caller filled.
+    let (ours_qp, attr) = unsafe { (ours::<VrdmaQp>(qp), &*attr) };
+    let mask = mask as u32;
+    match ours_qp.inner.modify(&translate::qp_attr(attr), mask) {
+        Ok(()) => {
+            if mask & qp_attr_mask::STATE != 0 {
+                // SAFETY: `qp` is the program's live QP; `state` is the field libibverbs
+                // keeps current for it.
+                unsafe { (*qp).state = attr.qp_state };
+            }
+            0
+        }
+        Err(e) => {
+            report_once("modify_qp", &format!("ibv_modify_qp failed: {e}"));
+            errno_of(&e)
+        }
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_query_qp(
+    qp: *mut ibv_qp,
+    attr: *mut ibv_qp_attr,
+    _mask: c_int,
+    init: *mut ibv_qp_init_attr,
+) -> c_int {
+    if qp.is_null() || attr.is_null() || init.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: a QP from ibv_create_qp and two blocks to fill.
+    let (ours_qp, attr, init) = unsafe { (ours::<VrdmaQp>(qp), &mut *attr, &mut *init) };
+    match ours_qp.inner.query() {
+        Ok(current) => {
+            translate::fill_qp_attr(attr, &current, &ours_qp.caps);
+            init.qp_context = ours_qp.qp.qp_context;
+            init.send_cq = ours_qp.qp.send_cq;
+            init.recv_cq = ours_qp.qp.recv_cq;
+            init.srq = ptr::null_mut();
+            init.cap = translate::qp_cap(&ours_qp.caps);
+            init.qp_type = ours_qp.qp.qp_type;
+            init.sq_sig_all = ours_qp.sq_sig_all.into();
+            0
+        }
+        Err(e) => errno_of(&e),
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
+    // SAFETY: a QP from ibv_create_qp, destroyed once, per the API contract.
+    unsafe { destroy::<VrdmaQp>(qp) }
+}
+
+/// The SGEs of a work request, as guest-lib's (same layout) where they are.
+///
+/// # Safety
+/// `sg_list` must point at `num_sge` SGEs (or `num_sge` be 0).
+unsafe fn sges<'a>(sg_list: *mut rdma_sys::ibv_sge, num_sge: c_int) -> Result<&'a [Sge], c_int> {
+    match usize::try_from(num_sge) {
+        Ok(0) => Ok(&[]),
+        Ok(n) if !sg_list.is_null() => {
+            // SAFETY: per the contract; ibv_sge and Sge have one layout (translate's test).
+            Ok(unsafe { std::slice::from_raw_parts(sg_list.cast::<Sge>(), n) })
+        }
+        _ => Err(libc::EINVAL),
+    }
+}
+
+/// `ops.post_send`: 0, or an errno with `*bad_wr` at the first request not posted.
+pub(crate) unsafe extern "C" fn post_send(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_send_wr,
+    bad_wr: *mut *mut ibv_send_wr,
+) -> c_int {
+    // SAFETY: a QP from ibv_create_qp, per the API contract.
+    let ours_qp = unsafe { ours::<VrdmaQp>(qp) };
+    let mut gathered = [0u8; MAX_GATHERED_INLINE];
+    let mut current = wr;
+    while !current.is_null() {
+        // SAFETY: the program's list of valid work requests, per the API contract.
+        let request = unsafe { &*current };
+        // SAFETY: the request's own SGE list.
+        let posted = unsafe { sges(request.sg_list, request.num_sge) }.and_then(|list| {
+            let op = translate::send_op(request)?;
+            let flags = request.send_flags;
+            let payload = if flags & send_flags::INLINE != 0 {
+                // SAFETY: inline data is read from the program's buffers, which the SGEs
+                // describe and the program vouches for.
+                Payload::Inline(unsafe { inline_bytes(list, &mut gathered)? })
+            } else {
+                Payload::Sges(list)
+            };
+            let ud = if ours_qp.qp.qp_type == rdma_sys::ibv_qp_type::IBV_QPT_UD {
+                // SAFETY: for UD QPs the program fills `wr.ud`, with an AH of ours.
+                let ud = unsafe { request.wr.ud };
+                if ud.ah.is_null() {
+                    return Err(libc::EINVAL);
+                }
+                Some(UdDest {
+                    // SAFETY: an AH from ibv_create_ah, per the API contract.
+                    ah: &unsafe { ours::<VrdmaAh>(ud.ah) }.inner,
+                    remote_qpn: ud.remote_qpn,
+                    remote_qkey: ud.remote_qkey,
+                })
+            } else {
+                None
+            };
+            let send = SendWr {
+                wr_id: request.wr_id,
+                op,
+                payload,
+                signaled: ours_qp.sq_sig_all || flags & send_flags::SIGNALED != 0,
+                solicited: flags & send_flags::SOLICITED != 0,
+                fence: flags & send_flags::FENCE != 0,
+                ud,
+            };
+            ours_qp
+                .inner
+                .post_send(std::slice::from_ref(&send))
+                .map_err(|e| errno_of(&e))
+        });
+        if let Err(errno) = posted {
+            if !bad_wr.is_null() {
+                // SAFETY: the caller passes NULL or a pointer to fill.
+                unsafe { *bad_wr = current };
+            }
+            return errno;
+        }
+        current = request.next;
+    }
+    0
+}
+
+/// The inline bytes the SGEs describe: in place for one SGE, gathered into `gathered` for
+/// several.
+///
+/// # Safety
+/// Each SGE must describe readable memory of the program.
+unsafe fn inline_bytes<'a>(list: &'a [Sge], gathered: &'a mut [u8]) -> Result<&'a [u8], c_int> {
+    if let [one] = list {
+        // SAFETY: per the contract.
+        return Ok(unsafe {
+            std::slice::from_raw_parts(one.addr as *const u8, one.length as usize)
+        });
+    }
+    let mut len = 0;
+    for sge in list {
+        let n = sge.length as usize;
+        let room = gathered.get_mut(len..len + n).ok_or(libc::EINVAL)?;
+        // SAFETY: per the contract; `room` is this library's stack buffer.
+        room.copy_from_slice(unsafe { std::slice::from_raw_parts(sge.addr as *const u8, n) });
+        len += n;
+    }
+    Ok(&gathered[..len])
+}
+
+/// `ops.post_recv`: 0, or an errno with `*bad_wr` at the first request not posted.
+pub(crate) unsafe extern "C" fn post_recv(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+) -> c_int {
+    // SAFETY: a QP from ibv_create_qp, per the API contract.
+    let ours_qp = unsafe { ours::<VrdmaQp>(qp) };
+    let mut current = wr;
+    while !current.is_null() {
+        // SAFETY: the program's list of valid work requests, per the API contract.
+        let request = unsafe { &*current };
+        // SAFETY: the request's own SGE list.
+        let posted = unsafe { sges(request.sg_list, request.num_sge) }.and_then(|list| {
+            let recv = RecvWr {
+                wr_id: request.wr_id,
+                sges: list,
+            };
+            ours_qp
+                .inner
+                .post_recv(std::slice::from_ref(&recv))
+                .map_err(|e| errno_of(&e))
+        });
+        if let Err(errno) = posted {
+            if !bad_wr.is_null() {
+                // SAFETY: the caller passes NULL or a pointer to fill.
+                unsafe { *bad_wr = current };
+            }
+            return errno;
+        }
+        current = request.next;
+    }
+    0
+}

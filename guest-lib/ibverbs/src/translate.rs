@@ -1,0 +1,300 @@
+//! libibverbs structures to and from guest-lib's, field by field. Pure and unit-tested; the C
+//! edge calls these once it holds plain references.
+
+use std::os::raw::c_int;
+
+use rdma_sys::{
+    ibv_ah_attr, ibv_gid, ibv_global_route, ibv_qp_attr, ibv_qp_cap, ibv_qp_type, ibv_send_wr,
+    ibv_wc, ibv_wr_opcode,
+};
+use vrdma_guest::{AhAttr, Gid, QpAttr, QpCaps, QpType, SendOp, WorkCompletion};
+
+/// `enum ibv_send_flags` bits this library reads.
+pub mod send_flags {
+    pub const FENCE: u32 = 1 << 0;
+    pub const SIGNALED: u32 = 1 << 1;
+    pub const SOLICITED: u32 = 1 << 2;
+    pub const INLINE: u32 = 1 << 3;
+}
+
+/// `enum ibv_wc_flags` bits this library sets.
+const WC_GRH: u32 = 1 << 0;
+const WC_WITH_IMM: u32 = 1 << 1;
+
+pub fn qp_type(value: ibv_qp_type::Type) -> Option<QpType> {
+    match value {
+        ibv_qp_type::IBV_QPT_RC => Some(QpType::Rc),
+        ibv_qp_type::IBV_QPT_UD => Some(QpType::Ud),
+        _ => None,
+    }
+}
+
+pub fn ah_attr(attr: &ibv_ah_attr) -> AhAttr {
+    AhAttr {
+        dgid: Gid(gid_bytes(&attr.grh.dgid)),
+        flow_label: attr.grh.flow_label,
+        sgid_index: attr.grh.sgid_index,
+        hop_limit: attr.grh.hop_limit,
+        traffic_class: attr.grh.traffic_class,
+        sl: attr.sl,
+        is_global: attr.is_global != 0,
+        port_num: attr.port_num,
+    }
+}
+
+pub fn ibv_ah_attr(attr: &AhAttr) -> ibv_ah_attr {
+    ibv_ah_attr {
+        grh: ibv_global_route {
+            dgid: ibv_gid { raw: attr.dgid.0 },
+            flow_label: attr.flow_label,
+            sgid_index: attr.sgid_index,
+            hop_limit: attr.hop_limit,
+            traffic_class: attr.traffic_class,
+        },
+        dlid: 0,
+        sl: attr.sl,
+        src_path_bits: 0,
+        static_rate: 0,
+        is_global: attr.is_global.into(),
+        port_num: attr.port_num,
+    }
+}
+
+fn gid_bytes(gid: &ibv_gid) -> [u8; 16] {
+    // SAFETY: ibv_gid is a union of plain byte and integer arrays of the same 16 bytes; any
+    // bit pattern is a valid [u8; 16].
+    unsafe { gid.raw }
+}
+
+pub fn qp_attr(attr: &ibv_qp_attr) -> QpAttr {
+    QpAttr {
+        qp_state: attr.qp_state as u8,
+        path_mtu: attr.path_mtu as u8,
+        port_num: attr.port_num,
+        qp_access_flags: attr.qp_access_flags,
+        pkey_index: attr.pkey_index,
+        timeout: attr.timeout,
+        retry_cnt: attr.retry_cnt,
+        rnr_retry: attr.rnr_retry,
+        min_rnr_timer: attr.min_rnr_timer,
+        max_rd_atomic: attr.max_rd_atomic,
+        max_dest_rd_atomic: attr.max_dest_rd_atomic,
+        qkey: attr.qkey,
+        rq_psn: attr.rq_psn,
+        sq_psn: attr.sq_psn,
+        dest_qp_num: attr.dest_qp_num,
+        ah_attr: ah_attr(&attr.ah_attr),
+    }
+}
+
+pub fn qp_cap(caps: &QpCaps) -> ibv_qp_cap {
+    ibv_qp_cap {
+        max_send_wr: caps.max_send_wr,
+        max_recv_wr: caps.max_recv_wr,
+        max_send_sge: caps.max_send_sge,
+        max_recv_sge: caps.max_recv_sge,
+        max_inline_data: caps.max_inline_data,
+    }
+}
+
+/// Fills `out` from a QP's attributes and capabilities, as `ibv_query_qp` reports them.
+pub fn fill_qp_attr(out: &mut ibv_qp_attr, attr: &QpAttr, caps: &QpCaps) {
+    out.qp_state = attr.qp_state.into();
+    out.cur_qp_state = attr.qp_state.into();
+    out.path_mtu = attr.path_mtu.into();
+    out.qkey = attr.qkey;
+    out.rq_psn = attr.rq_psn;
+    out.sq_psn = attr.sq_psn;
+    out.dest_qp_num = attr.dest_qp_num;
+    out.qp_access_flags = attr.qp_access_flags;
+    out.cap = qp_cap(caps);
+    out.ah_attr = ibv_ah_attr(&attr.ah_attr);
+    out.pkey_index = attr.pkey_index;
+    out.max_rd_atomic = attr.max_rd_atomic;
+    out.max_dest_rd_atomic = attr.max_dest_rd_atomic;
+    out.min_rnr_timer = attr.min_rnr_timer;
+    out.port_num = attr.port_num;
+    out.timeout = attr.timeout;
+    out.retry_cnt = attr.retry_cnt;
+    out.rnr_retry = attr.rnr_retry;
+}
+
+/// The operation of a send work request; `Err(EINVAL)` for opcodes vrdma does not carry.
+pub fn send_op(wr: &ibv_send_wr) -> Result<SendOp, c_int> {
+    // SAFETY: these unions hold plain integers and pointers; the opcode says which member
+    // the program filled, and reading another one only gives other integers.
+    let (rdma, atomic, imm) = unsafe {
+        (
+            wr.wr.rdma,
+            wr.wr.atomic,
+            u32::from_be(wr.imm_data_invalidated_rkey_union.imm_data),
+        )
+    };
+    Ok(match wr.opcode {
+        ibv_wr_opcode::IBV_WR_SEND => SendOp::Send,
+        ibv_wr_opcode::IBV_WR_SEND_WITH_IMM => SendOp::SendWithImm { imm },
+        ibv_wr_opcode::IBV_WR_RDMA_WRITE => SendOp::RdmaWrite {
+            remote_addr: rdma.remote_addr,
+            rkey: rdma.rkey,
+        },
+        ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM => SendOp::RdmaWriteWithImm {
+            remote_addr: rdma.remote_addr,
+            rkey: rdma.rkey,
+            imm,
+        },
+        ibv_wr_opcode::IBV_WR_RDMA_READ => SendOp::RdmaRead {
+            remote_addr: rdma.remote_addr,
+            rkey: rdma.rkey,
+        },
+        ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP => SendOp::CompareAndSwap {
+            remote_addr: atomic.remote_addr,
+            rkey: atomic.rkey,
+            compare: atomic.compare_add,
+            swap: atomic.swap,
+        },
+        ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD => SendOp::FetchAndAdd {
+            remote_addr: atomic.remote_addr,
+            rkey: atomic.rkey,
+            add: atomic.compare_add,
+        },
+        _ => return Err(libc::EINVAL),
+    })
+}
+
+/// A completion as `struct ibv_wc`. vrdma's status and opcode numbers are libibverbs'.
+pub fn wc(from: &WorkCompletion) -> ibv_wc {
+    let mut flags = 0;
+    if from.grh {
+        flags |= WC_GRH;
+    }
+    if from.imm_data.is_some() {
+        flags |= WC_WITH_IMM;
+    }
+    ibv_wc {
+        wr_id: from.wr_id,
+        status: from.status.into(),
+        opcode: from.opcode.into(),
+        vendor_err: 0,
+        byte_len: from.byte_len,
+        imm_data_invalidated_rkey_union: rdma_sys::imm_data_invalidated_rkey_union_t {
+            imm_data: from.imm_data.unwrap_or(0).to_be(),
+        },
+        qp_num: from.qp_num,
+        src_qp: from.src_qp,
+        wc_flags: flags,
+        pkey_index: 0,
+        slid: 0,
+        sl: 0,
+        dlid_path_bits: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn zeroed<T>() -> T {
+        // SAFETY: only used for the plain C structures below, valid as all-zero bytes.
+        unsafe { std::mem::zeroed() }
+    }
+
+    #[test]
+    fn qp_attributes_go_both_ways() {
+        let mut attr: ibv_qp_attr = zeroed();
+        attr.qp_state = 3;
+        attr.path_mtu = 3;
+        attr.dest_qp_num = 0x123;
+        attr.rq_psn = 0xabcdef;
+        attr.max_dest_rd_atomic = 1;
+        attr.min_rnr_timer = 12;
+        attr.port_num = 1;
+        attr.ah_attr.is_global = 1;
+        attr.ah_attr.grh.hop_limit = 1;
+        attr.ah_attr.grh.sgid_index = 1;
+        attr.ah_attr.grh.dgid = ibv_gid { raw: [7; 16] };
+        let ours = qp_attr(&attr);
+        assert_eq!(
+            (ours.qp_state, ours.dest_qp_num, ours.rq_psn),
+            (3, 0x123, 0xabcdef)
+        );
+        assert!(ours.ah_attr.is_global);
+        assert_eq!(ours.ah_attr.dgid, Gid([7; 16]));
+        let caps = QpCaps {
+            max_send_wr: 64,
+            max_inline_data: 128,
+            ..Default::default()
+        };
+        let mut back: ibv_qp_attr = zeroed();
+        fill_qp_attr(&mut back, &ours, &caps);
+        assert_eq!(back.dest_qp_num, 0x123);
+        assert_eq!(back.min_rnr_timer, 12);
+        assert_eq!((back.cap.max_send_wr, back.cap.max_inline_data), (64, 128));
+        assert_eq!(gid_bytes(&back.ah_attr.grh.dgid), [7; 16]);
+    }
+
+    #[test]
+    fn send_opcodes_and_immediates_translate() {
+        let mut wr: ibv_send_wr = zeroed();
+        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+        wr.wr.rdma = rdma_sys::rdma_t {
+            remote_addr: 0x1000,
+            rkey: 9,
+        };
+        wr.imm_data_invalidated_rkey_union.imm_data = 0x0102_0304u32.to_be();
+        assert_eq!(
+            send_op(&wr),
+            Ok(SendOp::RdmaWriteWithImm {
+                remote_addr: 0x1000,
+                rkey: 9,
+                imm: 0x0102_0304
+            })
+        );
+        wr.opcode = ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+        wr.wr.atomic = rdma_sys::atomic_t {
+            remote_addr: 0x2000,
+            compare_add: 5,
+            swap: 0,
+            rkey: 3,
+        };
+        assert_eq!(
+            send_op(&wr),
+            Ok(SendOp::FetchAndAdd {
+                remote_addr: 0x2000,
+                rkey: 3,
+                add: 5
+            })
+        );
+        wr.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
+        assert_eq!(send_op(&wr), Err(libc::EINVAL));
+    }
+
+    #[test]
+    fn completions_carry_flags_and_network_order_immediates() {
+        let done = WorkCompletion {
+            wr_id: 42,
+            status: 0,
+            opcode: 129,
+            byte_len: 8,
+            imm_data: Some(0x0a0b_0c0d),
+            qp_num: 5,
+            src_qp: 6,
+            grh: true,
+        };
+        let out = wc(&done);
+        assert_eq!((out.wr_id, out.opcode, out.byte_len), (42, 129, 8));
+        assert_eq!(out.wc_flags, WC_GRH | WC_WITH_IMM);
+        // SAFETY: the member just written.
+        let imm = unsafe { out.imm_data_invalidated_rkey_union.imm_data };
+        assert_eq!(u32::from_be(imm), 0x0a0b_0c0d);
+    }
+
+    #[test]
+    fn sge_layouts_match_so_sge_arrays_are_used_in_place() {
+        assert_eq!(
+            std::alloc::Layout::new::<rdma_sys::ibv_sge>(),
+            std::alloc::Layout::new::<vrdma_guest::Sge>()
+        );
+        assert_eq!(std::mem::offset_of!(rdma_sys::ibv_sge, lkey), 12);
+        assert_eq!(std::mem::offset_of!(vrdma_guest::Sge, lkey), 12);
+    }
+}
