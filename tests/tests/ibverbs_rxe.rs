@@ -2,8 +2,10 @@
 //! run with `vrdma-run`, against a backend on rxe. Runs inside the VM harness; the library is
 //! linked beforehand by guest-lib/ibverbs/link.sh (tests/run-all.sh does it).
 
+use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
 
 use vrdma_tests::start_backend;
 
@@ -172,4 +174,111 @@ fn perftest_and_its_provider_libraries_load_with_vrdmas_library() {
             output.status
         );
     }
+}
+
+/// Which library a pingpong end runs on.
+#[derive(Clone, Copy, Debug)]
+enum Side {
+    /// vrdma's libibverbs, device vrdma0, through `vrdma-run`.
+    Vrdma,
+    /// The system's libibverbs on rxe0.
+    Native,
+}
+
+/// GID index of rxe0's IPv4 RoCEv2 GID, which the backend also gives its guests.
+const GID_INDEX: &str = "1";
+
+fn pingpong_command(side: Side, socket: &str, program: &str, args: &[String]) -> Command {
+    let mut command = Command::new("timeout");
+    // Line-buffered output, so the server's address line arrives while it waits.
+    command.args(["90", "stdbuf", "-oL"]);
+    match side {
+        Side::Vrdma => {
+            command
+                .arg(vrdma_run())
+                .args(["--device", socket, "--", program, "-d", "vrdma0"])
+                .env("VRDMA_IBVERBS_DIR", library_dir());
+        }
+        Side::Native => {
+            command.args([program, "-d", "rxe0"]);
+        }
+    }
+    command.args(["-g", GID_INDEX]).args(args);
+    command
+}
+
+/// Runs `program` (an ibv_*_pingpong) as server on `server` and client on `client`, with
+/// `args`; both must finish their iterations and exit 0.
+fn pingpong(program: &str, socket: &str, server: Side, client: Side, args: &[&str]) {
+    static NEXT_PORT: AtomicU16 = AtomicU16::new(18700);
+    let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed).to_string();
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.extend(["-p".to_string(), port]);
+    let what = format!("{program} {args:?}, server {server:?}, client {client:?}");
+    let mut server_process = pingpong_command(server, socket, program, &args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the server");
+    // The server prints its address once its QP is ready, then waits for the client.
+    let mut server_out = BufReader::new(server_process.stdout.take().unwrap());
+    let mut first = String::new();
+    server_out.read_line(&mut first).unwrap();
+    assert!(
+        first.contains("local address"),
+        "{what}: server did not start: {first:?}"
+    );
+    args.push("127.0.0.1".into());
+    let client_output = pingpong_command(client, socket, program, &args)
+        .output()
+        .expect("run the client");
+    let status = server_process.wait().unwrap();
+    let mut server_text = first;
+    server_out.read_to_string(&mut server_text).unwrap();
+    let mut server_err = String::new();
+    server_process
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut server_err)
+        .unwrap();
+    assert_eq!(
+        client_output.status.code(),
+        Some(0),
+        "{what}: client failed: {}{}",
+        text(&client_output.stdout),
+        text(&client_output.stderr)
+    );
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "{what}: server failed: {server_text}{server_err}"
+    );
+    for output in [text(&client_output.stdout), server_text] {
+        assert!(output.contains(" iters in "), "{what}: {output}");
+    }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn rc_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
+    let backend = start_backend();
+    let socket = backend.socket.to_str().unwrap();
+    for size in ["1", "4096", "65536"] {
+        let args = ["-c", "-s", size, "-n", "20"];
+        pingpong("ibv_rc_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
+        pingpong("ibv_rc_pingpong", socket, Side::Vrdma, Side::Native, &args);
+        pingpong("ibv_rc_pingpong", socket, Side::Native, Side::Vrdma, &args);
+    }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn ud_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
+    let backend = start_backend();
+    let socket = backend.socket.to_str().unwrap();
+    let args = ["-c", "-s", "1024", "-n", "20"];
+    pingpong("ibv_ud_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
+    pingpong("ibv_ud_pingpong", socket, Side::Vrdma, Side::Native, &args);
+    pingpong("ibv_ud_pingpong", socket, Side::Native, Side::Vrdma, &args);
 }
