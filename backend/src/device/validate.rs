@@ -335,7 +335,9 @@ pub(super) fn modify_qp(
     attr.port_num = a.port_num;
     if has(wire_mask::ACCESS_FLAGS) {
         let remote = access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
-        let flags = a.qp_access_flags.to_native();
+        // LOCAL_WRITE means nothing for a QP, but libibverbs programs set it and native
+        // devices accept it: accepted and dropped (SPEC.md §5.11).
+        let flags = a.qp_access_flags.to_native() & !access::LOCAL_WRITE;
         if flags & !remote != 0 {
             return Err(invalid(format!(
                 "QP access flags {flags:#x} beyond remote write/read/atomic"
@@ -570,7 +572,7 @@ mod tests {
             (
                 wire_mask::ACCESS_FLAGS,
                 WireQpAttr {
-                    qp_access_flags: Le32::from(1),
+                    qp_access_flags: Le32::from(1 << 4),
                     ..base
                 },
             ),
@@ -589,6 +591,16 @@ mod tests {
                 "case {i}"
             );
         }
+        // LOCAL_WRITE, which libibverbs programs set on QPs, is accepted and dropped.
+        let (attr, _) = modify(
+            wire_mask::ACCESS_FLAGS,
+            WireQpAttr {
+                qp_access_flags: Le32::from(access::LOCAL_WRITE | access::REMOTE_WRITE),
+                ..base
+            },
+        )
+        .unwrap();
+        assert_eq!(attr.qp_access_flags, access::REMOTE_WRITE);
     }
 
     #[test]
