@@ -188,7 +188,9 @@ enum Side {
 /// GID index of rxe0's IPv4 RoCEv2 GID, which the backend also gives its guests.
 const GID_INDEX: &str = "1";
 
-fn pingpong_command(side: Side, socket: &str, program: &str, args: &[String]) -> Command {
+/// `program` on `side`, with its device and GID flags (`-g` for the pingpongs, `-x` for
+/// perftest) and `args`.
+fn peer_command(side: Side, socket: &str, program: &str, args: &[String]) -> Command {
     let mut command = Command::new("timeout");
     // Line-buffered output, so the server's address line arrives while it waits.
     command.args(["90", "stdbuf", "-oL"]);
@@ -203,33 +205,47 @@ fn pingpong_command(side: Side, socket: &str, program: &str, args: &[String]) ->
             command.args([program, "-d", "rxe0"]);
         }
     }
-    command.args(["-g", GID_INDEX]).args(args);
+    let gid_flag = if program.starts_with("ibv_") {
+        "-g"
+    } else {
+        "-x"
+    };
+    command.args([gid_flag, GID_INDEX]).args(args);
     command
 }
 
-/// Runs `program` (an ibv_*_pingpong) as server on `server` and client on `client`, with
-/// `args`; both must finish their iterations and exit 0.
-fn pingpong(program: &str, socket: &str, server: Side, client: Side, args: &[&str]) {
+/// Runs `program` (an ibv_*_pingpong or a perftest test) as server on `server` and client on
+/// `client`, with `args`; both must exit 0. Returns the client's and the server's output.
+fn client_server(
+    program: &str,
+    socket: &str,
+    server: Side,
+    client: Side,
+    args: &[&str],
+) -> (String, String) {
     static NEXT_PORT: AtomicU16 = AtomicU16::new(18700);
     let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed).to_string();
     let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     args.extend(["-p".to_string(), port]);
     let what = format!("{program} {args:?}, server {server:?}, client {client:?}");
-    let mut server_process = pingpong_command(server, socket, program, &args)
+    let mut server_process = peer_command(server, socket, program, &args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start the server");
-    // The server prints its address once its QP is ready, then waits for the client.
+    // The pingpongs print their address once the QP is ready, perftest that it waits for
+    // the client: then the client may start.
     let mut server_out = BufReader::new(server_process.stdout.take().unwrap());
     let mut first = String::new();
-    server_out.read_line(&mut first).unwrap();
-    assert!(
-        first.contains("local address"),
-        "{what}: server did not start: {first:?}"
-    );
+    while !first.contains("local address") && !first.contains("Waiting for client") {
+        let mut line = String::new();
+        if server_out.read_line(&mut line).unwrap() == 0 {
+            panic!("{what}: server did not start: {first:?}");
+        }
+        first.push_str(&line);
+    }
     args.push("127.0.0.1".into());
-    let client_output = pingpong_command(client, socket, program, &args)
+    let client_output = peer_command(client, socket, program, &args)
         .output()
         .expect("run the client");
     let status = server_process.wait().unwrap();
@@ -254,8 +270,16 @@ fn pingpong(program: &str, socket: &str, server: Side, client: Side, args: &[&st
         Some(0),
         "{what}: server failed: {server_text}{server_err}"
     );
-    for output in [text(&client_output.stdout), server_text] {
-        assert!(output.contains(" iters in "), "{what}: {output}");
+    (text(&client_output.stdout), server_text)
+}
+
+fn pingpong(program: &str, socket: &str, server: Side, client: Side, args: &[&str]) {
+    let (client_text, server_text) = client_server(program, socket, server, client, args);
+    for output in [client_text, server_text] {
+        assert!(
+            output.contains(" iters in "),
+            "{program} {args:?}, server {server:?}, client {client:?}: {output}"
+        );
     }
 }
 
@@ -281,4 +305,42 @@ fn ud_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
     pingpong("ibv_ud_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
     pingpong("ibv_ud_pingpong", socket, Side::Vrdma, Side::Native, &args);
     pingpong("ibv_ud_pingpong", socket, Side::Native, Side::Vrdma, &args);
+}
+
+/// A perftest result row: "#bytes #iterations ..." with numbers.
+fn has_result_row(output: &str) -> bool {
+    output.lines().any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        fields.len() >= 4 && fields.iter().all(|f| f.parse::<f64>().is_ok())
+    })
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn perftest_runs_unmodified_on_vrdma_against_native_and_itself() {
+    let backend = start_backend();
+    let socket = backend.socket.to_str().unwrap();
+    let tests = [
+        "ib_write_lat",
+        "ib_send_lat",
+        "ib_read_lat",
+        "ib_atomic_lat",
+        "ib_write_bw",
+        "ib_send_bw",
+        "ib_read_bw",
+    ];
+    for test in tests {
+        for (server, client) in [
+            (Side::Native, Side::Vrdma),
+            (Side::Vrdma, Side::Native),
+            (Side::Vrdma, Side::Vrdma),
+        ] {
+            // The client reports the result (the passive end of read/atomic tests does not).
+            let (output, _) = client_server(test, socket, server, client, &["-n", "100"]);
+            assert!(
+                has_result_row(&output),
+                "{test}, server {server:?}, client {client:?}: no result row:\n{output}"
+            );
+        }
+    }
 }
