@@ -1311,6 +1311,15 @@ impl SharedReceiveQueue {
         self.inner.handle
     }
 
+    /// Receive requests it holds at most (rounded up to a power of two).
+    pub fn depth(&self) -> u32 {
+        self.inner.queue.depth
+    }
+
+    pub fn max_sge(&self) -> u32 {
+        self.inner.max_sge
+    }
+
     /// Writes `wrs` into the SRQ and rings the doorbell once.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         let srq = &self.inner;

@@ -344,3 +344,14 @@ fn perftest_runs_unmodified_on_vrdma_against_native_and_itself() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn srq_pingpong_with_16_qps_checks_its_buffers_between_vrdma_and_with_native_rxe() {
+    let backend = start_backend();
+    let socket = backend.socket.to_str().unwrap();
+    let args = ["-q", "16", "-c", "-s", "4096", "-n", "20"];
+    pingpong("ibv_srq_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
+    pingpong("ibv_srq_pingpong", socket, Side::Vrdma, Side::Native, &args);
+    pingpong("ibv_srq_pingpong", socket, Side::Native, Side::Vrdma, &args);
+}

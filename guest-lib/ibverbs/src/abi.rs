@@ -235,6 +235,7 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
     // The verbs verbs.h inlines call these through the context.
     verbs.context.ops.post_send = Some(objects::post_send);
     verbs.context.ops.post_recv = Some(objects::post_recv);
+    verbs.context.ops.post_srq_recv = Some(objects::post_srq_recv);
     verbs.context.ops.poll_cq = Some(objects::poll_cq);
     verbs.context.ops.req_notify_cq = Some(objects::req_notify_cq);
     verbs.context.device = device;

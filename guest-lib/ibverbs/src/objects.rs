@@ -10,11 +10,12 @@ use std::ptr;
 
 use rdma_sys::{
     ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_qp,
-    ibv_qp_attr, ibv_qp_init_attr, ibv_qp_state, ibv_recv_wr, ibv_send_wr, ibv_wc,
+    ibv_qp_attr, ibv_qp_init_attr, ibv_qp_state, ibv_recv_wr, ibv_send_wr, ibv_srq, ibv_srq_attr,
+    ibv_srq_init_attr, ibv_wc,
 };
 use vrdma_guest::{
     qp_attr_mask, AddressHandle, CompletionQueue, MemoryRegion, Payload, ProtectionDomain, QpCaps,
-    QueuePair, RecvWr, SendWr, Sge, UdDest, WorkCompletion,
+    QueuePair, RecvWr, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
 };
 
 use crate::abi::{context_of, errno_of, report_once, set_errno};
@@ -44,6 +45,12 @@ struct VrdmaQp {
     inner: QueuePair,
     caps: QpCaps,
     sq_sig_all: bool,
+}
+
+#[repr(C)]
+struct VrdmaSrq {
+    srq: ibv_srq,
+    inner: SharedReceiveQueue,
 }
 
 #[repr(C)]
@@ -339,20 +346,16 @@ unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, init: *mut ibv_qp_init_attr)
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     }
-    if !init.srq.is_null() {
-        report_once(
-            "srq",
-            "QPs on an SRQ are not served by vrdma's libibverbs yet",
-        );
-        set_errno(libc::EOPNOTSUPP);
-        return ptr::null_mut();
-    }
     // SAFETY: CQs from ibv_create_cq, per the API contract.
     let (send_cq, recv_cq) =
         unsafe { (ours::<VrdmaCq>(init.send_cq), ours::<VrdmaCq>(init.recv_cq)) };
     let cap = init.cap;
-    let built = QueuePair::builder(qp_type, &send_cq.inner)
-        .recv_cq(&recv_cq.inner)
+    let mut builder = QueuePair::builder(qp_type, &send_cq.inner).recv_cq(&recv_cq.inner);
+    if !init.srq.is_null() {
+        // SAFETY: an SRQ from ibv_create_srq, per the API contract.
+        builder = builder.srq(&unsafe { ours::<VrdmaSrq>(init.srq) }.inner);
+    }
+    let built = builder
         .max_send_wr(cap.max_send_wr)
         .max_recv_wr(cap.max_recv_wr)
         .max_send_sge(cap.max_send_sge)
@@ -371,6 +374,7 @@ unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, init: *mut ibv_qp_init_attr)
             qp.pd = pd;
             qp.send_cq = init.send_cq;
             qp.recv_cq = init.recv_cq;
+            qp.srq = init.srq;
             qp.handle = inner.handle();
             qp.qp_num = inner.qp_num();
             qp.state = ibv_qp_state::IBV_QPS_RESET;
@@ -432,7 +436,7 @@ unsafe extern "C" fn ibv_query_qp(
             init.qp_context = ours_qp.qp.qp_context;
             init.send_cq = ours_qp.qp.send_cq;
             init.recv_cq = ours_qp.qp.recv_cq;
-            init.srq = ptr::null_mut();
+            init.srq = ours_qp.qp.srq;
             init.cap = translate::qp_cap(&ours_qp.caps);
             init.qp_type = ours_qp.qp.qp_type;
             init.sq_sig_all = ours_qp.sq_sig_all.into();
@@ -559,9 +563,22 @@ pub(crate) unsafe extern "C" fn post_recv(
 ) -> c_int {
     // SAFETY: a QP from ibv_create_qp, per the API contract.
     let ours_qp = unsafe { ours::<VrdmaQp>(qp) };
+    // SAFETY: the program's list of receive requests, per the API contract.
+    unsafe { post_receives(wr, bad_wr, |recv| ours_qp.inner.post_recv(recv)) }
+}
+
+/// Posts each request of the list at `wr` with `post`, where its SGEs are.
+///
+/// # Safety
+/// `wr` must be NULL or a valid list of receive requests, `bad_wr` NULL or writable.
+unsafe fn post_receives(
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+    post: impl Fn(&[RecvWr<'_>]) -> vrdma_guest::Result<()>,
+) -> c_int {
     let mut current = wr;
     while !current.is_null() {
-        // SAFETY: the program's list of valid work requests, per the API contract.
+        // SAFETY: per the contract.
         let request = unsafe { &*current };
         // SAFETY: the request's own SGE list.
         let posted = unsafe { sges(request.sg_list, request.num_sge) }.and_then(|list| {
@@ -569,14 +586,11 @@ pub(crate) unsafe extern "C" fn post_recv(
                 wr_id: request.wr_id,
                 sges: list,
             };
-            ours_qp
-                .inner
-                .post_recv(std::slice::from_ref(&recv))
-                .map_err(|e| errno_of(&e))
+            post(std::slice::from_ref(&recv)).map_err(|e| errno_of(&e))
         });
         if let Err(errno) = posted {
             if !bad_wr.is_null() {
-                // SAFETY: the caller passes NULL or a pointer to fill.
+                // SAFETY: per the contract.
                 unsafe { *bad_wr = current };
             }
             return errno;
@@ -584,4 +598,83 @@ pub(crate) unsafe extern "C" fn post_recv(
         current = request.next;
     }
     0
+}
+
+// ---- SRQ ---------------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_create_srq(pd: *mut ibv_pd, init: *mut ibv_srq_init_attr) -> *mut ibv_srq {
+    if pd.is_null() || init.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: a PD from ibv_alloc_pd and an attribute block the caller filled.
+    let (owner, init) = unsafe { (ours::<VrdmaPd>(pd), &mut *init) };
+    if init.attr.srq_limit != 0 {
+        report_once("srq_limit", "SRQ limit events are not served by vrdma yet");
+        set_errno(libc::EOPNOTSUPP);
+        return ptr::null_mut();
+    }
+    match owner.inner.create_srq(init.attr.max_wr, init.attr.max_sge) {
+        Ok(inner) => {
+            init.attr.max_wr = inner.depth(); // the caller learns what it got
+                                              // SAFETY: ibv_srq is C data valid as all-zero bytes (see ibv_cq).
+            let mut srq: ibv_srq = unsafe { std::mem::zeroed() };
+            srq.context = owner.pd.context;
+            srq.srq_context = init.srq_context;
+            srq.pd = pd;
+            srq.handle = inner.handle();
+            into_c(VrdmaSrq { srq, inner })
+        }
+        Err(e) => {
+            report_once("create_srq", &format!("ibv_create_srq failed: {e}"));
+            set_errno(errno_of(&e));
+            ptr::null_mut()
+        }
+    }
+}
+
+/// Only `srq_limit` can be modified, and limit events are not served yet.
+#[no_mangle]
+unsafe extern "C" fn ibv_modify_srq(
+    srq: *mut ibv_srq,
+    _attr: *mut ibv_srq_attr,
+    _mask: c_int,
+) -> c_int {
+    if srq.is_null() {
+        return libc::EINVAL;
+    }
+    report_once("srq_limit", "SRQ limit events are not served by vrdma yet");
+    libc::EOPNOTSUPP
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr) -> c_int {
+    if srq.is_null() || attr.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: an SRQ from ibv_create_srq and a block to fill.
+    let (ours_srq, attr) = unsafe { (ours::<VrdmaSrq>(srq), &mut *attr) };
+    attr.max_wr = ours_srq.inner.depth();
+    attr.max_sge = ours_srq.inner.max_sge();
+    attr.srq_limit = 0;
+    0
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_destroy_srq(srq: *mut ibv_srq) -> c_int {
+    // SAFETY: an SRQ from ibv_create_srq, destroyed once, per the API contract.
+    unsafe { destroy::<VrdmaSrq>(srq) }
+}
+
+/// `ops.post_srq_recv`: 0, or an errno with `*bad_wr` at the first request not posted.
+pub(crate) unsafe extern "C" fn post_srq_recv(
+    srq: *mut ibv_srq,
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+) -> c_int {
+    // SAFETY: an SRQ from ibv_create_srq, per the API contract.
+    let queue = unsafe { ours::<VrdmaSrq>(srq) };
+    // SAFETY: the program's list of receive requests, per the API contract.
+    unsafe { post_receives(wr, bad_wr, |recv| queue.inner.post_recv(recv)) }
 }

@@ -42,10 +42,6 @@ unserved! {
     ibv_qp_to_qp_ex(P) -> null;
     ibv_query_ece(P, P) -> int;
     ibv_set_ece(P, P) -> int;
-    ibv_create_srq(P, P) -> null;
-    ibv_modify_srq(P, P, c_int) -> int;
-    ibv_query_srq(P, P) -> int;
-    ibv_destroy_srq(P) -> int;
     ibv_create_ah_from_wc(P, P, P, u8) -> null;
     ibv_init_ah_from_wc(P, u8, P, P, P) -> int;
     ibv_attach_mcast(P, P, u16) -> int;
