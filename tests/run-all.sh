@@ -23,6 +23,9 @@ cargo fmt --all -- --check
 step "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "link vrdma's libibverbs.so.1 (for the unmodified-program tests)"
+guest-lib/ibverbs/link.sh >/dev/null
+
 step "unit tests (this machine)"
 cargo test --workspace --locked
 
@@ -36,9 +39,6 @@ for line in sys.stdin:
             and m["target"]["kind"] == ["test"]:
         print(m["executable"])')
 [ ${#binaries[@]} -gt 0 ] || { echo "run-all: no integration test binaries were built" >&2; exit 1; }
-
-step "link vrdma's libibverbs.so.1 (for the unmodified-program tests)"
-guest-lib/ibverbs/link.sh >/dev/null
 
 step "integration tests with real RDMA (QEMU guest, rdma_rxe)"
 tests/vm/run.sh -- tests/guest-tests.sh "${binaries[@]}"

@@ -33,7 +33,8 @@ trap 'rm -rf "$work"' EXIT
 # with its version node ("IBVERBS_1.1 ibv_get_device_list"; hidden "(IBVERBS_1.0)" copies
 # are old ABIs and are left out).
 nm -g --defined-only "$archive" 2>/dev/null | awk '$2 == "T" { print $3 }' | sort -u >"$work/defined"
-objdump -T "$system_lib" | awk 'NF > 2 && $(NF-1) ~ /^IBVERBS_/ { print $(NF-1), $NF }' | sort -k2 >"$work/system"
+objdump -T "$system_lib" | awk 'NF > 2 && $(NF-1) ~ /^IBVERBS_/ && $NF !~ /^IBVERBS_/ { print $(NF-1), $NF }' |
+  sort -k2 >"$work/system"
 # Version nodes in definition order, each with its parent: "IBVERBS_1.1 IBVERBS_1.0".
 readelf -V "$system_lib" | awk '
   /Version definition section/ { in_defs = 1; next }

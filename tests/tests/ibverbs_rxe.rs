@@ -1,6 +1,7 @@
 //! Unmodified libibverbs programs (Debian's binaries) on vrdma through vrdma's libibverbs.so.1,
-//! run with `vrdma-run`, against a backend on rxe. Runs inside the VM harness; the library is
-//! linked beforehand by guest-lib/ibverbs/link.sh (tests/run-all.sh does it).
+//! run with `vrdma-run`, against a backend on rxe. Runs inside the VM harness (all but the
+//! symbol check); the library is linked beforehand by guest-lib/ibverbs/link.sh
+//! (tests/run-all.sh does it).
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
@@ -354,4 +355,42 @@ fn srq_pingpong_with_16_qps_checks_its_buffers_between_vrdma_and_with_native_rxe
     pingpong("ibv_srq_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
     pingpong("ibv_srq_pingpong", socket, Side::Vrdma, Side::Native, &args);
     pingpong("ibv_srq_pingpong", socket, Side::Native, Side::Vrdma, &args);
+}
+
+/// "VERSION symbol" for every default-versioned symbol `library` exports.
+fn versioned_exports(library: &std::path::Path) -> std::collections::BTreeSet<String> {
+    let output = Command::new("objdump")
+        .arg("-T")
+        .arg(library)
+        .output()
+        .expect("run objdump");
+    text(&output.stdout)
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let [.., version, symbol] = fields[..] else {
+                return None;
+            };
+            (version.starts_with("IBVERBS_") && !symbol.starts_with("IBVERBS_"))
+                .then(|| format!("{version} {symbol}"))
+        })
+        .collect()
+}
+
+/// Needs no RDMA device: runs with the unit tests (after guest-lib/ibverbs/link.sh).
+#[test]
+fn every_symbol_of_the_system_libibverbs_is_exported_with_its_version() {
+    let system = Command::new("pkg-config")
+        .args(["--variable=libdir", "libibverbs"])
+        .output()
+        .expect("run pkg-config");
+    let system = PathBuf::from(text(&system.stdout).trim()).join("libibverbs.so.1");
+    let theirs = versioned_exports(&system);
+    let ours = versioned_exports(&library_dir().join("libibverbs.so.1"));
+    assert!(theirs.len() > 100, "{} has {theirs:?}", system.display());
+    let missing: Vec<_> = theirs.difference(&ours).collect();
+    assert!(
+        missing.is_empty(),
+        "not exported by vrdma's library: {missing:?}"
+    );
 }

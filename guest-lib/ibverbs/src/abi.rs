@@ -20,7 +20,7 @@ use vrdma_guest::Device;
 
 use crate::attr::{self, COMPAT_PORT_ATTR_LEN};
 use crate::config::{self, DeviceTarget, NotConfigured, DEVICE_NAME};
-use crate::{objects, strings};
+use crate::{objects, strings, translate};
 
 /// The one device this library shows, as programs see it and as guest-lib opens it.
 #[repr(C)]
@@ -458,6 +458,60 @@ unsafe extern "C" fn _ibv_query_gid_ex(
     }
 }
 
+/// The GID entries the device shows (only the guest's own): how many were written to
+/// `entries`, or a negative errno.
+#[no_mangle]
+unsafe extern "C" fn _ibv_query_gid_table(
+    context: *mut ibv_context,
+    entries: *mut ibv_gid_entry,
+    max_entries: usize,
+    flags: u32,
+    entry_size: usize,
+) -> isize {
+    if context.is_null()
+        || (entries.is_null() && max_entries > 0)
+        || flags != 0
+        || entry_size < std::mem::size_of::<ibv_gid_entry>()
+    {
+        return -(libc::EINVAL as isize);
+    }
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    let ours = unsafe { context_of(context) };
+    let table_len = match port_attributes(ours, 1) {
+        Ok(port) => u32::try_from(port.gid_tbl_len).unwrap_or(0),
+        Err(errno) => return -(errno as isize),
+    };
+    let mut written = 0;
+    for index in 0..table_len {
+        let (gid, gid_type) = match gid_entry(ours, 1, index) {
+            Ok(entry) => entry,
+            Err(libc::ENODATA) => continue,
+            Err(errno) => return -(errno as isize),
+        };
+        if written == max_entries {
+            return -(libc::EINVAL as isize);
+        }
+        let value = ibv_gid_entry {
+            gid,
+            gid_index: index,
+            port_num: 1,
+            gid_type: gid_type.into(),
+            ndev_ifindex: 0,
+        };
+        // SAFETY: the caller's array holds `max_entries` entries of `entry_size` bytes
+        // each, and written < max_entries.
+        unsafe {
+            entries
+                .cast::<u8>()
+                .add(written * entry_size)
+                .cast::<ibv_gid_entry>()
+                .write_unaligned(value)
+        };
+        written += 1;
+    }
+    written as isize
+}
+
 /// The only P_Key of a RoCE port: the default, full-membership 0xffff.
 const DEFAULT_PKEY: u16 = 0xffff;
 
@@ -596,6 +650,28 @@ unsafe extern "C" fn ibv_port_state_str(state: c_int) -> *const c_char {
 #[no_mangle]
 unsafe extern "C" fn ibv_event_type_str(event: c_int) -> *const c_char {
     strings::event_type(event).as_ptr()
+}
+
+// ---- rates ------------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn ibv_rate_to_mult(rate: rdma_sys::ibv_rate::Type) -> c_int {
+    translate::rate_to_mult(rate)
+}
+
+#[no_mangle]
+unsafe extern "C" fn mult_to_ibv_rate(mult: c_int) -> rdma_sys::ibv_rate::Type {
+    translate::mult_to_rate(mult)
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_rate_to_mbps(rate: rdma_sys::ibv_rate::Type) -> c_int {
+    translate::rate_to_mbps(rate)
+}
+
+#[no_mangle]
+unsafe extern "C" fn mbps_to_ibv_rate(mbps: c_int) -> rdma_sys::ibv_rate::Type {
+    translate::mbps_to_rate(mbps)
 }
 
 // ---- sysfs helpers of the 1.0 ABI --------------------------------------------------------

@@ -184,6 +184,29 @@ unsafe extern "C" fn ibv_reg_mr_iova2(
     }
 }
 
+/// The IBVERBS_1.7 form of ibv_reg_mr_iova2 (an `int` access).
+#[no_mangle]
+unsafe extern "C" fn ibv_reg_mr_iova(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_int,
+) -> *mut ibv_mr {
+    // SAFETY: the same contract.
+    unsafe { ibv_reg_mr_iova2(pd, addr, length, iova, access as c_uint) }
+}
+
+/// 0: vrdma makes no promise that data lands in order (the conservative answer).
+#[no_mangle]
+unsafe extern "C" fn ibv_query_qp_data_in_order(
+    _qp: *mut ibv_qp,
+    _op: c_int,
+    _flags: u32,
+) -> c_int {
+    0
+}
+
 #[no_mangle]
 unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
     // SAFETY: an MR from ibv_reg_mr, deregistered once, per the API contract.

@@ -58,6 +58,8 @@ unsafe extern "C" fn verbs_allow_disassociate_destroy(_ret: c_int) -> bool {
 
 refuse_with_errno!(
     execute_ioctl,
+    __ioctl_final_num_attrs,
+    ibv_read_ibdev_sysfs_file,
     ibv_cmd_advise_mr,
     ibv_cmd_alloc_dm,
     ibv_cmd_alloc_mw,

@@ -3,6 +3,7 @@
 
 use std::os::raw::c_int;
 
+use rdma_sys::ibv_rate;
 use rdma_sys::{
     ibv_ah_attr, ibv_gid, ibv_global_route, ibv_qp_attr, ibv_qp_cap, ibv_qp_type, ibv_send_wr,
     ibv_wc, ibv_wr_opcode,
@@ -15,6 +16,60 @@ pub mod send_flags {
     pub const SIGNALED: u32 = 1 << 1;
     pub const SOLICITED: u32 = 1 << 2;
     pub const INLINE: u32 = 1 << 3;
+}
+
+/// Each `enum ibv_rate` with its multiple of 2.5 Gb/s (where the IB spec gives one, else
+/// -1) and its data rate in Mb/s.
+const RATES: [(ibv_rate::Type, c_int, c_int); 23] = [
+    (ibv_rate::IBV_RATE_2_5_GBPS, 1, 2500),
+    (ibv_rate::IBV_RATE_5_GBPS, 2, 5000),
+    (ibv_rate::IBV_RATE_10_GBPS, 4, 10000),
+    (ibv_rate::IBV_RATE_20_GBPS, 8, 20000),
+    (ibv_rate::IBV_RATE_30_GBPS, 12, 30000),
+    (ibv_rate::IBV_RATE_40_GBPS, 16, 40000),
+    (ibv_rate::IBV_RATE_60_GBPS, 24, 60000),
+    (ibv_rate::IBV_RATE_80_GBPS, 32, 80000),
+    (ibv_rate::IBV_RATE_120_GBPS, 48, 120000),
+    (ibv_rate::IBV_RATE_14_GBPS, -1, 14062),
+    (ibv_rate::IBV_RATE_56_GBPS, -1, 56250),
+    (ibv_rate::IBV_RATE_112_GBPS, -1, 112500),
+    (ibv_rate::IBV_RATE_168_GBPS, -1, 168750),
+    (ibv_rate::IBV_RATE_25_GBPS, -1, 25781),
+    (ibv_rate::IBV_RATE_100_GBPS, -1, 103125),
+    (ibv_rate::IBV_RATE_200_GBPS, -1, 206250),
+    (ibv_rate::IBV_RATE_300_GBPS, -1, 309375),
+    (ibv_rate::IBV_RATE_28_GBPS, 11, 28125),
+    (ibv_rate::IBV_RATE_50_GBPS, 20, 53125),
+    (ibv_rate::IBV_RATE_400_GBPS, 160, 425000),
+    (ibv_rate::IBV_RATE_600_GBPS, 240, 637500),
+    (ibv_rate::IBV_RATE_800_GBPS, 320, 850000),
+    (ibv_rate::IBV_RATE_1200_GBPS, 480, 1275000),
+];
+
+/// `ibv_rate_to_mult`: -1 for rates with no multiple.
+pub fn rate_to_mult(rate: ibv_rate::Type) -> c_int {
+    RATES.iter().find(|r| r.0 == rate).map_or(-1, |r| r.1)
+}
+
+/// `mult_to_ibv_rate`: IBV_RATE_MAX for multiples no rate has.
+pub fn mult_to_rate(mult: c_int) -> ibv_rate::Type {
+    RATES
+        .iter()
+        .find(|r| r.1 == mult && mult > 0)
+        .map_or(ibv_rate::IBV_RATE_MAX, |r| r.0)
+}
+
+/// `ibv_rate_to_mbps`: -1 for unknown rates.
+pub fn rate_to_mbps(rate: ibv_rate::Type) -> c_int {
+    RATES.iter().find(|r| r.0 == rate).map_or(-1, |r| r.2)
+}
+
+/// `mbps_to_ibv_rate`: IBV_RATE_MAX for data rates no rate has.
+pub fn mbps_to_rate(mbps: c_int) -> ibv_rate::Type {
+    RATES
+        .iter()
+        .find(|r| r.2 == mbps)
+        .map_or(ibv_rate::IBV_RATE_MAX, |r| r.0)
 }
 
 /// `enum ibv_wc_flags` bits this library sets.
@@ -286,6 +341,19 @@ mod tests {
         // SAFETY: the member just written.
         let imm = unsafe { out.imm_data_invalidated_rkey_union.imm_data };
         assert_eq!(u32::from_be(imm), 0x0a0b_0c0d);
+    }
+
+    #[test]
+    fn rates_convert_both_ways_and_unknowns_are_refused() {
+        assert_eq!(rate_to_mult(ibv_rate::IBV_RATE_10_GBPS), 4);
+        assert_eq!(mult_to_rate(4), ibv_rate::IBV_RATE_10_GBPS);
+        assert_eq!(rate_to_mult(ibv_rate::IBV_RATE_25_GBPS), -1);
+        assert_eq!(mult_to_rate(-1), ibv_rate::IBV_RATE_MAX);
+        assert_eq!(mult_to_rate(3), ibv_rate::IBV_RATE_MAX);
+        assert_eq!(rate_to_mbps(ibv_rate::IBV_RATE_100_GBPS), 103125);
+        assert_eq!(mbps_to_rate(103125), ibv_rate::IBV_RATE_100_GBPS);
+        assert_eq!(rate_to_mbps(ibv_rate::IBV_RATE_MAX), -1);
+        assert_eq!(mbps_to_rate(1), ibv_rate::IBV_RATE_MAX);
     }
 
     #[test]

@@ -47,9 +47,18 @@ unserved! {
     ibv_attach_mcast(P, P, u16) -> int;
     ibv_detach_mcast(P, P, u16) -> int;
     ibv_resolve_eth_l2_from_gid(P, P, P, P) -> int;
+    ibv_reg_dmabuf_mr(P, u64, usize, u64, c_int, c_int) -> null;
+    ibv_import_device(c_int) -> null;
+    ibv_import_pd(P, u32) -> null;
+    ibv_import_mr(P, u32) -> null;
+    ibv_import_dm(P, u32) -> null;
+    ibv_unimport_pd(P) -> void;
+    ibv_unimport_mr(P) -> void;
+    ibv_unimport_dm(P) -> void;
     // Kernel ABI converters librdmacm uses on the kernel's RDMA CM path, which a vrdma
     // device never takes.
     ibv_copy_qp_attr_from_kern(P, P) -> void;
     ibv_copy_ah_attr_from_kern(P, P) -> void;
     ibv_copy_path_rec_from_kern(P, P) -> void;
+    ibv_copy_path_rec_to_kern(P, P) -> void;
 }
