@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs inside the benchmark guest (see tests/demo.sh): the same tests through native perftest
-# on rxe0 and through vrdma (vrdma-perf over the vhost-user backend on rxe0), then prints a
-# markdown table of both and their ratio (its rows are the lines that start with "|").
-# Argument: the release target directory.
+# Runs inside the benchmark guest (see tests/demo.sh): the same unmodified perftest binaries
+# natively on rxe0 and through vrdma (vrdma's libibverbs.so.1 via vrdma-run, over the
+# vhost-user backend on rxe0), then prints a markdown table of both and their ratio (its rows
+# are the lines that start with "|").
+# Argument: the target directory (release for the demo), holding the backend, the examples
+# and vrdma-ibverbs/libibverbs.so.1 (guest-lib/ibverbs/link.sh).
 set -euo pipefail
 bin=$1
 lat_size=8 lat_iters=${VRDMA_BENCH_LAT_ITERS:-2000}
@@ -16,26 +18,24 @@ sleep 1
 # Prints the value column of the result line for SIZE from a perftest-style table.
 value() { awk -v size="$1" -v column="$2" '$1 == size {print $column; exit}'; }
 
-native() { # TEST SIZE ITERS COLUMN
-  local tool=ib_$1 args=(-d rxe0 -x "$gid_index" -n "$3")
-  [ "$1" = atomic_lat ] || args+=(-s "$2")
-  "$tool" "${args[@]}" >/tmp/server.log 2>&1 &
-  local server=$!
-  sleep 1
-  timeout 120 "$tool" "${args[@]}" 127.0.0.1 | value "$2" "$4"
+vrdma_run="$(cd "$(dirname "$0")/.." && pwd)/guest-lib/ibverbs/vrdma-run"
+export VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs"
+
+# perftest's TEST between two ends on DEVICE (rxe0, or vrdma0 through vrdma-run); prints the
+# COLUMN of the client's result line for SIZE.
+perftest() { # DEVICE TEST SIZE ITERS COLUMN
+  local run=() args=(-d "$1" -x "$gid_index" -n "$4")
+  [ "$1" = vrdma0 ] && run=("$vrdma_run" --device /tmp/vrdma.sock --)
+  [ "$2" = atomic_lat ] || args+=(-s "$3")
+  stdbuf -oL "${run[@]}" "ib_$2" "${args[@]}" >/tmp/server.log 2>&1 &
+  local server=$! i
+  for i in $(seq 300); do grep -q "Waiting for client" /tmp/server.log && break; sleep 0.1; done
+  timeout 120 "${run[@]}" "ib_$2" "${args[@]}" 127.0.0.1 | value "$3" "$5"
   wait $server || true
 }
 
 # CPU seconds the backend has used so far (user + system).
 backend_cpu() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.6f", ($14 + $15) / hz }' "/proc/$backend/stat"; }
-
-vrdma() { # TEST SIZE ITERS COLUMN
-  local args=(--socket /tmp/vrdma.sock -s "$2" -n "$3")
-  "$bin/examples/vrdma-perf" "$1" "${args[@]}" >/tmp/server.log 2>&1 &
-  local server=$!
-  timeout 120 "$bin/examples/vrdma-perf" "$1" "${args[@]}" --connect 127.0.0.1 | value "$2" "$4"
-  wait $server || true
-}
 
 failures=0
 {
@@ -43,12 +43,12 @@ failures=0
   echo "|---|---|---|---|---|"
   for test in write_lat send_lat read_lat atomic_lat write_bw send_bw read_bw; do
     case $test in
-      *_lat) size=$lat_size iters=$lat_iters unit=us native_col=5 vrdma_col=5 ;;
-      *_bw) size=$bw_size iters=$bw_iters unit=MB/s native_col=4 vrdma_col=3 ;;
+      *_lat) size=$lat_size iters=$lat_iters unit=us column=5 ;;
+      *_bw) size=$bw_size iters=$bw_iters unit=MB/s column=4 ;;
     esac
-    n=$(native $test $size $iters $native_col)
+    n=$(perftest rxe0 $test $size $iters $column)
     cpu_before=$(backend_cpu)
-    v=$(vrdma $test $size $iters $vrdma_col)
+    v=$(perftest vrdma0 $test $size $iters $column)
     if [ $test = write_bw ]; then
       # Every write is one WQE the backend takes from a ring and one CQE it writes back.
       cpu_per_wqe=$(awk -v a="$cpu_before" -v b="$(backend_cpu)" -v n="$iters" 'BEGIN { printf "%.1f", (b - a) * 1e6 / n }')

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The vrdma demo: on a fresh machine it installs what it needs (tests/vm/setup.sh), builds,
 # boots the QEMU guest with rdma_rxe, starts the vhost-user backend there, and runs perftest's
-# latency and bandwidth tests natively on rxe0 and through vrdma (two guest-lib endpoints over
-# RC), printing native, vrdma and their ratio. The table also goes into BENCHMARKS.md, with the
+# latency and bandwidth tests natively on rxe0 and, unmodified, through vrdma (vrdma-run),
+# printing native, vrdma and their ratio. The table also goes into BENCHMARKS.md, with the
 # date, the machine and the command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests/vm/setup.sh >/dev/null
 cargo build --release --locked -p vrdma-backend -p vrdma-tests --bins
 cargo build --release --locked -p vrdma-guest --example vrdma-perf
+guest-lib/ibverbs/link.sh --release >/dev/null
 mkdir -p target/bench
 log=target/bench/run.log
 tests/vm/run.sh --mem 4096 -- tests/bench-guest.sh "$PWD/target/release" | tee "$log"
@@ -29,7 +30,8 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "(rdma_rxe) on a veth: absolute numbers are emulation numbers; the ratio is what matters."
   echo "Latency is perftest's t_typical for 8-byte messages (half the round trip for write/send," \
     "the full operation for read/atomic); bandwidth is the average for 64 KiB messages." \
-    "The vrdma column is vrdma-perf: guest-lib over the vhost-user backend's data path." \
+    "Both columns run the same unmodified perftest binaries: natively on rxe0, and on vrdma0" \
+    "through vrdma's libibverbs.so.1 (vrdma-run), guest-lib over the vhost-user backend." \
     "Control-path timings compare the backend's host verbs layer with the same verbs through" \
     "guest-lib and the control queue; the scaling rows come from ctl-bench."
   echo
