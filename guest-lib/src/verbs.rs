@@ -542,6 +542,9 @@ impl CompletionQueue {
             .doorbell
             .atomic_u32(4)?
             .store(sequence << 2 | mode, Ordering::Release);
+        // The caller polls next: the arm must be visible before that read, or a CQE the
+        // device writes meanwhile is seen by neither side (SPEC.md §8.2).
+        std::sync::atomic::fence(Ordering::SeqCst);
         Ok(())
     }
 }

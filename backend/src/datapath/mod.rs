@@ -1093,6 +1093,9 @@ impl Poller {
 
     /// A new CQE was written: if the guest armed the CQ, tell it (SPEC.md §8.2).
     fn serve_arm_request(&self, mem: &Memory, cq: &CqData) {
+        // The CQE must be visible before the arm is read, or a guest arming meanwhile and
+        // this poller each read the other's old value and the event is lost.
+        std::sync::atomic::fence(Ordering::SeqCst);
         let Ok(arm) = mem.load::<u32>(GuestAddress(cq.doorbell + 4), Ordering::Acquire) else {
             return;
         };
