@@ -13,13 +13,14 @@ use std::ptr;
 use std::sync::{Mutex, OnceLock};
 
 use rdma_sys::{
-    ibv_async_event, ibv_comp_channel, ibv_context, ibv_device, ibv_device_attr, ibv_gid,
-    ibv_gid_entry, ibv_port_attr, verbs_context, IBV_FORK_UNNEEDED,
+    ibv_async_event, ibv_context, ibv_device, ibv_device_attr, ibv_gid, ibv_gid_entry,
+    ibv_port_attr, verbs_context, IBV_FORK_UNNEEDED,
 };
 use vrdma_guest::Device;
 
 use crate::attr::{self, COMPAT_PORT_ATTR_LEN};
 use crate::config::{self, DeviceTarget, NotConfigured, DEVICE_NAME};
+use crate::events::Dispatcher;
 use crate::{objects, strings, translate};
 
 /// The one device this library shows, as programs see it and as guest-lib opens it.
@@ -41,6 +42,8 @@ unsafe impl Send for VrdmaDevice {}
 pub(crate) struct VrdmaContext {
     verbs: verbs_context,
     pub(crate) device: Device,
+    /// Routes completion events to channels; started with the first channel.
+    dispatcher: Mutex<Option<Dispatcher>>,
     /// Where asynchronous events are read from (`context->async_fd`): an eventfd.
     async_events: OwnedFd,
 }
@@ -91,6 +94,20 @@ fn vrdma_device() -> Option<&'static VrdmaDevice> {
 /// The vrdma device behind `device`, if it is this library's.
 fn device_of(device: *mut ibv_device) -> Option<&'static VrdmaDevice> {
     vrdma_device().filter(|ours| ptr::eq(&ours.device, device))
+}
+
+impl VrdmaContext {
+    /// Runs `f` on the context's event dispatcher, starting it first if needed; the lock
+    /// also serialises changes to channels' `refcnt`.
+    pub(crate) fn with_dispatcher<R>(&self, f: impl FnOnce(&Dispatcher) -> R) -> Result<R, c_int> {
+        let mut dispatcher = self.dispatcher.lock().unwrap_or_else(|e| e.into_inner());
+        if dispatcher.is_none() {
+            let started = Dispatcher::start(self.device.clone())
+                .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+            *dispatcher = Some(started);
+        }
+        Ok(f(dispatcher.as_ref().expect("started above")))
+    }
 }
 
 /// # Safety
@@ -248,6 +265,7 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
     let context = Box::into_raw(Box::new(VrdmaContext {
         verbs,
         device: opened,
+        dispatcher: Mutex::new(None),
         async_events,
     }));
     // SAFETY: `context` is a valid, uniquely owned allocation until ibv_close_device.
@@ -569,42 +587,6 @@ unsafe extern "C" fn ibv_get_async_event(
 
 #[no_mangle]
 unsafe extern "C" fn ibv_ack_async_event(_event: *mut ibv_async_event) {}
-
-// ---- completion channels -----------------------------------------------------------------
-
-#[no_mangle]
-unsafe extern "C" fn ibv_create_comp_channel(context: *mut ibv_context) -> *mut ibv_comp_channel {
-    if context.is_null() {
-        set_errno(libc::EINVAL);
-        return ptr::null_mut();
-    }
-    // SAFETY: eventfd has no memory preconditions; the result is checked.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return ptr::null_mut();
-    }
-    Box::into_raw(Box::new(ibv_comp_channel {
-        context,
-        fd,
-        refcnt: 0,
-    }))
-}
-
-#[no_mangle]
-unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut ibv_comp_channel) -> c_int {
-    if channel.is_null() {
-        return libc::EINVAL;
-    }
-    // SAFETY: `channel` came from ibv_create_comp_channel and is not destroyed yet.
-    if unsafe { (*channel).refcnt } != 0 {
-        return libc::EBUSY; // CQs still use it, as libibverbs refuses too
-    }
-    // SAFETY: as above; it is destroyed exactly once, here.
-    let channel = unsafe { Box::from_raw(channel) };
-    // SAFETY: the descriptor was made by ibv_create_comp_channel and is closed once.
-    drop(unsafe { OwnedFd::from_raw_fd(channel.fd) });
-    0
-}
 
 // ---- fork support ------------------------------------------------------------------------
 

@@ -9,13 +9,15 @@
 //! [`config`].
 //!
 //! Layout: [`config`] and the conversions in `attr`, `translate` and `strings` are safe and
-//! unit-tested; `abi` (device, context, queries) and `objects` (PD, MR, CQ, QP, AH and the
-//! inlined data path) are the C edge, where all `unsafe` is; `unserved` holds the verbs not
+//! unit-tested; `events` routes completion events to channels; `abi` (device, context,
+//! queries) and `objects` (PD, MR, CQ, channels, QP, SRQ, AH and the inlined data path) are
+//! the C edge, where all `unsafe` is; `unserved` holds the verbs not
 //! served yet and `private` the provider-only ABI that must exist for programs to load.
 
 mod abi;
 mod attr;
 pub mod config;
+mod events;
 mod objects;
 mod private;
 mod strings;

@@ -5,8 +5,10 @@
 //! allocation, no lock beyond guest-lib's own, no system call while the backend's poller is
 //! awake.
 
+use std::os::fd::AsRawFd;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
+use std::sync::Arc;
 
 use rdma_sys::{
     ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_qp,
@@ -19,6 +21,7 @@ use vrdma_guest::{
 };
 
 use crate::abi::{context_of, errno_of, report_once, set_errno};
+use crate::events::Channel;
 use crate::translate::{self, send_flags};
 
 #[repr(C)]
@@ -31,6 +34,12 @@ struct VrdmaPd {
 struct VrdmaMr {
     mr: ibv_mr,
     _inner: MemoryRegion,
+}
+
+#[repr(C)]
+struct VrdmaChannel {
+    channel: ibv_comp_channel,
+    events: Arc<Channel>,
 }
 
 #[repr(C)]
@@ -246,6 +255,85 @@ unsafe extern "C" fn ibv_destroy_ah(ah: *mut ibv_ah) -> c_int {
 // ---- CQ ----------------------------------------------------------------------------------
 
 #[no_mangle]
+unsafe extern "C" fn ibv_create_comp_channel(context: *mut ibv_context) -> *mut ibv_comp_channel {
+    if context.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    let ours_context = unsafe { context_of(context) };
+    let events = match Channel::new() {
+        Ok(events) => events,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return ptr::null_mut();
+        }
+    };
+    if let Err(errno) = ours_context.with_dispatcher(|_| ()) {
+        set_errno(errno);
+        return ptr::null_mut();
+    }
+    into_c(VrdmaChannel {
+        channel: ibv_comp_channel {
+            context,
+            fd: events.as_raw_fd(),
+            refcnt: 0,
+        },
+        events,
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut ibv_comp_channel) -> c_int {
+    // SAFETY: a channel from ibv_create_comp_channel, per the API contract.
+    if !channel.is_null() && unsafe { (*channel).refcnt } != 0 {
+        return libc::EBUSY; // CQs still report to it, as libibverbs refuses too
+    }
+    // SAFETY: as above, destroyed once.
+    unsafe { destroy::<VrdmaChannel>(channel) }
+}
+
+/// The next CQ with a completion event on `channel`: 0, or -1 with errno (EAGAIN when the
+/// channel's fd is non-blocking and there is none).
+#[no_mangle]
+unsafe extern "C" fn ibv_get_cq_event(
+    channel: *mut ibv_comp_channel,
+    cq: *mut *mut ibv_cq,
+    cq_context: *mut *mut c_void,
+) -> c_int {
+    if channel.is_null() || cq.is_null() || cq_context.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: a channel from ibv_create_comp_channel, per the API contract.
+    match unsafe { ours::<VrdmaChannel>(channel) }.events.take() {
+        Ok(ready) => {
+            let ready = ready as *mut ibv_cq;
+            // SAFETY: `ready` is a live CQ of this channel (destroying a CQ forgets its
+            // events); the out-pointers are the caller's.
+            unsafe {
+                *cq = ready;
+                *cq_context = (*ready).cq_context;
+            }
+            0
+        }
+        Err(errno) => {
+            set_errno(errno);
+            -1
+        }
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_ack_cq_events(cq: *mut ibv_cq, nevents: c_uint) {
+    if !cq.is_null() {
+        // SAFETY: a CQ from ibv_create_cq, per the API contract; the count is the field
+        // libibverbs keeps for it.
+        unsafe { (*cq).comp_events_completed = (*cq).comp_events_completed.wrapping_add(nevents) };
+    }
+}
+
+#[no_mangle]
 unsafe extern "C" fn ibv_create_cq(
     context: *mut ibv_context,
     cqe: c_int,
@@ -261,49 +349,70 @@ unsafe extern "C" fn ibv_create_cq(
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     }
-    if !channel.is_null() {
-        report_once(
-            "cq_events",
-            "completion events (a CQ on a completion channel) are not served by vrdma yet; poll the CQ instead",
-        );
-        set_errno(libc::EOPNOTSUPP);
-        return ptr::null_mut();
-    }
     // `cqe` is a minimum; vrdma's CQ depths are powers of two.
     let Some(depth) = depth.max(2).checked_next_power_of_two() else {
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     };
     // SAFETY: a context from ibv_open_device, per the API contract.
-    match unsafe { context_of(context) }.device.create_cq(depth) {
-        Ok(inner) => {
-            // SAFETY: ibv_cq is C data (pointers, integers, a pthread mutex and condition
-            // variable), valid as all-zero bytes (their static initialisers on glibc).
-            let mut cq: ibv_cq = unsafe { std::mem::zeroed() };
-            cq.context = context;
-            cq.channel = channel;
-            cq.cq_context = cq_context;
-            cq.handle = inner.handle();
-            cq.cqe = c_int::try_from(inner.depth()).unwrap_or(c_int::MAX);
-            into_c(VrdmaCq { cq, inner })
-        }
+    let ours_context = unsafe { context_of(context) };
+    let inner = match ours_context.device.create_cq(depth) {
+        Ok(inner) => inner,
         Err(e) => {
             report_once("create_cq", &format!("ibv_create_cq failed: {e}"));
             set_errno(errno_of(&e));
-            ptr::null_mut()
+            return ptr::null_mut();
+        }
+    };
+    // SAFETY: ibv_cq is C data (pointers, integers, a pthread mutex and condition variable),
+    // valid as all-zero bytes (their static initialisers on glibc).
+    let mut cq: ibv_cq = unsafe { std::mem::zeroed() };
+    cq.context = context;
+    cq.channel = channel;
+    cq.cq_context = cq_context;
+    cq.handle = inner.handle();
+    cq.cqe = c_int::try_from(inner.depth()).unwrap_or(c_int::MAX);
+    let handle = cq.handle;
+    let created: *mut ibv_cq = into_c(VrdmaCq { cq, inner });
+    if !channel.is_null() {
+        // SAFETY: a channel from ibv_create_comp_channel, per the API contract.
+        let events = Arc::clone(&unsafe { ours::<VrdmaChannel>(channel) }.events);
+        let watched = ours_context.with_dispatcher(|dispatcher| {
+            dispatcher.watch(handle, created as usize, events);
+            // SAFETY: as above; the dispatcher's lock serialises refcnt changes.
+            unsafe { (*channel).refcnt += 1 };
+        });
+        if let Err(errno) = watched {
+            // SAFETY: the CQ just made, not yet handed out.
+            unsafe { destroy::<VrdmaCq>(created) };
+            set_errno(errno);
+            return ptr::null_mut();
         }
     }
+    created
 }
 
 #[no_mangle]
 unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
-    // SAFETY: a CQ from ibv_create_cq, destroyed once, per the API contract.
+    if cq.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: a CQ from ibv_create_cq, per the API contract.
+    let (context, channel, handle) = unsafe { ((*cq).context, (*cq).channel, (*cq).handle) };
+    if !channel.is_null() {
+        // SAFETY: the CQ's context and channel outlive it, per the API contract.
+        let forgotten = unsafe { context_of(context) }.with_dispatcher(|dispatcher| {
+            dispatcher.forget(handle);
+            // SAFETY: as above; the dispatcher's lock serialises refcnt changes.
+            unsafe { (*channel).refcnt -= 1 };
+        });
+        if let Err(errno) = forgotten {
+            return errno;
+        }
+    }
+    // SAFETY: destroyed once, per the API contract.
     unsafe { destroy::<VrdmaCq>(cq) }
 }
-
-/// Completion events are acknowledged in bulk; vrdma keeps no count to wait on at destroy.
-#[no_mangle]
-unsafe extern "C" fn ibv_ack_cq_events(_cq: *mut ibv_cq, _nevents: c_uint) {}
 
 /// `ops.poll_cq`: up to `num_entries` completions into `wc`; how many, or -1.
 pub(crate) unsafe extern "C" fn poll_cq(

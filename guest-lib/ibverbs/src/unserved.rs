@@ -14,7 +14,7 @@ fn refuse(verb: &'static str) {
 }
 
 /// Each entry: name, parameter types, and whether it answers with a NULL pointer, an errno
-/// (`int`), -1 (`minus_one`) or nothing (`void`).
+/// (`int`) or nothing (`void`).
 macro_rules! unserved {
     ($($name:ident($($ty:ty),*) -> $kind:ident;)*) => {$(
         #[no_mangle]
@@ -25,11 +25,9 @@ macro_rules! unserved {
     )*};
     (@type null) => { *mut c_void };
     (@type int) => { c_int };
-    (@type minus_one) => { c_int };
     (@type void) => { () };
     (@value null) => { ptr::null_mut() };
     (@value int) => { libc::EOPNOTSUPP };
-    (@value minus_one) => { -1 };
     (@value void) => { () };
 }
 
@@ -38,7 +36,6 @@ type P = *mut c_void;
 unserved! {
     ibv_rereg_mr(P, c_int, P, P, usize, c_int) -> int;
     ibv_resize_cq(P, c_int) -> int;
-    ibv_get_cq_event(P, P, P) -> minus_one;
     ibv_qp_to_qp_ex(P) -> null;
     ibv_query_ece(P, P) -> int;
     ibv_set_ece(P, P) -> int;
