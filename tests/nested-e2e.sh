@@ -6,10 +6,12 @@
 #   2. the same with a native ibverbs program on rxe0;
 #   3. a backend restart under the running VM: guest-lib reports the device reset, opens the
 #      device again and creates a QP;
-#   4. once the VM is shut down, every host object it had is released (`rdma resource`).
+#   4. an unmodified ibv_rc_pingpong in the VM (vrdma's libibverbs over the PCI device) with
+#      its buffer check, against a native ibv_rc_pingpong on rxe0 here;
+#   5. once the VM is shut down, every host object it had is released (`rdma resource`).
 # Prints one `nested-e2e: CHECK ok|FAILED` line per check; exits 1 if any failed.
 # usage: tests/nested-e2e.sh BIN_DIR   (BIN_DIR holds vhost-user-rdma, guest-endpoint,
-#                                       native-endpoint)
+#                                       native-endpoint, vrdma-ibverbs/libibverbs.so.1)
 set -uo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -136,6 +138,30 @@ check "guest-lib in a nested VM <-> native ibverbs: $round_trips checked round t
   pair native-peer "$bin/native-endpoint" ping "$round_trips"
 check "backend restart under the VM: guest-lib reports the reset, reopens, creates a QP" \
   restart_backend_under_the_vm
+
+# The native server here; its address exchange with the VM's client goes through the relay
+# files (see tests/nested-guest.sh).
+pingpong_with_native() {
+  local up="$exchange/pingpong.up" down="$exchange/pingpong.down" server relay ok=0
+  : >"$down"
+  stdbuf -oL timeout 900 ibv_rc_pingpong -d rxe0 -g 1 -c -s 4096 -n 50 -p 18515 \
+    >/tmp/pingpong.out 2>&1 &
+  server=$!
+  wait_line /tmp/pingpong.out 'local address' 60 >/dev/null || ok=1
+  busybox tail -c +1 -F -s 1 "$up" 2>/dev/null | busybox nc 127.0.0.1 18515 >"$down" &
+  relay=$!
+  wait "$server" || ok=1
+  wait_line "$exchange/pingpong.nested-rc" '^0$' 300 >/dev/null || ok=1
+  kill "$relay" 2>/dev/null
+  pkill -f "tail -c \+1 -F -s 1 $up"
+  grep -q ' iters in ' /tmp/pingpong.out && grep -q ' iters in ' "$exchange/pingpong.from-nested" || ok=1
+  [ "$ok" = 0 ] || {
+    tail -n 5 /tmp/pingpong.out >&2
+    show_logs pingpong
+  }
+}
+check "ibv_rc_pingpong -c in a nested VM (vrdma's libibverbs, PCI) <-> native ibv_rc_pingpong" \
+  pingpong_with_native
 
 vm_ok() {
   wait "$vm" || { echo "--- nested VM log" >&2; tail -n 30 "$logs/vm.log" >&2; return 1; }

@@ -4,9 +4,13 @@
 # in this VM's run folder, the only one it can write to: the peer's lines arrive in
 # NAME.to-nested (a line `end` closes the session), the program's output goes to
 # NAME.from-nested and its exit code to NAME.nested-rc.
+# The last session runs an unmodified ibv_rc_pingpong on the PCI device through vrdma's
+# libibverbs; this VM has no network, so its TCP address exchange is relayed through
+# pingpong.up / pingpong.down.
 # usage: tests/nested-guest.sh BIN_DIR ROUND_TRIPS
 set -uo pipefail
 exchange=${VRDMA_VM_RUN_DIR:?run me inside the VM harness} bin=$1 round_trips=$2
+repo=$(cd "$(dirname "$0")/.." && pwd)
 
 # Prints the lines of FILE as they are appended (9p has no inotify: polls), until `end`.
 follow() {
@@ -37,3 +41,13 @@ modprobe uio_pci_generic 2>/dev/null # the initramfs loaded it already, if it ha
 session guest-peer ping pci "$round_trips"
 session native-peer pong pci "$round_trips"
 session reopen reopen pci
+
+# The pingpong's peer address is 127.0.0.1 here: a one-connection listener copies the socket
+# into pingpong.up and pingpong.down into the socket.
+busybox nc -l -p 18515 -e sh -c 'busybox tail -c +1 -F -s 1 "$2" & exec cat >>"$1"' \
+  relay "$exchange/pingpong.up" "$exchange/pingpong.down" &
+sleep 1
+VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" --device pci -- \
+  ibv_rc_pingpong -d vrdma0 -g 1 -c -s 4096 -n 50 -p 18515 127.0.0.1 \
+  >"$exchange/pingpong.from-nested" 2>"$exchange/pingpong.nested-err"
+echo $? >"$exchange/pingpong.nested-rc"
