@@ -380,3 +380,20 @@ impl EndpointAddress {
         Self::parse(&line)
     }
 }
+
+/// A raw control request: the header for `opcode`, then `payload`'s bytes.
+pub fn control_request<T: vrdma_guest::spec::ByteValued>(opcode: u16, payload: &T) -> Vec<u8> {
+    use vrdma_guest::spec::{ctrl::RequestHeader, ByteValued, Le16, Le32};
+    let header = RequestHeader {
+        opcode: Le16::from(opcode),
+        flags: Le16::from(0),
+        length: Le32::from(std::mem::size_of::<T>() as u32),
+    };
+    [header.as_slice(), payload.as_slice()].concat()
+}
+
+/// The status of a raw control response.
+pub fn response_status(response: &[u8]) -> u16 {
+    assert!(response.len() >= 8, "no response header: {response:?}");
+    u16::from_le_bytes([response[0], response[1]])
+}

@@ -14,8 +14,8 @@ use vrdma_guest::{
     QueuePair, Status,
 };
 use vrdma_tests::{
-    connect_guest_qp, host_resource_counts, open_test_device, start_backend, wait_for_completions,
-    wait_for_host_counts, RcEndpoint, FULL_ACCESS,
+    connect_guest_qp, control_request, host_resource_counts, open_test_device, response_status,
+    start_backend, wait_for_completions, wait_for_host_counts, RcEndpoint, FULL_ACCESS,
 };
 
 const GUEST_ENDPOINT: &str = env!("CARGO_BIN_EXE_guest-endpoint");
@@ -146,20 +146,6 @@ fn a_guest_mr_over_huge_pages_works_the_same() {
     );
 }
 
-fn request<T: ByteValued>(opcode: u16, payload: &T) -> Vec<u8> {
-    let header = RequestHeader {
-        opcode: Le16::from(opcode),
-        flags: Le16::from(0),
-        length: Le32::from(std::mem::size_of::<T>() as u32),
-    };
-    [header.as_slice(), payload.as_slice()].concat()
-}
-
-fn status_of(response: &[u8]) -> u16 {
-    assert!(response.len() >= 8, "no response header: {response:?}");
-    u16::from_le_bytes([response[0], response[1]])
-}
-
 fn handle_request(handle: u32) -> HandleRequest {
     HandleRequest {
         handle: Le32::from(handle),
@@ -178,16 +164,16 @@ fn malformed_requests_get_the_spec_status_and_leak_nothing() {
         let pd = device.alloc_pd().unwrap();
         let cq = device.create_cq(16).unwrap();
         let buffer = device.alloc_buffer(8192).unwrap();
-        let raw = |bytes: &[u8]| status_of(&device.raw_control(bytes, 64).unwrap());
+        let raw = |bytes: &[u8]| response_status(&device.raw_control(bytes, 64).unwrap());
         let pd_handle = handle_request(pd.handle());
 
         assert_eq!(
-            raw(&request(0x77, &pd_handle)),
+            raw(&control_request(0x77, &pd_handle)),
             Status::Unsupported as u16,
             "unknown opcode"
         );
         assert_eq!(
-            raw(&request(Opcode::DeallocPd as u16, &pd_handle)[..10]),
+            raw(&control_request(Opcode::DeallocPd as u16, &pd_handle)[..10]),
             Status::BadLength as u16,
             "short request"
         );
@@ -196,27 +182,27 @@ fn malformed_requests_get_the_spec_status_and_leak_nothing() {
             Status::BadLength as u16,
             "shorter than a header"
         );
-        let mut wrong_length = request(Opcode::DeallocPd as u16, &pd_handle);
+        let mut wrong_length = control_request(Opcode::DeallocPd as u16, &pd_handle);
         wrong_length[4] = 4;
         assert_eq!(
             raw(&wrong_length),
             Status::BadLength as u16,
             "length field disagrees"
         );
-        let mut flags = request(Opcode::DeallocPd as u16, &pd_handle);
+        let mut flags = control_request(Opcode::DeallocPd as u16, &pd_handle);
         flags[2] = 1;
         assert_eq!(raw(&flags), Status::InvalidArgument as u16, "nonzero flags");
         assert!(
             device
-                .raw_control(&request(Opcode::QueryDevice as u16, &pd_handle), 4)
+                .raw_control(&control_request(Opcode::QueryDevice as u16, &pd_handle), 4)
                 .unwrap()
                 .is_empty(),
             "no room for a header"
         );
         assert_eq!(
-            status_of(
+            response_status(
                 &device
-                    .raw_control(&request(Opcode::QueryGid as u16, &pd_handle), 8)
+                    .raw_control(&control_request(Opcode::QueryGid as u16, &pd_handle), 8)
                     .unwrap()
             ),
             Status::BadLength as u16,
@@ -241,37 +227,37 @@ fn malformed_requests_get_the_spec_status_and_leak_nothing() {
                 },
             };
             device
-                .raw_control(&request(Opcode::RegMr as u16, &req), 64)
+                .raw_control(&control_request(Opcode::RegMr as u16, &req), 64)
                 .unwrap()
         };
         assert_eq!(
-            status_of(&reg(buffer.addr(), 4096, 0x1000)),
+            response_status(&reg(buffer.addr(), 4096, 0x1000)),
             Status::BadAddress as u16,
             "GPA outside guest RAM"
         );
         assert_eq!(
-            status_of(&reg(buffer.addr(), 4096, u64::MAX - 4095)),
+            response_status(&reg(buffer.addr(), 4096, u64::MAX - 4095)),
             Status::BadAddress as u16,
             "GPA + page size overflows"
         );
         assert_eq!(
-            status_of(&reg(u64::MAX - 100, 4096, buffer.addr())),
+            response_status(&reg(u64::MAX - 100, 4096, buffer.addr())),
             Status::BadAddress as u16,
             "VA + length overflows"
         );
         assert_eq!(
-            status_of(&reg(buffer.addr(), 4096, buffer.addr() + 8)),
+            response_status(&reg(buffer.addr(), 4096, buffer.addr() + 8)),
             Status::BadAddress as u16,
             "misaligned page"
         );
         assert_eq!(
-            status_of(&reg(buffer.addr(), 8192, buffer.addr())),
+            response_status(&reg(buffer.addr(), 8192, buffer.addr())),
             Status::InvalidArgument as u16,
             "page count too small"
         );
         let registered = reg(buffer.addr(), 4096, buffer.addr());
         assert_eq!(
-            status_of(&registered),
+            response_status(&registered),
             Status::Ok as u16,
             "the well-formed one passes"
         );
@@ -279,17 +265,17 @@ fn malformed_requests_get_the_spec_status_and_leak_nothing() {
 
         // Handles: wrong type, another connection's, destroyed twice.
         assert_eq!(
-            raw(&request(
+            raw(&control_request(
                 Opcode::DeallocPd as u16,
                 &handle_request(cq.handle())
             )),
             Status::BadHandle as u16,
             "CQ handle as a PD"
         );
-        let foreign = status_of(
+        let foreign = response_status(
             &other
                 .raw_control(
-                    &request(Opcode::DestroyCq as u16, &handle_request(cq.handle())),
+                    &control_request(Opcode::DestroyCq as u16, &handle_request(cq.handle())),
                     64,
                 )
                 .unwrap(),
@@ -300,11 +286,11 @@ fn malformed_requests_get_the_spec_status_and_leak_nothing() {
             "another connection's handle"
         );
         assert_eq!(
-            raw(&request(Opcode::DeallocPd as u16, &pd_handle)),
+            raw(&control_request(Opcode::DeallocPd as u16, &pd_handle)),
             Status::Busy as u16,
             "PD still has an MR"
         );
-        let dereg = request(Opcode::DeregMr as u16, &mr_handle);
+        let dereg = control_request(Opcode::DeregMr as u16, &mr_handle);
         assert_eq!(raw(&dereg), Status::Ok as u16);
         assert_eq!(raw(&dereg), Status::BadHandle as u16, "destroyed twice");
 
@@ -432,7 +418,7 @@ fn a_device_not_yet_initialised_answers_not_ready() {
     let mut response = [0u8; 1024]; // room for any response
     let mut status = |bytes: &[u8]| {
         let written = transport.control(bytes, &mut response).unwrap();
-        status_of(&response[..written])
+        response_status(&response[..written])
     };
     let alloc_pd = [RequestHeader {
         opcode: Le16::from(Opcode::AllocPd as u16),
@@ -442,7 +428,7 @@ fn a_device_not_yet_initialised_answers_not_ready() {
     .as_slice()]
     .concat();
     assert_eq!(status(&alloc_pd), Status::NotReady as u16);
-    let destroy = request(Opcode::DeallocPd as u16, &handle_request(1));
+    let destroy = control_request(Opcode::DeallocPd as u16, &handle_request(1));
     assert_eq!(status(&destroy), Status::NotReady as u16);
     let query = [RequestHeader {
         opcode: Le16::from(Opcode::QueryDevice as u16),

@@ -1,27 +1,13 @@
 //! What a hostile (or merely unusual) guest must not be able to do to the backend, on rxe: each
 //! test is the regression test of an attack that once worked. Runs inside the VM harness.
 
-use vrdma_guest::spec::ctrl::{Opcode, RegMrRequest, RequestHeader};
+use vrdma_guest::spec::ctrl::{Opcode, RegMrRequest};
 use vrdma_guest::spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES};
-use vrdma_guest::spec::{ByteValued, Le16, Le32, Le64};
+use vrdma_guest::spec::{Le16, Le32, Le64};
 use vrdma_guest::{access, Device, QpType, QueuePair, Status};
-use vrdma_tests::start_backend;
+use vrdma_tests::{control_request, response_status, start_backend};
 
 const PAGE: u64 = 4096;
-
-fn request<T: ByteValued>(opcode: Opcode, payload: &T) -> Vec<u8> {
-    let header = RequestHeader {
-        opcode: Le16::from(opcode as u16),
-        flags: Le16::from(0),
-        length: Le32::from(std::mem::size_of::<T>() as u32),
-    };
-    [header.as_slice(), payload.as_slice()].concat()
-}
-
-fn status_of(response: &[u8]) -> u16 {
-    assert!(response.len() >= 8, "no response header: {response:?}");
-    u16::from_le_bytes([response[0], response[1]])
-}
 
 /// Mappings in this process (the backend runs in it).
 fn mapping_count() -> usize {
@@ -66,10 +52,10 @@ fn scattered_registrations_keep_no_mappings_and_the_next_guest_is_served() {
             },
         };
         let response = device
-            .raw_control(&request(Opcode::RegMr, &req), 64)
+            .raw_control(&control_request(Opcode::RegMr as u16, &req), 64)
             .unwrap();
         assert_eq!(
-            status_of(&response),
+            response_status(&response),
             Status::Ok as u16,
             "registration {i} of {registrations}"
         );
