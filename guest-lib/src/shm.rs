@@ -503,6 +503,9 @@ fn physical_address(entry: u64) -> Result<u64> {
 #[derive(Default)]
 pub struct RegionSet {
     regions: Mutex<Vec<Arc<Region>>>,
+    /// Held through [`RegionSet::share`], so that two registrations of overlapping program
+    /// memory cannot both remap the same page.
+    sharing: Mutex<()>,
 }
 
 impl RegionSet {
@@ -583,6 +586,7 @@ impl RegionSet {
             .checked_add(len.max(1))
             .and_then(|end| end.checked_next_multiple_of(PAGE_SIZE))
             .ok_or_else(|| Error::InvalidArgument(format!("{addr:#x}+{len:#x} overflows")))?;
+        let _sharing = self.sharing.lock().unwrap_or_else(|e| e.into_inner());
         let mut page = start;
         while page < end {
             if self.lock().iter().any(|r| r.contains(page, 1)) {

@@ -1,6 +1,6 @@
-//! The C edge for verbs objects (PD, MR, CQ, QP, AH) and the data path that verbs.h inlines
-//! (`ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq`, `ibv_req_notify_cq` call through
-//! `context->ops`). Each object programs hold is the first field of a `#[repr(C)]` struct
+//! The C edge for verbs objects (PD, MR, completion channel, CQ, QP, SRQ, AH) and the data
+//! path that verbs.h inlines (`ibv_post_send`, `ibv_post_recv`, `ibv_post_srq_recv`,
+//! `ibv_poll_cq`, `ibv_req_notify_cq` call through `context->ops`). Each object programs hold is the first field of a `#[repr(C)]` struct
 //! that owns its guest-lib object, so the hot path finds guest-lib's rings with one cast: no
 //! allocation, no lock beyond guest-lib's own, no system call while the backend's poller is
 //! awake.
