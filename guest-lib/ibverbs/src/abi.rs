@@ -1,6 +1,6 @@
-//! The C edge: libibverbs' exported functions, each a thin skin over guest-lib. Everything
-//! unsafe in this library is here: C callers hand in raw pointers that only they can vouch
-//! for, exactly as with the system's libibverbs.
+//! The C edge for the device, its context and queries: libibverbs' exported functions, each
+//! a thin skin over guest-lib (`objects` is the other half). C callers hand in raw pointers
+//! that only they can vouch for, exactly as with the system's libibverbs.
 //!
 //! Objects programs receive (`ibv_device`, `ibv_context`, ...) are the first field of a
 //! `#[repr(C)]` struct of this library's own, so a pointer a program passes back leads to
@@ -19,7 +19,7 @@ use rdma_sys::{
 use vrdma_guest::Device;
 
 use crate::attr::{self, COMPAT_PORT_ATTR_LEN};
-use crate::config::{self, DeviceTarget, NotConfigured, DEVICE_NAME};
+use crate::config::{self, DeviceTarget, DEVICE_NAME};
 use crate::events::Dispatcher;
 use crate::{objects, strings, translate};
 
@@ -78,10 +78,6 @@ fn vrdma_device() -> Option<&'static VrdmaDevice> {
                 attr::fill_c_string(&mut device.name, DEVICE_NAME);
                 attr::fill_c_string(&mut device.dev_name, DEVICE_NAME);
                 Some(VrdmaDevice { device, target })
-            }
-            Err(NotConfigured::Nothing) => {
-                report_once("config", &NotConfigured::Nothing.to_string());
-                None
             }
             Err(e) => {
                 report_once("config", &e.to_string());
