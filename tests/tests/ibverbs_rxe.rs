@@ -438,3 +438,31 @@ fn every_symbol_of_the_system_libibverbs_is_exported_with_its_version() {
         "not exported by vrdma's library: {missing:?}"
     );
 }
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn the_extended_qp_api_sends_writes_reads_and_does_atomics() {
+    // A C program against libibverbs only (tests/c/qp_ex.c): no Debian binary uses the
+    // ibv_wr_* API on a device like this one.
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("c/qp_ex.c");
+    let program = std::env::temp_dir().join(format!("vrdma-qp-ex-{}", std::process::id()));
+    let compiled = Command::new("cc")
+        .args(["-Wall", "-O1", "-o"])
+        .arg(&program)
+        .arg(&source)
+        .arg("-libverbs")
+        .output()
+        .expect("run cc");
+    assert!(compiled.status.success(), "{}", text(&compiled.stderr));
+    let backend = start_backend();
+    let output = run_on(
+        backend.socket.to_str().unwrap(),
+        &[program.to_str().unwrap(), "vrdma0", GID_INDEX],
+    );
+    assert!(
+        text(&output.stdout).contains("qp_ex: ok"),
+        "{}",
+        text(&output.stderr)
+    );
+    let _ = std::fs::remove_file(&program);
+}

@@ -245,6 +245,7 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
     let mut verbs: verbs_context = unsafe { std::mem::zeroed() };
     verbs.sz = std::mem::size_of::<verbs_context>();
     verbs.query_port = Some(query_port_extended);
+    verbs.create_qp_ex = Some(objects::create_qp_ex);
     // The verbs verbs.h inlines call these through the context.
     verbs.context.ops.post_send = Some(objects::post_send);
     verbs.context.ops.post_recv = Some(objects::post_recv);

@@ -11,7 +11,7 @@
 //! Layout: [`config`] and the conversions in `attr`, `translate` and `strings` are safe and
 //! unit-tested; `events` routes completion events to channels; `abi` (device, context,
 //! queries) and `objects` (PD, MR, CQ, channels, QP, SRQ, AH and the inlined data path) are
-//! the C edge, where all `unsafe` is; `unserved` holds the verbs not
+//! the C edge, with `qp_ex` (the `ibv_wr_*` API), where all `unsafe` is; `unserved` holds the verbs not
 //! served yet and `private` the provider-only ABI that must exist for programs to load.
 
 mod abi;
@@ -20,6 +20,7 @@ pub mod config;
 mod events;
 mod objects;
 mod private;
+mod qp_ex;
 mod strings;
 mod translate;
 mod unserved;

@@ -8,20 +8,21 @@
 use std::os::fd::AsRawFd;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rdma_sys::{
     ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_qp,
-    ibv_qp_attr, ibv_qp_init_attr, ibv_qp_state, ibv_recv_wr, ibv_send_wr, ibv_srq, ibv_srq_attr,
-    ibv_srq_init_attr, ibv_wc,
+    ibv_qp_attr, ibv_qp_ex, ibv_qp_init_attr, ibv_qp_init_attr_ex, ibv_qp_state, ibv_recv_wr,
+    ibv_send_wr, ibv_srq, ibv_srq_attr, ibv_srq_init_attr, ibv_wc,
 };
 use vrdma_guest::{
     qp_attr_mask, AddressHandle, CompletionQueue, MemoryRegion, Payload, ProtectionDomain, QpCaps,
-    QueuePair, RecvWr, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
+    QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
 };
 
 use crate::abi::{context_of, errno_of, report_once, set_errno};
 use crate::events::Channel;
+use crate::qp_ex::{self, Staged, SERVED_SEND_OPS};
 use crate::translate::{self, send_flags};
 
 #[repr(C)]
@@ -48,12 +49,62 @@ struct VrdmaCq {
     inner: CompletionQueue,
 }
 
+/// A QP. `qp_ex` begins with the `ibv_qp` programs hold, so one pointer serves both APIs.
 #[repr(C)]
-struct VrdmaQp {
-    qp: ibv_qp,
+pub(crate) struct VrdmaQp {
+    pub(crate) qp_ex: ibv_qp_ex,
     inner: QueuePair,
     caps: QpCaps,
     sq_sig_all: bool,
+    /// The `ibv_wr_*` staging area, for QPs made with send ops (`ibv_create_qp_ex`).
+    staged: Option<Mutex<Staged>>,
+}
+
+impl VrdmaQp {
+    fn base(&self) -> &ibv_qp {
+        &self.qp_ex.qp_base
+    }
+
+    pub(crate) fn staged(&self) -> Option<&Mutex<Staged>> {
+        self.staged.as_ref()
+    }
+
+    /// Posts one send request; `flags` are `ibv_send_flags`, `ud` a UD QP's destination.
+    ///
+    /// # Safety
+    /// `ud`'s AH must be NULL or one of this library's, alive.
+    pub(crate) unsafe fn post(
+        &self,
+        wr_id: u64,
+        op: SendOp,
+        payload: Payload<'_>,
+        flags: u32,
+        ud: Option<(*mut ibv_ah, u32, u32)>,
+    ) -> Result<(), c_int> {
+        let is_ud = self.base().qp_type == rdma_sys::ibv_qp_type::IBV_QPT_UD;
+        let ud = match ud {
+            Some((ah, remote_qpn, remote_qkey)) if is_ud && !ah.is_null() => Some(UdDest {
+                // SAFETY: per the contract.
+                ah: &unsafe { ours::<VrdmaAh>(ah) }.inner,
+                remote_qpn,
+                remote_qkey,
+            }),
+            None if !is_ud => None,
+            _ => return Err(libc::EINVAL),
+        };
+        let send = SendWr {
+            wr_id,
+            op,
+            payload,
+            signaled: self.sq_sig_all || flags & send_flags::SIGNALED != 0,
+            solicited: flags & send_flags::SOLICITED != 0,
+            fence: flags & send_flags::FENCE != 0,
+            ud,
+        };
+        self.inner
+            .post_send(std::slice::from_ref(&send))
+            .map_err(|e| errno_of(&e))
+    }
 }
 
 #[repr(C)]
@@ -468,7 +519,61 @@ unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, init: *mut ibv_qp_init_attr)
         return ptr::null_mut();
     }
     // SAFETY: a PD from ibv_alloc_pd and an attribute block the caller filled.
-    let (owner, init) = unsafe { (ours::<VrdmaPd>(pd), &mut *init) };
+    unsafe { create_qp(pd, &mut *init, false) }
+}
+
+/// `verbs_context.create_qp_ex`: what verbs.h's `ibv_create_qp_ex` calls. Served: a PD and
+/// the send ops in [`SERVED_SEND_OPS`] (which make the `ibv_wr_*` API available).
+pub(crate) unsafe extern "C" fn create_qp_ex(
+    _context: *mut ibv_context,
+    attr: *mut ibv_qp_init_attr_ex,
+) -> *mut ibv_qp {
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: an attribute block the caller filled.
+    let attr = unsafe { &mut *attr };
+    let with_pd = rdma_sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0;
+    let with_send_ops = rdma_sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
+    let send_ops = attr.comp_mask & with_send_ops != 0;
+    if attr.comp_mask & !(with_pd | with_send_ops) != 0
+        || (send_ops && attr.send_ops_flags & !SERVED_SEND_OPS != 0)
+    {
+        report_once(
+            "create_qp_ex",
+            "ibv_create_qp_ex: vrdma serves a PD and the send ops SEND, SEND_WITH_IMM, RDMA_WRITE, RDMA_WRITE_WITH_IMM, RDMA_READ and the two atomics only",
+        );
+        set_errno(libc::EOPNOTSUPP);
+        return ptr::null_mut();
+    }
+    if attr.comp_mask & with_pd == 0 || attr.pd.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    let mut init = ibv_qp_init_attr {
+        qp_context: attr.qp_context,
+        send_cq: attr.send_cq,
+        recv_cq: attr.recv_cq,
+        srq: attr.srq,
+        cap: attr.cap,
+        qp_type: attr.qp_type,
+        sq_sig_all: attr.sq_sig_all,
+    };
+    // SAFETY: the PD the caller named, per the API contract.
+    let qp = unsafe { create_qp(attr.pd, &mut init, send_ops) };
+    attr.cap = init.cap;
+    qp
+}
+
+/// Makes a QP from `init` (whose `cap` learns what the QP got); with `send_ops`, also a
+/// staging area for the `ibv_wr_*` API.
+///
+/// # Safety
+/// `pd` must be a live PD of this library, and `init`'s CQs and SRQ this library's too.
+unsafe fn create_qp(pd: *mut ibv_pd, init: &mut ibv_qp_init_attr, send_ops: bool) -> *mut ibv_qp {
+    // SAFETY: per the contract.
+    let owner = unsafe { ours::<VrdmaPd>(pd) };
     let Some(qp_type) = translate::qp_type(init.qp_type) else {
         report_once("qp_type", "vrdma serves RC and UD QPs only");
         set_errno(libc::EOPNOTSUPP);
@@ -478,13 +583,13 @@ unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, init: *mut ibv_qp_init_attr)
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     }
-    // SAFETY: CQs from ibv_create_cq, per the API contract.
+    // SAFETY: CQs from ibv_create_cq, per the contract.
     let (send_cq, recv_cq) =
         unsafe { (ours::<VrdmaCq>(init.send_cq), ours::<VrdmaCq>(init.recv_cq)) };
     let cap = init.cap;
     let mut builder = QueuePair::builder(qp_type, &send_cq.inner).recv_cq(&recv_cq.inner);
     if !init.srq.is_null() {
-        // SAFETY: an SRQ from ibv_create_srq, per the API contract.
+        // SAFETY: an SRQ from ibv_create_srq, per the contract.
         builder = builder.srq(&unsafe { ours::<VrdmaSrq>(init.srq) }.inner);
     }
     let built = builder
@@ -495,35 +600,52 @@ unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, init: *mut ibv_qp_init_attr)
         .max_inline_data(cap.max_inline_data)
         .sq_sig_all(init.sq_sig_all != 0)
         .build(&owner.inner);
-    match built {
-        Ok(inner) => {
-            let caps = inner.caps();
-            init.cap = translate::qp_cap(&caps); // the caller learns what it got
-                                                 // SAFETY: ibv_qp is C data valid as all-zero bytes (see ibv_cq).
-            let mut qp: ibv_qp = unsafe { std::mem::zeroed() };
-            qp.context = owner.pd.context;
-            qp.qp_context = init.qp_context;
-            qp.pd = pd;
-            qp.send_cq = init.send_cq;
-            qp.recv_cq = init.recv_cq;
-            qp.srq = init.srq;
-            qp.handle = inner.handle();
-            qp.qp_num = inner.qp_num();
-            qp.state = ibv_qp_state::IBV_QPS_RESET;
-            qp.qp_type = init.qp_type;
-            into_c(VrdmaQp {
-                qp,
-                inner,
-                caps,
-                sq_sig_all: init.sq_sig_all != 0,
-            })
-        }
+    let inner = match built {
+        Ok(inner) => inner,
         Err(e) => {
             report_once("create_qp", &format!("ibv_create_qp failed: {e}"));
             set_errno(errno_of(&e));
-            ptr::null_mut()
+            return ptr::null_mut();
         }
+    };
+    let caps = inner.caps();
+    init.cap = translate::qp_cap(&caps);
+    // SAFETY: ibv_qp_ex is C data (an ibv_qp, integers, function pointers as Options) valid
+    // as all-zero bytes (see ibv_cq).
+    let mut qp_ex: ibv_qp_ex = unsafe { std::mem::zeroed() };
+    let qp = &mut qp_ex.qp_base;
+    qp.context = owner.pd.context;
+    qp.qp_context = init.qp_context;
+    qp.pd = pd;
+    qp.send_cq = init.send_cq;
+    qp.recv_cq = init.recv_cq;
+    qp.srq = init.srq;
+    qp.handle = inner.handle();
+    qp.qp_num = inner.qp_num();
+    qp.state = ibv_qp_state::IBV_QPS_RESET;
+    qp.qp_type = init.qp_type;
+    let staged = send_ops.then(|| {
+        qp_ex::install(&mut qp_ex);
+        Staged::new(caps.max_send_wr, caps.max_send_sge, caps.max_inline_data)
+    });
+    into_c(VrdmaQp {
+        qp_ex,
+        inner,
+        caps,
+        sq_sig_all: init.sq_sig_all != 0,
+        staged,
+    })
+}
+
+/// The `ibv_wr_*` face of a QP made with send ops; NULL (EOPNOTSUPP) for others.
+#[no_mangle]
+unsafe extern "C" fn ibv_qp_to_qp_ex(qp: *mut ibv_qp) -> *mut ibv_qp_ex {
+    // SAFETY: a QP from ibv_create_qp(_ex), per the API contract.
+    if !qp.is_null() && unsafe { ours::<VrdmaQp>(qp) }.staged.is_some() {
+        return qp.cast();
     }
+    set_errno(libc::EOPNOTSUPP);
+    ptr::null_mut()
 }
 
 #[no_mangle]
@@ -565,12 +687,12 @@ unsafe extern "C" fn ibv_query_qp(
     match ours_qp.inner.query() {
         Ok(current) => {
             translate::fill_qp_attr(attr, &current, &ours_qp.caps);
-            init.qp_context = ours_qp.qp.qp_context;
-            init.send_cq = ours_qp.qp.send_cq;
-            init.recv_cq = ours_qp.qp.recv_cq;
-            init.srq = ours_qp.qp.srq;
+            init.qp_context = ours_qp.base().qp_context;
+            init.send_cq = ours_qp.base().send_cq;
+            init.recv_cq = ours_qp.base().recv_cq;
+            init.srq = ours_qp.base().srq;
             init.cap = translate::qp_cap(&ours_qp.caps);
-            init.qp_type = ours_qp.qp.qp_type;
+            init.qp_type = ours_qp.base().qp_type;
             init.sq_sig_all = ours_qp.sq_sig_all.into();
             0
         }
@@ -615,42 +737,19 @@ pub(crate) unsafe extern "C" fn post_send(
         // SAFETY: the request's own SGE list.
         let posted = unsafe { sges(request.sg_list, request.num_sge) }.and_then(|list| {
             let op = translate::send_op(request)?;
-            let flags = request.send_flags;
-            let payload = if flags & send_flags::INLINE != 0 {
+            let payload = if request.send_flags & send_flags::INLINE != 0 {
                 // SAFETY: inline data is read from the program's buffers, which the SGEs
                 // describe and the program vouches for.
                 Payload::Inline(unsafe { inline_bytes(list, &mut gathered)? })
             } else {
                 Payload::Sges(list)
             };
-            let ud = if ours_qp.qp.qp_type == rdma_sys::ibv_qp_type::IBV_QPT_UD {
-                // SAFETY: for UD QPs the program fills `wr.ud`, with an AH of ours.
-                let ud = unsafe { request.wr.ud };
-                if ud.ah.is_null() {
-                    return Err(libc::EINVAL);
-                }
-                Some(UdDest {
-                    // SAFETY: an AH from ibv_create_ah, per the API contract.
-                    ah: &unsafe { ours::<VrdmaAh>(ud.ah) }.inner,
-                    remote_qpn: ud.remote_qpn,
-                    remote_qkey: ud.remote_qkey,
-                })
-            } else {
-                None
-            };
-            let send = SendWr {
-                wr_id: request.wr_id,
-                op,
-                payload,
-                signaled: ours_qp.sq_sig_all || flags & send_flags::SIGNALED != 0,
-                solicited: flags & send_flags::SOLICITED != 0,
-                fence: flags & send_flags::FENCE != 0,
-                ud,
-            };
-            ours_qp
-                .inner
-                .post_send(std::slice::from_ref(&send))
-                .map_err(|e| errno_of(&e))
+            // SAFETY: for UD QPs the program fills `wr.ud`, with an AH of this library.
+            let ud = unsafe { request.wr.ud };
+            let ud = Some((ud.ah, ud.remote_qpn, ud.remote_qkey))
+                .filter(|_| ours_qp.base().qp_type == rdma_sys::ibv_qp_type::IBV_QPT_UD);
+            // SAFETY: as above.
+            unsafe { ours_qp.post(request.wr_id, op, payload, request.send_flags, ud) }
         });
         if let Err(errno) = posted {
             if !bad_wr.is_null() {

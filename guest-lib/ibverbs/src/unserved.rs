@@ -36,7 +36,6 @@ type P = *mut c_void;
 unserved! {
     ibv_rereg_mr(P, c_int, P, P, usize, c_int) -> int;
     ibv_resize_cq(P, c_int) -> int;
-    ibv_qp_to_qp_ex(P) -> null;
     ibv_query_ece(P, P) -> int;
     ibv_set_ece(P, P) -> int;
     ibv_create_ah_from_wc(P, P, P, u8) -> null;

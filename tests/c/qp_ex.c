@@ -1,0 +1,206 @@
+/* The extended QP API (ibv_create_qp_ex, ibv_wr_*) on a libibverbs device, checked byte by
+ * byte: two RC QPs of one context connected to each other, then SEND, RDMA WRITE, RDMA READ,
+ * fetch-and-add, compare-and-swap and an inline SEND, each through ibv_wr_start ..
+ * ibv_wr_complete. Written against libibverbs only; tests/tests/ibverbs_rxe.rs builds it and
+ * runs it on vrdma0 through vrdma-run.
+ * usage: qp_ex DEVICE GID_INDEX; prints "qp_ex: ok" and exits 0 when every check holds. */
+#include <infiniband/verbs.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHECK(cond, what)                                                                  \
+	do {                                                                               \
+		if (!(cond)) {                                                             \
+			perror(what);                                                      \
+			fprintf(stderr, "qp_ex: %s failed (line %d)\n", what, __LINE__);   \
+			exit(1);                                                           \
+		}                                                                          \
+	} while (0)
+
+enum { BUF = 8192, SEND_AT = 0, RECV_AT = 4096, WRITE_AT = 5000, READ_AT = 6000,
+       ATOMIC_AT = 7000, RESULT_AT = 7100 };
+
+static struct ibv_cq *cq;
+
+/* Waits for `n` successful completions. */
+static void wait_completions(int n)
+{
+	struct ibv_wc wc[4];
+	for (int done = 0; done < n;) {
+		int got = ibv_poll_cq(cq, 4, wc);
+		CHECK(got >= 0, "ibv_poll_cq");
+		for (int i = 0; i < got; i++) {
+			if (wc[i].status != IBV_WC_SUCCESS) {
+				fprintf(stderr, "qp_ex: wr %llu: %s\n",
+					(unsigned long long)wc[i].wr_id, ibv_wc_status_str(wc[i].status));
+				exit(1);
+			}
+		}
+		done += got;
+	}
+}
+
+static void connect_qp(struct ibv_qp *qp, uint32_t remote_qpn, union ibv_gid *gid, int gid_index)
+{
+	struct ibv_qp_attr attr = {
+		.qp_state = IBV_QPS_INIT, .port_num = 1, .pkey_index = 0,
+		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+				   IBV_ACCESS_REMOTE_ATOMIC,
+	};
+	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+					 IBV_QP_ACCESS_FLAGS), "modify to INIT");
+	memset(&attr, 0, sizeof attr);
+	attr.qp_state = IBV_QPS_RTR;
+	attr.path_mtu = IBV_MTU_1024;
+	attr.dest_qp_num = remote_qpn;
+	attr.max_dest_rd_atomic = 1;
+	attr.min_rnr_timer = 12;
+	attr.ah_attr.is_global = 1;
+	attr.ah_attr.grh.dgid = *gid;
+	attr.ah_attr.grh.sgid_index = gid_index;
+	attr.ah_attr.grh.hop_limit = 1;
+	attr.ah_attr.port_num = 1;
+	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+					 IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+					 IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER),
+	      "modify to RTR");
+	memset(&attr, 0, sizeof attr);
+	attr.qp_state = IBV_QPS_RTS;
+	attr.timeout = 14;
+	attr.retry_cnt = 7;
+	attr.rnr_retry = 7;
+	attr.max_rd_atomic = 1;
+	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+					 IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+					 IBV_QP_MAX_QP_RD_ATOMIC),
+	      "modify to RTS");
+}
+
+int main(int argc, char **argv)
+{
+	CHECK(argc == 3, "usage: qp_ex DEVICE GID_INDEX");
+	int gid_index = atoi(argv[2]), num;
+	struct ibv_device **list = ibv_get_device_list(&num);
+	CHECK(list, "ibv_get_device_list");
+	struct ibv_context *ctx = NULL;
+	for (int i = 0; i < num; i++)
+		if (!strcmp(ibv_get_device_name(list[i]), argv[1]))
+			ctx = ibv_open_device(list[i]);
+	CHECK(ctx, "ibv_open_device");
+	struct ibv_pd *pd = ibv_alloc_pd(ctx);
+	CHECK(pd, "ibv_alloc_pd");
+	cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+	CHECK(cq, "ibv_create_cq");
+	uint8_t *buf = aligned_alloc(4096, BUF);
+	CHECK(buf, "aligned_alloc");
+	memset(buf, 0, BUF);
+	struct ibv_mr *mr = ibv_reg_mr(pd, buf, BUF, IBV_ACCESS_LOCAL_WRITE |
+				       IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+				       IBV_ACCESS_REMOTE_ATOMIC);
+	CHECK(mr, "ibv_reg_mr");
+
+	struct ibv_qp *qp[2];
+	for (int i = 0; i < 2; i++) {
+		struct ibv_qp_init_attr_ex attr = {
+			.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC, .pd = pd,
+			.cap = { .max_send_wr = 8, .max_recv_wr = 8, .max_send_sge = 1,
+				 .max_recv_sge = 1, .max_inline_data = 64 },
+			.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS,
+			.send_ops_flags = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_RDMA_WRITE |
+					  IBV_QP_EX_WITH_RDMA_READ |
+					  IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD |
+					  IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP,
+		};
+		qp[i] = ibv_create_qp_ex(ctx, &attr);
+		CHECK(qp[i], "ibv_create_qp_ex");
+	}
+	union ibv_gid gid;
+	CHECK(!ibv_query_gid(ctx, 1, gid_index, &gid), "ibv_query_gid");
+	connect_qp(qp[0], qp[1]->qp_num, &gid, gid_index);
+	connect_qp(qp[1], qp[0]->qp_num, &gid, gid_index);
+	struct ibv_qp_ex *qpx = ibv_qp_to_qp_ex(qp[0]);
+	CHECK(qpx, "ibv_qp_to_qp_ex");
+	uint64_t base = (uintptr_t)buf;
+	struct ibv_sge recv_sge = { .addr = base + RECV_AT, .length = 64, .lkey = mr->lkey };
+	struct ibv_recv_wr recv = { .wr_id = 100, .sg_list = &recv_sge, .num_sge = 1 }, *bad;
+
+	/* SEND */
+	CHECK(!ibv_post_recv(qp[1], &recv, &bad), "ibv_post_recv");
+	strcpy((char *)buf + SEND_AT, "send through ibv_wr_send");
+	ibv_wr_start(qpx);
+	qpx->wr_id = 1;
+	qpx->wr_flags = IBV_SEND_SIGNALED;
+	ibv_wr_send(qpx);
+	ibv_wr_set_sge(qpx, mr->lkey, base + SEND_AT, 32);
+	CHECK(!ibv_wr_complete(qpx), "ibv_wr_complete (send)");
+	wait_completions(2);
+	CHECK(!strcmp((char *)buf + RECV_AT, "send through ibv_wr_send"), "received bytes");
+
+	/* RDMA WRITE */
+	strcpy((char *)buf + SEND_AT, "written through ibv_wr_rdma_write");
+	ibv_wr_start(qpx);
+	qpx->wr_id = 2;
+	ibv_wr_rdma_write(qpx, mr->rkey, base + WRITE_AT);
+	ibv_wr_set_sge(qpx, mr->lkey, base + SEND_AT, 40);
+	CHECK(!ibv_wr_complete(qpx), "ibv_wr_complete (write)");
+	wait_completions(1);
+	CHECK(!strcmp((char *)buf + WRITE_AT, "written through ibv_wr_rdma_write"), "written bytes");
+
+	/* RDMA READ */
+	strcpy((char *)buf + READ_AT, "read through ibv_wr_rdma_read");
+	ibv_wr_start(qpx);
+	qpx->wr_id = 3;
+	ibv_wr_rdma_read(qpx, mr->rkey, base + READ_AT);
+	ibv_wr_set_sge(qpx, mr->lkey, base + RESULT_AT + 64, 32);
+	CHECK(!ibv_wr_complete(qpx), "ibv_wr_complete (read)");
+	wait_completions(1);
+	CHECK(!strcmp((char *)buf + RESULT_AT + 64, "read through ibv_wr_rdma_read"), "read bytes");
+
+	/* Atomics, both in one batch: 5 + 3 = 8, then 8 -> 42. */
+	*(uint64_t *)(buf + ATOMIC_AT) = 5;
+	ibv_wr_start(qpx);
+	qpx->wr_id = 4;
+	ibv_wr_atomic_fetch_add(qpx, mr->rkey, base + ATOMIC_AT, 3);
+	ibv_wr_set_sge(qpx, mr->lkey, base + RESULT_AT, 8);
+	qpx->wr_id = 5;
+	ibv_wr_atomic_cmp_swp(qpx, mr->rkey, base + ATOMIC_AT, 8, 42);
+	ibv_wr_set_sge(qpx, mr->lkey, base + RESULT_AT + 8, 8);
+	CHECK(!ibv_wr_complete(qpx), "ibv_wr_complete (atomics)");
+	wait_completions(2);
+	CHECK(*(uint64_t *)(buf + RESULT_AT) == 5, "fetch-and-add's old value");
+	CHECK(*(uint64_t *)(buf + RESULT_AT + 8) == 8, "compare-and-swap's old value");
+	CHECK(*(uint64_t *)(buf + ATOMIC_AT) == 42, "the atomic's final value");
+
+#ifndef SKIP_INLINE /* rxe's own provider does not mark wr_* inline sends inline */
+	/* Inline SEND: the bytes are copied at ibv_wr_set_inline_data (ibv_wr_post(3)). */
+	memset(buf + RECV_AT, 0, 64);
+	CHECK(!ibv_post_recv(qp[1], &recv, &bad), "ibv_post_recv");
+	char inline_data[] = "inline through ibv_wr_set_inline_data";
+	ibv_wr_start(qpx);
+	qpx->wr_id = 6;
+	ibv_wr_send(qpx);
+	ibv_wr_set_inline_data(qpx, inline_data, sizeof inline_data);
+	memset(inline_data, 'x', sizeof inline_data - 1);
+	CHECK(!ibv_wr_complete(qpx), "ibv_wr_complete (inline)");
+	wait_completions(2);
+	CHECK(!strcmp((char *)buf + RECV_AT, "inline through ibv_wr_set_inline_data"), "inline bytes");
+#endif
+
+	/* A batch that is aborted posts nothing. */
+	ibv_wr_start(qpx);
+	ibv_wr_send(qpx);
+	ibv_wr_set_sge(qpx, mr->lkey, base + SEND_AT, 8);
+	ibv_wr_abort(qpx);
+
+	for (int i = 0; i < 2; i++)
+		CHECK(!ibv_destroy_qp(qp[i]), "ibv_destroy_qp");
+	CHECK(!ibv_dereg_mr(mr), "ibv_dereg_mr");
+	CHECK(!ibv_destroy_cq(cq), "ibv_destroy_cq");
+	CHECK(!ibv_dealloc_pd(pd), "ibv_dealloc_pd");
+	CHECK(!ibv_close_device(ctx), "ibv_close_device");
+	ibv_free_device_list(list);
+	printf("qp_ex: ok\n");
+	return 0;
+}
