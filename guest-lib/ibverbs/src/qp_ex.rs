@@ -215,16 +215,9 @@ unsafe extern "C" fn wr_atomic_fetch_add(
 }
 
 unsafe extern "C" fn wr_set_sge(qp_ex: *mut ibv_qp_ex, lkey: u32, addr: u64, length: u32) {
-    // SAFETY: the ibv_wr_* contract.
-    unsafe {
-        with_staged(qp_ex, |staged, _| {
-            let start = staged.sges.len();
-            staged.sges.push(Sge { addr, length, lkey });
-            if let Some(last) = staged.last() {
-                last.payload = StagedPayload::Sges(start..start + 1);
-            }
-        })
-    }
+    let sge = ibv_sge { addr, length, lkey };
+    // SAFETY: the ibv_wr_* contract, with a list of one SGE.
+    unsafe { wr_set_sge_list(qp_ex, 1, &sge) }
 }
 
 unsafe extern "C" fn wr_set_sge_list(
