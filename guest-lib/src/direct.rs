@@ -230,4 +230,20 @@ impl Transport for DirectTransport {
     fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {
         self.memory.device_pages(addr, len)
     }
+
+    fn disconnected(&self) -> bool {
+        let fd = self
+            .frontend
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_raw_fd();
+        let mut poll = libc::pollfd {
+            fd,
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: polls one descriptor this transport owns, without waiting.
+        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+        ready > 0 && poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    }
 }

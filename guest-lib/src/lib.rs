@@ -79,6 +79,8 @@ pub enum Error {
     InvalidArgument(String),
     #[error("the device was reset (its backend restarted, or it failed): every object on it is gone; drop the Device and open it again")]
     DeviceReset,
+    #[error("the vrdma backend closed the connection: every object on the device is gone")]
+    Disconnected,
 }
 
 fn errno_suffix(detail: u32) -> String {

@@ -42,4 +42,10 @@ pub trait Transport: Send + Sync {
     /// (guest-physical) address of each of its pages, or `None` when the range is not
     /// (entirely) in memory shared with the device.
     fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)>;
+
+    /// Whether the device is known to be gone for good (a direct attachment whose backend
+    /// closed the socket). Cheap enough to ask whenever a wait for events times out.
+    fn disconnected(&self) -> bool {
+        false
+    }
 }

@@ -305,9 +305,13 @@ impl Device {
             }),
         })
     }
-    /// Waits up to `timeout` for the next device event (an armed CQ's completion, an error).
+    /// Waits up to `timeout` for the next device event (an armed CQ's completion, an error);
+    /// [`Error::Disconnected`] once the backend is gone.
     pub fn wait_event(&self, timeout: Duration) -> Result<Option<DeviceEvent>> {
         let Some(event) = self.inner.transport.next_event(timeout)? else {
+            if self.inner.transport.disconnected() {
+                return Err(Error::Disconnected);
+            }
             return Ok(None);
         };
         let handle = event.handle.to_native();
@@ -317,6 +321,14 @@ impl Device {
             event_kind::QP_FATAL => DeviceEvent::QpFatal(handle),
             event_kind::SRQ_LIMIT_REACHED => DeviceEvent::SrqLimitReached(handle),
             event_kind::DEVICE_FATAL => DeviceEvent::DeviceFatal,
+            event_kind::PORT_ACTIVE | event_kind::PORT_ERROR if handle <= u32::from(u8::MAX) => {
+                let port = handle as u8;
+                if event.kind.to_native() == event_kind::PORT_ACTIVE {
+                    DeviceEvent::PortActive(port)
+                } else {
+                    DeviceEvent::PortError(port)
+                }
+            }
             kind => DeviceEvent::Unknown { kind, handle },
         }))
     }

@@ -156,10 +156,17 @@ impl From<&Cqe> for WorkCompletion {
 pub enum DeviceEvent {
     /// An armed CQ (its handle) received a completion.
     CqCompletion(u32),
+    /// A CQ (its handle) overran or its ring became unusable.
     CqError(u32),
+    /// A QP (its handle) entered the error state on its own.
     QpFatal(u32),
     SrqLimitReached(u32),
+    /// The device must be reset: every object is gone.
     DeviceFatal,
+    /// The port (its number) became active.
+    PortActive(u8),
+    /// The port left the active state.
+    PortError(u8),
     Unknown {
         kind: u16,
         handle: u32,

@@ -181,11 +181,14 @@ pub struct DeviceAttr {
     pub reserved: [Le32; 4],
 }
 
+/// The device's only port (SPEC.md §5.5).
+pub const PORT_NUM: u8 = 1;
+
 /// QUERY_PORT request (SPEC.md §5.5).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QueryPortRequest {
-    /// Must be 1.
+    /// Must be [`PORT_NUM`].
     pub port: u8,
     pub reserved: [u8; 7],
 }

@@ -199,6 +199,10 @@ pub mod event_kind {
     pub const SRQ_LIMIT_REACHED: u16 = 4;
     /// The device hit an unrecoverable error; it must be reset.
     pub const DEVICE_FATAL: u16 = 5;
+    /// The port became active; `handle` is the port number.
+    pub const PORT_ACTIVE: u16 = 6;
+    /// The port left the active state (link down); `handle` is the port number.
+    pub const PORT_ERROR: u16 = 7;
 }
 
 /// An entry the device writes into a buffer of the event queue (SPEC.md §8.4).

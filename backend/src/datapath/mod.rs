@@ -19,14 +19,15 @@ use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_spec::ctrl::PORT_NUM;
 use vrdma_spec::ring::{
     cqe_owner_for, event_kind, Cqe, Event, NotifyState, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::hostverbs::{
-    self, AddressHandle, CompletionChannel, CompletionQueue, Context, Payload, QpAttr, QpState,
-    QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
+    self, AddressHandle, AsyncEvent, CompletionChannel, CompletionQueue, Context, Payload, QpAttr,
+    QpState, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
 };
 use wqe::{MrRange, QpRules, SendRequest, WqeError};
 
@@ -239,20 +240,25 @@ struct Shared {
     stop: AtomicBool,
 }
 
-/// The data path of one connection: its shards and poller threads.
+/// The data path of one connection: its shards, poller threads and the thread that forwards
+/// the host context's asynchronous events.
 pub struct DataPath {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    stop_host_events: EventFd,
 }
 
 impl DataPath {
-    /// Starts `pollers` threads (at least one) serving `num_notify_queues` notification queues.
+    /// Starts `pollers` threads (at least one) serving `num_notify_queues` notification queues,
+    /// and one that forwards `context`'s asynchronous events about its objects and `host_port`.
     pub fn new(
         context: &Arc<Context>,
         pollers: usize,
         num_notify_queues: u32,
         idle_spin: Duration,
+        host_port: u8,
     ) -> hostverbs::Result<DataPath> {
+        let os_error = |call| move |source| hostverbs::Error::Verbs { call, source };
         let shards = (0..pollers.clamp(1, num_notify_queues as usize))
             .map(|_| {
                 Ok(Shard {
@@ -284,8 +290,8 @@ impl DataPath {
         let mut data_path = DataPath {
             shared,
             threads: Vec::new(),
+            stop_host_events: EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
         };
-        let os_error = |call| move |source| hostverbs::Error::Verbs { call, source };
         for index in 0..data_path.shared.shards.len() {
             let shard = &data_path.shared.shards[index];
             let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
@@ -301,6 +307,19 @@ impl DataPath {
                 .map_err(os_error("spawn a poller thread"))?;
             data_path.threads.push(thread);
         }
+        let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
+        let stop = data_path.stop_host_events.as_raw_fd();
+        for (fd, id) in [(stop, 0), (context.async_fd(), 1)] {
+            epoll
+                .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, id))
+                .map_err(os_error("epoll_ctl"))?;
+        }
+        let (shared, context) = (Arc::clone(&data_path.shared), Arc::clone(context));
+        let thread = std::thread::Builder::new()
+            .name("vrdma-host-events".into())
+            .spawn(move || forward_host_events(&context, &shared, &epoll, host_port))
+            .map_err(os_error("spawn the host event thread"))?;
+        data_path.threads.push(thread);
         Ok(data_path)
     }
 
@@ -495,9 +514,96 @@ impl Drop for DataPath {
         for shard in &self.shared.shards {
             let _ = shard.wake.write(1);
         }
+        let _ = self.stop_host_events.write(1);
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
+    }
+}
+
+impl Shared {
+    /// Delivers an event, or keeps it (once per kind and object) for the pollers to deliver
+    /// when the guest posts event buffers.
+    fn post_event(&self, kind: u16, handle: u32) {
+        let event = Event {
+            kind: Le16::from(kind),
+            reserved: Le16::from(0),
+            handle: Le32::from(handle),
+        };
+        let sink = self.sink.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if sink.is_some_and(|s| s.deliver(&event)) {
+            return;
+        }
+        let mut pending = self
+            .pending_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if !pending.contains(&event) {
+            pending.push_back(event);
+        }
+    }
+
+    /// The guest handle of the first object `pick` finds in any shard.
+    fn find_handle(&self, pick: impl Fn(&ShardObjects) -> Option<u32>) -> Option<u32> {
+        self.shards
+            .iter()
+            .find_map(|shard| pick(&shard.objects.lock().unwrap_or_else(|e| e.into_inner())))
+    }
+
+    /// Turns a host asynchronous event into the guest's event (SPEC.md §8.4), if it concerns
+    /// one of this connection's objects or its port.
+    fn forward_host_event(&self, event: AsyncEvent, host_port: u8) {
+        let found = |kind, handle: Option<u32>| handle.map(|handle| (kind, handle));
+        let guest_event = match event {
+            AsyncEvent::QpFailed(qp_num) => found(
+                event_kind::QP_FATAL,
+                self.find_handle(|o| {
+                    o.qps
+                        .iter()
+                        .find(|q| q.qp.qp_num() == qp_num)
+                        .map(|q| q.handle)
+                }),
+            ),
+            AsyncEvent::CqError(id) => found(
+                event_kind::CQ_ERROR,
+                self.find_handle(|o| o.cqs.iter().find(|c| c.host.id() == id).map(|c| c.handle)),
+            ),
+            AsyncEvent::SrqLimitReached(id) => found(
+                event_kind::SRQ_LIMIT_REACHED,
+                self.find_handle(|o| o.srqs.iter().find(|s| s.srq.id() == id).map(|s| s.handle)),
+            ),
+            AsyncEvent::PortActive(port) if port == host_port => {
+                Some((event_kind::PORT_ACTIVE, u32::from(PORT_NUM)))
+            }
+            AsyncEvent::PortError(port) if port == host_port => {
+                Some((event_kind::PORT_ERROR, u32::from(PORT_NUM)))
+            }
+            AsyncEvent::DeviceFatal => Some((event_kind::DEVICE_FATAL, 0)),
+            _ => None,
+        };
+        match guest_event {
+            Some((kind, handle)) => {
+                log::info!("host event {event:?}: guest event {kind} for {handle:#x}");
+                self.post_event(kind, handle);
+                // A sleeping poller delivers what the event queue had no buffer for.
+                let _ = self.shards[0].wake.write(1);
+            }
+            None => log::debug!("host event {event:?} not forwarded"),
+        }
+    }
+}
+
+/// The body of the host event thread: forwards `context`'s events until told to stop.
+fn forward_host_events(context: &Context, shared: &Shared, epoll: &Epoll, host_port: u8) {
+    let mut ready = [EpollEvent::default(); 2];
+    while !shared.stop.load(Ordering::Acquire) {
+        if let Err(e) = epoll.wait(-1, &mut ready) {
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                log::error!("host event thread: epoll_wait: {e}");
+                return;
+            }
+        }
+        while context.take_async_event(|event| shared.forward_host_event(event, host_port)) {}
     }
 }
 
@@ -667,6 +773,7 @@ impl Poller {
         if let Err(e) = qp.qp.modify(&attr, hostverbs::qp_attr_mask::STATE) {
             log::error!("QP {:#x}: cannot enter the error state: {e}", qp.handle);
         }
+        self.post_event(event_kind::QP_FATAL, qp.handle);
         if let Some(cqe) = cqe {
             let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
             progress.pending.push_back(cqe);
@@ -1110,28 +1217,7 @@ impl Poller {
     }
 
     fn post_event(&self, kind: u16, handle: u32) {
-        let event = Event {
-            kind: Le16::from(kind),
-            reserved: Le16::from(0),
-            handle: Le32::from(handle),
-        };
-        let sink = self
-            .shared
-            .sink
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        if sink.is_some_and(|s| s.deliver(&event)) {
-            return;
-        }
-        let mut pending = self
-            .shared
-            .pending_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if !pending.contains(&event) {
-            pending.push_back(event);
-        }
+        self.shared.post_event(kind, handle);
     }
 
     fn deliver_pending_events(&self) -> bool {

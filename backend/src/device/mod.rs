@@ -14,7 +14,7 @@ use vrdma_spec::ctrl::{
     CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse,
     DeviceAttr as WireDeviceAttr, HandleRequest, ModifyQpRequest, Opcode, PortAttr as WirePortAttr,
     QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse, QueryPortRequest, RegMrRequest,
-    RegMrResponse, RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status,
+    RegMrResponse, RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status, PORT_NUM,
 };
 use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SIZE};
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
@@ -107,6 +107,7 @@ impl Device {
             config.pollers,
             advertised.num_notify_queues.to_native(),
             config.poll_idle,
+            host.port,
         )?;
         Ok(Device {
             data_path,
@@ -302,9 +303,9 @@ impl Device {
     }
 
     fn check_port(&self, port: u8) -> Result<(), CommandError> {
-        if port != 1 {
+        if port != PORT_NUM {
             return Err(CommandError::invalid(format!(
-                "port {port} does not exist (only 1)"
+                "port {port} does not exist (only {PORT_NUM})"
             )));
         }
         Ok(())

@@ -185,6 +185,80 @@ extern "C" {
         flags: u32,
         entry_size: usize,
     ) -> c_int;
+    // Declared over `RawAsyncEvent`, whose event type is a plain integer: rdma-sys's Rust enum
+    // would be undefined behaviour for a value a newer provider might report.
+    fn ibv_get_async_event(context: *mut ibv_context, event: *mut RawAsyncEvent) -> c_int;
+    fn ibv_ack_async_event(event: *mut RawAsyncEvent);
+}
+
+/// `struct ibv_async_event`: the element union (a pointer or a port number), then the type.
+#[repr(C)]
+struct RawAsyncEvent {
+    element: usize,
+    event_type: u32,
+}
+
+/// Identifies a host CQ or SRQ in an [`AsyncEvent`] (its address, unique while it lives).
+pub type ObjectId = usize;
+
+/// A host asynchronous event, as far as vrdma forwards it (SPEC.md §8.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AsyncEvent {
+    /// The QP with this number entered the error state (fatal, request or access error).
+    QpFailed(u32),
+    /// The CQ with this [`CompletionQueue::id`] overran or failed.
+    CqError(ObjectId),
+    /// The SRQ with this [`SharedReceiveQueue::id`] fell below its limit.
+    SrqLimitReached(ObjectId),
+    PortActive(u8),
+    PortError(u8),
+    DeviceFatal,
+    /// Everything else (communication established, last WQE reached, GID change, ...), by
+    /// its `ibv_event_type` value.
+    Other(u32),
+}
+
+impl AsyncEvent {
+    /// # Safety
+    /// `raw` was filled by ibv_get_async_event and is not acknowledged yet, so the object
+    /// its element points at is alive.
+    unsafe fn from_raw(raw: &RawAsyncEvent) -> AsyncEvent {
+        use ibv_event_type::*;
+        let is = |t: ibv_event_type| raw.event_type == t as u32;
+        if is(IBV_EVENT_QP_FATAL) || is(IBV_EVENT_QP_REQ_ERR) || is(IBV_EVENT_QP_ACCESS_ERR) {
+            // SAFETY: for QP events the element is the live QP (see the function's contract).
+            AsyncEvent::QpFailed(unsafe { (*(raw.element as *const ibv_qp)).qp_num })
+        } else if is(IBV_EVENT_CQ_ERR) {
+            AsyncEvent::CqError(raw.element)
+        } else if is(IBV_EVENT_SRQ_LIMIT_REACHED) {
+            AsyncEvent::SrqLimitReached(raw.element)
+        } else if is(IBV_EVENT_PORT_ACTIVE) || is(IBV_EVENT_PORT_ERR) {
+            // The element is a C int port number, in the union's low bytes.
+            let port = (raw.element as u32 & 0xff) as u8;
+            if is(IBV_EVENT_PORT_ACTIVE) {
+                AsyncEvent::PortActive(port)
+            } else {
+                AsyncEvent::PortError(port)
+            }
+        } else if is(IBV_EVENT_DEVICE_FATAL) {
+            AsyncEvent::DeviceFatal
+        } else {
+            AsyncEvent::Other(raw.event_type)
+        }
+    }
+}
+
+fn set_nonblocking(fd: std::os::fd::RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor the caller's verbs object owns, integer arguments only.
+    let ok = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// An open host RDMA device.
@@ -238,11 +312,43 @@ impl Context {
                 present,
             }),
             Some(None) => Err(last_error("ibv_open_device")),
-            Some(Some(raw)) => Ok(Arc::new(Context {
-                raw,
-                name: name.to_string(),
-            })),
+            Some(Some(raw)) => {
+                let context = Context {
+                    raw,
+                    name: name.to_string(),
+                };
+                set_nonblocking(context.async_fd()).map_err(|source| Error::Verbs {
+                    call: "fcntl(O_NONBLOCK) on the async event fd",
+                    source,
+                })?;
+                Ok(Arc::new(context))
+            }
         }
+    }
+
+    /// Readable when the device has an asynchronous event; non-blocking.
+    pub fn async_fd(&self) -> std::os::fd::RawFd {
+        // SAFETY: the context is open; async_fd is set when it is opened.
+        unsafe { (*self.as_ptr()).async_fd }
+    }
+
+    /// Takes the next pending asynchronous event and hands it to `route` before
+    /// acknowledging it: until then the host cannot destroy the QP, CQ or SRQ it names, so
+    /// its number or id is unambiguous. False when none is pending.
+    pub fn take_async_event(&self, route: impl FnOnce(AsyncEvent)) -> bool {
+        let mut raw = RawAsyncEvent {
+            element: 0,
+            event_type: 0,
+        };
+        // SAFETY: the context is open and `raw` has ibv_async_event's layout.
+        if unsafe { ibv_get_async_event(self.as_ptr(), &mut raw) } != 0 {
+            return false;
+        }
+        // SAFETY: `raw` was just filled and is not acknowledged yet.
+        route(unsafe { AsyncEvent::from_raw(&raw) });
+        // SAFETY: each event is acknowledged exactly once, after its last use.
+        unsafe { ibv_ack_async_event(&mut raw) };
+        true
     }
 
     pub fn name(&self) -> &str {
@@ -397,15 +503,10 @@ impl Context {
             raw,
             _context: Arc::clone(self),
         };
-        let fd = channel.fd();
-        // SAFETY: fcntl on a descriptor the channel owns, with integer arguments only.
-        let ok = unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
-        };
-        if !ok {
-            return Err(last_error("fcntl(O_NONBLOCK)"));
-        }
+        set_nonblocking(channel.fd()).map_err(|source| Error::Verbs {
+            call: "fcntl(O_NONBLOCK) on a completion channel",
+            source,
+        })?;
         Ok(Arc::new(channel))
     }
 }
@@ -572,6 +673,11 @@ impl fmt::Debug for WorkCompletion {
 impl CompletionQueue {
     pub(crate) fn as_ptr(&self) -> *mut ibv_cq {
         self.raw.as_ptr()
+    }
+
+    /// What names this CQ in an [`AsyncEvent`].
+    pub fn id(&self) -> ObjectId {
+        self.raw.as_ptr() as ObjectId
     }
 
     /// Moves up to `out.len()` completions into `out`; returns how many.

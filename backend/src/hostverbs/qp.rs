@@ -669,6 +669,11 @@ impl SharedReceiveQueue {
         self.raw.as_ptr()
     }
 
+    /// What names this SRQ in an [`super::AsyncEvent`].
+    pub fn id(&self) -> super::ObjectId {
+        self.raw.as_ptr() as super::ObjectId
+    }
+
     /// Posts receive work requests in order, chained in batches.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         post_recv_chains("ibv_post_srq_recv", wrs, |first, bad| {
