@@ -40,11 +40,13 @@ for line in sys.stdin:
         print(m["executable"])')
 [ ${#binaries[@]} -gt 0 ] || { echo "run-all: no integration test binaries were built" >&2; exit 1; }
 
+# The binaries too: some integration tests run the backend as a process of its own.
+cargo build --workspace --bins --examples --locked
+
 step "integration tests with real RDMA (QEMU guest, rdma_rxe)"
 tests/vm/run.sh -- tests/guest-tests.sh "${binaries[@]}"
 
 step "benchmark smoke run (few iterations; numbers are not checked)"
-cargo build --workspace --bins --examples --locked
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENCH_GUESTS=8 \
   VRDMA_BENCH_MR_MIB=64 VRDMA_BENCH_CALLGRIND_WRITES=200 \
   tests/vm/run.sh -- tests/bench-guest.sh "$PWD/target/debug"

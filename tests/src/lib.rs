@@ -173,13 +173,20 @@ pub struct TestBackend {
     pub socket: std::path::PathBuf,
 }
 
-/// Starts a backend thread listening on a new socket under the temp directory.
+/// Starts a backend thread on the test device, listening on a new socket under the temp
+/// directory.
 pub fn start_backend() -> TestBackend {
+    start_backend_on(&test_device_name())
+}
+
+/// Starts a backend thread on RDMA device `device`, listening on a new socket under the temp
+/// directory.
+pub fn start_backend_on(device: &str) -> TestBackend {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let socket = std::env::temp_dir().join(format!("vrdma-test-{}-{n}.sock", std::process::id()));
     let config = vrdma_backend::Config {
-        device: test_device_name(),
+        device: device.to_string(),
         port: PORT,
         gid_index: None,
         quotas: vrdma_backend::Quotas::default(),

@@ -4,11 +4,14 @@
 //! (tests/run-all.sh does it).
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU16, Ordering};
 
-use vrdma_tests::start_backend;
+use std::time::{Duration, Instant};
+
+use vrdma_backend::hostverbs::Context;
+use vrdma_tests::{start_backend, start_backend_on, test_device_name};
 
 /// Where link.sh put libibverbs.so.1 for this build.
 fn library_dir() -> PathBuf {
@@ -63,6 +66,89 @@ fn run_on(device: &str, program: &[&str]) -> Output {
         String::from_utf8_lossy(&output.stderr)
     );
     output
+}
+
+/// A test program of tests/c/, compiled against the system's libibverbs; removed on drop.
+struct CProgram(PathBuf);
+
+impl CProgram {
+    fn build(name: &str) -> CProgram {
+        let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("c/{name}.c"));
+        let program = std::env::temp_dir().join(format!("vrdma-{name}-{}", std::process::id()));
+        let compiled = Command::new("cc")
+            .args(["-Wall", "-O1", "-o"])
+            .arg(&program)
+            .arg(&source)
+            .arg("-libverbs")
+            .output()
+            .expect("run cc");
+        assert!(compiled.status.success(), "{}", text(&compiled.stderr));
+        CProgram(program)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+
+    /// Starts the program with `vrdma-run --device socket`, its output piped.
+    fn spawn_on(&self, socket: &str, args: &[&str]) -> Child {
+        Command::new("timeout")
+            .arg("60")
+            .arg(vrdma_run())
+            .args(["--device", socket, "--", self.path()])
+            .args(args)
+            .env("VRDMA_IBVERBS_DIR", library_dir())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the program")
+    }
+}
+
+impl Drop for CProgram {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Reads `child`'s output until it prints `line`; the reader goes on from there.
+fn wait_for_line(child: &mut Child, line: &str) -> BufReader<ChildStdout> {
+    let mut stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
+    let mut seen = String::new();
+    loop {
+        let mut next = String::new();
+        let n = stdout
+            .read_line(&mut next)
+            .expect("read the program's output");
+        if n == 0 {
+            let mut stderr = String::new();
+            let _ = child
+                .stderr
+                .take()
+                .map(|mut e| e.read_to_string(&mut stderr));
+            panic!("the program ended before printing {line:?}: {seen}{stderr}");
+        }
+        seen.push_str(&next);
+        if next.trim_end() == line {
+            return stdout;
+        }
+    }
+}
+
+/// The rest of `child`'s output after `stdout`, once it exits successfully.
+fn finish(mut child: Child, mut stdout: BufReader<ChildStdout>) -> String {
+    let mut rest = String::new();
+    stdout
+        .read_to_string(&mut rest)
+        .expect("read the program's output");
+    let mut stderr = String::new();
+    let _ = child
+        .stderr
+        .take()
+        .map(|mut e| e.read_to_string(&mut stderr));
+    let status = child.wait().expect("wait for the program");
+    assert_eq!(status.code(), Some(0), "{rest}{stderr}");
+    rest
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -441,28 +527,129 @@ fn every_symbol_of_the_system_libibverbs_is_exported_with_its_version() {
 
 #[test]
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
-fn the_extended_qp_api_sends_writes_reads_and_does_atomics() {
+fn the_extended_qp_and_cq_apis_send_write_read_do_atomics_and_poll() {
     // A C program against libibverbs only (tests/c/qp_ex.c): no Debian binary uses the
     // ibv_wr_* API on a device like this one.
-    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("c/qp_ex.c");
-    let program = std::env::temp_dir().join(format!("vrdma-qp-ex-{}", std::process::id()));
-    let compiled = Command::new("cc")
-        .args(["-Wall", "-O1", "-o"])
-        .arg(&program)
-        .arg(&source)
-        .arg("-libverbs")
-        .output()
-        .expect("run cc");
-    assert!(compiled.status.success(), "{}", text(&compiled.stderr));
+    let program = CProgram::build("qp_ex");
     let backend = start_backend();
     let output = run_on(
         backend.socket.to_str().unwrap(),
-        &[program.to_str().unwrap(), "vrdma0", GID_INDEX],
+        &[program.path(), "vrdma0", GID_INDEX],
     );
     assert!(
         text(&output.stdout).contains("qp_ex: ok"),
         "{}",
         text(&output.stderr)
     );
-    let _ = std::fs::remove_file(&program);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_refused_work_request_reaches_the_program_as_qp_fatal_on_its_qp() {
+    let program = CProgram::build("async_events");
+    let backend = start_backend();
+    let output = run_on(
+        backend.socket.to_str().unwrap(),
+        &[program.path(), "vrdma0", "qp-fatal"],
+    );
+    let stdout = text(&output.stdout);
+    assert!(
+        stdout.contains("qp-fatal: ok"),
+        "{stdout}{}",
+        text(&output.stderr)
+    );
+    assert!(
+        stdout.contains("completion: local protection error"),
+        "{stdout}"
+    );
+}
+
+/// Runs `ip` with `args`, panicking with its message when it fails.
+fn ip(args: &[&str]) {
+    let output = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        output.status.success(),
+        "ip {args:?}: {}",
+        text(&output.stderr)
+    );
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn the_host_link_going_down_and_up_reaches_the_program_as_port_events() {
+    // An rxe device of its own, so that flapping its link disturbs no other test. It stays
+    // until the harness's guest powers off: the backend keeps a context open on it for its
+    // next connection, and rxe cannot be removed under an open context.
+    let (netdev, device) = ("vrdma-port", "rxe-port");
+    if !Path::new("/sys/class/infiniband").join(device).exists() {
+        ip(&[
+            "link",
+            "add",
+            netdev,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "vrdma-port-b",
+        ]);
+        ip(&["addr", "add", "192.168.78.1/24", "dev", netdev]);
+        ip(&["link", "set", netdev, "up"]);
+        ip(&["link", "set", "vrdma-port-b", "up"]);
+        let added = Command::new("rdma")
+            .args(["link", "add", device, "type", "rxe", "netdev", netdev])
+            .output()
+            .expect("run rdma");
+        assert!(added.status.success(), "{}", text(&added.stderr));
+    }
+    // The GID of the address appears a moment after the link is up.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Context::open(device)
+        .and_then(|context| context.find_roce_v2_ipv4_gid(1))
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "{device} never got an IPv4 GID");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let program = CProgram::build("async_events");
+    let backend = start_backend_on(device);
+    let mut child = program.spawn_on(backend.socket.to_str().unwrap(), &["vrdma0", "port"]);
+    let stdout = wait_for_line(&mut child, "ready");
+    ip(&["link", "set", netdev, "down"]);
+    std::thread::sleep(Duration::from_secs(1));
+    ip(&["link", "set", netdev, "up"]);
+    let rest = finish(child, stdout);
+    assert!(rest.contains("port: ok"), "{rest}");
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_backend_that_goes_away_reaches_the_program_as_device_fatal() {
+    // The real backend, in a process of its own that the test can kill.
+    let backend_binary =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/vhost-user-rdma");
+    assert!(
+        backend_binary.exists(),
+        "no {}: build the workspace's binaries first (cargo build --workspace --bins)",
+        backend_binary.display()
+    );
+    let socket = std::env::temp_dir().join(format!("vrdma-fatal-{}.sock", std::process::id()));
+    let mut backend = Command::new(&backend_binary)
+        .arg("--socket-path")
+        .arg(&socket)
+        .args(["--device", &test_device_name()])
+        .spawn()
+        .expect("start the backend");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "the backend never listened");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let program = CProgram::build("async_events");
+    let mut child = program.spawn_on(socket.to_str().unwrap(), &["vrdma0", "fatal"]);
+    let stdout = wait_for_line(&mut child, "ready");
+    backend.kill().expect("kill the backend");
+    backend.wait().expect("reap the backend");
+    let rest = finish(child, stdout);
+    assert!(rest.contains("device-fatal: ok"), "{rest}");
+    let _ = std::fs::remove_file(&socket);
 }

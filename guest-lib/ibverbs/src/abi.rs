@@ -7,10 +7,10 @@
 //! its guest-lib object. Verbs vrdma does not serve yet fail with `EOPNOTSUPP` and a NULL or
 //! error return, as libibverbs documents for unsupported verbs.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use rdma_sys::{
     ibv_async_event, ibv_context, ibv_device, ibv_device_attr, ibv_gid, ibv_gid_entry,
@@ -20,7 +20,7 @@ use vrdma_guest::Device;
 
 use crate::attr::{self, COMPAT_PORT_ATTR_LEN};
 use crate::config::{self, DeviceTarget, DEVICE_NAME};
-use crate::events::Dispatcher;
+use crate::events::{AsyncEvents, Dispatcher, Element};
 use crate::{objects, strings, translate};
 
 /// The one device this library shows, as programs see it and as guest-lib opens it.
@@ -42,10 +42,10 @@ unsafe impl Send for VrdmaDevice {}
 pub(crate) struct VrdmaContext {
     verbs: verbs_context,
     pub(crate) device: Device,
-    /// Routes completion events to channels; started with the first channel.
-    dispatcher: Mutex<Option<Dispatcher>>,
-    /// Where asynchronous events are read from (`context->async_fd`): an eventfd.
-    async_events: OwnedFd,
+    /// Routes the device's events to channels and to `async_events`.
+    dispatcher: Mutex<Dispatcher>,
+    /// What `ibv_get_async_event` hands out; its eventfd is `context->async_fd`.
+    async_events: Arc<AsyncEvents>,
 }
 
 pub(crate) fn set_errno(errno: c_int) {
@@ -93,16 +93,10 @@ fn device_of(device: *mut ibv_device) -> Option<&'static VrdmaDevice> {
 }
 
 impl VrdmaContext {
-    /// Runs `f` on the context's event dispatcher, starting it first if needed; the lock
-    /// also serialises changes to channels' `refcnt`.
-    pub(crate) fn with_dispatcher<R>(&self, f: impl FnOnce(&Dispatcher) -> R) -> Result<R, c_int> {
-        let mut dispatcher = self.dispatcher.lock().unwrap_or_else(|e| e.into_inner());
-        if dispatcher.is_none() {
-            let started = Dispatcher::start(self.device.clone())
-                .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
-            *dispatcher = Some(started);
-        }
-        Ok(f(dispatcher.as_ref().expect("started above")))
+    /// Runs `f` on the context's event dispatcher; the lock also serialises changes to
+    /// channels' `refcnt`.
+    pub(crate) fn with_dispatcher<R>(&self, f: impl FnOnce(&Dispatcher) -> R) -> R {
+        f(&self.dispatcher.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
@@ -233,19 +227,24 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
             return ptr::null_mut();
         }
     };
-    // SAFETY: eventfd has no memory preconditions; the result is checked.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return ptr::null_mut(); // errno is eventfd's
-    }
-    // SAFETY: `fd` is a new descriptor nothing else owns.
-    let async_events = unsafe { OwnedFd::from_raw_fd(fd) };
+    let started = AsyncEvents::new().and_then(|async_events| {
+        let dispatcher = Dispatcher::start(opened.clone(), Arc::clone(&async_events))?;
+        Ok((async_events, dispatcher))
+    });
+    let (async_events, dispatcher) = match started {
+        Ok(started) => started,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return ptr::null_mut();
+        }
+    };
     // SAFETY: verbs_context is C data (pointers, function pointers as Options, integers, a
     // pthread mutex for which all-zero is PTHREAD_MUTEX_INITIALIZER on glibc).
     let mut verbs: verbs_context = unsafe { std::mem::zeroed() };
     verbs.sz = std::mem::size_of::<verbs_context>();
     verbs.query_port = Some(query_port_extended);
     verbs.create_qp_ex = Some(objects::create_qp_ex);
+    verbs.create_cq_ex = Some(objects::create_cq_ex);
     // The verbs verbs.h inlines call these through the context.
     verbs.context.ops.post_send = Some(objects::post_send);
     verbs.context.ops.post_recv = Some(objects::post_recv);
@@ -262,7 +261,7 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
     let context = Box::into_raw(Box::new(VrdmaContext {
         verbs,
         device: opened,
-        dispatcher: Mutex::new(None),
+        dispatcher: Mutex::new(dispatcher),
         async_events,
     }));
     // SAFETY: `context` is a valid, uniquely owned allocation until ibv_close_device.
@@ -558,30 +557,44 @@ unsafe extern "C" fn ibv_get_pkey_index(context: *mut ibv_context, port: u8, pke
 
 // ---- asynchronous events -----------------------------------------------------------------
 
-/// Blocks until the device reports an asynchronous event. vrdma does not forward any yet,
-/// so this waits (as it does on a healthy native device); a non-blocking `async_fd` gives
-/// EAGAIN.
+/// The next asynchronous event (a QP or CQ failed, the port changed state, the device is
+/// gone): 0, or -1 with errno (EAGAIN when `async_fd` is non-blocking and there is none).
+/// Destroying an object drops its events not yet taken.
 #[no_mangle]
 unsafe extern "C" fn ibv_get_async_event(
     context: *mut ibv_context,
-    _event: *mut ibv_async_event,
+    event: *mut ibv_async_event,
 ) -> c_int {
-    if context.is_null() {
+    if context.is_null() || event.is_null() {
         set_errno(libc::EINVAL);
         return -1;
     }
     // SAFETY: a context from ibv_open_device, per the API contract.
-    let fd = unsafe { context_of(context) }.async_events.as_raw_fd();
-    let mut value = 0u64;
-    // SAFETY: reads 8 bytes into a local u64 from an eventfd this context owns.
-    let n = unsafe { libc::read(fd, ptr::addr_of_mut!(value).cast(), 8) };
-    if n < 0 {
-        return -1; // errno is read's
+    match unsafe { context_of(context) }.async_events.take() {
+        Ok(taken) => {
+            // SAFETY: the caller's block to fill; the union member written is the one the
+            // event type says is valid.
+            unsafe {
+                let event = &mut *event;
+                event.event_type = taken.kind;
+                match taken.element {
+                    Element::Qp(qp) => event.element.qp = qp as *mut _,
+                    Element::Cq(cq) => event.element.cq = cq as *mut _,
+                    Element::Srq(srq) => event.element.srq = srq as *mut _,
+                    Element::Port(port) => event.element.port_num = c_int::from(port),
+                    Element::Device => event.element.port_num = 0,
+                }
+            }
+            0
+        }
+        Err(errno) => {
+            set_errno(errno);
+            -1
+        }
     }
-    set_errno(libc::EIO);
-    -1
 }
 
+/// Nothing to release: destroying an object never waits for its events to be acknowledged.
 #[no_mangle]
 unsafe extern "C" fn ibv_ack_async_event(_event: *mut ibv_async_event) {}
 

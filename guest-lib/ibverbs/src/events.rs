@@ -1,7 +1,9 @@
-//! Completion channels. The device reports "CQ n has a completion" on its event queue; a
-//! thread per context (started with the context's first channel) reads that queue and hands
-//! each event to the channel of its CQ: a queue of ready CQs and a semaphore eventfd, which is
-//! the channel's `fd`, so programs may poll it before `ibv_get_cq_event`.
+//! Events. The device reports "CQ n has a completion" and asynchronous events (a QP or CQ
+//! failed, the port changed state, the device is gone) on its event queue; a thread per
+//! context reads that queue and hands each completion event to the channel of its CQ and
+//! every other event to the context's asynchronous event queue. Both are a queue and a
+//! semaphore eventfd, which is the channel's `fd` or the context's `async_fd`, so programs
+//! may poll it before `ibv_get_cq_event` or `ibv_get_async_event`.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsRawFd;
@@ -11,109 +13,172 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use rdma_sys::ibv_event_type;
 use vmm_sys_util::eventfd::{EventFd, EFD_SEMAPHORE};
 use vrdma_guest::{Device, DeviceEvent, Error};
 
 /// How often the dispatcher looks up from the event queue to see whether to stop.
 const WAKE_INTERVAL: Duration = Duration::from_millis(100);
 
-/// The events of one completion channel.
-pub(crate) struct Channel {
-    /// One count per event, read one at a time (EFD_SEMAPHORE).
+/// Items handed from the dispatcher to a program, one eventfd count each.
+pub(crate) struct EventQueue<T> {
+    /// One count per item, read one at a time (EFD_SEMAPHORE).
     pub(crate) fd: EventFd,
-    /// The CQs (their `ibv_cq` addresses) with an event not yet taken, oldest first.
-    ready: Mutex<VecDeque<usize>>,
+    /// Items not yet taken, oldest first.
+    ready: Mutex<VecDeque<T>>,
 }
 
-impl Channel {
-    pub(crate) fn new() -> std::io::Result<Arc<Channel>> {
-        Ok(Arc::new(Channel {
+impl<T: Copy> EventQueue<T> {
+    pub(crate) fn new() -> std::io::Result<Arc<Self>> {
+        Ok(Arc::new(EventQueue {
             fd: EventFd::new(EFD_SEMAPHORE | libc::EFD_CLOEXEC)?,
             ready: Mutex::default(),
         }))
     }
 
-    fn push(&self, cq: usize) {
+    fn push(&self, item: T) {
         self.ready
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push_back(cq);
-        // Cannot fail short of 2^64 - 1 pending events.
+            .push_back(item);
+        // Cannot fail short of 2^64 - 1 pending items.
         let _ = self.fd.write(1);
     }
 
-    /// The next CQ with an event, blocking on the fd as the program set it (EAGAIN when
-    /// non-blocking and there is none).
-    pub(crate) fn take(&self) -> Result<usize, c_int> {
+    /// The next item, blocking on the fd as the program set it (EAGAIN when non-blocking
+    /// and there is none).
+    pub(crate) fn take(&self) -> Result<T, c_int> {
         loop {
             self.fd
                 .read()
                 .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
-            // A count whose CQ was destroyed since has no entry: wait for the next one.
+            // The count of a forgotten item has no entry: wait for the next one.
             let next = self
                 .ready
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .pop_front();
-            if let Some(cq) = next {
-                return Ok(cq);
+            if let Some(item) = next {
+                return Ok(item);
             }
         }
     }
 
-    /// Drops the events of `cq`, which is being destroyed.
-    fn forget(&self, cq: usize) {
+    /// Drops the items `stale` picks (their object is being destroyed).
+    pub(crate) fn forget(&self, stale: impl Fn(&T) -> bool) {
         self.ready
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|&ready| ready != cq);
+            .retain(|item| !stale(item));
     }
 }
 
-/// Which channel each CQ (by device handle) reports to, and its `ibv_cq` address.
-type Routes = Arc<Mutex<HashMap<u32, (usize, Arc<Channel>)>>>;
+impl<T> AsRawFd for EventQueue<T> {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
 
-/// The thread that routes one context's completion events to channels.
+/// A completion channel: the CQs (their `ibv_cq` addresses) with an event not yet taken.
+pub(crate) type Channel = EventQueue<usize>;
+
+/// What an asynchronous event is about, with the program's object by address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Element {
+    Qp(usize),
+    Cq(usize),
+    Srq(usize),
+    Port(u8),
+    Device,
+}
+
+/// An asynchronous event as `ibv_get_async_event` hands it out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AsyncEvent {
+    pub(crate) kind: ibv_event_type,
+    pub(crate) element: Element,
+}
+
+/// The context's asynchronous events (`async_fd`).
+pub(crate) type AsyncEvents = EventQueue<AsyncEvent>;
+
+/// The kinds of objects the device names by handle in events.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub(crate) enum ObjectKind {
+    Qp,
+    Cq,
+    Srq,
+}
+
+/// Where the dispatcher sends events: the channel of each CQ that has one, and the program's
+/// address of every QP, CQ and SRQ, by device handle.
+#[derive(Default)]
+struct Routes {
+    channels: HashMap<u32, (usize, Arc<Channel>)>,
+    objects: HashMap<(ObjectKind, u32), usize>,
+}
+
+/// The thread that routes one context's events.
 pub(crate) struct Dispatcher {
-    routes: Routes,
+    routes: Arc<Mutex<Routes>>,
+    async_events: Arc<AsyncEvents>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Dispatcher {
-    pub(crate) fn start(device: Device) -> std::io::Result<Dispatcher> {
-        let routes = Routes::default();
+    pub(crate) fn start(device: Device, async_events: Arc<AsyncEvents>) -> std::io::Result<Self> {
+        let routes = Arc::<Mutex<Routes>>::default();
         let stop = Arc::new(AtomicBool::new(false));
         let thread = std::thread::Builder::new()
-            .name("vrdma-cq-events".into())
+            .name("vrdma-events".into())
             .spawn({
                 let (routes, stop) = (Arc::clone(&routes), Arc::clone(&stop));
-                move || route_events(&device, &routes, &stop)
+                let async_events = Arc::clone(&async_events);
+                move || route_events(&device, &routes, &async_events, &stop)
             })?;
         Ok(Dispatcher {
             routes,
+            async_events,
             stop,
             thread: Some(thread),
         })
     }
 
-    /// Completion events of CQ `handle` (at `cq`) go to `channel` from now on.
-    pub(crate) fn watch(&self, handle: u32, cq: usize, channel: Arc<Channel>) {
-        self.routes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(handle, (cq, channel));
+    fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
+        self.routes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// CQ `handle` is being destroyed: no more events, and none left to take.
-    pub(crate) fn forget(&self, handle: u32) {
-        let removed = self
-            .routes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&handle);
-        if let Some((cq, channel)) = removed {
-            channel.forget(cq);
+    /// Events about the device's object `handle` name the program's object at `address`.
+    pub(crate) fn register(&self, kind: ObjectKind, handle: u32, address: usize) {
+        self.routes().objects.insert((kind, handle), address);
+    }
+
+    /// Completion events of CQ `handle` (at `cq`) go to `channel` from now on.
+    pub(crate) fn watch(&self, handle: u32, cq: usize, channel: Arc<Channel>) {
+        self.routes().channels.insert(handle, (cq, channel));
+    }
+
+    /// Object `handle` is being destroyed: no more events about it, and none left to take.
+    pub(crate) fn forget(&self, kind: ObjectKind, handle: u32) {
+        let (address, channel) = {
+            let mut routes = self.routes();
+            let channel = match kind {
+                ObjectKind::Cq => routes.channels.remove(&handle),
+                _ => None,
+            };
+            (routes.objects.remove(&(kind, handle)), channel)
+        };
+        if let Some((cq, channel)) = channel {
+            channel.forget(|&ready| ready == cq);
+        }
+        if let Some(address) = address {
+            let element = match kind {
+                ObjectKind::Qp => Element::Qp(address),
+                ObjectKind::Cq => Element::Cq(address),
+                ObjectKind::Srq => Element::Srq(address),
+            };
+            self.async_events.forget(|event| event.element == element);
         }
     }
 }
@@ -127,34 +192,61 @@ impl Drop for Dispatcher {
     }
 }
 
-fn route_events(device: &Device, routes: &Routes, stop: &AtomicBool) {
+/// The asynchronous event a device event is, if it is one and names a live object.
+fn async_event_of(
+    event: DeviceEvent,
+    objects: &HashMap<(ObjectKind, u32), usize>,
+) -> Option<AsyncEvent> {
+    use ibv_event_type::*;
+    let object = |kind, handle| objects.get(&(kind, handle)).copied();
+    let (kind, element) = match event {
+        DeviceEvent::QpFatal(h) => (IBV_EVENT_QP_FATAL, Element::Qp(object(ObjectKind::Qp, h)?)),
+        DeviceEvent::CqError(h) => (IBV_EVENT_CQ_ERR, Element::Cq(object(ObjectKind::Cq, h)?)),
+        DeviceEvent::SrqLimitReached(h) => (
+            IBV_EVENT_SRQ_LIMIT_REACHED,
+            Element::Srq(object(ObjectKind::Srq, h)?),
+        ),
+        DeviceEvent::PortActive(port) => (IBV_EVENT_PORT_ACTIVE, Element::Port(port)),
+        DeviceEvent::PortError(port) => (IBV_EVENT_PORT_ERR, Element::Port(port)),
+        DeviceEvent::DeviceFatal => (IBV_EVENT_DEVICE_FATAL, Element::Device),
+        DeviceEvent::CqCompletion(_) | DeviceEvent::Unknown { .. } => return None,
+    };
+    Some(AsyncEvent { kind, element })
+}
+
+fn route_events(
+    device: &Device,
+    routes: &Mutex<Routes>,
+    async_events: &AsyncEvents,
+    stop: &AtomicBool,
+) {
+    let routes = || routes.lock().unwrap_or_else(|e| e.into_inner());
     while !stop.load(Ordering::Acquire) {
         match device.wait_event(WAKE_INTERVAL) {
             Ok(Some(DeviceEvent::CqCompletion(handle))) => {
-                let route = routes
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get(&handle)
-                    .cloned();
+                let route = routes().channels.get(&handle).cloned();
                 if let Some((cq, channel)) = route {
                     channel.push(cq);
                 }
             }
-            // Asynchronous events are not forwarded to programs yet.
-            Ok(Some(other)) => log::debug!("device event not forwarded: {other:?}"),
+            Ok(Some(event)) => match async_event_of(event, &routes().objects) {
+                Some(event) => async_events.push(event),
+                None => log::debug!("device event not forwarded: {event:?}"),
+            },
             Ok(None) => {}
-            Err(Error::DeviceReset) => return,
+            // The device is gone: say so once, as a native device's removal does.
+            Err(Error::DeviceReset | Error::Disconnected) => {
+                async_events.push(AsyncEvent {
+                    kind: ibv_event_type::IBV_EVENT_DEVICE_FATAL,
+                    element: Element::Device,
+                });
+                return;
+            }
             Err(e) => {
                 log::warn!("reading the device's events: {e}");
                 std::thread::sleep(WAKE_INTERVAL);
             }
         }
-    }
-}
-
-impl AsRawFd for Channel {
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        self.fd.as_raw_fd()
     }
 }
 
@@ -168,7 +260,7 @@ mod tests {
         channel.push(0x10);
         channel.push(0x20);
         channel.push(0x10);
-        channel.forget(0x10);
+        channel.forget(|&cq| cq == 0x10);
         assert_eq!(channel.take(), Ok(0x20));
         // The forgotten events' counts remain; a non-blocking take runs out cleanly.
         // SAFETY: only changes the flags of this test's own eventfd.
@@ -176,5 +268,60 @@ mod tests {
             libc::fcntl(channel.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK);
         }
         assert_eq!(channel.take(), Err(libc::EAGAIN));
+    }
+
+    #[test]
+    fn device_events_name_the_programs_objects_and_skip_unknown_ones() {
+        use ibv_event_type::*;
+        let objects = HashMap::from([
+            ((ObjectKind::Qp, 7), 0x1000),
+            ((ObjectKind::Cq, 7), 0x2000),
+            ((ObjectKind::Srq, 9), 0x3000),
+        ]);
+        let event = |kind, element| Some(AsyncEvent { kind, element });
+        let cases = [
+            (
+                DeviceEvent::QpFatal(7),
+                event(IBV_EVENT_QP_FATAL, Element::Qp(0x1000)),
+            ),
+            (
+                DeviceEvent::CqError(7),
+                event(IBV_EVENT_CQ_ERR, Element::Cq(0x2000)),
+            ),
+            (
+                DeviceEvent::SrqLimitReached(9),
+                event(IBV_EVENT_SRQ_LIMIT_REACHED, Element::Srq(0x3000)),
+            ),
+            (
+                DeviceEvent::PortError(1),
+                event(IBV_EVENT_PORT_ERR, Element::Port(1)),
+            ),
+            (
+                DeviceEvent::PortActive(1),
+                event(IBV_EVENT_PORT_ACTIVE, Element::Port(1)),
+            ),
+            (
+                DeviceEvent::DeviceFatal,
+                event(IBV_EVENT_DEVICE_FATAL, Element::Device),
+            ),
+            // A destroyed (or never known) object's event has no one to go to.
+            (DeviceEvent::QpFatal(8), None),
+            (DeviceEvent::SrqLimitReached(7), None),
+            (DeviceEvent::CqCompletion(7), None),
+            (
+                DeviceEvent::Unknown {
+                    kind: 99,
+                    handle: 7,
+                },
+                None,
+            ),
+        ];
+        for (device_event, expected) in cases {
+            assert_eq!(
+                async_event_of(device_event, &objects),
+                expected,
+                "{device_event:?}"
+            );
+        }
     }
 }

@@ -7,13 +7,14 @@
 
 use std::os::fd::AsRawFd;
 use std::os::raw::{c_int, c_uint, c_void};
-use std::ptr;
+use std::ptr::{self, NonNull};
 use std::sync::{Arc, Mutex};
 
 use rdma_sys::{
-    ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_qp,
-    ibv_qp_attr, ibv_qp_ex, ibv_qp_init_attr, ibv_qp_init_attr_ex, ibv_qp_state, ibv_recv_wr,
-    ibv_send_wr, ibv_srq, ibv_srq_attr, ibv_srq_init_attr, ibv_wc,
+    ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_cq_ex, ibv_cq_init_attr_ex,
+    ibv_mr, ibv_pd, ibv_poll_cq_attr, ibv_qp, ibv_qp_attr, ibv_qp_ex, ibv_qp_init_attr,
+    ibv_qp_init_attr_ex, ibv_qp_state, ibv_recv_wr, ibv_send_wr, ibv_srq, ibv_srq_attr,
+    ibv_srq_init_attr, ibv_wc, ibv_wc_opcode,
 };
 use vrdma_guest::{
     qp_attr_mask, AddressHandle, CompletionQueue, MemoryRegion, Payload, ProtectionDomain, QpCaps,
@@ -21,7 +22,7 @@ use vrdma_guest::{
 };
 
 use crate::abi::{context_of, errno_of, report_once, set_errno};
-use crate::events::Channel;
+use crate::events::{Channel, ObjectKind};
 use crate::qp_ex::{self, Staged, SERVED_SEND_OPS};
 use crate::translate::{self, send_flags};
 
@@ -43,10 +44,14 @@ struct VrdmaChannel {
     events: Arc<Channel>,
 }
 
+/// A CQ. `cq` begins with the `ibv_cq` programs hold (ibv_cq_ex extends it), so one pointer
+/// serves both APIs.
 #[repr(C)]
 struct VrdmaCq {
-    cq: ibv_cq,
+    cq: ibv_cq_ex,
     inner: CompletionQueue,
+    /// The completion `ibv_start_poll`/`ibv_next_poll` moved to, for the `ibv_wc_read_*`s.
+    current: Mutex<ibv_wc>,
 }
 
 /// A QP. `qp_ex` begins with the `ibv_qp` programs hold, so one pointer serves both APIs.
@@ -151,6 +156,15 @@ unsafe fn destroy<T>(object: *mut impl Sized) -> c_int {
     // destroys the device object when the value drops.
     drop(unsafe { Box::from_raw(object.cast::<T>()) });
     0
+}
+
+/// Drops the events of object `handle` of `context`, which is being destroyed.
+///
+/// # Safety
+/// `context` must be the program's live context of that object.
+unsafe fn forget_events(context: *mut ibv_context, kind: ObjectKind, handle: u32) {
+    // SAFETY: per the contract.
+    unsafe { context_of(context) }.with_dispatcher(|d| d.forget(kind, handle));
 }
 
 // ---- PD, MR, AH --------------------------------------------------------------------------
@@ -311,8 +325,6 @@ unsafe extern "C" fn ibv_create_comp_channel(context: *mut ibv_context) -> *mut 
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     }
-    // SAFETY: a context from ibv_open_device, per the API contract.
-    let ours_context = unsafe { context_of(context) };
     let events = match Channel::new() {
         Ok(events) => events,
         Err(e) => {
@@ -320,10 +332,6 @@ unsafe extern "C" fn ibv_create_comp_channel(context: *mut ibv_context) -> *mut 
             return ptr::null_mut();
         }
     };
-    if let Err(errno) = ours_context.with_dispatcher(|_| ()) {
-        set_errno(errno);
-        return ptr::null_mut();
-    }
     into_c(VrdmaChannel {
         channel: ibv_comp_channel {
             context,
@@ -392,20 +400,77 @@ unsafe extern "C" fn ibv_create_cq(
     channel: *mut ibv_comp_channel,
     _comp_vector: c_int,
 ) -> *mut ibv_cq {
-    let Ok(depth) = u32::try_from(cqe) else {
+    let Ok(cqe) = u32::try_from(cqe) else {
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     };
+    // SAFETY: the caller's context and channel, per the API contract.
+    unsafe { create_cq(context, cqe, cq_context, channel) }.cast()
+}
+
+/// `verbs_context.create_cq_ex`: a CQ with the `ibv_start_poll` API as well.
+pub(crate) unsafe extern "C" fn create_cq_ex(
+    context: *mut ibv_context,
+    attr: *mut ibv_cq_init_attr_ex,
+) -> *mut ibv_cq_ex {
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: an attribute block the caller filled.
+    let attr = unsafe { &*attr };
+    if attr.wc_flags & !translate::SERVED_CQ_EX_WC_FLAGS != 0
+        || attr.comp_mask & !translate::CQ_INIT_ATTR_MASK_FLAGS != 0
+    {
+        report_once(
+            "create_cq_ex",
+            "ibv_create_cq_ex: vrdma serves the completion fields of ibv_poll_cq only (no timestamps, VLANs, flow tags, tag matching) and no parent domain",
+        );
+        set_errno(libc::EOPNOTSUPP);
+        return ptr::null_mut();
+    }
+    // SAFETY: the caller's context and channel, per the API contract.
+    let created = unsafe { create_cq(context, attr.cqe, attr.cq_context, attr.channel) };
+    if let Some(created) = NonNull::new(created) {
+        // SAFETY: the CQ just made, not yet handed out.
+        let cq = unsafe { &mut (*created.as_ptr()).cq };
+        cq.start_poll = Some(start_poll);
+        cq.next_poll = Some(next_poll);
+        cq.end_poll = Some(end_poll);
+        cq.read_opcode = Some(read_opcode);
+        cq.read_vendor_err = Some(read_vendor_err);
+        cq.read_byte_len = Some(read_byte_len);
+        cq.read_imm_data = Some(read_imm_data);
+        cq.read_qp_num = Some(read_qp_num);
+        cq.read_src_qp = Some(read_src_qp);
+        cq.read_wc_flags = Some(read_wc_flags);
+        cq.read_slid = Some(read_slid);
+        cq.read_sl = Some(read_sl);
+        cq.read_dlid_path_bits = Some(read_dlid_path_bits);
+    }
+    created.cast()
+}
+
+/// A CQ of at least `cqe` entries reporting to `channel` (may be NULL).
+///
+/// # Safety
+/// `context` and `channel` must be NULL or the program's live objects of this library.
+unsafe fn create_cq(
+    context: *mut ibv_context,
+    cqe: u32,
+    cq_context: *mut c_void,
+    channel: *mut ibv_comp_channel,
+) -> *mut VrdmaCq {
     if context.is_null() {
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     }
     // `cqe` is a minimum; vrdma's CQ depths are powers of two.
-    let Some(depth) = depth.max(2).checked_next_power_of_two() else {
+    let Some(depth) = cqe.max(2).checked_next_power_of_two() else {
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     };
-    // SAFETY: a context from ibv_open_device, per the API contract.
+    // SAFETY: a context from ibv_open_device, per the contract.
     let ours_context = unsafe { context_of(context) };
     let inner = match ours_context.device.create_cq(depth) {
         Ok(inner) => inner,
@@ -415,32 +480,136 @@ unsafe extern "C" fn ibv_create_cq(
             return ptr::null_mut();
         }
     };
-    // SAFETY: ibv_cq is C data (pointers, integers, a pthread mutex and condition variable),
-    // valid as all-zero bytes (their static initialisers on glibc).
-    let mut cq: ibv_cq = unsafe { std::mem::zeroed() };
+    // SAFETY: ibv_cq_ex is C data (pointers, integers, a pthread mutex and condition
+    // variable, function pointers as Options), valid as all-zero bytes (their static
+    // initialisers on glibc).
+    let mut cq: ibv_cq_ex = unsafe { std::mem::zeroed() };
     cq.context = context;
     cq.channel = channel;
     cq.cq_context = cq_context;
     cq.handle = inner.handle();
     cq.cqe = c_int::try_from(inner.depth()).unwrap_or(c_int::MAX);
     let handle = cq.handle;
-    let created: *mut ibv_cq = into_c(VrdmaCq { cq, inner });
-    if !channel.is_null() {
-        // SAFETY: a channel from ibv_create_comp_channel, per the API contract.
-        let events = Arc::clone(&unsafe { ours::<VrdmaChannel>(channel) }.events);
-        let watched = ours_context.with_dispatcher(|dispatcher| {
+    let created: *mut VrdmaCq = into_c(VrdmaCq {
+        cq,
+        inner,
+        current: Mutex::new(translate::wc(&WorkCompletion::default())),
+    });
+    ours_context.with_dispatcher(|dispatcher| {
+        dispatcher.register(ObjectKind::Cq, handle, created as usize);
+        if !channel.is_null() {
+            // SAFETY: a channel from ibv_create_comp_channel, per the contract.
+            let events = Arc::clone(&unsafe { ours::<VrdmaChannel>(channel) }.events);
             dispatcher.watch(handle, created as usize, events);
             // SAFETY: as above; the dispatcher's lock serialises refcnt changes.
             unsafe { (*channel).refcnt += 1 };
-        });
-        if let Err(errno) = watched {
-            // SAFETY: the CQ just made, not yet handed out.
-            unsafe { destroy::<VrdmaCq>(created) };
-            set_errno(errno);
-            return ptr::null_mut();
         }
-    }
+    });
     created
+}
+
+// The ibv_cq_ex poll API. One completion at a time, moved from guest-lib's ring into
+// `current`; `status` and `wr_id` are fields of ibv_cq_ex the program reads directly.
+
+/// Moves the next completion into `current`: 0, ENOENT when there is none, or an errno.
+///
+/// # Safety
+/// `cq` must be a live CQ of [`create_cq_ex`], polled by one thread at a time.
+unsafe fn advance(cq: *mut ibv_cq_ex) -> c_int {
+    // SAFETY: per the contract; `ours` covers the whole object, but the program only
+    // reads the fields written below, between calls.
+    let ours_cq = unsafe { ours::<VrdmaCq>(cq) };
+    let mut next = [WorkCompletion::default()];
+    match ours_cq.inner.poll(&mut next) {
+        Ok(0) => libc::ENOENT,
+        Ok(_) => {
+            let wc = translate::wc(&next[0]);
+            // SAFETY: the fields the API defines for the program to read.
+            unsafe {
+                (*cq).status = wc.status;
+                (*cq).wr_id = wc.wr_id;
+            }
+            *ours_cq.current.lock().unwrap_or_else(|e| e.into_inner()) = wc;
+            0
+        }
+        Err(e) => errno_of(&e),
+    }
+}
+
+unsafe extern "C" fn start_poll(cq: *mut ibv_cq_ex, _attr: *mut ibv_poll_cq_attr) -> c_int {
+    // SAFETY: a CQ from ibv_create_cq_ex, per the API contract.
+    unsafe { advance(cq) }
+}
+
+unsafe extern "C" fn next_poll(cq: *mut ibv_cq_ex) -> c_int {
+    // SAFETY: as above.
+    unsafe { advance(cq) }
+}
+
+unsafe extern "C" fn end_poll(_cq: *mut ibv_cq_ex) {}
+
+/// A field of the current completion.
+///
+/// # Safety
+/// `cq` must be a live CQ of [`create_cq_ex`].
+unsafe fn current<T>(cq: *mut ibv_cq_ex, field: impl FnOnce(&ibv_wc) -> T) -> T {
+    // SAFETY: per the contract.
+    field(
+        &unsafe { ours::<VrdmaCq>(cq) }
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()),
+    )
+}
+
+unsafe extern "C" fn read_opcode(cq: *mut ibv_cq_ex) -> ibv_wc_opcode::Type {
+    // SAFETY: a CQ from ibv_create_cq_ex, per the API contract (and below).
+    unsafe { current(cq, |wc| wc.opcode) }
+}
+
+unsafe extern "C" fn read_vendor_err(cq: *mut ibv_cq_ex) -> u32 {
+    // SAFETY: as above.
+    unsafe { current(cq, |wc| wc.vendor_err) }
+}
+
+unsafe extern "C" fn read_byte_len(cq: *mut ibv_cq_ex) -> u32 {
+    // SAFETY: as above.
+    unsafe { current(cq, |wc| wc.byte_len) }
+}
+
+unsafe extern "C" fn read_imm_data(cq: *mut ibv_cq_ex) -> u32 {
+    // SAFETY: as above; every bit pattern is a valid imm_data (a plain __be32).
+    unsafe { current(cq, |wc| wc.imm_data_invalidated_rkey_union.imm_data) }
+}
+
+unsafe extern "C" fn read_qp_num(cq: *mut ibv_cq_ex) -> u32 {
+    // SAFETY: as above.
+    unsafe { current(cq, |wc| wc.qp_num) }
+}
+
+unsafe extern "C" fn read_src_qp(cq: *mut ibv_cq_ex) -> u32 {
+    // SAFETY: as above.
+    unsafe { current(cq, |wc| wc.src_qp) }
+}
+
+unsafe extern "C" fn read_wc_flags(cq: *mut ibv_cq_ex) -> c_uint {
+    // SAFETY: as above.
+    unsafe { current(cq, |wc| wc.wc_flags) }
+}
+
+unsafe extern "C" fn read_slid(cq: *mut ibv_cq_ex) -> u32 {
+    // SAFETY: as above.
+    unsafe { current(cq, |wc| u32::from(wc.slid)) }
+}
+
+unsafe extern "C" fn read_sl(cq: *mut ibv_cq_ex) -> u8 {
+    // SAFETY: as above.
+    unsafe { current(cq, |wc| wc.sl) }
+}
+
+unsafe extern "C" fn read_dlid_path_bits(cq: *mut ibv_cq_ex) -> u8 {
+    // SAFETY: as above.
+    unsafe { current(cq, |wc| wc.dlid_path_bits) }
 }
 
 #[no_mangle]
@@ -450,17 +619,14 @@ unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
     }
     // SAFETY: a CQ from ibv_create_cq, per the API contract.
     let (context, channel, handle) = unsafe { ((*cq).context, (*cq).channel, (*cq).handle) };
-    if !channel.is_null() {
-        // SAFETY: the CQ's context and channel outlive it, per the API contract.
-        let forgotten = unsafe { context_of(context) }.with_dispatcher(|dispatcher| {
-            dispatcher.forget(handle);
+    // SAFETY: the CQ's context and channel outlive it, per the API contract.
+    unsafe { context_of(context) }.with_dispatcher(|dispatcher| {
+        dispatcher.forget(ObjectKind::Cq, handle);
+        if !channel.is_null() {
             // SAFETY: as above; the dispatcher's lock serialises refcnt changes.
             unsafe { (*channel).refcnt -= 1 };
-        });
-        if let Err(errno) = forgotten {
-            return errno;
         }
-    }
+    });
     // SAFETY: destroyed once, per the API contract.
     unsafe { destroy::<VrdmaCq>(cq) }
 }
@@ -628,13 +794,18 @@ unsafe fn create_qp(pd: *mut ibv_pd, init: &mut ibv_qp_init_attr, send_ops: bool
         qp_ex::install(&mut qp_ex);
         Staged::new(caps.max_send_wr, caps.max_send_sge, caps.max_inline_data)
     });
-    into_c(VrdmaQp {
+    let handle = qp_ex.qp_base.handle;
+    let created: *mut ibv_qp = into_c(VrdmaQp {
         qp_ex,
         inner,
         caps,
         sq_sig_all: init.sq_sig_all != 0,
         staged,
-    })
+    });
+    // SAFETY: the PD's context is the program's live context, per the API contract.
+    unsafe { context_of(owner.pd.context) }
+        .with_dispatcher(|d| d.register(ObjectKind::Qp, handle, created as usize));
+    created
 }
 
 /// The `ibv_wr_*` face of a QP made with send ops; NULL (EOPNOTSUPP) for others.
@@ -702,7 +873,11 @@ unsafe extern "C" fn ibv_query_qp(
 
 #[no_mangle]
 unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
-    // SAFETY: a QP from ibv_create_qp, destroyed once, per the API contract.
+    if !qp.is_null() {
+        // SAFETY: a QP from ibv_create_qp, per the API contract; its context outlives it.
+        unsafe { forget_events((*qp).context, ObjectKind::Qp, (*qp).handle) };
+    }
+    // SAFETY: destroyed once, per the API contract.
     unsafe { destroy::<VrdmaQp>(qp) }
 }
 
@@ -855,7 +1030,12 @@ unsafe extern "C" fn ibv_create_srq(pd: *mut ibv_pd, init: *mut ibv_srq_init_att
             srq.srq_context = init.srq_context;
             srq.pd = pd;
             srq.handle = inner.handle();
-            into_c(VrdmaSrq { srq, inner })
+            let handle = srq.handle;
+            let created: *mut ibv_srq = into_c(VrdmaSrq { srq, inner });
+            // SAFETY: the PD's context is the program's live context, per the API contract.
+            unsafe { context_of(owner.pd.context) }
+                .with_dispatcher(|d| d.register(ObjectKind::Srq, handle, created as usize));
+            created
         }
         Err(e) => {
             report_once("create_srq", &format!("ibv_create_srq failed: {e}"));
@@ -894,7 +1074,11 @@ unsafe extern "C" fn ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr) -
 
 #[no_mangle]
 unsafe extern "C" fn ibv_destroy_srq(srq: *mut ibv_srq) -> c_int {
-    // SAFETY: an SRQ from ibv_create_srq, destroyed once, per the API contract.
+    if !srq.is_null() {
+        // SAFETY: an SRQ from ibv_create_srq, per the API contract; its context outlives it.
+        unsafe { forget_events((*srq).context, ObjectKind::Srq, (*srq).handle) };
+    }
+    // SAFETY: destroyed once, per the API contract.
     unsafe { destroy::<VrdmaSrq>(srq) }
 }
 

@@ -216,6 +216,22 @@ pub fn send_op(wr: &ibv_send_wr) -> Result<SendOp, c_int> {
     })
 }
 
+/// The `ibv_create_cq_ex` completion fields served: those of `struct ibv_wc`.
+pub const SERVED_CQ_EX_WC_FLAGS: u64 = {
+    use rdma_sys::ibv_create_cq_wc_flags as f;
+    (f::IBV_WC_EX_WITH_BYTE_LEN.0
+        | f::IBV_WC_EX_WITH_IMM.0
+        | f::IBV_WC_EX_WITH_QP_NUM.0
+        | f::IBV_WC_EX_WITH_SRC_QP.0
+        | f::IBV_WC_EX_WITH_SLID.0
+        | f::IBV_WC_EX_WITH_SL.0
+        | f::IBV_WC_EX_WITH_DLID_PATH_BITS.0) as u64
+};
+/// `IBV_CQ_INIT_ATTR_MASK_FLAGS`: creation flags (single-threaded, ignore overrun) are hints
+/// vrdma may ignore.
+pub const CQ_INIT_ATTR_MASK_FLAGS: u32 =
+    rdma_sys::ibv_cq_init_attr_mask::IBV_CQ_INIT_ATTR_MASK_FLAGS.0;
+
 /// A completion as `struct ibv_wc`. vrdma's status and opcode numbers are libibverbs'.
 pub fn wc(from: &WorkCompletion) -> ibv_wc {
     let mut flags = 0;
@@ -364,5 +380,34 @@ mod tests {
         );
         assert_eq!(std::mem::offset_of!(rdma_sys::ibv_sge, lkey), 12);
         assert_eq!(std::mem::offset_of!(vrdma_guest::Sge, lkey), 12);
+    }
+
+    #[test]
+    fn an_ibv_cq_ex_begins_with_an_ibv_cq_so_one_object_serves_both_apis() {
+        use rdma_sys::{ibv_cq, ibv_cq_ex};
+        use std::mem::offset_of;
+        let pairs = [
+            (offset_of!(ibv_cq, context), offset_of!(ibv_cq_ex, context)),
+            (offset_of!(ibv_cq, channel), offset_of!(ibv_cq_ex, channel)),
+            (
+                offset_of!(ibv_cq, cq_context),
+                offset_of!(ibv_cq_ex, cq_context),
+            ),
+            (offset_of!(ibv_cq, handle), offset_of!(ibv_cq_ex, handle)),
+            (offset_of!(ibv_cq, cqe), offset_of!(ibv_cq_ex, cqe)),
+            (offset_of!(ibv_cq, mutex), offset_of!(ibv_cq_ex, mutex)),
+            (offset_of!(ibv_cq, cond), offset_of!(ibv_cq_ex, cond)),
+            (
+                offset_of!(ibv_cq, comp_events_completed),
+                offset_of!(ibv_cq_ex, comp_events_completed),
+            ),
+            (
+                offset_of!(ibv_cq, async_events_completed),
+                offset_of!(ibv_cq_ex, async_events_completed),
+            ),
+        ];
+        for (cq, cq_ex) in pairs {
+            assert_eq!(cq, cq_ex);
+        }
     }
 }
