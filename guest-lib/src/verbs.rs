@@ -380,12 +380,25 @@ impl ProtectionDomain {
     /// Registers `addr..addr + len`, which must lie in memory shared with the device (see
     /// [`Device::alloc_buffer`]). Peers and work requests address it by `addr`.
     pub fn reg_mr_range(&self, addr: u64, len: u64, access: u32) -> Result<MemoryRegion> {
+        self.register(addr, len, addr, access)
+    }
+
+    /// Registers `addr..addr + len` of shared memory so that peers and work requests address
+    /// it from `iova`, which must have `addr`'s offset within a page of that memory.
+    fn register(&self, addr: u64, len: u64, iova: u64, access: u32) -> Result<MemoryRegion> {
         let device = &self.inner.device;
         let (pages, _list_pages) = device.page_list(addr, len)?;
+        let page_mask = (1u64 << pages.page_shift) - 1;
+        if (iova ^ addr) & page_mask != 0 || iova.checked_add(len).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "IOVA {iova:#x} for {len:#x} bytes at {addr:#x}: it must not wrap and must have the address's offset in a {}-byte page",
+                page_mask + 1
+            )));
+        }
         let request = RegMrRequest {
             pd: Le32::from(self.inner.handle),
             access: Le32::from(access),
-            virt_addr: Le64::from(addr),
+            virt_addr: Le64::from(iova),
             length: Le64::from(len),
             pages,
         };
@@ -395,7 +408,7 @@ impl ProtectionDomain {
             handle: r.handle.to_native(),
             lkey: r.lkey.to_native(),
             rkey: r.rkey.to_native(),
-            addr,
+            addr: iova,
             len,
         })
     }
@@ -403,17 +416,25 @@ impl ProtectionDomain {
     /// Registers `addr..addr + len` of any memory of this process (malloc'd, stack,
     /// mmap'd), as libibverbs programs do: the memory is made reachable by the device in
     /// place first (see [`Transport::share`]), with no copy of what later goes through it.
+    /// Peers and work requests address it from `iova` (`addr` itself, or another address
+    /// with the same offset within a page, as `ibv_reg_mr_iova2` allows).
     ///
     /// # Safety
     /// The range must be memory of this process that nothing writes during the call and
     /// that stays mapped, as it is, until the MR and the device are gone.
-    pub unsafe fn reg_user_mr(&self, addr: u64, len: u64, access: u32) -> Result<MemoryRegion> {
+    pub unsafe fn reg_user_mr(
+        &self,
+        addr: u64,
+        len: u64,
+        iova: u64,
+        access: u32,
+    ) -> Result<MemoryRegion> {
         if len == 0 {
             return Err(Error::InvalidArgument("cannot register zero bytes".into()));
         }
         // SAFETY: the caller's contract is Transport::share's.
         unsafe { self.inner.device.transport.share(addr, len)? };
-        self.reg_mr_range(addr, len, access)
+        self.register(addr, len, iova, access)
     }
 
     pub fn create_ah(&self, attr: &AhAttr) -> Result<AddressHandle> {

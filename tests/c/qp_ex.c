@@ -1,6 +1,6 @@
 /* The extended QP and CQ APIs (ibv_create_qp_ex + ibv_wr_*, ibv_create_cq_ex + ibv_start_poll)
  * on a libibverbs device, checked byte by byte: two RC QPs of one context connected to each
- * other, then SEND, SEND with immediate, RDMA WRITE, RDMA READ, fetch-and-add, compare-and-swap
+ * other, then SEND, SEND with immediate, RDMA WRITE (also through an MR at another IOVA), RDMA READ, fetch-and-add, compare-and-swap
  * and an inline SEND, each through ibv_wr_start .. ibv_wr_complete, their completions read
  * through the ibv_cq_ex poll API (and ibv_poll_cq on the same CQ). Written against libibverbs
  * only; tests/tests/ibverbs_rxe.rs builds it and runs it on vrdma0 through vrdma-run.
@@ -23,7 +23,7 @@
 	} while (0)
 
 enum { BUF = 8192, SEND_AT = 0, RECV_AT = 4096, WRITE_AT = 5000, READ_AT = 6000,
-       ATOMIC_AT = 7000, RESULT_AT = 7100 };
+       ATOMIC_AT = 7000, RESULT_AT = 7100, IOVA_WRITE_AT = 7400 };
 
 static struct ibv_cq_ex *cq;
 static uint32_t receiver_qpn;
@@ -183,6 +183,25 @@ int main(int argc, char **argv)
 	CHECK(!ibv_wr_complete(qpx), "ibv_wr_complete (write)");
 	wait_completions(1, 0);
 	CHECK(!strcmp((char *)buf + WRITE_AT, "written through ibv_wr_rdma_write"), "written bytes");
+
+	/* RDMA WRITE through an MR registered at another IOVA (ibv_reg_mr_iova2): both the
+	 * local SGE and the remote address are in the IOVA's space. */
+	const uint64_t iova = 0x7e0000000000ull;
+	errno = 0;
+	CHECK(!ibv_reg_mr_iova2(pd, buf, BUF, iova + 1, IBV_ACCESS_LOCAL_WRITE) && errno == EINVAL,
+	      "refusing an IOVA at another offset within the page");
+	struct ibv_mr *at_iova = ibv_reg_mr_iova2(pd, buf, BUF, iova, IBV_ACCESS_LOCAL_WRITE |
+						  IBV_ACCESS_REMOTE_WRITE);
+	CHECK(at_iova, "ibv_reg_mr_iova2");
+	strcpy((char *)buf + SEND_AT, "written at an IOVA");
+	ibv_wr_start(qpx);
+	qpx->wr_id = 8;
+	ibv_wr_rdma_write(qpx, at_iova->rkey, iova + IOVA_WRITE_AT);
+	ibv_wr_set_sge(qpx, at_iova->lkey, iova + SEND_AT, 20);
+	CHECK(!ibv_wr_complete(qpx), "ibv_wr_complete (write at an IOVA)");
+	wait_completions(1, 0);
+	CHECK(!strcmp((char *)buf + IOVA_WRITE_AT, "written at an IOVA"), "bytes written at an IOVA");
+	CHECK(!ibv_dereg_mr(at_iova), "ibv_dereg_mr (IOVA)");
 
 	/* RDMA READ */
 	strcpy((char *)buf + READ_AT, "read through ibv_wr_rdma_read");

@@ -209,8 +209,8 @@ unsafe extern "C" fn ibv_reg_mr(
     unsafe { ibv_reg_mr_iova2(pd, addr, length, addr as u64, access as c_uint) }
 }
 
-/// Registers memory the program owns, where it is. vrdma registers MRs at the process's
-/// own addresses, so `iova` must be `addr` (what `ibv_reg_mr` asks for).
+/// Registers memory the program owns, where it is; peers and work requests address it from
+/// `iova`, which must have `addr`'s offset within a page (EINVAL otherwise).
 #[no_mangle]
 unsafe extern "C" fn ibv_reg_mr_iova2(
     pd: *mut ibv_pd,
@@ -223,20 +223,16 @@ unsafe extern "C" fn ibv_reg_mr_iova2(
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     }
-    if iova != addr as u64 {
-        report_once(
-            "iova",
-            "ibv_reg_mr_iova2 with an IOVA other than the address is not served by vrdma yet",
-        );
-        set_errno(libc::EOPNOTSUPP);
-        return ptr::null_mut();
-    }
     // SAFETY: a PD from ibv_alloc_pd, per the API contract.
     let owner = unsafe { ours::<VrdmaPd>(pd) };
     let access = access & !ACCESS_OPTIONAL_RANGE;
     // SAFETY: libibverbs' contract for registered memory is reg_user_mr's: the program's own
     // memory, kept mapped while registered.
-    let registered = unsafe { owner.inner.reg_user_mr(addr as u64, length as u64, access) };
+    let registered = unsafe {
+        owner
+            .inner
+            .reg_user_mr(addr as u64, length as u64, iova, access)
+    };
     match registered {
         Ok(inner) => into_c(VrdmaMr {
             mr: ibv_mr {
