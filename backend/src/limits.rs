@@ -1,7 +1,7 @@
 //! What the device advertises to a guest: the host device's limits capped by per-guest quotas.
 
+use vrdma_spec::codec::{MAX_SEND_INLINE, MAX_SEND_SGE};
 use vrdma_spec::config::{features, DeviceConfig, MAX_NOTIFY_QUEUES};
-use vrdma_spec::ring::MAX_WQE_SHIFT;
 use vrdma_spec::{Le32, Le64, SPEC_VERSION};
 
 use crate::hostverbs::DeviceAttr;
@@ -33,11 +33,6 @@ impl Default for Quotas {
     }
 }
 
-/// Inline data a send WQE can carry: its largest slot minus the header.
-const MAX_INLINE_DATA: u32 =
-    (1 << MAX_WQE_SHIFT) - core::mem::size_of::<vrdma_spec::ring::SendWqe>() as u32;
-/// SGEs a send WQE can carry in its largest slot.
-const MAX_SGE_PER_WQE: u32 = MAX_INLINE_DATA / core::mem::size_of::<vrdma_spec::ring::Sge>() as u32;
 /// Page sizes the device maps: 4 KiB and 2 MiB (huge pages) and 1 GiB.
 const PAGE_SIZE_CAP: u64 = (1 << 12) | (1 << 21) | (1 << 30);
 
@@ -52,7 +47,7 @@ pub fn advertised_config(
         num_notify_queues: Le32::from(num_notify_queues.clamp(1, MAX_NOTIFY_QUEUES)),
         max_qp: Le32::from(host.max_qp.min(quotas.max_qp)),
         max_qp_wr: Le32::from(host.max_qp_wr),
-        max_sge: Le32::from(host.max_sge.min(MAX_SGE_PER_WQE)),
+        max_sge: Le32::from(host.max_sge.min(MAX_SEND_SGE)),
         max_cq: Le32::from(host.max_cq.min(quotas.max_cq)),
         max_cqe: Le32::from(prev_power_of_two(host.max_cqe)),
         max_mr: Le32::from(host.max_mr.min(quotas.max_mr)),
@@ -60,7 +55,7 @@ pub fn advertised_config(
         max_ah: Le32::from(host.max_ah.min(quotas.max_ah)),
         max_srq: Le32::from(host.max_srq.min(quotas.max_srq)),
         max_srq_wr: Le32::from(prev_power_of_two(host.max_srq_wr)),
-        max_inline_data: Le32::from(MAX_INLINE_DATA),
+        max_inline_data: Le32::from(MAX_SEND_INLINE),
         max_qp_rd_atom: Le32::from(host.max_qp_rd_atom),
         max_qp_init_rd_atom: Le32::from(host.max_qp_init_rd_atom),
         phys_port_cnt: Le32::from(1),
@@ -122,6 +117,8 @@ fn prev_power_of_two(value: u32) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vrdma_spec::codec::send_slot_bytes;
+    use vrdma_spec::ring::MAX_WQE_SHIFT;
 
     fn rxe_like() -> DeviceAttr {
         DeviceAttr {
@@ -202,11 +199,11 @@ mod tests {
             &Quotas::default(),
             1,
         );
-        let header = core::mem::size_of::<vrdma_spec::ring::SendWqe>() as u32;
-        assert_eq!(header + 16 * config.max_sge.to_native(), 1 << MAX_WQE_SHIFT);
+        let largest = 1 << MAX_WQE_SHIFT;
+        assert_eq!(send_slot_bytes(config.max_sge.to_native(), 0), largest);
         assert_eq!(
-            header + config.max_inline_data.to_native(),
-            1 << MAX_WQE_SHIFT
+            send_slot_bytes(0, config.max_inline_data.to_native()),
+            largest
         );
     }
 

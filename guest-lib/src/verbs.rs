@@ -6,6 +6,10 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use vrdma_spec::codec::{
+    recv_wqe_shift, ring_pending, ring_slot, send_wqe_shift, sge_offset, ArmRequest, SendHeader,
+    UdAddress, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
+};
 use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::ctrl::{
     qp_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
@@ -16,8 +20,8 @@ use vrdma_spec::ctrl::{
 };
 use vrdma_spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES, PAGE_LIST_ENTRIES_PER_PAGE};
 use vrdma_spec::ring::{
-    cqe_is_valid, event_kind, wqe_flags, wr_opcode, CqDoorbell, Cqe, NotifyState, QpDoorbell,
-    RecvWqe, SendWqe, Sge as WireSge, SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
+    cqe_is_valid, event_kind, CqDoorbell, Cqe, NotifyState, QpDoorbell, RecvWqe, SendWqe,
+    Sge as WireSge, SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
 use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64};
 
@@ -25,7 +29,7 @@ use crate::direct::{DirectOptions, DirectTransport};
 use crate::pci::PciTransport;
 use crate::shm::{SharedBuffer, PAGE_SIZE};
 use crate::transport::Transport;
-use crate::work::{DeviceEvent, Payload, RecvWr, SendOp, SendWr, WorkCompletion};
+use crate::work::{DeviceEvent, Payload, RecvWr, SendWr, WorkCompletion};
 use crate::{Error, Result};
 
 struct DeviceInner {
@@ -538,7 +542,7 @@ impl CompletionQueue {
         let mut consumer = cq.consumer.lock().unwrap_or_else(|e| e.into_inner());
         let mut n = 0;
         while n < out.len() {
-            let slot = u64::from(*consumer & (cq.depth - 1)) * CQE_SIZE as u64;
+            let slot = u64::from(ring_slot(*consumer, cq.depth)) * CQE_SIZE as u64;
             let owner = cq
                 .ring
                 .atomic_u8(slot + CQE_SIZE as u64 - 1)?
@@ -554,7 +558,7 @@ impl CompletionQueue {
         }
         if n > 0 {
             cq.doorbell
-                .atomic_u32(0)?
+                .atomic_u32(CqDoorbell::CONSUMER_INDEX)?
                 .store(*consumer, Ordering::Release);
         }
         Ok(n)
@@ -564,17 +568,18 @@ impl CompletionQueue {
     /// `ibv_req_notify_cq`, poll once more after arming: completions that arrived before it
     /// raise no event.
     pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
-        let sequence = self
-            .inner
-            .arm_sequence
-            .fetch_add(1, Ordering::Relaxed)
-            .wrapping_add(1)
-            & 0x3fff_ffff;
-        let mode = if solicited_only { 2 } else { 1 };
+        let request = ArmRequest {
+            sequence: self
+                .inner
+                .arm_sequence
+                .fetch_add(1, Ordering::Relaxed)
+                .wrapping_add(1),
+            solicited_only,
+        };
         self.inner
             .doorbell
-            .atomic_u32(4)?
-            .store(sequence << 2 | mode, Ordering::Release);
+            .atomic_u32(CqDoorbell::ARM)?
+            .store(request.encode(), Ordering::Release);
         // The caller polls next: the arm must be visible before that read, or a CQE the
         // device writes meanwhile is seen by neither side (SPEC.md §8.2).
         std::sync::atomic::fence(Ordering::SeqCst);
@@ -776,14 +781,15 @@ impl<'a> QueuePairBuilder<'a> {
                 self.max_recv_sge,
             )
         };
-        let sq_stride = (64 + (16 * self.max_send_sge).max(self.max_inline_data))
-            .next_power_of_two()
-            .max(64);
-        let rq_stride = if on_srq {
-            1
+        let too_large = || Error::InvalidArgument("WQEs too large for the largest slot".into());
+        let sq_shift =
+            send_wqe_shift(self.max_send_sge, self.max_inline_data).ok_or_else(too_large)?;
+        let rq_shift = if on_srq {
+            0
         } else {
-            (16 + 16 * max_recv_sge).next_power_of_two().max(16)
+            recv_wqe_shift(max_recv_sge).ok_or_else(too_large)?
         };
+        let (sq_stride, rq_stride) = (1u32 << sq_shift, 1u32 << rq_shift);
         let sq_bytes = u64::from(send_wr) * u64::from(sq_stride);
         let rq_bytes = u64::from(recv_wr) * u64::from(rq_stride);
         let sq = device.transport.alloc(sq_bytes, PAGE_SIZE)?;
@@ -810,12 +816,8 @@ impl<'a> QueuePairBuilder<'a> {
                 QpType::Ud => qp_type::UD,
             },
             sq_sig_all: self.sq_sig_all.into(),
-            sq_wqe_shift: sq_stride.trailing_zeros() as u8,
-            rq_wqe_shift: if on_srq {
-                0
-            } else {
-                rq_stride.trailing_zeros() as u8
-            },
+            sq_wqe_shift: sq_shift,
+            rq_wqe_shift: rq_shift,
             max_send_wr: Le32::from(send_wr),
             max_recv_wr: Le32::from(recv_wr),
             max_send_sge: Le32::from(self.max_send_sge),
@@ -895,12 +897,6 @@ pub struct QueuePair {
     doorbell: SharedBuffer,
 }
 
-/// Offsets of the fields of the QP doorbell record (SPEC.md §8.1).
-const SQ_PRODUCER: u64 = 0;
-const RQ_PRODUCER: u64 = 4;
-const SQ_CONSUMER: u64 = 8;
-const RQ_CONSUMER: u64 = 12;
-
 /// A doorbell record and where in it a queue's producer and consumer indexes live.
 struct Doorbell<'a> {
     record: &'a SharedBuffer,
@@ -927,11 +923,11 @@ fn post<W>(
     let mut result = Ok(());
     let mut posted = 0;
     for wr in wrs {
-        if producer.wrapping_sub(consumer) >= queue.depth {
+        if ring_pending(*producer, consumer) >= queue.depth {
             result = Err(Error::QueueFull { posted });
             break;
         }
-        let slot = u64::from(*producer & (queue.depth - 1)) * queue.stride;
+        let slot = u64::from(ring_slot(*producer, queue.depth)) * queue.stride;
         if let Err(e) = write(slot, wr) {
             result = Err(e);
             break;
@@ -950,32 +946,99 @@ fn post<W>(
     result
 }
 
-/// Writes a receive WQE into the slot at `slot` of `ring`.
-fn write_recv(ring: &SharedBuffer, max_sge: u32, slot: u64, wr: &RecvWr<'_>) -> Result<()> {
+/// What a send queue accepts: what [`encode_send`] checks a request against.
+#[derive(Clone, Copy, Debug)]
+pub struct SendShape {
+    pub qp_type: QpType,
+    pub max_send_sge: u32,
+    pub max_inline_data: u32,
+}
+
+/// Encodes `wr` as a send WQE (SPEC.md §7.2) through `write(offset in the slot, bytes)`,
+/// the header last.
+pub fn encode_send(
+    wr: &SendWr<'_>,
+    shape: &SendShape,
+    mut write: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let ud = match (shape.qp_type, wr.ud) {
+        (QpType::Ud, Some(dest)) => UdAddress {
+            ah: dest.ah.handle(),
+            remote_qpn: dest.remote_qpn,
+            remote_qkey: dest.remote_qkey,
+        },
+        (QpType::Ud, None) => {
+            return Err(Error::InvalidArgument(
+                "a UD send needs a destination".into(),
+            ))
+        }
+        (QpType::Rc, _) => UdAddress::default(),
+    };
+    let payload = match wr.payload {
+        Payload::Sges(sges) => {
+            if sges.len() > shape.max_send_sge as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "{} SGEs exceed max_send_sge {}",
+                    sges.len(),
+                    shape.max_send_sge
+                )));
+            }
+            write_sges(sges, SEND_WQE_HEADER, &mut write)?;
+            WqePayload::Sges(sges.len() as u8)
+        }
+        Payload::Inline(data) => {
+            if data.len() > shape.max_inline_data as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "{} inline bytes exceed max_inline_data {}",
+                    data.len(),
+                    shape.max_inline_data
+                )));
+            }
+            write(SEND_WQE_HEADER as u64, data)?;
+            WqePayload::Inline(data.len() as u32)
+        }
+    };
+    let header = SendHeader {
+        wr_id: wr.wr_id,
+        op: wr.op,
+        signaled: wr.signaled,
+        solicited: wr.solicited,
+        fence: wr.fence,
+        payload,
+        ud,
+    };
+    write(0, SendWqe::encode(&header).as_slice())
+}
+
+/// Encodes `wr` as a receive WQE (SPEC.md §7.3) through `write(offset in the slot, bytes)`.
+pub fn encode_recv(
+    wr: &RecvWr<'_>,
+    max_sge: u32,
+    mut write: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
     if wr.sges.len() > max_sge as usize {
         return Err(Error::InvalidArgument(format!(
             "{} SGEs exceed the queue's {max_sge}",
             wr.sges.len()
         )));
     }
-    let header = std::mem::size_of::<RecvWqe>() as u64;
-    for (i, sge) in wr.sges.iter().enumerate() {
-        ring.write(slot + header + 16 * i as u64, wire_sge(sge).as_slice())?;
-    }
-    let wqe = RecvWqe {
-        wr_id: Le64::from(wr.wr_id),
-        num_sge: Le32::from(wr.sges.len() as u32),
-        reserved: Le32::from(0),
-    };
-    ring.write(slot, wqe.as_slice())
+    write_sges(wr.sges, RECV_WQE_HEADER, &mut write)?;
+    write(
+        0,
+        RecvWqe::encode(wr.wr_id, wr.sges.len() as u32).as_slice(),
+    )
 }
 
-fn wire_sge(sge: &crate::work::Sge) -> WireSge {
-    WireSge {
-        addr: Le64::from(sge.addr),
-        length: Le32::from(sge.length),
-        lkey: Le32::from(sge.lkey),
+fn write_sges(
+    sges: &[crate::work::Sge],
+    header: usize,
+    write: &mut impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    for (i, sge) in sges.iter().enumerate() {
+        let wire = WireSge::encode(sge.addr, sge.length, sge.lkey);
+        write(sge_offset(header, i) as u64, wire.as_slice())?;
     }
+    Ok(())
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -1037,13 +1100,22 @@ impl QueuePair {
         Ok(())
     }
 
+    /// What the SQ accepts.
+    pub fn send_shape(&self) -> SendShape {
+        SendShape {
+            qp_type: self.qp_type,
+            max_send_sge: self.max_send_sge,
+            max_inline_data: self.max_inline_data,
+        }
+    }
+
     /// Writes `wrs` into the SQ and rings the doorbell once. No call into the device unless
     /// its poller is asleep. On error, the requests before the failing one were posted.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
         let doorbell = Doorbell {
             record: &self.doorbell,
-            producer_at: SQ_PRODUCER,
-            consumer_at: SQ_CONSUMER,
+            producer_at: QpDoorbell::SQ_PRODUCER,
+            consumer_at: QpDoorbell::SQ_CONSUMER,
         };
         post(
             &self.sq,
@@ -1051,7 +1123,11 @@ impl QueuePair {
             &self.pd.device,
             self.notify_queue,
             wrs,
-            |slot, wr| self.write_send(slot, wr),
+            |slot, wr| {
+                encode_send(wr, &self.send_shape(), |at, bytes| {
+                    self.sq.ring.write(slot + at, bytes)
+                })
+            },
         )
     }
 
@@ -1063,8 +1139,8 @@ impl QueuePair {
             .ok_or_else(|| Error::InvalidArgument("this QP receives through its SRQ".into()))?;
         let doorbell = Doorbell {
             record: &self.doorbell,
-            producer_at: RQ_PRODUCER,
-            consumer_at: RQ_CONSUMER,
+            producer_at: QpDoorbell::RQ_PRODUCER,
+            consumer_at: QpDoorbell::RQ_CONSUMER,
         };
         post(
             rq,
@@ -1072,108 +1148,12 @@ impl QueuePair {
             &self.pd.device,
             self.notify_queue,
             wrs,
-            |slot, wr| write_recv(&rq.ring, self.max_recv_sge, slot, wr),
+            |slot, wr| {
+                encode_recv(wr, self.max_recv_sge, |at, bytes| {
+                    rq.ring.write(slot + at, bytes)
+                })
+            },
         )
-    }
-
-    fn write_send(&self, slot: u64, wr: &SendWr<'_>) -> Result<()> {
-        let mut wqe = SendWqe {
-            wr_id: Le64::from(wr.wr_id),
-            ..Default::default()
-        };
-        let (opcode, remote_addr, rkey) = match wr.op {
-            SendOp::Send => (wr_opcode::SEND, 0, 0),
-            SendOp::SendWithImm { imm } => {
-                wqe.imm_data = Le32::from(imm);
-                (wr_opcode::SEND_WITH_IMM, 0, 0)
-            }
-            SendOp::RdmaWrite { remote_addr, rkey } => (wr_opcode::RDMA_WRITE, remote_addr, rkey),
-            SendOp::RdmaWriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            } => {
-                wqe.imm_data = Le32::from(imm);
-                (wr_opcode::RDMA_WRITE_WITH_IMM, remote_addr, rkey)
-            }
-            SendOp::RdmaRead { remote_addr, rkey } => (wr_opcode::RDMA_READ, remote_addr, rkey),
-            SendOp::CompareAndSwap {
-                remote_addr,
-                rkey,
-                compare,
-                swap,
-            } => {
-                wqe.compare_add = Le64::from(compare);
-                wqe.swap = Le64::from(swap);
-                (wr_opcode::ATOMIC_CMP_AND_SWP, remote_addr, rkey)
-            }
-            SendOp::FetchAndAdd {
-                remote_addr,
-                rkey,
-                add,
-            } => {
-                wqe.compare_add = Le64::from(add);
-                (wr_opcode::ATOMIC_FETCH_AND_ADD, remote_addr, rkey)
-            }
-        };
-        wqe.opcode = opcode;
-        wqe.remote_addr = Le64::from(remote_addr);
-        wqe.rkey = Le32::from(rkey);
-        let mut flags = 0;
-        for (set, flag) in [
-            (wr.signaled, wqe_flags::SIGNALED),
-            (wr.solicited, wqe_flags::SOLICITED),
-            (wr.fence, wqe_flags::FENCE),
-        ] {
-            if set {
-                flags |= flag;
-            }
-        }
-        match (self.qp_type, wr.ud) {
-            (QpType::Ud, Some(dest)) => {
-                wqe.ah = Le32::from(dest.ah.handle());
-                wqe.remote_qpn = Le32::from(dest.remote_qpn);
-                wqe.remote_qkey = Le32::from(dest.remote_qkey);
-            }
-            (QpType::Ud, None) => {
-                return Err(Error::InvalidArgument(
-                    "a UD send needs a destination".into(),
-                ))
-            }
-            (QpType::Rc, _) => {}
-        }
-        let header = std::mem::size_of::<SendWqe>() as u64;
-        match wr.payload {
-            Payload::Sges(sges) => {
-                if sges.len() > self.max_send_sge as usize {
-                    return Err(Error::InvalidArgument(format!(
-                        "{} SGEs exceed max_send_sge {}",
-                        sges.len(),
-                        self.max_send_sge
-                    )));
-                }
-                wqe.num_sge = sges.len() as u8;
-                for (i, sge) in sges.iter().enumerate() {
-                    self.sq
-                        .ring
-                        .write(slot + header + 16 * i as u64, wire_sge(sge).as_slice())?;
-                }
-            }
-            Payload::Inline(data) => {
-                if data.len() > self.max_inline_data as usize {
-                    return Err(Error::InvalidArgument(format!(
-                        "{} inline bytes exceed max_inline_data {}",
-                        data.len(),
-                        self.max_inline_data
-                    )));
-                }
-                flags |= wqe_flags::INLINE;
-                wqe.inline_len = Le32::from(data.len() as u32);
-                self.sq.ring.write(slot + header, data)?;
-            }
-        }
-        wqe.flags = flags;
-        self.sq.ring.write(slot, wqe.as_slice())
     }
 
     /// Receive WQEs posted but not yet taken by the device. Posting is asynchronous: a UD
@@ -1183,9 +1163,9 @@ impl QueuePair {
         let producer = *rq.producer.lock().unwrap_or_else(|e| e.into_inner());
         let consumer = self
             .doorbell
-            .atomic_u32(RQ_CONSUMER)?
+            .atomic_u32(QpDoorbell::RQ_CONSUMER)?
             .load(Ordering::Acquire);
-        Ok(producer.wrapping_sub(consumer))
+        Ok(ring_pending(producer, consumer))
     }
 
     /// Walks an RC QP RESET -> INIT -> RTR -> RTS towards `peer`, sending from GID
@@ -1302,7 +1282,10 @@ impl ProtectionDomain {
     pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<SharedReceiveQueue> {
         let device = &self.inner.device;
         let depth = max_wr.max(1).next_power_of_two();
-        let stride = (16 + 16 * max_sge).next_power_of_two().max(16);
+        let shift = recv_wqe_shift(max_sge).ok_or_else(|| {
+            Error::InvalidArgument(format!("{max_sge} SGEs exceed the largest slot"))
+        })?;
+        let stride = 1u32 << shift;
         let bytes = u64::from(depth) * u64::from(stride);
         let ring = device.transport.alloc(bytes, PAGE_SIZE)?;
         let doorbell = device
@@ -1314,7 +1297,7 @@ impl ProtectionDomain {
             max_wr: Le32::from(depth),
             max_sge: Le32::from(max_sge),
             srq_limit: Le32::from(0),
-            wqe_shift: stride.trailing_zeros() as u8,
+            wqe_shift: shift,
             reserved: [0; 7],
             ring: list,
             doorbell: Le64::from(doorbell.device_addr()?),
@@ -1338,10 +1321,6 @@ impl ProtectionDomain {
     }
 }
 
-/// Offsets of the SRQ doorbell record's fields (SPEC.md §8.3).
-const SRQ_PRODUCER: u64 = 0;
-const SRQ_CONSUMER: u64 = 4;
-
 impl SharedReceiveQueue {
     pub fn handle(&self) -> u32 {
         self.inner.handle
@@ -1361,8 +1340,8 @@ impl SharedReceiveQueue {
         let srq = &self.inner;
         let doorbell = Doorbell {
             record: &srq.doorbell,
-            producer_at: SRQ_PRODUCER,
-            consumer_at: SRQ_CONSUMER,
+            producer_at: SrqDoorbell::PRODUCER,
+            consumer_at: SrqDoorbell::CONSUMER,
         };
         post(
             &srq.queue,
@@ -1370,7 +1349,11 @@ impl SharedReceiveQueue {
             &srq.pd.device,
             srq.notify_queue,
             wrs,
-            |slot, wr| write_recv(&srq.queue.ring, srq.max_sge, slot, wr),
+            |slot, wr| {
+                encode_recv(wr, srq.max_sge, |at, bytes| {
+                    srq.queue.ring.write(slot + at, bytes)
+                })
+            },
         )
     }
 }

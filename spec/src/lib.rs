@@ -6,6 +6,7 @@
 //! immediate data) are in network order as on the wire. No type has implicit padding: every
 //! size is asserted at compile time against the size the specification states.
 
+pub mod codec;
 pub mod config;
 pub mod ctrl;
 pub mod mem;

@@ -98,6 +98,17 @@ pub mod wc_opcode {
     pub const RECV_RDMA_WITH_IMM: u8 = 129;
 }
 
+/// CQE status values the device itself reports; ibverbs values (SPEC.md §7.5).
+pub mod wc_status {
+    pub const SUCCESS: u8 = 0;
+    /// The device refused a malformed WQE.
+    pub const LOC_QP_OP_ERR: u8 = 2;
+    /// The device refused an SGE: unknown lkey, another PD, or outside its MR.
+    pub const LOC_PROT_ERR: u8 = 4;
+    /// A WQE flushed from a QP in the error state.
+    pub const WR_FLUSH_ERR: u8 = 5;
+}
+
 /// CQE flags (SPEC.md §7.5).
 pub mod wc_flags {
     /// A GRH precedes the payload in the receive buffer (UD).

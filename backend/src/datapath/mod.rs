@@ -19,15 +19,17 @@ use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_spec::codec::{ring_pending, ring_slot, ArmRequest};
 use vrdma_spec::ctrl::PORT_NUM;
 use vrdma_spec::ring::{
-    cqe_owner_for, event_kind, Cqe, Event, NotifyState, CQE_SIZE, NOTIFY_NEED_WAKEUP,
+    cqe_owner_for, event_kind, wc_status, CqDoorbell, Cqe, Event, NotifyState, QpDoorbell,
+    SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::hostverbs::{
     self, AddressHandle, AsyncEvent, CompletionChannel, CompletionQueue, Context, Payload, QpAttr,
-    QpState, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
+    QpState, QueuePair, RecvWr, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
 };
 use wqe::{MrRange, QpRules, SendRequest, WqeError};
 
@@ -61,7 +63,7 @@ impl GuestRing {
     }
 
     fn slot(&self, index: u32) -> GuestAddress {
-        let offset = u64::from(index & (self.depth - 1)) << self.stride_shift;
+        let offset = u64::from(ring_slot(index, self.depth)) << self.stride_shift;
         let page = self.pages[(offset >> self.page_shift) as usize];
         GuestAddress(page + (offset & ((1 << self.page_shift) - 1)))
     }
@@ -620,17 +622,6 @@ struct Poller {
     ahs: Vec<Arc<AddressHandle>>,
 }
 
-fn wc_opcode_of(op: &SendOp) -> u8 {
-    use vrdma_spec::ring::wc_opcode;
-    match op {
-        SendOp::Send | SendOp::SendWithImm { .. } => wc_opcode::SEND,
-        SendOp::RdmaWrite { .. } | SendOp::RdmaWriteWithImm { .. } => wc_opcode::RDMA_WRITE,
-        SendOp::RdmaRead { .. } => wc_opcode::RDMA_READ,
-        SendOp::CompareAndSwap { .. } => wc_opcode::COMP_SWAP,
-        SendOp::FetchAndAdd { .. } => wc_opcode::FETCH_ADD,
-    }
-}
-
 fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
     Cqe {
         wr_id: Le64::from(wr_id),
@@ -730,8 +721,16 @@ impl Poller {
             let flags = if sleeping { NOTIFY_NEED_WAKEUP } else { 0 };
             let kicks = self.shared.kicks[queue as usize].load(Ordering::Relaxed) as u32;
             // A guest that unmapped its notify area only loses its wake-ups.
-            let _ = mem.store(flags, GuestAddress(state), Ordering::SeqCst);
-            let _ = mem.store(kicks, GuestAddress(state + 4), Ordering::Relaxed);
+            let _ = mem.store(
+                flags,
+                GuestAddress(state + NotifyState::FLAGS),
+                Ordering::SeqCst,
+            );
+            let _ = mem.store(
+                kicks,
+                GuestAddress(state + NotifyState::KICKS),
+                Ordering::Relaxed,
+            );
         }
     }
 
@@ -789,12 +788,15 @@ impl Poller {
         if progress.failed {
             return false;
         }
-        let Ok(producer) = mem.load::<u32>(GuestAddress(qp.doorbell), Ordering::Acquire) else {
+        let Ok(producer) = mem.load::<u32>(
+            GuestAddress(qp.doorbell + QpDoorbell::SQ_PRODUCER),
+            Ordering::Acquire,
+        ) else {
             progress.failed = true;
             self.fail_qp(mem, qp, &qp.send_cq, None, "doorbell record unreadable");
             return true;
         };
-        let pending = producer.wrapping_sub(progress.sq_consumer);
+        let pending = ring_pending(producer, progress.sq_consumer);
         if pending == 0 {
             return false;
         }
@@ -846,10 +848,10 @@ impl Poller {
                                 }
                                 _ => {
                                     let error = WqeError {
-                                        status: wqe::WC_LOC_PROT_ERR,
+                                        status: wc_status::LOC_PROT_ERR,
                                         reason: format!("AH {ah:#x} is not in the QP's PD"),
                                     };
-                                    refused = Some((wr_id, wc_opcode_of(&request.op), error));
+                                    refused = Some((wr_id, request.op.completion_opcode(), error));
                                     break;
                                 }
                             }
@@ -875,7 +877,7 @@ impl Poller {
         }
         let _ = mem.store(
             progress.sq_consumer,
-            GuestAddress(qp.doorbell + 8),
+            GuestAddress(qp.doorbell + QpDoorbell::SQ_CONSUMER),
             Ordering::Release,
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
@@ -959,7 +961,7 @@ impl Poller {
                 return Some((
                     0,
                     WqeError {
-                        status: wqe::WC_LOC_QP_OP_ERR,
+                        status: wc_status::LOC_QP_OP_ERR,
                         reason,
                     },
                 ));
@@ -1003,10 +1005,13 @@ impl Poller {
         if progress.failed {
             return false;
         }
-        let Ok(producer) = mem.load::<u32>(GuestAddress(qp.doorbell + 4), Ordering::Acquire) else {
+        let Ok(producer) = mem.load::<u32>(
+            GuestAddress(qp.doorbell + QpDoorbell::RQ_PRODUCER),
+            Ordering::Acquire,
+        ) else {
             return false;
         };
-        let pending = producer.wrapping_sub(progress.rq_consumer);
+        let pending = ring_pending(producer, progress.rq_consumer);
         if pending == 0 {
             return false;
         }
@@ -1035,7 +1040,7 @@ impl Poller {
         }
         let _ = mem.store(
             progress.rq_consumer,
-            GuestAddress(qp.doorbell + 12),
+            GuestAddress(qp.doorbell + QpDoorbell::RQ_CONSUMER),
             Ordering::Release,
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
@@ -1050,10 +1055,13 @@ impl Poller {
         if progress.failed {
             return false;
         }
-        let Ok(producer) = mem.load::<u32>(GuestAddress(srq.doorbell), Ordering::Acquire) else {
+        let Ok(producer) = mem.load::<u32>(
+            GuestAddress(srq.doorbell + SrqDoorbell::PRODUCER),
+            Ordering::Acquire,
+        ) else {
             return false;
         };
-        let pending = producer.wrapping_sub(progress.consumer);
+        let pending = ring_pending(producer, progress.consumer);
         if pending == 0 {
             return false;
         }
@@ -1070,7 +1078,7 @@ impl Poller {
             self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
             let _ = mem.store(
                 progress.consumer,
-                GuestAddress(srq.doorbell + 4),
+                GuestAddress(srq.doorbell + SrqDoorbell::CONSUMER),
                 Ordering::Release,
             );
             refused.map(|(_, error)| error.reason)
@@ -1091,9 +1099,12 @@ impl Poller {
             return None;
         }
         let consumer = mem
-            .load::<u32>(GuestAddress(cq.doorbell), Ordering::Acquire)
+            .load::<u32>(
+                GuestAddress(cq.doorbell + CqDoorbell::CONSUMER_INDEX),
+                Ordering::Acquire,
+            )
             .ok();
-        match consumer.map(|c| progress.producer.wrapping_sub(c)) {
+        match consumer.map(|c| ring_pending(progress.producer, c)) {
             Some(used) if used <= cq.ring.depth => Some(cq.ring.depth - used),
             _ => {
                 log::warn!(
@@ -1203,15 +1214,16 @@ impl Poller {
         // The CQE must be visible before the arm is read, or a guest arming meanwhile and
         // this poller each read the other's old value and the event is lost.
         std::sync::atomic::fence(Ordering::SeqCst);
-        let Ok(arm) = mem.load::<u32>(GuestAddress(cq.doorbell + 4), Ordering::Acquire) else {
+        let load = |field| mem.load::<u32>(GuestAddress(cq.doorbell + field), Ordering::Acquire);
+        let (Ok(arm), Ok(served)) = (load(CqDoorbell::ARM), load(CqDoorbell::ARM_SERVED)) else {
             return;
         };
-        let Ok(served) = mem.load::<u32>(GuestAddress(cq.doorbell + 8), Ordering::Acquire) else {
+        let Some(request) = ArmRequest::decode(arm) else {
             return;
         };
-        let sequence = arm >> 2;
-        if arm & 3 != 0 && sequence != served {
-            let _ = mem.store(sequence, GuestAddress(cq.doorbell + 8), Ordering::Release);
+        if request.is_outstanding(served) {
+            let served_at = GuestAddress(cq.doorbell + CqDoorbell::ARM_SERVED);
+            let _ = mem.store(request.sequence, served_at, Ordering::Release);
             self.post_event(event_kind::CQ_COMPLETION, cq.handle);
         }
     }

@@ -1,14 +1,11 @@
 //! Work queue entries copied out of a guest ring, checked against SPEC.md §7 and turned into
 //! host work requests. Pure: the caller supplies the MR table; nothing here touches memory.
 
-use vrdma_spec::ring::{wqe_flags, wr_opcode, RecvWqe, SendWqe, Sge as WireSge};
+use vrdma_spec::codec::{sge_offset, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER};
+use vrdma_spec::ring::{wc_status, RecvWqe, SendWqe, Sge as WireSge};
 use vrdma_spec::ByteValued;
 
 use crate::hostverbs::{SendOp, Sge};
-
-/// `ibv_wc_status` values the device reports for WQEs it refuses.
-pub const WC_LOC_QP_OP_ERR: u8 = 2;
-pub const WC_LOC_PROT_ERR: u8 = 4;
 
 /// Why a WQE was refused, and the completion status that says so (SPEC.md §7.5).
 #[derive(Debug, PartialEq, Eq)]
@@ -19,14 +16,14 @@ pub struct WqeError {
 
 fn malformed(reason: String) -> WqeError {
     WqeError {
-        status: WC_LOC_QP_OP_ERR,
+        status: wc_status::LOC_QP_OP_ERR,
         reason,
     }
 }
 
 fn protection(reason: String) -> WqeError {
     WqeError {
-        status: WC_LOC_PROT_ERR,
+        status: wc_status::LOC_PROT_ERR,
         reason,
     }
 }
@@ -67,10 +64,6 @@ pub struct SendRequest {
     pub ud: Option<(u32, u32, u32)>,
 }
 
-const SEND_HEADER: usize = std::mem::size_of::<SendWqe>();
-const RECV_HEADER: usize = std::mem::size_of::<RecvWqe>();
-const SGE_SIZE: usize = std::mem::size_of::<WireSge>();
-
 /// A wire struct from a slot, which callers size to hold it.
 fn read<T: ByteValued + Default>(bytes: &[u8]) -> T {
     vrdma_spec::read_wire(bytes).expect("a slot holds its header and SGEs")
@@ -85,7 +78,7 @@ fn check_sges(
     out: &mut Vec<Sge>,
 ) -> Result<(), WqeError> {
     for i in 0..count {
-        let sge: WireSge = read(&bytes[i * SGE_SIZE..]);
+        let sge: WireSge = read(&bytes[sge_offset(0, i)..]);
         let (addr, length, lkey) = (
             sge.addr.to_native(),
             sge.length.to_native(),
@@ -123,102 +116,67 @@ pub fn parse_send(
     sges: &mut Vec<Sge>,
 ) -> Result<SendRequest, WqeError> {
     let wqe: SendWqe = read(slot);
-    let flags = wqe.flags;
-    if flags & !wqe_flags::ALL != 0 {
-        return Err(malformed(format!("unknown WQE flags {flags:#x}")));
-    }
-    let remote_addr = wqe.remote_addr.to_native();
-    let rkey = wqe.rkey.to_native();
-    let imm = wqe.imm_data.to_native();
-    let op = match wqe.opcode {
-        wr_opcode::SEND => SendOp::Send,
-        wr_opcode::SEND_WITH_IMM => SendOp::SendWithImm { imm },
-        wr_opcode::RDMA_WRITE => SendOp::RdmaWrite { remote_addr, rkey },
-        wr_opcode::RDMA_WRITE_WITH_IMM => SendOp::RdmaWriteWithImm {
-            remote_addr,
-            rkey,
-            imm,
-        },
-        wr_opcode::RDMA_READ => SendOp::RdmaRead { remote_addr, rkey },
-        wr_opcode::ATOMIC_CMP_AND_SWP => SendOp::CompareAndSwap {
-            remote_addr,
-            rkey,
-            compare: wqe.compare_add.to_native(),
-            swap: wqe.swap.to_native(),
-        },
-        wr_opcode::ATOMIC_FETCH_AND_ADD => SendOp::FetchAndAdd {
-            remote_addr,
-            rkey,
-            add: wqe.compare_add.to_native(),
-        },
-        other => return Err(malformed(format!("unknown opcode {other}"))),
-    };
-    let is_send = matches!(op, SendOp::Send | SendOp::SendWithImm { .. });
-    let is_atomic = matches!(
-        op,
-        SendOp::CompareAndSwap { .. } | SendOp::FetchAndAdd { .. }
-    );
-    if rules.ud && !is_send {
+    let header = wqe.decode().map_err(|e| malformed(e.to_string()))?;
+    let op = header.op;
+    if rules.ud && !op.is_send() {
         return Err(malformed("UD QPs only send".into()));
     }
-    if is_atomic && !rules.atomics {
+    if op.is_atomic() && !rules.atomics {
         return Err(malformed("atomics were not negotiated".into()));
     }
-    let count = usize::from(wqe.num_sge);
-    let inline_len = if flags & wqe_flags::INLINE != 0 {
-        let len = wqe.inline_len.to_native() as usize;
-        if !(is_send
-            || matches!(
-                op,
-                SendOp::RdmaWrite { .. } | SendOp::RdmaWriteWithImm { .. }
-            ))
-        {
-            return Err(malformed("INLINE only with SEND or RDMA WRITE".into()));
-        }
-        if count != 0 || len > rules.max_inline as usize || SEND_HEADER + len > rules.sq_stride {
-            return Err(malformed(format!(
-                "inline payload of {len} bytes does not fit"
-            )));
-        }
-        Some(len)
-    } else {
-        if count > rules.max_send_sge as usize || SEND_HEADER + count * SGE_SIZE > rules.sq_stride {
-            return Err(malformed(format!("{count} SGEs exceed the QP's limit")));
-        }
-        let first = sges.len();
-        check_sges(&slot[SEND_HEADER..], count, rules, lookup, sges)?;
-        if is_atomic {
-            if count != 1 || sges[first].length != 8 {
-                return Err(malformed("an atomic takes exactly one 8-byte SGE".into()));
+    let (inline_len, sge_count) = match header.payload {
+        WqePayload::Inline(len) => {
+            let len = len as usize;
+            if !op.may_be_inline() {
+                return Err(malformed("INLINE only with SEND or RDMA WRITE".into()));
             }
-            if !remote_addr.is_multiple_of(8) {
+            if len > rules.max_inline as usize || SEND_WQE_HEADER + len > rules.sq_stride {
                 return Err(malformed(format!(
-                    "atomic target {remote_addr:#x} is not 8-byte aligned"
+                    "inline payload of {len} bytes does not fit"
                 )));
             }
+            (Some(len), 0)
         }
-        None
+        WqePayload::Sges(count) => {
+            let count = usize::from(count);
+            if count > rules.max_send_sge as usize
+                || sge_offset(SEND_WQE_HEADER, count) > rules.sq_stride
+            {
+                return Err(malformed(format!("{count} SGEs exceed the QP's limit")));
+            }
+            let first = sges.len();
+            check_sges(&slot[SEND_WQE_HEADER..], count, rules, lookup, sges)?;
+            if let SendOp::CompareAndSwap { remote_addr, .. }
+            | SendOp::FetchAndAdd { remote_addr, .. } = op
+            {
+                if count != 1 || sges[first].length != 8 {
+                    return Err(malformed("an atomic takes exactly one 8-byte SGE".into()));
+                }
+                if !remote_addr.is_multiple_of(8) {
+                    return Err(malformed(format!(
+                        "atomic target {remote_addr:#x} is not 8-byte aligned"
+                    )));
+                }
+            }
+            (None, count)
+        }
     };
-    let ud = rules.ud.then(|| {
-        (
-            wqe.ah.to_native(),
-            wqe.remote_qpn.to_native(),
-            wqe.remote_qkey.to_native(),
-        )
-    });
+    let ud = rules
+        .ud
+        .then_some((header.ud.ah, header.ud.remote_qpn, header.ud.remote_qkey));
     if let Some((_, qpn, _)) = ud {
         if qpn >= 1 << 24 {
             return Err(malformed(format!("remote QPN {qpn:#x} exceeds 24 bits")));
         }
     }
     Ok(SendRequest {
-        wr_id: wqe.wr_id.to_native(),
+        wr_id: header.wr_id,
         op,
-        signaled: flags & wqe_flags::SIGNALED != 0,
-        solicited: flags & wqe_flags::SOLICITED != 0,
-        fence: flags & wqe_flags::FENCE != 0,
+        signaled: header.signaled,
+        solicited: header.solicited,
+        fence: header.fence,
         inline_len,
-        sge_count: if inline_len.is_some() { 0 } else { count },
+        sge_count,
         ud,
     })
 }
@@ -232,16 +190,17 @@ pub fn parse_recv(
 ) -> Result<(u64, usize), WqeError> {
     let wqe: RecvWqe = read(slot);
     let count = wqe.num_sge.to_native() as usize;
-    if count > rules.max_recv_sge as usize || RECV_HEADER + count * SGE_SIZE > rules.rq_stride {
+    if count > rules.max_recv_sge as usize || sge_offset(RECV_WQE_HEADER, count) > rules.rq_stride {
         return Err(malformed(format!("{count} SGEs exceed the queue's limit")));
     }
-    check_sges(&slot[RECV_HEADER..], count, rules, lookup, sges)?;
+    check_sges(&slot[RECV_WQE_HEADER..], count, rules, lookup, sges)?;
     Ok((wqe.wr_id.to_native(), count))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vrdma_spec::ring::{wqe_flags, wr_opcode};
     use vrdma_spec::{Le32, Le64};
 
     const RULES: QpRules = QpRules {
@@ -324,7 +283,12 @@ mod tests {
             (u64::MAX - 4, 16, 1),
         ] {
             let err = send(&slot(write(1), &[sge]), &RULES).unwrap_err();
-            assert_eq!(err.status, WC_LOC_PROT_ERR, "{sge:?}: {}", err.reason);
+            assert_eq!(
+                err.status,
+                wc_status::LOC_PROT_ERR,
+                "{sge:?}: {}",
+                err.reason
+            );
         }
     }
 
@@ -357,7 +321,12 @@ mod tests {
         ];
         for (i, wqe) in cases.into_iter().enumerate() {
             let err = send(&slot(wqe, &[]), &RULES).unwrap_err();
-            assert_eq!(err.status, WC_LOC_QP_OP_ERR, "case {i}: {}", err.reason);
+            assert_eq!(
+                err.status,
+                wc_status::LOC_QP_OP_ERR,
+                "case {i}: {}",
+                err.reason
+            );
         }
         let misaligned = SendWqe {
             opcode: wr_opcode::ATOMIC_CMP_AND_SWP,
@@ -368,7 +337,7 @@ mod tests {
             send(&slot(misaligned, &[(0x1000, 8, 1)]), &RULES)
                 .unwrap_err()
                 .status,
-            WC_LOC_QP_OP_ERR
+            wc_status::LOC_QP_OP_ERR
         );
         let no_atomics = QpRules {
             atomics: false,
@@ -382,12 +351,12 @@ mod tests {
             send(&slot(atomic, &[(0x1000, 8, 1)]), &no_atomics)
                 .unwrap_err()
                 .status,
-            WC_LOC_QP_OP_ERR
+            wc_status::LOC_QP_OP_ERR
         );
         let ud = QpRules { ud: true, ..RULES };
         assert_eq!(
             send(&slot(write(0), &[]), &ud).unwrap_err().status,
-            WC_LOC_QP_OP_ERR,
+            wc_status::LOC_QP_OP_ERR,
             "UD cannot write"
         );
     }
@@ -435,7 +404,7 @@ mod tests {
             parse_recv(&bytes, &RULES, &lookup, &mut sges)
                 .unwrap_err()
                 .status,
-            WC_LOC_QP_OP_ERR
+            wc_status::LOC_QP_OP_ERR
         );
     }
 }

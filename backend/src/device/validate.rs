@@ -2,6 +2,7 @@
 //! verbs parameters, refusing anything outside the specification.
 
 use vm_memory::GuestMemoryBackend;
+use vrdma_spec::codec::{recv_slot_bytes, send_slot_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     access, qp_attr_mask as wire_mask, qp_state, qp_type, AhAttr as WireAhAttr, CreateQpRequest,
@@ -15,10 +16,6 @@ use crate::hostverbs::{
     LINK_LAYER_ETHERNET,
 };
 use crate::mtt;
-
-const SEND_WQE_HEADER: u64 = std::mem::size_of::<vrdma_spec::ring::SendWqe>() as u64;
-const RECV_WQE_HEADER: u64 = std::mem::size_of::<vrdma_spec::ring::RecvWqe>() as u64;
-const SGE_SIZE: u64 = std::mem::size_of::<vrdma_spec::ring::Sge>() as u64;
 
 fn invalid(message: String) -> CommandError {
     CommandError::invalid(message)
@@ -163,14 +160,14 @@ pub(super) fn create_qp(
             MAX_WQE_SHIFT.into(),
         )?;
     }
-    let sq_needed = SEND_WQE_HEADER + (SGE_SIZE * u64::from(send_sge)).max(u64::from(inline));
+    let sq_needed = send_slot_bytes(send_sge, inline);
     if sq_needed > 1 << sq_shift {
         return Err(invalid(format!(
             "SQ slots of {} bytes cannot hold {sq_needed}",
             1u64 << sq_shift
         )));
     }
-    let rq_needed = RECV_WQE_HEADER + SGE_SIZE * u64::from(recv_sge);
+    let rq_needed = recv_slot_bytes(recv_sge);
     if !with_srq && rq_needed > 1 << rq_shift {
         return Err(invalid(format!(
             "RQ slots of {} bytes cannot hold {rq_needed}",
@@ -218,7 +215,7 @@ pub fn create_srq(
         MIN_RQ_WQE_SHIFT.into(),
         MAX_WQE_SHIFT.into(),
     )?;
-    if RECV_WQE_HEADER + SGE_SIZE * u64::from(max_sge) > 1 << shift {
+    if recv_slot_bytes(max_sge) > 1 << shift {
         return Err(invalid(format!(
             "SRQ slots of {} bytes cannot hold {max_sge} SGEs",
             1u64 << shift

@@ -268,38 +268,7 @@ impl ProtectionDomain {
     }
 }
 
-/// What a send work request does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SendOp {
-    Send,
-    SendWithImm {
-        imm: u32,
-    },
-    RdmaWrite {
-        remote_addr: u64,
-        rkey: u32,
-    },
-    RdmaWriteWithImm {
-        remote_addr: u64,
-        rkey: u32,
-        imm: u32,
-    },
-    RdmaRead {
-        remote_addr: u64,
-        rkey: u32,
-    },
-    CompareAndSwap {
-        remote_addr: u64,
-        rkey: u32,
-        compare: u64,
-        swap: u64,
-    },
-    FetchAndAdd {
-        remote_addr: u64,
-        rkey: u32,
-        add: u64,
-    },
-}
+pub use vrdma_spec::codec::SendOp;
 
 /// A scatter/gather entry: `length` bytes at `addr` in the MR's address space (its IOVA).
 #[repr(C)]

@@ -1,0 +1,549 @@
+//! The data path's rules (SPEC.md §7-§8), written once: the driver encodes WQEs, picks slot
+//! sizes, arms CQs and finds doorbell fields with these functions, and the device decodes
+//! and checks with the same ones.
+
+use core::mem::{offset_of, size_of};
+
+use crate::ring::{
+    wc_opcode, wqe_flags, wr_opcode, CqDoorbell, NotifyState, QpDoorbell, RecvWqe, SendWqe, Sge,
+    SrqDoorbell, MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT,
+};
+use crate::{Le32, Le64};
+
+/// Bytes of a send WQE header (§7.2); SGEs or inline data follow it in the slot.
+pub const SEND_WQE_HEADER: usize = size_of::<SendWqe>();
+/// Bytes of a receive WQE header (§7.3).
+pub const RECV_WQE_HEADER: usize = size_of::<RecvWqe>();
+/// Bytes of one scatter/gather entry (§7.4).
+pub const SGE_SIZE: usize = size_of::<Sge>();
+
+// ---- rings (§7.1) -------------------------------------------------------------------------
+
+/// The slot of free-running index `index` in a ring of `depth` (a power of two) slots.
+pub fn ring_slot(index: u32, depth: u32) -> u32 {
+    debug_assert!(depth.is_power_of_two());
+    index & (depth - 1)
+}
+
+/// Entries written and not yet consumed, across the 2^32 wrap.
+pub fn ring_pending(producer: u32, consumer: u32) -> u32 {
+    producer.wrapping_sub(consumer)
+}
+
+/// Bytes a send slot needs for `max_sge` SGEs or `max_inline` inline bytes (§7.2).
+pub fn send_slot_bytes(max_sge: u32, max_inline: u32) -> u64 {
+    SEND_WQE_HEADER as u64 + (SGE_SIZE as u64 * u64::from(max_sge)).max(u64::from(max_inline))
+}
+
+/// Bytes a receive slot needs for `max_sge` SGEs (§7.3).
+pub fn recv_slot_bytes(max_sge: u32) -> u64 {
+    RECV_WQE_HEADER as u64 + SGE_SIZE as u64 * u64::from(max_sge)
+}
+
+/// Inline bytes a send WQE can carry in the largest slot.
+pub const MAX_SEND_INLINE: u32 = (1 << MAX_WQE_SHIFT) - SEND_WQE_HEADER as u32;
+/// SGEs a send WQE can carry in the largest slot.
+pub const MAX_SEND_SGE: u32 = MAX_SEND_INLINE / SGE_SIZE as u32;
+
+/// The smallest allowed stride (log2) of at least `bytes`; `None` above the largest.
+fn wqe_shift(bytes: u64, min_shift: u8) -> Option<u8> {
+    let shift = (bytes.max(1).next_power_of_two().trailing_zeros() as u8).max(min_shift);
+    (shift <= MAX_WQE_SHIFT).then_some(shift)
+}
+
+/// The SQ stride (log2) a driver picks for `max_sge` SGEs and `max_inline` inline bytes.
+pub fn send_wqe_shift(max_sge: u32, max_inline: u32) -> Option<u8> {
+    wqe_shift(send_slot_bytes(max_sge, max_inline), MIN_SQ_WQE_SHIFT)
+}
+
+/// The RQ/SRQ stride (log2) a driver picks for `max_sge` SGEs.
+pub fn recv_wqe_shift(max_sge: u32) -> Option<u8> {
+    wqe_shift(recv_slot_bytes(max_sge), MIN_RQ_WQE_SHIFT)
+}
+
+// ---- send WQEs (§7.2) ---------------------------------------------------------------------
+
+/// What a send WQE does, with its operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendOp {
+    Send,
+    SendWithImm {
+        imm: u32,
+    },
+    RdmaWrite {
+        remote_addr: u64,
+        rkey: u32,
+    },
+    RdmaWriteWithImm {
+        remote_addr: u64,
+        rkey: u32,
+        imm: u32,
+    },
+    RdmaRead {
+        remote_addr: u64,
+        rkey: u32,
+    },
+    CompareAndSwap {
+        remote_addr: u64,
+        rkey: u32,
+        compare: u64,
+        swap: u64,
+    },
+    FetchAndAdd {
+        remote_addr: u64,
+        rkey: u32,
+        add: u64,
+    },
+}
+
+impl SendOp {
+    /// The CQE opcode (§7.5) of this operation's completion.
+    pub fn completion_opcode(&self) -> u8 {
+        match self {
+            SendOp::Send | SendOp::SendWithImm { .. } => wc_opcode::SEND,
+            SendOp::RdmaWrite { .. } | SendOp::RdmaWriteWithImm { .. } => wc_opcode::RDMA_WRITE,
+            SendOp::RdmaRead { .. } => wc_opcode::RDMA_READ,
+            SendOp::CompareAndSwap { .. } => wc_opcode::COMP_SWAP,
+            SendOp::FetchAndAdd { .. } => wc_opcode::FETCH_ADD,
+        }
+    }
+
+    pub fn is_atomic(&self) -> bool {
+        matches!(
+            self,
+            SendOp::CompareAndSwap { .. } | SendOp::FetchAndAdd { .. }
+        )
+    }
+
+    /// SEND and SEND_WITH_IMM: the only operations of a UD QP.
+    pub fn is_send(&self) -> bool {
+        matches!(self, SendOp::Send | SendOp::SendWithImm { .. })
+    }
+
+    /// Operations that may carry their payload inline.
+    pub fn may_be_inline(&self) -> bool {
+        matches!(
+            self,
+            SendOp::Send
+                | SendOp::SendWithImm { .. }
+                | SendOp::RdmaWrite { .. }
+                | SendOp::RdmaWriteWithImm { .. }
+        )
+    }
+}
+
+/// Where a send WQE's payload is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WqePayload {
+    /// That many SGEs follow the header.
+    Sges(u8),
+    /// That many bytes follow the header (INLINE).
+    Inline(u32),
+}
+
+/// A UD send's destination, as the WQE carries it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UdAddress {
+    pub ah: u32,
+    pub remote_qpn: u32,
+    pub remote_qkey: u32,
+}
+
+/// A send WQE header, field by field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendHeader {
+    pub wr_id: u64,
+    pub op: SendOp,
+    pub signaled: bool,
+    pub solicited: bool,
+    pub fence: bool,
+    pub payload: WqePayload,
+    /// All zero on an RC QP.
+    pub ud: UdAddress,
+}
+
+/// Why a send WQE header is not a well-formed one (§7.2), before any QP's limits apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WqeFormatError {
+    #[error("unknown WQE opcode {0}")]
+    UnknownOpcode(u8),
+    #[error("unknown WQE flags {0:#x}")]
+    UnknownFlags(u8),
+    #[error("INLINE with {0} SGEs")]
+    InlineWithSges(u8),
+}
+
+impl SendWqe {
+    /// The header the driver writes for `header`.
+    pub fn encode(header: &SendHeader) -> SendWqe {
+        let mut wqe = SendWqe {
+            wr_id: Le64::from(header.wr_id),
+            ..Default::default()
+        };
+        let (opcode, remote_addr, rkey) = match header.op {
+            SendOp::Send => (wr_opcode::SEND, 0, 0),
+            SendOp::SendWithImm { imm } => {
+                wqe.imm_data = Le32::from(imm);
+                (wr_opcode::SEND_WITH_IMM, 0, 0)
+            }
+            SendOp::RdmaWrite { remote_addr, rkey } => (wr_opcode::RDMA_WRITE, remote_addr, rkey),
+            SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            } => {
+                wqe.imm_data = Le32::from(imm);
+                (wr_opcode::RDMA_WRITE_WITH_IMM, remote_addr, rkey)
+            }
+            SendOp::RdmaRead { remote_addr, rkey } => (wr_opcode::RDMA_READ, remote_addr, rkey),
+            SendOp::CompareAndSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => {
+                wqe.compare_add = Le64::from(compare);
+                wqe.swap = Le64::from(swap);
+                (wr_opcode::ATOMIC_CMP_AND_SWP, remote_addr, rkey)
+            }
+            SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => {
+                wqe.compare_add = Le64::from(add);
+                (wr_opcode::ATOMIC_FETCH_AND_ADD, remote_addr, rkey)
+            }
+        };
+        wqe.opcode = opcode;
+        wqe.remote_addr = Le64::from(remote_addr);
+        wqe.rkey = Le32::from(rkey);
+        for (set, flag) in [
+            (header.signaled, wqe_flags::SIGNALED),
+            (header.solicited, wqe_flags::SOLICITED),
+            (header.fence, wqe_flags::FENCE),
+        ] {
+            if set {
+                wqe.flags |= flag;
+            }
+        }
+        match header.payload {
+            WqePayload::Sges(count) => wqe.num_sge = count,
+            WqePayload::Inline(len) => {
+                wqe.flags |= wqe_flags::INLINE;
+                wqe.inline_len = Le32::from(len);
+            }
+        }
+        wqe.ah = Le32::from(header.ud.ah);
+        wqe.remote_qpn = Le32::from(header.ud.remote_qpn);
+        wqe.remote_qkey = Le32::from(header.ud.remote_qkey);
+        wqe
+    }
+
+    /// The header a device reads. Fields an operation does not use are ignored.
+    pub fn decode(&self) -> Result<SendHeader, WqeFormatError> {
+        let flags = self.flags;
+        if flags & !wqe_flags::ALL != 0 {
+            return Err(WqeFormatError::UnknownFlags(flags));
+        }
+        let remote_addr = self.remote_addr.to_native();
+        let rkey = self.rkey.to_native();
+        let imm = self.imm_data.to_native();
+        let op = match self.opcode {
+            wr_opcode::SEND => SendOp::Send,
+            wr_opcode::SEND_WITH_IMM => SendOp::SendWithImm { imm },
+            wr_opcode::RDMA_WRITE => SendOp::RdmaWrite { remote_addr, rkey },
+            wr_opcode::RDMA_WRITE_WITH_IMM => SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            },
+            wr_opcode::RDMA_READ => SendOp::RdmaRead { remote_addr, rkey },
+            wr_opcode::ATOMIC_CMP_AND_SWP => SendOp::CompareAndSwap {
+                remote_addr,
+                rkey,
+                compare: self.compare_add.to_native(),
+                swap: self.swap.to_native(),
+            },
+            wr_opcode::ATOMIC_FETCH_AND_ADD => SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add: self.compare_add.to_native(),
+            },
+            other => return Err(WqeFormatError::UnknownOpcode(other)),
+        };
+        let payload = if flags & wqe_flags::INLINE != 0 {
+            if self.num_sge != 0 {
+                return Err(WqeFormatError::InlineWithSges(self.num_sge));
+            }
+            WqePayload::Inline(self.inline_len.to_native())
+        } else {
+            WqePayload::Sges(self.num_sge)
+        };
+        Ok(SendHeader {
+            wr_id: self.wr_id.to_native(),
+            op,
+            signaled: flags & wqe_flags::SIGNALED != 0,
+            solicited: flags & wqe_flags::SOLICITED != 0,
+            fence: flags & wqe_flags::FENCE != 0,
+            payload,
+            ud: UdAddress {
+                ah: self.ah.to_native(),
+                remote_qpn: self.remote_qpn.to_native(),
+                remote_qkey: self.remote_qkey.to_native(),
+            },
+        })
+    }
+}
+
+// ---- receive WQEs and SGEs (§7.3, §7.4) ---------------------------------------------------
+
+impl RecvWqe {
+    pub fn encode(wr_id: u64, num_sge: u32) -> RecvWqe {
+        RecvWqe {
+            wr_id: Le64::from(wr_id),
+            num_sge: Le32::from(num_sge),
+            reserved: Le32::from(0),
+        }
+    }
+}
+
+impl Sge {
+    pub fn encode(addr: u64, length: u32, lkey: u32) -> Sge {
+        Sge {
+            addr: Le64::from(addr),
+            length: Le32::from(length),
+            lkey: Le32::from(lkey),
+        }
+    }
+}
+
+/// Where SGE `index` of a WQE starts in its slot, after a header of `header` bytes.
+pub fn sge_offset(header: usize, index: usize) -> usize {
+    header + SGE_SIZE * index
+}
+
+// ---- doorbell records and notification state (§8) ----------------------------------------
+
+/// Byte offsets of the fields of a doorbell record or notification state, for atomic access.
+impl QpDoorbell {
+    pub const SQ_PRODUCER: u64 = offset_of!(QpDoorbell, sq_producer) as u64;
+    pub const RQ_PRODUCER: u64 = offset_of!(QpDoorbell, rq_producer) as u64;
+    pub const SQ_CONSUMER: u64 = offset_of!(QpDoorbell, sq_consumer) as u64;
+    pub const RQ_CONSUMER: u64 = offset_of!(QpDoorbell, rq_consumer) as u64;
+}
+
+impl CqDoorbell {
+    pub const CONSUMER_INDEX: u64 = offset_of!(CqDoorbell, consumer_index) as u64;
+    pub const ARM: u64 = offset_of!(CqDoorbell, arm) as u64;
+    pub const ARM_SERVED: u64 = offset_of!(CqDoorbell, arm_served) as u64;
+}
+
+impl SrqDoorbell {
+    pub const PRODUCER: u64 = offset_of!(SrqDoorbell, producer) as u64;
+    pub const CONSUMER: u64 = offset_of!(SrqDoorbell, consumer) as u64;
+}
+
+impl NotifyState {
+    pub const FLAGS: u64 = offset_of!(NotifyState, flags) as u64;
+    pub const KICKS: u64 = offset_of!(NotifyState, kicks) as u64;
+}
+
+/// An arm request of a CQ (§8.2): the event fires at the next completion, or the next
+/// solicited one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArmRequest {
+    /// 30 bits; a request is outstanding while it differs from `arm_served`.
+    pub sequence: u32,
+    pub solicited_only: bool,
+}
+
+const ARM_MODE_ANY: u32 = 1;
+const ARM_MODE_SOLICITED: u32 = 2;
+const ARM_SEQUENCE_MASK: u32 = (1 << 30) - 1;
+
+impl ArmRequest {
+    /// The `arm` word the driver stores.
+    pub fn encode(&self) -> u32 {
+        let mode = if self.solicited_only {
+            ARM_MODE_SOLICITED
+        } else {
+            ARM_MODE_ANY
+        };
+        ((self.sequence & ARM_SEQUENCE_MASK) << 2) | mode
+    }
+
+    /// The request in an `arm` word, if it holds one.
+    pub fn decode(arm: u32) -> Option<ArmRequest> {
+        let solicited_only = match arm & 3 {
+            ARM_MODE_ANY => false,
+            ARM_MODE_SOLICITED => true,
+            _ => return None,
+        };
+        Some(ArmRequest {
+            sequence: arm >> 2,
+            solicited_only,
+        })
+    }
+
+    /// True while the device has not served this request (`arm_served` is what it stored).
+    pub fn is_outstanding(&self, arm_served: u32) -> bool {
+        self.sequence != arm_served
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn send_op() -> impl Strategy<Value = SendOp> {
+        let addr = any::<u64>();
+        let key = any::<u32>();
+        prop_oneof![
+            Just(SendOp::Send),
+            any::<u32>().prop_map(|imm| SendOp::SendWithImm { imm }),
+            (addr, key).prop_map(|(remote_addr, rkey)| SendOp::RdmaWrite { remote_addr, rkey }),
+            (addr, key, any::<u32>()).prop_map(|(remote_addr, rkey, imm)| {
+                SendOp::RdmaWriteWithImm {
+                    remote_addr,
+                    rkey,
+                    imm,
+                }
+            }),
+            (addr, key).prop_map(|(remote_addr, rkey)| SendOp::RdmaRead { remote_addr, rkey }),
+            (addr, key, any::<u64>(), any::<u64>()).prop_map(
+                |(remote_addr, rkey, compare, swap)| {
+                    SendOp::CompareAndSwap {
+                        remote_addr,
+                        rkey,
+                        compare,
+                        swap,
+                    }
+                }
+            ),
+            (addr, key, any::<u64>()).prop_map(|(remote_addr, rkey, add)| SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add
+            }),
+        ]
+    }
+
+    fn send_header() -> impl Strategy<Value = SendHeader> {
+        let payload = prop_oneof![
+            any::<u8>().prop_map(WqePayload::Sges),
+            any::<u32>().prop_map(WqePayload::Inline),
+        ];
+        let ud =
+            (any::<u32>(), any::<u32>(), any::<u32>()).prop_map(|(ah, remote_qpn, remote_qkey)| {
+                UdAddress {
+                    ah,
+                    remote_qpn,
+                    remote_qkey,
+                }
+            });
+        (any::<u64>(), send_op(), any::<[bool; 3]>(), payload, ud).prop_map(
+            |(wr_id, op, [signaled, solicited, fence], payload, ud)| SendHeader {
+                wr_id,
+                op,
+                signaled,
+                solicited,
+                fence,
+                payload,
+                ud,
+            },
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn what_the_driver_encodes_the_device_decodes(header in send_header()) {
+            prop_assert_eq!(SendWqe::encode(&header).decode(), Ok(header));
+        }
+
+        #[test]
+        fn decoding_never_accepts_an_unknown_opcode_or_flag(
+            header in send_header(), opcode in 7u8.., flag in 4u32..8,
+        ) {
+            let mut wqe = SendWqe::encode(&header);
+            wqe.opcode = opcode;
+            prop_assert_eq!(wqe.decode(), Err(WqeFormatError::UnknownOpcode(opcode)));
+            let mut wqe = SendWqe::encode(&header);
+            wqe.flags |= 1 << flag;
+            prop_assert_eq!(wqe.decode(), Err(WqeFormatError::UnknownFlags(wqe.flags)));
+        }
+
+        #[test]
+        fn ring_indexes_wrap_at_two_to_the_32(
+            consumer in any::<u32>(), written in 0u32..=1024, depth_shift in 0u32..=10,
+        ) {
+            let depth = 1u32 << depth_shift;
+            let written = written.min(depth);
+            let producer = consumer.wrapping_add(written);
+            prop_assert_eq!(ring_pending(producer, consumer), written);
+            // Consecutive indexes take consecutive slots, across the wrap too.
+            let slots: Vec<u32> = (0..written).map(|i| ring_slot(consumer.wrapping_add(i), depth)).collect();
+            for pair in slots.windows(2) {
+                prop_assert_eq!(pair[1], (pair[0] + 1) % depth);
+            }
+        }
+
+        #[test]
+        fn arm_requests_round_trip(sequence in 0u32..(1 << 30), solicited_only in any::<bool>()) {
+            let request = ArmRequest { sequence, solicited_only };
+            prop_assert_eq!(ArmRequest::decode(request.encode()), Some(request));
+            prop_assert!(!request.is_outstanding(sequence));
+        }
+
+        #[test]
+        fn a_driver_sized_slot_holds_its_sges_and_inline_data(max_sge in 0u32..=252, max_inline in 0u32..=4032) {
+            let shift = send_wqe_shift(max_sge, max_inline).expect("fits the largest stride");
+            prop_assert!(send_slot_bytes(max_sge, max_inline) <= 1 << shift);
+            prop_assert!(shift == MIN_SQ_WQE_SHIFT || send_slot_bytes(max_sge, max_inline) > 1 << (shift - 1));
+        }
+    }
+
+    #[test]
+    fn slot_sizes_follow_the_spec() {
+        assert_eq!(send_wqe_shift(0, 0), Some(6));
+        assert_eq!(send_wqe_shift(1, 0), Some(7));
+        assert_eq!(send_wqe_shift(4, 64), Some(7));
+        assert_eq!(send_wqe_shift(252, 0), Some(12));
+        assert_eq!(send_wqe_shift(253, 0), None);
+        assert_eq!(send_wqe_shift(0, 4032), Some(12));
+        assert_eq!(recv_wqe_shift(0), Some(4));
+        assert_eq!(recv_wqe_shift(1), Some(5));
+        assert_eq!(recv_wqe_shift(255), Some(12));
+        assert_eq!(recv_wqe_shift(256), None);
+    }
+
+    #[test]
+    fn an_empty_arm_word_is_no_request() {
+        assert_eq!(ArmRequest::decode(0), None);
+        assert_eq!(ArmRequest::decode(3 | (5 << 2)), None);
+    }
+
+    #[test]
+    fn doorbell_offsets_are_the_specs() {
+        assert_eq!(
+            [
+                QpDoorbell::SQ_PRODUCER,
+                QpDoorbell::RQ_PRODUCER,
+                QpDoorbell::SQ_CONSUMER,
+                QpDoorbell::RQ_CONSUMER
+            ],
+            [0, 4, 8, 12]
+        );
+        assert_eq!(
+            [
+                CqDoorbell::CONSUMER_INDEX,
+                CqDoorbell::ARM,
+                CqDoorbell::ARM_SERVED
+            ],
+            [0, 4, 8]
+        );
+        assert_eq!([SrqDoorbell::PRODUCER, SrqDoorbell::CONSUMER], [0, 4]);
+        assert_eq!([NotifyState::FLAGS, NotifyState::KICKS], [0, 4]);
+    }
+}
