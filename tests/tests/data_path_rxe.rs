@@ -5,7 +5,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::{self, PinnedMemory};
 use vrdma_guest::{
@@ -655,5 +655,40 @@ impl TargetProcess {
             self.child.wait().unwrap().success(),
             "the target process failed"
         );
+    }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_cq_overrun_by_its_driver_is_reported_not_silent() {
+    // SPEC.md §7.5: a driver keeps no more completions outstanding than its CQ's depth. One
+    // that does overflows the host CQ behind the ring; the device says so with CQ_ERROR.
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    let small = a.device.create_cq(4).unwrap();
+    let sender = QueuePair::builder(QpType::Rc, &small)
+        .max_send_wr(64)
+        .build(&a.pd)
+        .unwrap();
+    let receiver = QueuePair::builder(QpType::Rc, &b.cq).build(&b.pd).unwrap();
+    let (index, gid) = a.device.gid().unwrap();
+    connect_guest_qp(&sender, index as u8, gid, receiver.qp_num()).unwrap();
+    connect_guest_qp(&receiver, index as u8, gid, sender.qp_num()).unwrap();
+    let write = SendOp::RdmaWrite {
+        remote_addr: b.mr.addr(),
+        rkey: b.mr.rkey(),
+    };
+    let source = [a.sge(0, 8)];
+    let writes: Vec<SendWr> = (0..48)
+        .map(|i| SendWr::new(i, write, Payload::Sges(&source)))
+        .collect();
+    sender.post_send(&writes).unwrap(); // 48 fit the 64-deep SQ
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "no CQ_ERROR for the overrun CQ");
+        if a.device.wait_event(left).unwrap() == Some(DeviceEvent::CqError(small.handle())) {
+            break;
+        }
     }
 }

@@ -1065,6 +1065,9 @@ impl Poller {
         if pending == 0 {
             return false;
         }
+        // With the host SRQ full nothing moves, and the poller may sleep: receives completing
+        // there wake it through their CQ.
+        let mut moved = false;
         let refused = if pending > srq.ring.depth {
             Some(format!(
                 "SRQ producer {producer} runs {pending} ahead of a {}-deep ring",
@@ -1074,6 +1077,7 @@ impl Poller {
             let refused =
                 self.read_receives(mem, &srq.ring, &srq.rules, progress.consumer, pending);
             let posted = self.post_receives(|wrs| srq.srq.post_recv(wrs));
+            moved = posted > 0;
             progress.consumer = progress.consumer.wrapping_add(posted as u32);
             self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
             let _ = mem.store(
@@ -1089,8 +1093,9 @@ impl Poller {
                 srq.handle
             );
             progress.failed = true;
+            moved = true;
         }
-        true
+        moved
     }
 
     /// Free CQE slots, from the guest's published consumer index; `None` if the CQ is broken.
