@@ -7,31 +7,32 @@
 //! ring before they are validated. Payload is never copied: SGEs name guest memory registered
 //! at the guest's addresses (inline data is part of the WQE itself).
 
+pub mod host;
+mod poller;
+mod queues;
+#[cfg(test)]
+mod tests;
 pub mod wqe;
+
+pub use queues::{CqData, GuestRing, QpData, SrqData};
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-use vrdma_spec::codec::{ring_pending, ring_slot, ArmRequest};
 use vrdma_spec::ctrl::PORT_NUM;
-use vrdma_spec::ring::{
-    cqe_owner_for, event_kind, wc_status, CqDoorbell, Cqe, Event, NotifyState, QpDoorbell,
-    SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
-};
-use vrdma_spec::{ByteValued, Le16, Le32, Le64};
+use vrdma_spec::ring::{event_kind, Event};
+use vrdma_spec::{Le16, Le32};
 
-use crate::hostverbs::{
-    self, AddressHandle, AsyncEvent, CompletionChannel, CompletionQueue, Context, Payload, QpAttr,
-    QpState, QueuePair, RecvWr, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
-};
-use wqe::{MrRange, QpRules, SendRequest, WqeError};
+use crate::hostverbs::{self, AddressHandle, AsyncEvent, CompletionChannel, Context};
+use poller::Poller;
+use wqe::MrRange;
 
 type Memory = GuestMemoryMmap;
 
@@ -39,165 +40,6 @@ type Memory = GuestMemoryMmap;
 const BATCH: u32 = 16;
 /// The longest a sleeping poller waits before looking again anyway.
 const SLEEP_LIMIT_MS: i32 = 100;
-
-/// A ring in guest memory: `depth` slots of `1 << stride_shift` bytes over guest pages.
-#[derive(Clone, Debug)]
-pub struct GuestRing {
-    pages: Vec<u64>,
-    page_shift: u8,
-    stride_shift: u8,
-    depth: u32,
-}
-
-impl GuestRing {
-    /// `pages` must cover `depth << stride_shift` bytes; slots never straddle pages because
-    /// strides are powers of two no larger than a page.
-    pub fn new(pages: Vec<u64>, page_shift: u8, stride_shift: u8, depth: u32) -> Self {
-        debug_assert!(stride_shift <= page_shift && depth.is_power_of_two());
-        GuestRing {
-            pages,
-            page_shift,
-            stride_shift,
-            depth,
-        }
-    }
-
-    fn slot(&self, index: u32) -> GuestAddress {
-        let offset = u64::from(ring_slot(index, self.depth)) << self.stride_shift;
-        let page = self.pages[(offset >> self.page_shift) as usize];
-        GuestAddress(page + (offset & ((1 << self.page_shift) - 1)))
-    }
-
-    fn stride(&self) -> usize {
-        1 << self.stride_shift
-    }
-}
-
-struct CqProgress {
-    producer: u32,
-    /// Error completions of refused WQEs, written as room allows.
-    pending: VecDeque<Cqe>,
-    failed: bool,
-}
-
-/// The data-path half of a CQ.
-pub struct CqData {
-    pub handle: u32,
-    pub host: Arc<CompletionQueue>,
-    ring: GuestRing,
-    doorbell: u64,
-    progress: Mutex<CqProgress>,
-}
-
-impl CqData {
-    pub fn new(handle: u32, host: Arc<CompletionQueue>, ring: GuestRing, doorbell: u64) -> Self {
-        CqData {
-            handle,
-            host,
-            ring,
-            doorbell,
-            progress: Mutex::new(CqProgress {
-                producer: 0,
-                pending: VecDeque::new(),
-                failed: false,
-            }),
-        }
-    }
-}
-
-struct QpProgress {
-    sq_consumer: u32,
-    rq_consumer: u32,
-    /// The doorbell record or a ring became unreadable: the QP is in error and left alone.
-    failed: bool,
-}
-
-/// The data-path half of a QP.
-pub struct QpData {
-    pub handle: u32,
-    pub qp: QueuePair,
-    pub notify_queue: u32,
-    rules: QpRules,
-    sq: GuestRing,
-    /// None for a QP that receives from an SRQ.
-    rq: Option<GuestRing>,
-    doorbell: u64,
-    send_cq: Arc<CqData>,
-    recv_cq: Arc<CqData>,
-    progress: Mutex<QpProgress>,
-}
-
-impl QpData {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        handle: u32,
-        qp: QueuePair,
-        notify_queue: u32,
-        rules: QpRules,
-        (sq, rq): (GuestRing, Option<GuestRing>),
-        doorbell: u64,
-        send_cq: Arc<CqData>,
-        recv_cq: Arc<CqData>,
-    ) -> Self {
-        QpData {
-            handle,
-            qp,
-            notify_queue,
-            rules,
-            sq,
-            rq,
-            doorbell,
-            send_cq,
-            recv_cq,
-            progress: Mutex::new(QpProgress {
-                sq_consumer: 0,
-                rq_consumer: 0,
-                failed: false,
-            }),
-        }
-    }
-}
-
-struct SrqProgress {
-    consumer: u32,
-    failed: bool,
-}
-
-/// The data-path half of an SRQ.
-pub struct SrqData {
-    pub handle: u32,
-    pub srq: Arc<SharedReceiveQueue>,
-    pub notify_queue: u32,
-    rules: QpRules,
-    ring: GuestRing,
-    doorbell: u64,
-    progress: Mutex<SrqProgress>,
-}
-
-impl SrqData {
-    pub fn new(
-        handle: u32,
-        srq: Arc<SharedReceiveQueue>,
-        notify_queue: u32,
-        rules: QpRules,
-        ring: GuestRing,
-        doorbell: u64,
-    ) -> Self {
-        let progress = Mutex::new(SrqProgress {
-            consumer: 0,
-            failed: false,
-        });
-        SrqData {
-            handle,
-            srq,
-            notify_queue,
-            rules,
-            ring,
-            doorbell,
-            progress,
-        }
-    }
-}
 
 /// Where events for the guest go (the event virtqueue); `deliver` is false when the guest
 /// has no buffer posted.
@@ -215,7 +57,9 @@ struct ShardObjects {
 struct Shard {
     objects: Mutex<ShardObjects>,
     wake: EventFd,
-    channel: Arc<CompletionChannel>,
+    /// Host completion events of the shard's CQs; `None` in unit tests, which drive passes
+    /// by hand.
+    channel: Option<Arc<CompletionChannel>>,
 }
 
 /// Counters reported when a connection ends (and in tests).
@@ -269,25 +113,11 @@ impl DataPath {
                         call: "eventfd",
                         source: e,
                     })?,
-                    channel: context.create_comp_channel()?,
+                    channel: Some(context.create_comp_channel()?),
                 })
             })
             .collect::<hostverbs::Result<Vec<_>>>()?;
-        let shared = Arc::new(Shared {
-            mem: RwLock::new(None),
-            mrs: RwLock::default(),
-            ahs: RwLock::default(),
-            shards,
-            num_notify_queues,
-            notify_area: Mutex::new(None),
-            sink: Mutex::new(None),
-            pending_events: Mutex::default(),
-            kicks: (0..num_notify_queues).map(|_| AtomicU64::new(0)).collect(),
-            wqes: AtomicU64::new(0),
-            completions: AtomicU64::new(0),
-            idle_spin,
-            stop: AtomicBool::new(false),
-        });
+        let shared = Arc::new(Shared::new(shards, num_notify_queues, idle_spin));
         // Threads start one by one; if one cannot, dropping `data_path` stops the others.
         let mut data_path = DataPath {
             shared,
@@ -297,7 +127,8 @@ impl DataPath {
         for index in 0..data_path.shared.shards.len() {
             let shard = &data_path.shared.shards[index];
             let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
-            for (fd, id) in [(shard.wake.as_raw_fd(), 0), (shard.channel.fd(), 1)] {
+            let channel = shard.channel.as_ref().map(|c| (c.fd(), 1));
+            for (fd, id) in [(shard.wake.as_raw_fd(), 0)].into_iter().chain(channel) {
                 epoll
                     .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, id))
                     .map_err(os_error("epoll_ctl"))?;
@@ -335,8 +166,10 @@ impl DataPath {
     }
 
     /// The completion channel a CQ with `handle` must be created on.
-    pub fn channel_for_cq(&self, handle: u32) -> &Arc<CompletionChannel> {
-        &self.shard_of_queue(self.notify_queue_for(handle)).channel
+    pub fn channel_for_cq(&self, handle: u32) -> Option<&Arc<CompletionChannel>> {
+        self.shard_of_queue(self.notify_queue_for(handle))
+            .channel
+            .as_ref()
     }
 
     pub fn set_memory(&self, mem: GuestMemoryAtomic<Memory>) {
@@ -524,6 +357,24 @@ impl Drop for DataPath {
 }
 
 impl Shared {
+    fn new(shards: Vec<Shard>, num_notify_queues: u32, idle_spin: Duration) -> Shared {
+        Shared {
+            mem: RwLock::new(None),
+            mrs: RwLock::default(),
+            ahs: RwLock::default(),
+            shards,
+            num_notify_queues,
+            notify_area: Mutex::new(None),
+            sink: Mutex::new(None),
+            pending_events: Mutex::default(),
+            kicks: (0..num_notify_queues).map(|_| AtomicU64::new(0)).collect(),
+            wqes: AtomicU64::new(0),
+            completions: AtomicU64::new(0),
+            idle_spin,
+            stop: AtomicBool::new(false),
+        }
+    }
+
     /// Delivers an event, or keeps it (once per kind and object) for the pollers to deliver
     /// when the guest posts event buffers.
     fn post_event(&self, kind: u16, handle: u32) {
@@ -606,662 +457,5 @@ fn forward_host_events(context: &Context, shared: &Shared, epoll: &Epoll, host_p
             }
         }
         while context.take_async_event(|event| shared.forward_host_event(event, host_port)) {}
-    }
-}
-
-/// One poller thread's state: its shard and reusable scratch space (no allocation per WQE).
-struct Poller {
-    shared: Arc<Shared>,
-    index: usize,
-    slot: Vec<u8>,
-    sges: Vec<Sge>,
-    requests: Vec<SendRequest>,
-    inline: Vec<u8>,
-    recv: Vec<(u64, usize)>,
-    wcs: Vec<WorkCompletion>,
-    ahs: Vec<Arc<AddressHandle>>,
-}
-
-fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
-    Cqe {
-        wr_id: Le64::from(wr_id),
-        qp_num: Le32::from(qp_num),
-        status,
-        opcode,
-        ..Default::default()
-    }
-}
-
-impl Poller {
-    fn new(shared: Arc<Shared>, index: usize) -> Self {
-        Poller {
-            shared,
-            index,
-            slot: vec![0; 1 << vrdma_spec::ring::MAX_WQE_SHIFT],
-            sges: Vec::with_capacity(BATCH as usize * 32),
-            requests: Vec::with_capacity(BATCH as usize),
-            inline: Vec::with_capacity(BATCH as usize * 4096),
-            recv: Vec::with_capacity(BATCH as usize),
-            wcs: (0..BATCH).map(|_| WorkCompletion::default()).collect(),
-            ahs: Vec::with_capacity(BATCH as usize),
-        }
-    }
-
-    fn shard(&self) -> &Shard {
-        &self.shared.shards[self.index]
-    }
-
-    /// Notification queues this poller serves.
-    fn queues(&self) -> impl Iterator<Item = u32> + '_ {
-        let n = self.shared.shards.len() as u32;
-        (0..self.shared.num_notify_queues).filter(move |q| q % n == self.index as u32)
-    }
-
-    fn run(mut self, epoll: Epoll) {
-        let mut last_work = Instant::now();
-        while !self.shared.stop.load(Ordering::Acquire) {
-            if self.pass() {
-                last_work = Instant::now();
-                continue;
-            }
-            if last_work.elapsed() < self.shared.idle_spin {
-                // Stay awake for the next doorbell, but leave the CPU to whoever rings it.
-                std::thread::yield_now();
-                continue;
-            }
-            // Going to sleep: ask for kicks and completion events, then look once more so
-            // that nothing that arrived meanwhile is missed (SPEC.md §8.5).
-            self.set_need_wakeup(true);
-            for cq in &self
-                .shard()
-                .objects
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .cqs
-            {
-                let _ = cq.host.req_notify(false);
-            }
-            fence(Ordering::SeqCst);
-            let woken = self.pass() || {
-                let mut events = [EpollEvent::default(); 2];
-                let woken = epoll.wait(SLEEP_LIMIT_MS, &mut events).is_ok_and(|n| n > 0);
-                let _ = self.shard().wake.read();
-                self.shard().channel.drain();
-                woken
-            };
-            self.set_need_wakeup(false);
-            // Spin again only for real work; after a quiet timeout, go straight back to sleep.
-            if woken {
-                last_work = Instant::now();
-            }
-        }
-    }
-
-    fn memory(&self) -> Option<vm_memory::GuestMemoryLoadGuard<Memory>> {
-        self.shared
-            .mem
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|m| m.memory())
-    }
-
-    fn set_need_wakeup(&self, sleeping: bool) {
-        let Some(area) = *self
-            .shared
-            .notify_area
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-        else {
-            return;
-        };
-        let Some(mem) = self.memory() else { return };
-        for queue in self.queues() {
-            let state = area + u64::from(queue) * std::mem::size_of::<NotifyState>() as u64;
-            let flags = if sleeping { NOTIFY_NEED_WAKEUP } else { 0 };
-            let kicks = self.shared.kicks[queue as usize].load(Ordering::Relaxed) as u32;
-            // A guest that unmapped its notify area only loses its wake-ups.
-            let _ = mem.store(
-                flags,
-                GuestAddress(state + NotifyState::FLAGS),
-                Ordering::SeqCst,
-            );
-            let _ = mem.store(
-                kicks,
-                GuestAddress(state + NotifyState::KICKS),
-                Ordering::Relaxed,
-            );
-        }
-    }
-
-    /// One look at every ring of the shard; true if anything moved.
-    fn pass(&mut self) -> bool {
-        let Some(mem) = self.memory() else {
-            return false;
-        };
-        let shared = Arc::clone(&self.shared);
-        let objects = shared.shards[self.index]
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let mut work = self.deliver_pending_events();
-        for qp in &objects.qps {
-            work |= self.process_sq(&mem, qp);
-            work |= self.process_rq(&mem, qp);
-        }
-        for srq in &objects.srqs {
-            work |= self.process_srq(&mem, srq);
-        }
-        for cq in &objects.cqs {
-            work |= self.process_cq(&mem, cq);
-        }
-        work
-    }
-
-    /// Moves the QP to the error state after a WQE it cannot execute: the host then flushes
-    /// everything outstanding, as hardware would.
-    fn fail_qp(&self, mem: &Memory, qp: &QpData, cq: &CqData, cqe: Option<Cqe>, reason: &str) {
-        log::warn!(
-            "QP {:#x}: {reason}; moving it to the error state",
-            qp.handle
-        );
-        let attr = QpAttr {
-            qp_state: QpState::Err,
-            ..Default::default()
-        };
-        if let Err(e) = qp.qp.modify(&attr, hostverbs::qp_attr_mask::STATE) {
-            log::error!("QP {:#x}: cannot enter the error state: {e}", qp.handle);
-        }
-        self.post_event(event_kind::QP_FATAL, qp.handle);
-        if let Some(cqe) = cqe {
-            let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
-            progress.pending.push_back(cqe);
-            self.flush_pending(mem, cq, &mut progress);
-        }
-    }
-
-    // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
-    // functions per WQE.
-    #[inline(never)]
-    fn process_sq(&mut self, mem: &Memory, qp: &QpData) -> bool {
-        let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
-        if progress.failed {
-            return false;
-        }
-        let Ok(producer) = mem.load::<u32>(
-            GuestAddress(qp.doorbell + QpDoorbell::SQ_PRODUCER),
-            Ordering::Acquire,
-        ) else {
-            progress.failed = true;
-            self.fail_qp(mem, qp, &qp.send_cq, None, "doorbell record unreadable");
-            return true;
-        };
-        let pending = ring_pending(producer, progress.sq_consumer);
-        if pending == 0 {
-            return false;
-        }
-        if pending > qp.sq.depth {
-            progress.failed = true;
-            self.fail_qp(
-                mem,
-                qp,
-                &qp.send_cq,
-                None,
-                &format!(
-                    "SQ producer {producer} runs {pending} ahead of a {}-deep ring",
-                    qp.sq.depth
-                ),
-            );
-            return true;
-        }
-        self.sges.clear();
-        self.requests.clear();
-        self.inline.clear();
-        self.ahs.clear();
-        let mut refused: Option<(u64, u8, WqeError)> = None;
-        let stride = qp.sq.stride();
-        {
-            let shared = Arc::clone(&self.shared);
-            let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
-            let lookup = |lkey| mrs.get(&lkey).copied();
-            let ahs = shared.ahs.read().unwrap_or_else(|e| e.into_inner());
-            for i in 0..pending.min(BATCH) {
-                let slot = &mut self.slot[..stride];
-                if mem
-                    .read_slice(slot, qp.sq.slot(progress.sq_consumer.wrapping_add(i)))
-                    .is_err()
-                {
-                    progress.failed = true;
-                    self.fail_qp(mem, qp, &qp.send_cq, None, "SQ ring unreadable");
-                    return true;
-                }
-                let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-                match wqe::parse_send(slot, &qp.rules, &lookup, &mut self.sges) {
-                    Ok(request) => {
-                        if let Some(len) = request.inline_len {
-                            self.inline.extend_from_slice(&slot[64..64 + len]);
-                        }
-                        if let Some((ah, _, _)) = request.ud {
-                            match ahs.get(&ah) {
-                                Some((pd, handle)) if *pd == qp.rules.pd => {
-                                    self.ahs.push(Arc::clone(handle))
-                                }
-                                _ => {
-                                    let error = WqeError {
-                                        status: wc_status::LOC_PROT_ERR,
-                                        reason: format!("AH {ah:#x} is not in the QP's PD"),
-                                    };
-                                    refused = Some((wr_id, request.op.completion_opcode(), error));
-                                    break;
-                                }
-                            }
-                        }
-                        self.requests.push(request);
-                    }
-                    Err(error) => {
-                        let opcode = vrdma_spec::ring::wc_opcode::SEND;
-                        refused = Some((wr_id, opcode, error));
-                        break;
-                    }
-                }
-            }
-        }
-        let posted = self.post_sends(qp);
-        progress.sq_consumer = progress.sq_consumer.wrapping_add(posted as u32);
-        let all_posted = posted == self.requests.len();
-        let was_refused = refused.is_some();
-        if let (true, Some((wr_id, opcode, error))) = (all_posted, refused) {
-            progress.sq_consumer = progress.sq_consumer.wrapping_add(1);
-            let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status, opcode);
-            self.fail_qp(mem, qp, &qp.send_cq, Some(cqe), &error.reason);
-        }
-        let _ = mem.store(
-            progress.sq_consumer,
-            GuestAddress(qp.doorbell + QpDoorbell::SQ_CONSUMER),
-            Ordering::Release,
-        );
-        self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
-        posted > 0 || was_refused
-    }
-
-    /// Posts the batch in `requests`; returns how many the host took (it refuses the rest when
-    /// its queue is full; they stay in the guest ring for the next pass).
-    fn post_sends(&self, qp: &QpData) -> usize {
-        if self.requests.is_empty() {
-            return 0;
-        }
-        let mut wrs = Vec::with_capacity(self.requests.len());
-        let (mut sge_at, mut inline_at, mut ah_at) = (0, 0, 0);
-        for request in &self.requests {
-            let payload = match request.inline_len {
-                Some(len) => {
-                    inline_at += len;
-                    Payload::Inline(&self.inline[inline_at - len..inline_at])
-                }
-                None => {
-                    sge_at += request.sge_count;
-                    Payload::Sges(&self.sges[sge_at - request.sge_count..sge_at])
-                }
-            };
-            let ud = request.ud.map(|(_, remote_qpn, remote_qkey)| {
-                ah_at += 1;
-                UdDest {
-                    ah: &self.ahs[ah_at - 1],
-                    remote_qpn,
-                    remote_qkey,
-                }
-            });
-            wrs.push(SendWr {
-                wr_id: request.wr_id,
-                op: request.op,
-                payload,
-                signaled: request.signaled,
-                solicited: request.solicited,
-                fence: request.fence,
-                ud,
-            });
-        }
-        match qp.qp.post_send(&wrs) {
-            Ok(()) => wrs.len(),
-            Err(hostverbs::Error::Post { posted, source, .. }) => {
-                if source.raw_os_error() != Some(libc::ENOMEM) {
-                    log::warn!("QP {:#x}: host refused a send: {source}", qp.handle);
-                }
-                posted
-            }
-            Err(e) => {
-                log::warn!("QP {:#x}: {e}", qp.handle);
-                0
-            }
-        }
-    }
-
-    /// Copies and validates up to a batch of receive WQEs from `ring` (between `consumer` and
-    /// `producer`) into `self.recv`/`self.sges`; returns the first refused one, if any.
-    fn read_receives(
-        &mut self,
-        mem: &Memory,
-        ring: &GuestRing,
-        rules: &QpRules,
-        consumer: u32,
-        pending: u32,
-    ) -> Option<(u64, WqeError)> {
-        self.sges.clear();
-        self.recv.clear();
-        let shared = Arc::clone(&self.shared);
-        let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
-        let lookup = |lkey| mrs.get(&lkey).copied();
-        for i in 0..pending.min(BATCH) {
-            let slot = &mut self.slot[..ring.stride()];
-            if mem
-                .read_slice(slot, ring.slot(consumer.wrapping_add(i)))
-                .is_err()
-            {
-                let reason = "receive ring unreadable".to_string();
-                return Some((
-                    0,
-                    WqeError {
-                        status: wc_status::LOC_QP_OP_ERR,
-                        reason,
-                    },
-                ));
-            }
-            let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-            match wqe::parse_recv(slot, rules, &lookup, &mut self.sges) {
-                Ok(received) => self.recv.push(received),
-                Err(error) => return Some((wr_id, error)),
-            }
-        }
-        None
-    }
-
-    /// Posts what `read_receives` collected with `post`; returns how many the host took.
-    fn post_receives(&self, post: impl Fn(&[RecvWr<'_>]) -> hostverbs::Result<()>) -> usize {
-        let mut at = 0;
-        let wrs: Vec<RecvWr<'_>> = self
-            .recv
-            .iter()
-            .map(|&(wr_id, count)| {
-                at += count;
-                RecvWr {
-                    wr_id,
-                    sges: &self.sges[at - count..at],
-                }
-            })
-            .collect();
-        match post(&wrs) {
-            Ok(()) => wrs.len(),
-            Err(hostverbs::Error::Post { posted, .. }) => posted,
-            Err(_) => 0,
-        }
-    }
-
-    // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
-    // functions per WQE.
-    #[inline(never)]
-    fn process_rq(&mut self, mem: &Memory, qp: &QpData) -> bool {
-        let Some(rq) = &qp.rq else { return false };
-        let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
-        if progress.failed {
-            return false;
-        }
-        let Ok(producer) = mem.load::<u32>(
-            GuestAddress(qp.doorbell + QpDoorbell::RQ_PRODUCER),
-            Ordering::Acquire,
-        ) else {
-            return false;
-        };
-        let pending = ring_pending(producer, progress.rq_consumer);
-        if pending == 0 {
-            return false;
-        }
-        if pending > rq.depth {
-            progress.failed = true;
-            let reason = format!(
-                "RQ producer {producer} runs {pending} ahead of a {}-deep ring",
-                rq.depth
-            );
-            self.fail_qp(mem, qp, &qp.recv_cq, None, &reason);
-            return true;
-        }
-        let refused = self.read_receives(mem, rq, &qp.rules, progress.rq_consumer, pending);
-        let posted = self.post_receives(|wrs| qp.qp.post_recv(wrs));
-        progress.rq_consumer = progress.rq_consumer.wrapping_add(posted as u32);
-        let refused_any = refused.is_some();
-        if let (true, Some((wr_id, error))) = (posted == self.recv.len(), refused) {
-            progress.rq_consumer = progress.rq_consumer.wrapping_add(1);
-            let cqe = error_cqe(
-                wr_id,
-                qp.qp.qp_num(),
-                error.status,
-                vrdma_spec::ring::wc_opcode::RECV,
-            );
-            self.fail_qp(mem, qp, &qp.recv_cq, Some(cqe), &error.reason);
-        }
-        let _ = mem.store(
-            progress.rq_consumer,
-            GuestAddress(qp.doorbell + QpDoorbell::RQ_CONSUMER),
-            Ordering::Release,
-        );
-        self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
-        posted > 0 || refused_any
-    }
-
-    // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
-    // functions per WQE.
-    #[inline(never)]
-    fn process_srq(&mut self, mem: &Memory, srq: &SrqData) -> bool {
-        let mut progress = srq.progress.lock().unwrap_or_else(|e| e.into_inner());
-        if progress.failed {
-            return false;
-        }
-        let Ok(producer) = mem.load::<u32>(
-            GuestAddress(srq.doorbell + SrqDoorbell::PRODUCER),
-            Ordering::Acquire,
-        ) else {
-            return false;
-        };
-        let pending = ring_pending(producer, progress.consumer);
-        if pending == 0 {
-            return false;
-        }
-        // With the host SRQ full nothing moves, and the poller may sleep: receives completing
-        // there wake it through their CQ.
-        let mut moved = false;
-        let refused = if pending > srq.ring.depth {
-            Some(format!(
-                "SRQ producer {producer} runs {pending} ahead of a {}-deep ring",
-                srq.ring.depth
-            ))
-        } else {
-            let refused =
-                self.read_receives(mem, &srq.ring, &srq.rules, progress.consumer, pending);
-            let posted = self.post_receives(|wrs| srq.srq.post_recv(wrs));
-            moved = posted > 0;
-            progress.consumer = progress.consumer.wrapping_add(posted as u32);
-            self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
-            let _ = mem.store(
-                progress.consumer,
-                GuestAddress(srq.doorbell + SrqDoorbell::CONSUMER),
-                Ordering::Release,
-            );
-            refused.map(|(_, error)| error.reason)
-        };
-        if let Some(reason) = refused {
-            log::warn!(
-                "SRQ {:#x}: {reason}; no more WQEs are taken from it",
-                srq.handle
-            );
-            progress.failed = true;
-            moved = true;
-        }
-        moved
-    }
-
-    /// Free CQE slots, from the guest's published consumer index; `None` if the CQ is broken.
-    fn cq_room(&self, mem: &Memory, cq: &CqData, progress: &mut CqProgress) -> Option<u32> {
-        if progress.failed {
-            return None;
-        }
-        let consumer = mem
-            .load::<u32>(
-                GuestAddress(cq.doorbell + CqDoorbell::CONSUMER_INDEX),
-                Ordering::Acquire,
-            )
-            .ok();
-        match consumer.map(|c| ring_pending(progress.producer, c)) {
-            Some(used) if used <= cq.ring.depth => Some(cq.ring.depth - used),
-            _ => {
-                log::warn!(
-                    "CQ {:#x}: consumer index unreadable or inconsistent",
-                    cq.handle
-                );
-                progress.failed = true;
-                self.post_event(event_kind::CQ_ERROR, cq.handle);
-                None
-            }
-        }
-    }
-
-    fn write_cqe(
-        &self,
-        mem: &Memory,
-        cq: &CqData,
-        progress: &mut CqProgress,
-        mut cqe: Cqe,
-    ) -> bool {
-        let slot = cq.ring.slot(progress.producer);
-        let owner = cqe_owner_for(progress.producer, cq.ring.depth);
-        cqe.owner = 0;
-        let body = &cqe.as_slice()[..CQE_SIZE - 1];
-        // The body first, then (release) the owner byte that makes it visible.
-        let written = mem.write_slice(body, slot).is_ok()
-            && mem
-                .store(
-                    owner,
-                    GuestAddress(slot.0 + CQE_SIZE as u64 - 1),
-                    Ordering::Release,
-                )
-                .is_ok();
-        if written {
-            progress.producer = progress.producer.wrapping_add(1);
-        } else {
-            progress.failed = true;
-            self.post_event(event_kind::CQ_ERROR, cq.handle);
-        }
-        written
-    }
-
-    fn flush_pending(&self, mem: &Memory, cq: &CqData, progress: &mut CqProgress) -> u32 {
-        let mut room = self.cq_room(mem, cq, progress).unwrap_or(0);
-        let mut written = 0;
-        while room > 0 {
-            let Some(cqe) = progress.pending.pop_front() else {
-                break;
-            };
-            if !self.write_cqe(mem, cq, progress, cqe) {
-                break;
-            }
-            room -= 1;
-            written += 1;
-        }
-        written
-    }
-
-    // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
-    // functions per WQE.
-    #[inline(never)]
-    fn process_cq(&mut self, mem: &Memory, cq: &CqData) -> bool {
-        let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let mut moved = self.flush_pending(mem, cq, &mut progress);
-        let Some(room) = self.cq_room(mem, cq, &mut progress) else {
-            return moved > 0;
-        };
-        let want = room.min(BATCH) as usize;
-        let n = match cq.host.poll(&mut self.wcs[..want]) {
-            Ok(n) => n,
-            Err(e) => {
-                log::warn!("CQ {:#x}: {e}", cq.handle);
-                0
-            }
-        };
-        for wc in &self.wcs[..n] {
-            let cqe = Cqe {
-                wr_id: Le64::from(wc.wr_id()),
-                qp_num: Le32::from(wc.qp_num()),
-                byte_len: Le32::from(wc.byte_len()),
-                imm_data: Le32::from(wc.imm_data().unwrap_or(0)),
-                src_qp: Le32::from(wc.src_qp()),
-                status: wc.status() as u8,
-                opcode: wc.opcode() as u8,
-                wc_flags: wc.wc_flags() as u8,
-                sl: wc.sl(),
-                pkey_index: Le16::from(wc.pkey_index()),
-                reserved: 0,
-                owner: 0,
-            };
-            if !self.write_cqe(mem, cq, &mut progress, cqe) {
-                break;
-            }
-            moved += 1;
-        }
-        self.shared
-            .completions
-            .fetch_add(u64::from(moved), Ordering::Relaxed);
-        if moved > 0 {
-            self.serve_arm_request(mem, cq);
-        }
-        moved > 0
-    }
-
-    /// A new CQE was written: if the guest armed the CQ, tell it (SPEC.md §8.2).
-    fn serve_arm_request(&self, mem: &Memory, cq: &CqData) {
-        // The CQE must be visible before the arm is read, or a guest arming meanwhile and
-        // this poller each read the other's old value and the event is lost.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        let load = |field| mem.load::<u32>(GuestAddress(cq.doorbell + field), Ordering::Acquire);
-        let (Ok(arm), Ok(served)) = (load(CqDoorbell::ARM), load(CqDoorbell::ARM_SERVED)) else {
-            return;
-        };
-        let Some(request) = ArmRequest::decode(arm) else {
-            return;
-        };
-        if request.is_outstanding(served) {
-            let served_at = GuestAddress(cq.doorbell + CqDoorbell::ARM_SERVED);
-            let _ = mem.store(request.sequence, served_at, Ordering::Release);
-            self.post_event(event_kind::CQ_COMPLETION, cq.handle);
-        }
-    }
-
-    fn post_event(&self, kind: u16, handle: u32) {
-        self.shared.post_event(kind, handle);
-    }
-
-    fn deliver_pending_events(&self) -> bool {
-        let mut pending = self
-            .shared
-            .pending_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if pending.is_empty() {
-            return false;
-        }
-        let Some(sink) = self
-            .shared
-            .sink
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-        else {
-            return false;
-        };
-        let before = pending.len();
-        while let Some(event) = pending.front() {
-            if !sink.deliver(event) {
-                break;
-            }
-            pending.pop_front();
-        }
-        pending.len() < before
     }
 }

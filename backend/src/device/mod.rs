@@ -418,9 +418,10 @@ impl Device {
         let ring = self.ring(mem, &req.ring, depth, CQE_SIZE.trailing_zeros() as u8)?;
         let handle = self.objects.new_handle();
         let channel = self.data_path.channel_for_cq(handle);
-        let cq = self.host.context.create_cq(depth, Some(channel))?;
-        let data = Arc::new(CqData::new(handle, cq, ring, doorbell));
+        let cq = self.host.context.create_cq(depth, channel)?;
+        let data = Arc::new(CqData::new(handle, Arc::clone(&cq) as _, ring, doorbell));
         let entry = CqEntry {
+            host: cq,
             data: Arc::clone(&data),
             users: 0,
         };
@@ -509,13 +510,17 @@ impl Device {
         let pd_handle = req.pd.to_native();
         let (send_cq_handle, recv_cq_handle) = (req.send_cq.to_native(), req.recv_cq.to_native());
         let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
-        let send_cq = Arc::clone(&self.objects.cq(send_cq_handle)?.data);
-        let recv_cq = Arc::clone(&self.objects.cq(recv_cq_handle)?.data);
+        let (send_cq, recv_cq) = (
+            self.objects.cq(send_cq_handle)?,
+            self.objects.cq(recv_cq_handle)?,
+        );
+        let (send_cq_host, recv_cq_host) = (Arc::clone(&send_cq.host), Arc::clone(&recv_cq.host));
+        let (send_cq, recv_cq) = (Arc::clone(&send_cq.data), Arc::clone(&recv_cq.data));
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, QpDoorbell>(mem, doorbell, 16)?;
         let srq_handle = Some(req.srq.to_native()).filter(|&h| h != 0);
         let srq = match srq_handle {
-            Some(h) => Some(Arc::clone(&self.objects.srq(h)?.data)),
+            Some(h) => Some(Arc::clone(&self.objects.srq(h)?.host)),
             None => None,
         };
         let sq = self.ring(mem, &req.sq_ring, caps.max_send_wr, req.sq_wqe_shift)?;
@@ -526,10 +531,10 @@ impl Device {
         let init = QpInit {
             qp_type: shape.qp_type,
             caps,
-            srq: srq.as_ref().map(|s| &s.srq),
+            srq: srq.as_ref(),
             sq_sig_all: req.sq_sig_all == 1,
         };
-        let qp = pd.create_qp(&send_cq.host, &recv_cq.host, &init)?;
+        let qp = Arc::new(pd.create_qp(&send_cq_host, &recv_cq_host, &init)?);
         let qp_num = qp.qp_num();
         let handle = self.objects.new_handle();
         let notify_queue = self.data_path.notify_queue_for(handle);
@@ -546,7 +551,7 @@ impl Device {
         let rings = (sq, rq);
         let data = Arc::new(QpData::new(
             handle,
-            qp,
+            Arc::clone(&qp) as _,
             notify_queue,
             rules,
             rings,
@@ -555,6 +560,7 @@ impl Device {
             recv_cq,
         ));
         let entry = QpEntry {
+            host: qp,
             data: Arc::clone(&data),
             pd: pd_handle,
             send_cq: send_cq_handle,
@@ -609,13 +615,14 @@ impl Device {
         };
         let data = Arc::new(SrqData::new(
             handle,
-            srq,
+            Arc::clone(&srq) as _,
             notify_queue,
             rules,
             ring,
             doorbell,
         ));
         let entry = SrqEntry {
+            host: srq,
             data: Arc::clone(&data),
             pd: pd_handle,
             users: 0,
@@ -657,12 +664,12 @@ impl Device {
             atomics: self.features & features::ATOMIC != 0,
         };
         let (attr, mask) = validate::modify_qp(&req, &limits)?;
-        entry.data.qp.modify(&attr, mask)?;
+        entry.host.modify(&attr, mask)?;
         Ok(Vec::new())
     }
 
     fn query_qp(&self, req: HandleRequest) -> CommandResult {
-        let a = self.objects.qp(req.handle.to_native())?.data.qp.query()?;
+        let a = self.objects.qp(req.handle.to_native())?.host.query()?;
         reply(WireQpAttr {
             qp_state: a.qp_state as u8,
             cur_qp_state: a.cur_qp_state as u8,

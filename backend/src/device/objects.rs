@@ -8,7 +8,9 @@ use vrdma_spec::ctrl::Status;
 
 use super::CommandError;
 use crate::datapath::{CqData, QpData, SrqData};
-use crate::hostverbs::{AddressHandle, MemoryRegion, ProtectionDomain};
+use crate::hostverbs::{
+    AddressHandle, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, SharedReceiveQueue,
+};
 
 /// A guest-visible handle: never 0, unique across all object types of one connection.
 pub type Handle = u32;
@@ -20,6 +22,7 @@ pub struct PdEntry {
 }
 
 pub struct CqEntry {
+    pub host: Arc<CompletionQueue>,
     pub data: Arc<CqData>,
     /// QPs that complete into this CQ.
     pub users: u32,
@@ -31,6 +34,7 @@ pub struct MrEntry {
 }
 
 pub struct QpEntry {
+    pub host: Arc<QueuePair>,
     pub data: Arc<QpData>,
     pub pd: Handle,
     pub send_cq: Handle,
@@ -39,6 +43,7 @@ pub struct QpEntry {
 }
 
 pub struct SrqEntry {
+    pub host: Arc<SharedReceiveQueue>,
     pub data: Arc<SrqData>,
     pub pd: Handle,
     /// QPs that receive from this SRQ.

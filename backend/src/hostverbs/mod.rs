@@ -603,6 +603,26 @@ verbs_object_is_thread_safe!(CompletionQueue);
 #[repr(transparent)]
 pub struct WorkCompletion(ibv_wc);
 
+impl WorkCompletion {
+    /// A completion as a fake host CQ of a unit test hands it out.
+    #[cfg(test)]
+    pub(crate) fn for_test(
+        wr_id: u64,
+        status: u32,
+        opcode: u32,
+        byte_len: u32,
+        qp_num: u32,
+    ) -> Self {
+        let mut wc = WorkCompletion::default();
+        wc.0.wr_id = wr_id;
+        wc.0.status = status;
+        wc.0.opcode = opcode;
+        wc.0.byte_len = byte_len;
+        wc.0.qp_num = qp_num;
+        wc
+    }
+}
+
 impl Default for WorkCompletion {
     fn default() -> Self {
         // SAFETY: all-zero is a valid ibv_wc (integers and a union of integers).

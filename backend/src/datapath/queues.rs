@@ -1,0 +1,176 @@
+//! The data-path half of each queue: where its ring and doorbell record are in guest memory,
+//! what its WQEs may ask for, and how far the device has got.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use vm_memory::GuestAddress;
+use vrdma_spec::codec::ring_slot;
+use vrdma_spec::ring::Cqe;
+
+use super::host::{HostCompletionQueue, HostQueuePair, HostSharedReceiveQueue};
+use super::wqe::QpRules;
+
+/// A ring in guest memory: `depth` slots of `1 << stride_shift` bytes over guest pages.
+#[derive(Clone, Debug)]
+pub struct GuestRing {
+    pub(super) pages: Vec<u64>,
+    pub(super) page_shift: u8,
+    pub(super) stride_shift: u8,
+    pub(super) depth: u32,
+}
+
+impl GuestRing {
+    /// `pages` must cover `depth << stride_shift` bytes; slots never straddle pages because
+    /// strides are powers of two no larger than a page.
+    pub fn new(pages: Vec<u64>, page_shift: u8, stride_shift: u8, depth: u32) -> Self {
+        debug_assert!(stride_shift <= page_shift && depth.is_power_of_two());
+        GuestRing {
+            pages,
+            page_shift,
+            stride_shift,
+            depth,
+        }
+    }
+
+    pub(super) fn slot(&self, index: u32) -> GuestAddress {
+        let offset = u64::from(ring_slot(index, self.depth)) << self.stride_shift;
+        let page = self.pages[(offset >> self.page_shift) as usize];
+        GuestAddress(page + (offset & ((1 << self.page_shift) - 1)))
+    }
+
+    pub(super) fn stride(&self) -> usize {
+        1 << self.stride_shift
+    }
+}
+
+pub(super) struct CqProgress {
+    pub(super) producer: u32,
+    /// Error completions of refused WQEs, written as room allows.
+    pub(super) pending: VecDeque<Cqe>,
+    pub(super) failed: bool,
+}
+
+/// The data-path half of a CQ.
+pub struct CqData {
+    pub handle: u32,
+    pub host: Arc<dyn HostCompletionQueue>,
+    pub(super) ring: GuestRing,
+    pub(super) doorbell: u64,
+    pub(super) progress: Mutex<CqProgress>,
+}
+
+impl CqData {
+    pub fn new(
+        handle: u32,
+        host: Arc<dyn HostCompletionQueue>,
+        ring: GuestRing,
+        doorbell: u64,
+    ) -> Self {
+        CqData {
+            handle,
+            host,
+            ring,
+            doorbell,
+            progress: Mutex::new(CqProgress {
+                producer: 0,
+                pending: VecDeque::new(),
+                failed: false,
+            }),
+        }
+    }
+}
+
+pub(super) struct QpProgress {
+    pub(super) sq_consumer: u32,
+    pub(super) rq_consumer: u32,
+    /// The doorbell record or a ring became unreadable: the QP is in error and left alone.
+    pub(super) failed: bool,
+}
+
+/// The data-path half of a QP.
+pub struct QpData {
+    pub handle: u32,
+    pub qp: Arc<dyn HostQueuePair>,
+    pub notify_queue: u32,
+    pub(super) rules: QpRules,
+    pub(super) sq: GuestRing,
+    /// None for a QP that receives from an SRQ.
+    pub(super) rq: Option<GuestRing>,
+    pub(super) doorbell: u64,
+    pub(super) send_cq: Arc<CqData>,
+    pub(super) recv_cq: Arc<CqData>,
+    pub(super) progress: Mutex<QpProgress>,
+}
+
+impl QpData {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        handle: u32,
+        qp: Arc<dyn HostQueuePair>,
+        notify_queue: u32,
+        rules: QpRules,
+        (sq, rq): (GuestRing, Option<GuestRing>),
+        doorbell: u64,
+        send_cq: Arc<CqData>,
+        recv_cq: Arc<CqData>,
+    ) -> Self {
+        QpData {
+            handle,
+            qp,
+            notify_queue,
+            rules,
+            sq,
+            rq,
+            doorbell,
+            send_cq,
+            recv_cq,
+            progress: Mutex::new(QpProgress {
+                sq_consumer: 0,
+                rq_consumer: 0,
+                failed: false,
+            }),
+        }
+    }
+}
+
+pub(super) struct SrqProgress {
+    pub(super) consumer: u32,
+    pub(super) failed: bool,
+}
+
+/// The data-path half of an SRQ.
+pub struct SrqData {
+    pub handle: u32,
+    pub srq: Arc<dyn HostSharedReceiveQueue>,
+    pub notify_queue: u32,
+    pub(super) rules: QpRules,
+    pub(super) ring: GuestRing,
+    pub(super) doorbell: u64,
+    pub(super) progress: Mutex<SrqProgress>,
+}
+
+impl SrqData {
+    pub fn new(
+        handle: u32,
+        srq: Arc<dyn HostSharedReceiveQueue>,
+        notify_queue: u32,
+        rules: QpRules,
+        ring: GuestRing,
+        doorbell: u64,
+    ) -> Self {
+        let progress = Mutex::new(SrqProgress {
+            consumer: 0,
+            failed: false,
+        });
+        SrqData {
+            handle,
+            srq,
+            notify_queue,
+            rules,
+            ring,
+            doorbell,
+            progress,
+        }
+    }
+}
