@@ -1,0 +1,297 @@
+//! guest-lib's half of the data path (SPEC.md §7-§8): work requests encoded into the rings in
+//! shared memory, producer indexes published, doorbells rung only when the device's poller
+//! sleeps, and completions taken from the CQ ring by their phase bit. No call into the device
+//! on the way.
+
+use super::*;
+
+/// A doorbell record and where in it a queue's producer and consumer indexes live.
+struct Doorbell<'a> {
+    record: &'a SharedBuffer,
+    producer_at: u64,
+    consumer_at: u64,
+}
+
+/// Writes `wrs` into `queue` with `write` (slot offset, request), then publishes the new
+/// producer index and rings the doorbell once (SPEC.md §8.1, §8.5). On error, the requests
+/// before the failing one were posted.
+fn post<W>(
+    queue: &WorkQueue,
+    doorbell: &Doorbell<'_>,
+    device: &DeviceInner,
+    notify_queue: u32,
+    wrs: &[W],
+    write: impl Fn(u64, &W) -> Result<()>,
+) -> Result<()> {
+    let mut producer = queue.producer.lock().unwrap_or_else(|e| e.into_inner());
+    let consumer = doorbell
+        .record
+        .atomic_u32(doorbell.consumer_at)?
+        .load(Ordering::Acquire);
+    let mut result = Ok(());
+    let mut posted = 0;
+    for wr in wrs {
+        if ring_pending(*producer, consumer) >= queue.depth {
+            result = Err(Error::QueueFull { posted });
+            break;
+        }
+        let slot = u64::from(ring_slot(*producer, queue.depth)) * queue.stride;
+        if let Err(e) = write(slot, wr) {
+            result = Err(e);
+            break;
+        }
+        *producer = producer.wrapping_add(1);
+        posted += 1;
+    }
+    if posted > 0 {
+        // Release: the WQEs are visible before the index that publishes them.
+        doorbell
+            .record
+            .atomic_u32(doorbell.producer_at)?
+            .store(*producer, Ordering::Release);
+        device.ring_doorbell(notify_queue)?;
+    }
+    result
+}
+
+/// What a send queue accepts: what [`encode_send`] checks a request against.
+#[derive(Clone, Copy, Debug)]
+pub struct SendShape {
+    pub qp_type: QpType,
+    pub max_send_sge: u32,
+    pub max_inline_data: u32,
+}
+
+/// Encodes `wr` as a send WQE (SPEC.md §7.2) through `write(offset in the slot, bytes)`,
+/// the header last.
+pub fn encode_send(
+    wr: &SendWr<'_>,
+    shape: &SendShape,
+    mut write: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let ud = match (shape.qp_type, wr.ud) {
+        (QpType::Ud, Some(dest)) => UdAddress {
+            ah: dest.ah.handle(),
+            remote_qpn: dest.remote_qpn,
+            remote_qkey: dest.remote_qkey,
+        },
+        (QpType::Ud, None) => {
+            return Err(Error::InvalidArgument(
+                "a UD send needs a destination".into(),
+            ))
+        }
+        (QpType::Rc, _) => UdAddress::default(),
+    };
+    let payload = match wr.payload {
+        Payload::Sges(sges) => {
+            if sges.len() > shape.max_send_sge as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "{} SGEs exceed max_send_sge {}",
+                    sges.len(),
+                    shape.max_send_sge
+                )));
+            }
+            write_sges(sges, SEND_WQE_HEADER, &mut write)?;
+            WqePayload::Sges(sges.len() as u8)
+        }
+        Payload::Inline(data) => {
+            if data.len() > shape.max_inline_data as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "{} inline bytes exceed max_inline_data {}",
+                    data.len(),
+                    shape.max_inline_data
+                )));
+            }
+            write(SEND_WQE_HEADER as u64, data)?;
+            WqePayload::Inline(data.len() as u32)
+        }
+    };
+    let header = SendHeader {
+        wr_id: wr.wr_id,
+        op: wr.op,
+        signaled: wr.signaled,
+        solicited: wr.solicited,
+        fence: wr.fence,
+        payload,
+        ud,
+    };
+    write(0, SendWqe::encode(&header).as_slice())
+}
+
+/// Encodes `wr` as a receive WQE (SPEC.md §7.3) through `write(offset in the slot, bytes)`.
+pub fn encode_recv(
+    wr: &RecvWr<'_>,
+    max_sge: u32,
+    mut write: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    if wr.sges.len() > max_sge as usize {
+        return Err(Error::InvalidArgument(format!(
+            "{} SGEs exceed the queue's {max_sge}",
+            wr.sges.len()
+        )));
+    }
+    write_sges(wr.sges, RECV_WQE_HEADER, &mut write)?;
+    write(
+        0,
+        RecvWqe::encode(wr.wr_id, wr.sges.len() as u32).as_slice(),
+    )
+}
+
+fn write_sges(
+    sges: &[crate::work::Sge],
+    header: usize,
+    write: &mut impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    for (i, sge) in sges.iter().enumerate() {
+        let wire = WireSge::encode(sge.addr, sge.length, sge.lkey);
+        write(sge_offset(header, i) as u64, wire.as_slice())?;
+    }
+    Ok(())
+}
+
+impl CompletionQueue {
+    /// Moves up to `out.len()` new completions into `out`; returns how many. No call into
+    /// the device: the CQEs are read from the ring by their phase bit.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let cq = &self.inner;
+        let mut consumer = cq.consumer.lock().unwrap_or_else(|e| e.into_inner());
+        let mut n = 0;
+        while n < out.len() {
+            let slot = u64::from(ring_slot(*consumer, cq.depth)) * CQE_SIZE as u64;
+            let owner = cq
+                .ring
+                .atomic_u8(slot + CQE_SIZE as u64 - 1)?
+                .load(Ordering::Acquire);
+            if !cqe_is_valid(owner, *consumer, cq.depth) {
+                break;
+            }
+            let mut cqe = Cqe::default();
+            cq.ring.read(slot, cqe.as_mut_slice())?;
+            out[n] = WorkCompletion::from(&cqe);
+            n += 1;
+            *consumer = consumer.wrapping_add(1);
+        }
+        if n > 0 {
+            cq.doorbell
+                .atomic_u32(CqDoorbell::CONSUMER_INDEX)?
+                .store(*consumer, Ordering::Release);
+        }
+        Ok(n)
+    }
+
+    /// Asks for a [`DeviceEvent::CqCompletion`] at the next (solicited) completion. As with
+    /// `ibv_req_notify_cq`, poll once more after arming: completions that arrived before it
+    /// raise no event.
+    pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        let request = ArmRequest {
+            sequence: self
+                .inner
+                .arm_sequence
+                .fetch_add(1, Ordering::Relaxed)
+                .wrapping_add(1),
+            solicited_only,
+        };
+        self.inner
+            .doorbell
+            .atomic_u32(CqDoorbell::ARM)?
+            .store(request.encode(), Ordering::Release);
+        // The caller polls next: the arm must be visible before that read, or a CQE the
+        // device writes meanwhile is seen by neither side (SPEC.md §8.2).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+impl QueuePair {
+    /// What the SQ accepts.
+    pub fn send_shape(&self) -> SendShape {
+        SendShape {
+            qp_type: self.qp_type,
+            max_send_sge: self.max_send_sge,
+            max_inline_data: self.max_inline_data,
+        }
+    }
+
+    /// Writes `wrs` into the SQ and rings the doorbell once. No call into the device unless
+    /// its poller is asleep. On error, the requests before the failing one were posted.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        let doorbell = Doorbell {
+            record: &self.doorbell,
+            producer_at: QpDoorbell::SQ_PRODUCER,
+            consumer_at: QpDoorbell::SQ_CONSUMER,
+        };
+        post(
+            &self.sq,
+            &doorbell,
+            &self.pd.device,
+            self.notify_queue,
+            wrs,
+            |slot, wr| {
+                encode_send(wr, &self.send_shape(), |at, bytes| {
+                    self.sq.ring.write(slot + at, bytes)
+                })
+            },
+        )
+    }
+
+    /// Writes `wrs` into the RQ and rings the doorbell once.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        let rq = self
+            .rq
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("this QP receives through its SRQ".into()))?;
+        let doorbell = Doorbell {
+            record: &self.doorbell,
+            producer_at: QpDoorbell::RQ_PRODUCER,
+            consumer_at: QpDoorbell::RQ_CONSUMER,
+        };
+        post(
+            rq,
+            &doorbell,
+            &self.pd.device,
+            self.notify_queue,
+            wrs,
+            |slot, wr| {
+                encode_recv(wr, self.max_recv_sge, |at, bytes| {
+                    rq.ring.write(slot + at, bytes)
+                })
+            },
+        )
+    }
+
+    /// Receive WQEs posted but not yet taken by the device. Posting is asynchronous: a UD
+    /// sender that must not outrun the receiver waits for this to reach 0.
+    pub fn recv_backlog(&self) -> Result<u32> {
+        let Some(rq) = &self.rq else { return Ok(0) };
+        let producer = *rq.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let consumer = self
+            .doorbell
+            .atomic_u32(QpDoorbell::RQ_CONSUMER)?
+            .load(Ordering::Acquire);
+        Ok(ring_pending(producer, consumer))
+    }
+}
+
+impl SharedReceiveQueue {
+    /// Writes `wrs` into the SRQ and rings the doorbell once.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        let srq = &self.inner;
+        let doorbell = Doorbell {
+            record: &srq.doorbell,
+            producer_at: SrqDoorbell::PRODUCER,
+            consumer_at: SrqDoorbell::CONSUMER,
+        };
+        post(
+            &srq.queue,
+            &doorbell,
+            &srq.pd.device,
+            srq.notify_queue,
+            wrs,
+            |slot, wr| {
+                encode_recv(wr, srq.max_sge, |at, bytes| {
+                    srq.queue.ring.write(slot + at, bytes)
+                })
+            },
+        )
+    }
+}
