@@ -1,6 +1,6 @@
 //! What the device advertises to a guest: the host device's limits capped by per-guest quotas.
 
-use vrdma_spec::codec::{MAX_SEND_INLINE, MAX_SEND_SGE};
+use vrdma_spec::codec::{MAX_DOORBELL_BITS, MAX_SEND_INLINE, MAX_SEND_SGE};
 use vrdma_spec::config::{features, DeviceConfig, MAX_NOTIFY_QUEUES};
 use vrdma_spec::{Le32, Le64, SPEC_VERSION};
 
@@ -45,7 +45,12 @@ pub fn advertised_config(
     DeviceConfig {
         version: Le32::from(SPEC_VERSION),
         num_notify_queues: Le32::from(num_notify_queues.clamp(1, MAX_NOTIFY_QUEUES)),
-        max_qp: Le32::from(host.max_qp.min(quotas.max_qp)),
+        // Every QP and SRQ has a 16-bit doorbell bit (SPEC.md §8.5); SRQs take theirs first.
+        max_qp: Le32::from(
+            host.max_qp.min(quotas.max_qp).min(
+                MAX_DOORBELL_BITS - host.max_srq.min(quotas.max_srq).min(MAX_DOORBELL_BITS / 2),
+            ),
+        ),
         max_qp_wr: Le32::from(host.max_qp_wr),
         max_sge: Le32::from(host.max_sge.min(MAX_SEND_SGE)),
         max_cq: Le32::from(host.max_cq.min(quotas.max_cq)),
@@ -53,7 +58,7 @@ pub fn advertised_config(
         max_mr: Le32::from(host.max_mr.min(quotas.max_mr)),
         max_pd: Le32::from(host.max_pd.min(quotas.max_pd)),
         max_ah: Le32::from(host.max_ah.min(quotas.max_ah)),
-        max_srq: Le32::from(host.max_srq.min(quotas.max_srq)),
+        max_srq: Le32::from(host.max_srq.min(quotas.max_srq).min(MAX_DOORBELL_BITS / 2)),
         max_srq_wr: Le32::from(prev_power_of_two(host.max_srq_wr)),
         max_inline_data: Le32::from(MAX_SEND_INLINE),
         max_qp_rd_atom: Le32::from(host.max_qp_rd_atom),
@@ -204,6 +209,28 @@ mod tests {
         assert_eq!(
             send_slot_bytes(0, config.max_inline_data.to_native()),
             largest
+        );
+    }
+
+    #[test]
+    fn every_qp_and_srq_a_guest_may_hold_has_a_doorbell_bit() {
+        let huge = DeviceAttr {
+            max_qp: 1 << 20,
+            max_srq: 1 << 20,
+            ..rxe_like()
+        };
+        let unlimited = Quotas {
+            max_qp: u32::MAX,
+            max_srq: u32::MAX,
+            ..Quotas::default()
+        };
+        let config = advertised_config(&huge, &unlimited, 1);
+        let (qps, srqs) = (config.max_qp.to_native(), config.max_srq.to_native());
+        assert_eq!(qps + srqs, MAX_DOORBELL_BITS);
+        let config = advertised_config(&huge, &Quotas::default(), 1);
+        assert_eq!(
+            (config.max_qp.to_native(), config.max_srq.to_native()),
+            (16384, 1024)
         );
     }
 

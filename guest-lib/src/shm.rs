@@ -13,7 +13,7 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU8};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex};
 
 use crate::{Error, Result};
@@ -483,6 +483,19 @@ impl SharedBuffer {
         }
         // SAFETY: as in `atomic_u16`.
         Ok(unsafe { AtomicU32::from_ptr(ptr.cast()) })
+    }
+
+    pub fn atomic_u64(&self, offset: u64) -> Result<&AtomicU64> {
+        let ptr = self.ptr(offset, 8)?;
+        if !(ptr as usize).is_multiple_of(8) {
+            return Err(Error::OutOfBounds {
+                offset,
+                len: 8,
+                size: self.len,
+            });
+        }
+        // SAFETY: as in `atomic_u16`.
+        Ok(unsafe { AtomicU64::from_ptr(ptr.cast()) })
     }
 }
 

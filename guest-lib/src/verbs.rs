@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use vrdma_spec::codec::{
-    recv_wqe_shift, ring_pending, ring_slot, send_wqe_shift, sge_offset, ArmRequest, SendHeader,
-    UdAddress, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
+    doorbell_bitmap_bytes, doorbell_word, recv_wqe_shift, ring_pending, ring_slot, send_wqe_shift,
+    sge_offset, ArmRequest, SendHeader, UdAddress, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
 };
 use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::ctrl::{
@@ -39,6 +39,7 @@ use crate::{Error, Result};
 struct DeviceInner {
     transport: Box<dyn Transport>,
     notify_area: SharedBuffer,
+    doorbell_bitmap: SharedBuffer,
     kicks: AtomicU64,
 }
 
@@ -67,9 +68,16 @@ struct Empty;
 unsafe impl ByteValued for Empty {}
 
 impl DeviceInner {
-    /// After a doorbell update: kicks `queue` only if its poller said it is going to sleep
-    /// (SPEC.md §8.5). The fence orders the doorbell store before the flag load.
-    fn ring_doorbell(&self, queue: u32) -> Result<()> {
+    /// After a doorbell update: sets the queue's doorbell `bit`, and kicks `queue` only if
+    /// its poller said it is going to sleep (SPEC.md §8.5). The bit is set with a
+    /// read-modify-write even when it looks set already: a poller may be taking it at that
+    /// moment, before this update's producer index was visible. The fence orders the bit
+    /// before the flag load.
+    fn ring_doorbell(&self, queue: u32, bit: u16) -> Result<()> {
+        let (offset, mask) = doorbell_word(bit);
+        self.doorbell_bitmap
+            .atomic_u64(offset)?
+            .fetch_or(mask, Ordering::Release);
         fence(Ordering::SeqCst);
         let offset = u64::from(queue) * std::mem::size_of::<NotifyState>() as u64;
         let flags = self.notify_area.atomic_u32(offset)?.load(Ordering::SeqCst);
@@ -218,12 +226,19 @@ impl Device {
             queues * std::mem::size_of::<NotifyState>() as u64,
             PAGE_SIZE,
         )?;
+        let config = transport.config();
+        let doorbell_bitmap = transport.alloc(
+            doorbell_bitmap_bytes(config.max_qp.to_native(), config.max_srq.to_native()),
+            PAGE_SIZE,
+        )?;
         let request = SetNotifyAreaRequest {
             addr: Le64::from(notify_area.device_addr()?),
+            doorbell_bitmap: Le64::from(doorbell_bitmap.device_addr()?),
         };
         let inner = DeviceInner {
             transport,
             notify_area,
+            doorbell_bitmap,
             kicks: AtomicU64::new(0),
         };
         inner.command::<_, Empty>(Opcode::SetNotifyArea, &request)?;
@@ -787,6 +802,7 @@ impl<'a> QueuePairBuilder<'a> {
             qp_num: created.qp_num.to_native(),
             qp_type: self.qp_type,
             notify_queue: u32::from(created.notify_queue.to_native()),
+            doorbell_bit: created.doorbell_bit.to_native(),
             max_send_sge: self.max_send_sge,
             max_recv_sge,
             max_inline_data: self.max_inline_data,
@@ -838,6 +854,7 @@ pub struct QueuePair {
     qp_num: u32,
     qp_type: QpType,
     notify_queue: u32,
+    doorbell_bit: u16,
     max_send_sge: u32,
     max_recv_sge: u32,
     max_inline_data: u32,
@@ -1002,6 +1019,7 @@ struct SrqInner {
     pd: Arc<PdInner>,
     handle: u32,
     notify_queue: u32,
+    doorbell_bit: u16,
     max_sge: u32,
     queue: WorkQueue,
     doorbell: SharedBuffer,
@@ -1049,6 +1067,7 @@ impl ProtectionDomain {
                 pd: Arc::clone(&self.inner),
                 handle: created.handle.to_native(),
                 notify_queue: u32::from(created.notify_queue.to_native()),
+                doorbell_bit: created.doorbell_bit.to_native(),
                 max_sge,
                 queue: WorkQueue {
                     ring,

@@ -349,6 +349,27 @@ impl NotifyState {
     pub const KICKS: u64 = offset_of!(NotifyState, kicks) as u64;
 }
 
+/// Bits of the doorbell bitmap (§8.5): one per QP and SRQ the device allows, in whole
+/// 64-bit words.
+pub fn doorbell_bitmap_bits(max_qp: u32, max_srq: u32) -> u32 {
+    (max_qp.saturating_add(max_srq))
+        .div_ceil(64)
+        .saturating_mul(64)
+}
+
+/// Bytes of the doorbell bitmap.
+pub fn doorbell_bitmap_bytes(max_qp: u32, max_srq: u32) -> u64 {
+    u64::from(doorbell_bitmap_bits(max_qp, max_srq)) / 8
+}
+
+/// Where doorbell bit `bit` is: the byte offset of its 64-bit word in the bitmap, and its mask.
+pub fn doorbell_word(bit: u16) -> (u64, u64) {
+    (u64::from(bit / 64) * 8, 1 << (bit % 64))
+}
+
+/// Most bits a doorbell bitmap has: bit numbers are 16 bits wide.
+pub const MAX_DOORBELL_BITS: u32 = 1 << 16;
+
 /// An arm request of a CQ (§8.2): the event fires at the next completion, or the next
 /// solicited one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -516,6 +537,17 @@ mod tests {
         assert_eq!(recv_wqe_shift(1), Some(5));
         assert_eq!(recv_wqe_shift(255), Some(12));
         assert_eq!(recv_wqe_shift(256), None);
+    }
+
+    #[test]
+    fn doorbell_bits_are_whole_words_and_each_bit_has_its_own_mask() {
+        assert_eq!(doorbell_bitmap_bits(16384, 1024), 17408);
+        assert_eq!(doorbell_bitmap_bits(1, 0), 64);
+        assert_eq!(doorbell_bitmap_bytes(100, 28), 16);
+        assert_eq!(doorbell_word(0), (0, 1));
+        assert_eq!(doorbell_word(63), (0, 1 << 63));
+        assert_eq!(doorbell_word(64), (8, 1));
+        assert_eq!(doorbell_word(u16::MAX), (1023 * 8, 1 << 63));
     }
 
     #[test]

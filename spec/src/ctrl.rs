@@ -361,7 +361,8 @@ pub struct CreateQpResponse {
     pub qp_num: Le32,
     /// Index (from 0) of the notification queue that serves this QP's doorbells.
     pub notify_queue: Le16,
-    pub reserved: Le16,
+    /// The QP's bit in the doorbell bitmap (SPEC.md §8.5).
+    pub doorbell_bit: Le16,
     pub max_send_wr: Le32,
     pub max_recv_wr: Le32,
     pub max_send_sge: Le32,
@@ -522,7 +523,8 @@ pub struct CreateSrqResponse {
     pub max_sge: Le32,
     /// Index (from 0) of the notification queue that serves this SRQ's doorbell.
     pub notify_queue: Le16,
-    pub reserved: Le16,
+    /// The SRQ's bit in the doorbell bitmap (SPEC.md §8.5).
+    pub doorbell_bit: Le16,
 }
 
 /// MODIFY_SRQ request (SPEC.md §5.13): only the limit can change (mask bit 1 << 1).
@@ -543,6 +545,9 @@ pub struct SetNotifyAreaRequest {
     /// GPA of `num_notify_queues` [`crate::ring::NotifyState`] records; 64-byte aligned,
     /// inside one 4 KiB page.
     pub addr: Le64,
+    /// GPA of the doorbell bitmap: [`crate::codec::doorbell_bitmap_bytes`] zeroed bytes,
+    /// 64-byte aligned, contiguous in guest-physical memory.
+    pub doorbell_bitmap: Le64,
 }
 
 wire_struct!(
@@ -565,7 +570,7 @@ wire_struct!(
     CreateSrqRequest = 48,
     CreateSrqResponse = 16,
     ModifySrqRequest = 16,
-    SetNotifyAreaRequest = 8,
+    SetNotifyAreaRequest = 16,
 );
 
 #[cfg(test)]

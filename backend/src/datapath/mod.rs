@@ -7,6 +7,7 @@
 //! ring before they are validated. Payload is never copied: SGEs name guest memory registered
 //! at the guest's addresses (inline data is part of the WQE itself).
 
+mod doorbells;
 pub mod host;
 mod poller;
 mod queues;
@@ -16,7 +17,7 @@ pub mod wqe;
 
 pub use queues::{CqData, GuestRing, QpData, SrqData};
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -26,11 +27,13 @@ use std::time::Duration;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_spec::codec::doorbell_word;
 use vrdma_spec::ctrl::PORT_NUM;
 use vrdma_spec::ring::{event_kind, Event};
 use vrdma_spec::{Le16, Le32};
 
 use crate::hostverbs::{self, AddressHandle, AsyncEvent, CompletionChannel, Context};
+use doorbells::DoorbellBits;
 use poller::Poller;
 use wqe::MrRange;
 
@@ -47,11 +50,58 @@ pub trait EventSink: Send + Sync {
     fn deliver(&self, event: &Event) -> bool;
 }
 
+/// A queue the guest rings through the doorbell bitmap.
+#[derive(Clone)]
+enum Rung {
+    Qp(Arc<QpData>),
+    Srq(Arc<SrqData>),
+}
+
+impl Rung {
+    fn handle(&self) -> u32 {
+        match self {
+            Rung::Qp(qp) => qp.handle,
+            Rung::Srq(srq) => srq.handle,
+        }
+    }
+}
+
 #[derive(Default)]
 struct ShardObjects {
-    qps: Vec<Arc<QpData>>,
-    srqs: Vec<Arc<SrqData>>,
+    /// QPs and SRQs by doorbell bit.
+    queues: HashMap<u16, Rung>,
+    /// The bitmap words (byte offsets) holding their bits, with how many each: a pass reads
+    /// only these.
+    words: BTreeMap<u64, u32>,
     cqs: Vec<Arc<CqData>>,
+}
+
+impl ShardObjects {
+    fn insert(&mut self, bit: u16, rung: Rung) {
+        self.queues.insert(bit, rung);
+        *self.words.entry(doorbell_word(bit).0).or_default() += 1;
+    }
+
+    fn remove(&mut self, bit: u16) {
+        if self.queues.remove(&bit).is_some() {
+            let word = doorbell_word(bit).0;
+            if let Some(count) = self.words.get_mut(&word) {
+                *count -= 1;
+                if *count == 0 {
+                    self.words.remove(&word);
+                }
+            }
+        }
+    }
+}
+
+/// Where the guest's notification state is (SPEC.md §8.5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NotifyArea {
+    /// GPA of the `NotifyState` records.
+    pub states: u64,
+    /// GPA of the doorbell bitmap.
+    pub doorbell_bitmap: u64,
 }
 
 struct Shard {
@@ -76,7 +126,9 @@ struct Shared {
     ahs: RwLock<HashMap<u32, (u32, Arc<AddressHandle>)>>,
     shards: Vec<Shard>,
     num_notify_queues: u32,
-    notify_area: Mutex<Option<u64>>,
+    notify_area: Mutex<Option<NotifyArea>>,
+    /// Bits of the doorbell bitmap.
+    doorbell_bits: u32,
     sink: Mutex<Option<Arc<dyn EventSink>>>,
     pending_events: Mutex<VecDeque<Event>>,
     kicks: Vec<AtomicU64>,
@@ -90,17 +142,20 @@ struct Shared {
 /// the host context's asynchronous events.
 pub struct DataPath {
     shared: Arc<Shared>,
+    /// Which doorbell bits are in use (the control path's).
+    bits: Mutex<DoorbellBits>,
     threads: Vec<JoinHandle<()>>,
     stop_host_events: EventFd,
 }
 
 impl DataPath {
-    /// Starts `pollers` threads (at least one) serving `num_notify_queues` notification queues,
-    /// and one that forwards `context`'s asynchronous events about its objects and `host_port`.
+    /// Starts `pollers` threads (at least one) serving `num_notify_queues` notification queues
+    /// and a doorbell bitmap of `doorbell_bits`, and one that forwards `context`'s asynchronous
+    /// events about its objects and `host_port`.
     pub fn new(
         context: &Arc<Context>,
         pollers: usize,
-        num_notify_queues: u32,
+        (num_notify_queues, doorbell_bits): (u32, u32),
         idle_spin: Duration,
         host_port: u8,
     ) -> hostverbs::Result<DataPath> {
@@ -117,10 +172,17 @@ impl DataPath {
                 })
             })
             .collect::<hostverbs::Result<Vec<_>>>()?;
-        let shared = Arc::new(Shared::new(shards, num_notify_queues, idle_spin));
+        let bits = DoorbellBits::new(doorbell_bits, shards.len());
+        let shared = Arc::new(Shared::new(
+            shards,
+            num_notify_queues,
+            doorbell_bits,
+            idle_spin,
+        ));
         // Threads start one by one; if one cannot, dropping `data_path` stops the others.
         let mut data_path = DataPath {
             shared,
+            bits: Mutex::new(bits),
             threads: Vec::new(),
             stop_host_events: EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
         };
@@ -181,7 +243,7 @@ impl DataPath {
     }
 
     /// The notify area the guest set (SPEC.md §8.5), if any since the last reset.
-    pub fn notify_area(&self) -> Option<u64> {
+    pub fn notify_area(&self) -> Option<NotifyArea> {
         *self
             .shared
             .notify_area
@@ -189,12 +251,12 @@ impl DataPath {
             .unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn set_notify_area(&self, gpa: Option<u64>) {
+    pub fn set_notify_area(&self, area: Option<NotifyArea>) {
         *self
             .shared
             .notify_area
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = gpa;
+            .unwrap_or_else(|e| e.into_inner()) = area;
     }
 
     /// A kick on notification queue `queue`: wake its poller.
@@ -231,47 +293,56 @@ impl DataPath {
             .retain(|c| c.handle != handle);
     }
 
-    pub fn add_qp(&self, qp: Arc<QpData>) {
-        let shard = self.shard_of_queue(qp.notify_queue);
-        shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .qps
-            .push(qp);
-        let _ = shard.wake.write(1);
+    /// Serves the QP whenever its doorbell bit is rung; the bit, or `None` when its poller
+    /// has none left.
+    pub fn add_qp(&self, qp: Arc<QpData>) -> Option<u16> {
+        self.add_rung(qp.notify_queue, Rung::Qp(qp))
     }
 
-    /// Takes the QP out of its poller; returns once no pass uses it any more.
+    /// Takes the QP out of its poller and frees its doorbell bit.
     pub fn remove_qp(&self, handle: u32) {
-        let shard = self.shard_of_queue(self.notify_queue_for(handle));
-        shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .qps
-            .retain(|q| q.handle != handle);
+        self.remove_rung(handle);
     }
 
-    pub fn add_srq(&self, srq: Arc<SrqData>) {
-        let shard = self.shard_of_queue(srq.notify_queue);
-        shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .srqs
-            .push(srq);
-        let _ = shard.wake.write(1);
+    /// As [`DataPath::add_qp`], for an SRQ.
+    pub fn add_srq(&self, srq: Arc<SrqData>) -> Option<u16> {
+        self.add_rung(srq.notify_queue, Rung::Srq(srq))
     }
 
     pub fn remove_srq(&self, handle: u32) {
-        let shard = self.shard_of_queue(self.notify_queue_for(handle));
+        self.remove_rung(handle);
+    }
+
+    fn add_rung(&self, notify_queue: u32, rung: Rung) -> Option<u16> {
+        let shard_index = notify_queue as usize % self.shared.shards.len();
+        let bit = self
+            .bits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .alloc(shard_index)?;
+        let shard = &self.shared.shards[shard_index];
         shard
             .objects
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .srqs
-            .retain(|q| q.handle != handle);
+            .insert(bit, rung);
+        Some(bit)
+    }
+
+    fn remove_rung(&self, handle: u32) {
+        let shard = self.shard_of_queue(self.notify_queue_for(handle));
+        let mut objects = shard.objects.lock().unwrap_or_else(|e| e.into_inner());
+        let bit = objects
+            .queues
+            .iter()
+            .find_map(|(&bit, rung)| (rung.handle() == handle).then_some(bit));
+        if let Some(bit) = bit {
+            objects.remove(bit);
+            self.bits
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .free(bit);
+        }
     }
 
     pub fn add_mr(&self, lkey: u32, range: MrRange) {
@@ -311,6 +382,8 @@ impl DataPath {
         for shard in &self.shared.shards {
             *shard.objects.lock().unwrap_or_else(|e| e.into_inner()) = ShardObjects::default();
         }
+        *self.bits.lock().unwrap_or_else(|e| e.into_inner()) =
+            DoorbellBits::new(self.shared.doorbell_bits, self.shared.shards.len());
         self.shared
             .mrs
             .write()
@@ -357,8 +430,14 @@ impl Drop for DataPath {
 }
 
 impl Shared {
-    fn new(shards: Vec<Shard>, num_notify_queues: u32, idle_spin: Duration) -> Shared {
+    fn new(
+        shards: Vec<Shard>,
+        num_notify_queues: u32,
+        doorbell_bits: u32,
+        idle_spin: Duration,
+    ) -> Shared {
         Shared {
+            doorbell_bits,
             mem: RwLock::new(None),
             mrs: RwLock::default(),
             ahs: RwLock::default(),
@@ -411,10 +490,10 @@ impl Shared {
             AsyncEvent::QpFailed(qp_num) => found(
                 event_kind::QP_FATAL,
                 self.find_handle(|o| {
-                    o.qps
-                        .iter()
-                        .find(|q| q.qp.qp_num() == qp_num)
-                        .map(|q| q.handle)
+                    o.queues.values().find_map(|rung| match rung {
+                        Rung::Qp(qp) if qp.qp.qp_num() == qp_num => Some(qp.handle),
+                        _ => None,
+                    })
                 }),
             ),
             AsyncEvent::CqError(id) => found(
@@ -423,7 +502,12 @@ impl Shared {
             ),
             AsyncEvent::SrqLimitReached(id) => found(
                 event_kind::SRQ_LIMIT_REACHED,
-                self.find_handle(|o| o.srqs.iter().find(|s| s.srq.id() == id).map(|s| s.handle)),
+                self.find_handle(|o| {
+                    o.queues.values().find_map(|rung| match rung {
+                        Rung::Srq(srq) if srq.srq.id() == id => Some(srq.handle),
+                        _ => None,
+                    })
+                }),
             ),
             AsyncEvent::PortActive(port) if port == host_port => {
                 Some((event_kind::PORT_ACTIVE, u32::from(PORT_NUM)))

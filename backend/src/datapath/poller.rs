@@ -1,11 +1,11 @@
 //! A poller thread: it visits the rings of its shard, moves WQEs to the host in batches and
 //! completions back, and sleeps on kicks and host completion events when idle (SPEC.md §8.5).
 
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryBackend, VolatileMemory};
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vrdma_spec::codec::{ring_pending, ArmRequest};
 use vrdma_spec::ring::{
@@ -16,8 +16,31 @@ use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use super::queues::{CqData, CqProgress, GuestRing, QpData, SrqData};
 use super::wqe::{self, QpRules, SendRequest, WqeError};
-use super::{Memory, Shard, Shared, BATCH, SLEEP_LIMIT_MS};
+use super::{Memory, Rung, Shard, ShardObjects, Shared, BATCH, SLEEP_LIMIT_MS};
 use crate::hostverbs::{self, AddressHandle, Payload, RecvWr, SendWr, Sge, UdDest, WorkCompletion};
+
+/// What visiting a queue did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Visit {
+    /// Something moved (posted, refused, failed).
+    worked: bool,
+    /// WQEs are left in the ring (a full batch, or a host queue that took no more).
+    more: bool,
+}
+
+impl Visit {
+    const WORKED: Visit = Visit {
+        worked: true,
+        more: false,
+    };
+
+    fn and(self, other: Visit) -> Visit {
+        Visit {
+            worked: self.worked || other.worked,
+            more: self.more || other.more,
+        }
+    }
+}
 
 /// One poller thread's state: its shard and reusable scratch space (no allocation per WQE).
 pub(super) struct Poller {
@@ -30,6 +53,10 @@ pub(super) struct Poller {
     recv: Vec<(u64, usize)>,
     wcs: Vec<WorkCompletion>,
     ahs: Vec<Arc<AddressHandle>>,
+    /// Doorbell bits of the queues this pass visits.
+    visits: Vec<u16>,
+    /// Doorbell bits of the queues the last pass left WQEs in.
+    carried: Vec<u16>,
 }
 
 fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
@@ -54,6 +81,8 @@ impl Poller {
             recv: Vec::with_capacity(BATCH as usize),
             wcs: (0..BATCH).map(|_| WorkCompletion::default()).collect(),
             ahs: Vec::with_capacity(BATCH as usize),
+            visits: Vec::new(),
+            carried: Vec::new(),
         }
     }
 
@@ -129,7 +158,7 @@ impl Poller {
         };
         let Some(mem) = self.memory() else { return };
         for queue in self.queues() {
-            let state = area + u64::from(queue) * std::mem::size_of::<NotifyState>() as u64;
+            let state = area.states + u64::from(queue) * std::mem::size_of::<NotifyState>() as u64;
             let flags = if sleeping { NOTIFY_NEED_WAKEUP } else { 0 };
             let kicks = self.shared.kicks[queue as usize].load(Ordering::Relaxed) as u32;
             // A guest that unmapped its notify area only loses its wake-ups.
@@ -146,7 +175,7 @@ impl Poller {
         }
     }
 
-    /// One look at every ring of the shard; true if anything moved.
+    /// One look at the rung rings of the shard and at its CQs; true if anything moved.
     pub(super) fn pass(&mut self) -> bool {
         let Some(mem) = self.memory() else {
             return false;
@@ -157,17 +186,63 @@ impl Poller {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let mut work = self.deliver_pending_events();
-        for qp in &objects.qps {
-            work |= self.process_sq(&mem, qp);
-            work |= self.process_rq(&mem, qp);
+        self.take_rung_bits(&mem, &objects);
+        let mut visits = std::mem::take(&mut self.visits);
+        for &bit in &visits {
+            let visit = match objects.queues.get(&bit) {
+                Some(Rung::Qp(qp)) => self.process_sq(&mem, qp).and(self.process_rq(&mem, qp)),
+                Some(Rung::Srq(srq)) => self.process_srq(&mem, srq),
+                None => Visit::default(), // destroyed since it was rung
+            };
+            work |= visit.worked;
+            if visit.more {
+                self.carried.push(bit);
+            }
         }
-        for srq in &objects.srqs {
-            work |= self.process_srq(&mem, srq);
-        }
+        visits.clear();
+        self.visits = visits;
         for cq in &objects.cqs {
             work |= self.process_cq(&mem, cq);
         }
         work
+    }
+
+    /// The queues to visit this pass: those whose doorbell bits the guest set since the last
+    /// pass (taken with one swap per word, SPEC.md §8.5), and those the last pass left work
+    /// in.
+    fn take_rung_bits(&mut self, mem: &Memory, objects: &ShardObjects) {
+        self.visits.append(&mut self.carried);
+        let area = *self
+            .shared
+            .notify_area
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some(area) = area else { return };
+        let bitmap_len = u64::from(self.shared.doorbell_bits / 8);
+        // Checked contiguous at SET_NOTIFY_AREA; a memory table changed since costs the
+        // guest its doorbells, never the backend its safety.
+        let Ok(bitmap) = mem.get_slice(GuestAddress(area.doorbell_bitmap), bitmap_len as usize)
+        else {
+            return;
+        };
+        for &offset in objects.words.keys() {
+            let Ok(word) = bitmap.get_atomic_ref::<AtomicU64>(offset as usize) else {
+                return;
+            };
+            if word.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut rung = word.swap(0, Ordering::Acquire);
+            while rung != 0 {
+                let bit = rung.trailing_zeros();
+                rung &= rung - 1;
+                self.visits.push((offset * 8) as u16 + bit as u16);
+            }
+        }
+        if self.visits.len() > 1 {
+            self.visits.sort_unstable();
+            self.visits.dedup();
+        }
     }
 
     /// Moves the QP to the error state after a WQE it cannot execute: the host then flushes
@@ -191,10 +266,10 @@ impl Poller {
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
-    fn process_sq(&mut self, mem: &Memory, qp: &QpData) -> bool {
+    fn process_sq(&mut self, mem: &Memory, qp: &QpData) -> Visit {
         let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
         if progress.failed {
-            return false;
+            return Visit::default();
         }
         let Ok(producer) = mem.load::<u32>(
             GuestAddress(qp.doorbell + QpDoorbell::SQ_PRODUCER),
@@ -202,11 +277,11 @@ impl Poller {
         ) else {
             progress.failed = true;
             self.fail_qp(mem, qp, &qp.send_cq, None, "doorbell record unreadable");
-            return true;
+            return Visit::WORKED;
         };
         let pending = ring_pending(producer, progress.sq_consumer);
         if pending == 0 {
-            return false;
+            return Visit::default();
         }
         if pending > qp.sq.depth {
             progress.failed = true;
@@ -220,7 +295,7 @@ impl Poller {
                     qp.sq.depth
                 ),
             );
-            return true;
+            return Visit::WORKED;
         }
         self.sges.clear();
         self.requests.clear();
@@ -241,7 +316,7 @@ impl Poller {
                 {
                     progress.failed = true;
                     self.fail_qp(mem, qp, &qp.send_cq, None, "SQ ring unreadable");
-                    return true;
+                    return Visit::WORKED;
                 }
                 let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
                 match wqe::parse_send(slot, &qp.rules, &lookup, &mut self.sges) {
@@ -289,7 +364,10 @@ impl Poller {
             Ordering::Release,
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
-        posted > 0 || was_refused
+        Visit {
+            worked: posted > 0 || was_refused,
+            more: ring_pending(producer, progress.sq_consumer) > 0,
+        }
     }
 
     /// Posts the batch in `requests`; returns how many the host took (it refuses the rest when
@@ -407,21 +485,23 @@ impl Poller {
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
-    fn process_rq(&mut self, mem: &Memory, qp: &QpData) -> bool {
-        let Some(rq) = &qp.rq else { return false };
+    fn process_rq(&mut self, mem: &Memory, qp: &QpData) -> Visit {
+        let Some(rq) = &qp.rq else {
+            return Visit::default();
+        };
         let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
         if progress.failed {
-            return false;
+            return Visit::default();
         }
         let Ok(producer) = mem.load::<u32>(
             GuestAddress(qp.doorbell + QpDoorbell::RQ_PRODUCER),
             Ordering::Acquire,
         ) else {
-            return false;
+            return Visit::default();
         };
         let pending = ring_pending(producer, progress.rq_consumer);
         if pending == 0 {
-            return false;
+            return Visit::default();
         }
         if pending > rq.depth {
             progress.failed = true;
@@ -430,7 +510,7 @@ impl Poller {
                 rq.depth
             );
             self.fail_qp(mem, qp, &qp.recv_cq, None, &reason);
-            return true;
+            return Visit::WORKED;
         }
         let refused = self.read_receives(mem, rq, &qp.rules, progress.rq_consumer, pending);
         let posted = self.post_receives(|wrs| qp.qp.post_recv(wrs));
@@ -447,29 +527,32 @@ impl Poller {
             Ordering::Release,
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
-        posted > 0 || refused_any
+        Visit {
+            worked: posted > 0 || refused_any,
+            more: ring_pending(producer, progress.rq_consumer) > 0,
+        }
     }
 
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
-    fn process_srq(&mut self, mem: &Memory, srq: &SrqData) -> bool {
+    fn process_srq(&mut self, mem: &Memory, srq: &SrqData) -> Visit {
         let mut progress = srq.progress.lock().unwrap_or_else(|e| e.into_inner());
         if progress.failed {
-            return false;
+            return Visit::default();
         }
         let Ok(producer) = mem.load::<u32>(
             GuestAddress(srq.doorbell + SrqDoorbell::PRODUCER),
             Ordering::Acquire,
         ) else {
-            return false;
+            return Visit::default();
         };
         let pending = ring_pending(producer, progress.consumer);
         if pending == 0 {
-            return false;
+            return Visit::default();
         }
-        // With the host SRQ full nothing moves, and the poller may sleep: receives completing
-        // there wake it through their CQ.
+        // With the host SRQ full nothing moves: the SRQ is visited again (and the poller may
+        // sleep meanwhile; receives completing there wake it through their CQ).
         let mut moved = false;
         let refused = if pending > srq.ring.depth {
             Some(format!(
@@ -496,9 +579,12 @@ impl Poller {
                 srq.handle
             );
             progress.failed = true;
-            moved = true;
+            return Visit::WORKED;
         }
-        moved
+        Visit {
+            worked: moved,
+            more: ring_pending(producer, progress.consumer) > 0,
+        }
     }
 
     /// Free CQE slots, from the guest's published consumer index; `None` if the CQ is broken.

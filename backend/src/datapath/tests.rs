@@ -9,7 +9,8 @@ use std::time::Duration;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_spec::codec::{
-    ring_slot, sge_offset, ArmRequest, SendHeader, SendOp, UdAddress, WqePayload, SEND_WQE_HEADER,
+    doorbell_word, ring_slot, sge_offset, ArmRequest, SendHeader, SendOp, UdAddress, WqePayload,
+    SEND_WQE_HEADER,
 };
 use vrdma_spec::ring::{
     event_kind, wc_status, CqDoorbell, Cqe, Event, NotifyState, QpDoorbell, SendWqe,
@@ -32,6 +33,9 @@ const CQ_RING: u64 = 0x30000;
 const QP_DOORBELL: u64 = 0x40000;
 const CQ_DOORBELL: u64 = 0x40100;
 const NOTIFY_AREA: u64 = 0x41000;
+const DOORBELL_BITMAP: u64 = 0x42000;
+const DOORBELL_BITS: u32 = 1024;
+const QP_BIT: u16 = 0;
 const MR_START: u64 = 0x80000;
 const LKEY: u32 = 0x100;
 const PD: u32 = 1;
@@ -127,6 +131,7 @@ impl EventSink for FakeEventQueue {
 /// One QP and its CQ in 1 MiB of guest memory, served by one poller driven by hand.
 struct Rig {
     mem: GuestMemoryMmap,
+    shared: Arc<Shared>,
     poller: Poller,
     qp: Arc<FakeQp>,
     cq: Arc<FakeCq>,
@@ -145,9 +150,12 @@ impl Rig {
             wake: EventFd::new(EFD_NONBLOCK).unwrap(),
             channel: None,
         };
-        let shared = Arc::new(Shared::new(vec![shard], 1, Duration::ZERO));
+        let shared = Arc::new(Shared::new(vec![shard], 1, DOORBELL_BITS, Duration::ZERO));
         *shared.mem.write().unwrap() = Some(GuestMemoryAtomic::new(mem.clone()));
-        *shared.notify_area.lock().unwrap() = Some(NOTIFY_AREA);
+        *shared.notify_area.lock().unwrap() = Some(NotifyArea {
+            states: NOTIFY_AREA,
+            doorbell_bitmap: DOORBELL_BITMAP,
+        });
         let events = Arc::new(FakeEventQueue::default());
         *shared.sink.lock().unwrap() = Some(Arc::clone(&events) as _);
         shared.mrs.write().unwrap().insert(
@@ -207,11 +215,12 @@ impl Rig {
         ));
         {
             let mut objects = shared.shards[0].objects.lock().unwrap();
-            objects.qps.push(Arc::clone(&qp_data));
+            objects.insert(QP_BIT, Rung::Qp(Arc::clone(&qp_data)));
             objects.cqs.push(cq_data);
         }
         Rig {
             mem,
+            shared: Arc::clone(&shared),
             poller: Poller::new(shared, 0),
             qp,
             cq,
@@ -250,9 +259,17 @@ impl Rig {
         self.producer = self.producer.wrapping_add(1);
     }
 
-    /// Publishes the SQ producer index.
+    /// Publishes the SQ producer index and sets the QP's doorbell bit, as a driver does.
     fn ring_sq(&self) {
         self.store(QP_DOORBELL + QpDoorbell::SQ_PRODUCER, self.producer);
+        self.set_doorbell_bit(QP_BIT);
+    }
+
+    fn set_doorbell_bit(&self, bit: u16) {
+        let (offset, mask) = doorbell_word(bit);
+        let at = GuestAddress(DOORBELL_BITMAP + offset);
+        let word: u64 = self.mem.read_obj(at).unwrap();
+        self.mem.write_obj(word | mask, at).unwrap();
     }
 
     fn store(&self, gpa: u64, value: u32) {
@@ -429,8 +446,74 @@ fn receives_reach_the_host_queue_pair() {
             .unwrap();
     }
     rig.store(QP_DOORBELL + QpDoorbell::RQ_PRODUCER, 3);
+    rig.set_doorbell_bit(QP_BIT);
     assert!(rig.poller.pass());
     assert_eq!(*rig.qp.receives.lock().unwrap(), vec![100, 101, 102]);
     assert_eq!(rig.load(QP_DOORBELL + QpDoorbell::RQ_CONSUMER), 3);
+    assert!(!rig.poller.pass());
+}
+
+#[test]
+fn a_pass_visits_only_the_queues_whose_doorbell_bits_are_set() {
+    let mut rig = Rig::new(64);
+    // 500 QPs whose doorbell records are outside guest memory: any visit would fail them.
+    let idle = Arc::new(FakeQp {
+        sends: Mutex::default(),
+        receives: Mutex::default(),
+        room: AtomicUsize::new(usize::MAX),
+        failed: AtomicBool::new(false),
+    });
+    let objects = rig.qp_data.clone();
+    for bit in 1..=500u16 {
+        let qp = QpData::new(
+            0x1000 + u32::from(bit),
+            Arc::clone(&idle) as _,
+            0,
+            objects.rules,
+            (objects.sq.clone(), None),
+            0xf000_0000,
+            Arc::clone(&objects.send_cq),
+            Arc::clone(&objects.recv_cq),
+        );
+        rig.shared.shards[0]
+            .objects
+            .lock()
+            .unwrap()
+            .insert(bit, Rung::Qp(Arc::new(qp)));
+    }
+    rig.write_send(7, LKEY);
+    rig.ring_sq();
+    assert!(rig.poller.pass());
+    assert_eq!(rig.sent(), vec![7]);
+    assert!(
+        !idle.failed.load(Ordering::Relaxed),
+        "no idle QP was visited"
+    );
+    assert!(!rig.poller.pass(), "the bit was taken: nothing to visit");
+    // Ringing one of them makes the next pass visit it, and only it.
+    rig.set_doorbell_bit(321);
+    assert!(rig.poller.pass());
+    assert!(
+        idle.failed.load(Ordering::Relaxed),
+        "the rung QP was visited"
+    );
+    assert_eq!(
+        rig.events(),
+        vec![(event_kind::QP_FATAL, 0x1000 + 321)],
+        "and no other"
+    );
+}
+
+#[test]
+fn a_queue_with_wqes_left_is_visited_again_without_a_new_doorbell() {
+    let mut rig = Rig::new(64);
+    for wr_id in 0..20 {
+        rig.write_send(wr_id, LKEY);
+    }
+    rig.ring_sq();
+    assert!(rig.poller.pass());
+    assert_eq!(rig.sent().len(), 16);
+    assert!(rig.poller.pass(), "the rest of the ring, with no bit set");
+    assert_eq!(rig.sent().len(), 20);
     assert!(!rig.poller.pass());
 }

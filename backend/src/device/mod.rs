@@ -8,6 +8,7 @@ mod validate;
 use std::sync::Arc;
 
 use vm_memory::GuestMemoryBackend;
+use vrdma_spec::codec::{doorbell_bitmap_bits, doorbell_bitmap_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     gid_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
@@ -20,7 +21,7 @@ use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SIZ
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::datapath::wqe::{MrRange, QpRules};
-use crate::datapath::{CqData, DataPath, GuestRing, QpData, SrqData};
+use crate::datapath::{CqData, DataPath, GuestRing, NotifyArea, QpData, SrqData};
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpCaps, QpInit, QpType};
 use crate::mtt::{self, pages_needed, GuestPagesMapping, PageListRules};
 use crate::{limits, Config, HostDevice};
@@ -89,6 +90,13 @@ fn reply<T: ByteValued>(value: T) -> CommandResult {
     Ok(value.as_slice().to_vec())
 }
 
+fn no_doorbell_bit() -> CommandError {
+    CommandError::new(
+        Status::NoResources,
+        "no doorbell bit is left for the notification queue",
+    )
+}
+
 /// A wire struct from request bytes whose length `execute` has already checked.
 fn parse<T: ByteValued + Default>(payload: &[u8]) -> T {
     vrdma_spec::read_wire(payload).expect("the request length was checked")
@@ -102,10 +110,14 @@ impl Device {
         let port = host.context.query_port(host.port)?;
         let advertised =
             limits::advertised_config(&host_attr, &config.quotas, config.notify_queues);
+        let doorbell_bits = doorbell_bitmap_bits(
+            advertised.max_qp.to_native(),
+            advertised.max_srq.to_native(),
+        );
         let data_path = DataPath::new(
             &host.context,
             config.pollers,
-            advertised.num_notify_queues.to_native(),
+            (advertised.num_notify_queues.to_native(), doorbell_bits),
             config.poll_idle,
             host.port,
         )?;
@@ -567,13 +579,13 @@ impl Device {
             recv_cq: recv_cq_handle,
             srq: srq_handle,
         };
+        let doorbell_bit = self.data_path.add_qp(data).ok_or_else(no_doorbell_bit)?;
         self.objects.insert_qp(handle, entry);
-        self.data_path.add_qp(data);
         reply(CreateQpResponse {
             handle: Le32::from(handle),
             qp_num: Le32::from(qp_num),
             notify_queue: Le16::from(notify_queue as u16),
-            reserved: Le16::from(0),
+            doorbell_bit: Le16::from(doorbell_bit),
             max_send_wr: Le32::from(caps.max_send_wr),
             max_recv_wr: Le32::from(caps.max_recv_wr),
             max_send_sge: Le32::from(caps.max_send_sge),
@@ -627,14 +639,14 @@ impl Device {
             pd: pd_handle,
             users: 0,
         };
+        let doorbell_bit = self.data_path.add_srq(data).ok_or_else(no_doorbell_bit)?;
         self.objects.insert_srq(handle, entry);
-        self.data_path.add_srq(data);
         reply(CreateSrqResponse {
             handle: Le32::from(handle),
             max_wr: Le32::from(max_wr),
             max_sge: Le32::from(max_sge),
             notify_queue: Le16::from(notify_queue as u16),
-            reserved: Le16::from(0),
+            doorbell_bit: Le16::from(doorbell_bit),
         })
     }
 
@@ -742,7 +754,27 @@ impl Device {
         }
         validate::guest_record::<M, NotifyState>(mem, addr, 64)?;
         validate::guest_range(mem, addr, len)?;
-        self.data_path.set_notify_area(Some(addr));
+        let bitmap = req.doorbell_bitmap.to_native();
+        let bitmap_len = doorbell_bitmap_bytes(
+            self.config.max_qp.to_native(),
+            self.config.max_srq.to_native(),
+        );
+        validate::guest_record::<M, u64>(mem, bitmap, 64)?;
+        validate::guest_range(mem, bitmap, bitmap_len)?;
+        // Pollers take rung bits with atomic swaps on the backend's mapping of the bitmap.
+        if mem
+            .get_slice(vm_memory::GuestAddress(bitmap), bitmap_len as usize)
+            .is_err()
+        {
+            return Err(CommandError::new(
+                Status::BadAddress,
+                "the doorbell bitmap must be contiguous in guest-physical memory",
+            ));
+        }
+        self.data_path.set_notify_area(Some(NotifyArea {
+            states: addr,
+            doorbell_bitmap: bitmap,
+        }));
         Ok(Vec::new())
     }
 }

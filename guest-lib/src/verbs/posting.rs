@@ -5,11 +5,14 @@
 
 use super::*;
 
-/// A doorbell record and where in it a queue's producer and consumer indexes live.
+/// A doorbell record and where in it a queue's producer and consumer indexes live; the
+/// notification queue and doorbell bit that tell the device about it.
 struct Doorbell<'a> {
     record: &'a SharedBuffer,
     producer_at: u64,
     consumer_at: u64,
+    notify_queue: u32,
+    bit: u16,
 }
 
 /// Writes `wrs` into `queue` with `write` (slot offset, request), then publishes the new
@@ -19,7 +22,6 @@ fn post<W>(
     queue: &WorkQueue,
     doorbell: &Doorbell<'_>,
     device: &DeviceInner,
-    notify_queue: u32,
     wrs: &[W],
     write: impl Fn(u64, &W) -> Result<()>,
 ) -> Result<()> {
@@ -49,7 +51,7 @@ fn post<W>(
             .record
             .atomic_u32(doorbell.producer_at)?
             .store(*producer, Ordering::Release);
-        device.ring_doorbell(notify_queue)?;
+        device.ring_doorbell(doorbell.notify_queue, doorbell.bit)?;
     }
     result
 }
@@ -219,19 +221,14 @@ impl QueuePair {
             record: &self.doorbell,
             producer_at: QpDoorbell::SQ_PRODUCER,
             consumer_at: QpDoorbell::SQ_CONSUMER,
+            notify_queue: self.notify_queue,
+            bit: self.doorbell_bit,
         };
-        post(
-            &self.sq,
-            &doorbell,
-            &self.pd.device,
-            self.notify_queue,
-            wrs,
-            |slot, wr| {
-                encode_send(wr, &self.send_shape(), |at, bytes| {
-                    self.sq.ring.write(slot + at, bytes)
-                })
-            },
-        )
+        post(&self.sq, &doorbell, &self.pd.device, wrs, |slot, wr| {
+            encode_send(wr, &self.send_shape(), |at, bytes| {
+                self.sq.ring.write(slot + at, bytes)
+            })
+        })
     }
 
     /// Writes `wrs` into the RQ and rings the doorbell once.
@@ -244,19 +241,14 @@ impl QueuePair {
             record: &self.doorbell,
             producer_at: QpDoorbell::RQ_PRODUCER,
             consumer_at: QpDoorbell::RQ_CONSUMER,
+            notify_queue: self.notify_queue,
+            bit: self.doorbell_bit,
         };
-        post(
-            rq,
-            &doorbell,
-            &self.pd.device,
-            self.notify_queue,
-            wrs,
-            |slot, wr| {
-                encode_recv(wr, self.max_recv_sge, |at, bytes| {
-                    rq.ring.write(slot + at, bytes)
-                })
-            },
-        )
+        post(rq, &doorbell, &self.pd.device, wrs, |slot, wr| {
+            encode_recv(wr, self.max_recv_sge, |at, bytes| {
+                rq.ring.write(slot + at, bytes)
+            })
+        })
     }
 
     /// Receive WQEs posted but not yet taken by the device. Posting is asynchronous: a UD
@@ -280,18 +272,13 @@ impl SharedReceiveQueue {
             record: &srq.doorbell,
             producer_at: SrqDoorbell::PRODUCER,
             consumer_at: SrqDoorbell::CONSUMER,
+            notify_queue: srq.notify_queue,
+            bit: srq.doorbell_bit,
         };
-        post(
-            &srq.queue,
-            &doorbell,
-            &srq.pd.device,
-            srq.notify_queue,
-            wrs,
-            |slot, wr| {
-                encode_recv(wr, srq.max_sge, |at, bytes| {
-                    srq.queue.ring.write(slot + at, bytes)
-                })
-            },
-        )
+        post(&srq.queue, &doorbell, &srq.pd.device, wrs, |slot, wr| {
+            encode_recv(wr, srq.max_sge, |at, bytes| {
+                srq.queue.ring.write(slot + at, bytes)
+            })
+        })
     }
 }
