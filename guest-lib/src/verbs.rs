@@ -27,7 +27,7 @@ use vrdma_spec::ring::{
     cqe_is_valid, event_kind, CqDoorbell, Cqe, NotifyState, QpDoorbell, RecvWqe, SendWqe,
     Sge as WireSge, SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
-use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64};
+use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64, SPEC_VERSION};
 
 use crate::direct::{DirectOptions, DirectTransport};
 use crate::pci::PciTransport;
@@ -221,6 +221,12 @@ impl Device {
 
     /// Initialises the device over any transport (SPEC.md §9 step 3).
     pub fn with_transport(transport: Box<dyn Transport>) -> Result<Device> {
+        let version = transport.config().version.to_native();
+        if version != SPEC_VERSION {
+            return Err(Error::Attach(format!(
+                "the device implements specification version {version}, this library version {SPEC_VERSION}"
+            )));
+        }
         let queues = transport.config().num_notify_queues.to_native() as u64;
         let notify_area = transport.alloc(
             queues * std::mem::size_of::<NotifyState>() as u64,
@@ -279,10 +285,9 @@ impl Device {
 
     /// The GID this guest may send from, with its index: the one entry the device shows.
     pub fn gid(&self) -> Result<(u32, Gid)> {
-        let table = self.query_port()?.gid_tbl_len.to_native();
-        (0..table)
-            .find_map(|index| self.query_gid(index).ok().map(|(gid, _)| (index, gid)))
-            .ok_or_else(|| Error::InvalidArgument("the device shows no GID to this guest".into()))
+        let index = self.query_port()?.gid_index.to_native();
+        let (gid, _) = self.query_gid(index)?;
+        Ok((index, gid))
     }
 
     /// Page-aligned, zeroed memory shared with the device: what MRs are registered over.

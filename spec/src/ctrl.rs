@@ -213,7 +213,9 @@ pub struct PortAttr {
     pub max_msg_sz: Le32,
     pub pkey_tbl_len: Le16,
     pub lid: Le16,
-    pub reserved: [Le32; 2],
+    /// The GID table index the device lets this guest use (the one QUERY_GID answers).
+    pub gid_index: Le32,
+    pub reserved: Le32,
 }
 
 /// QUERY_GID request (SPEC.md §5.6).

@@ -81,6 +81,9 @@ pub struct Device {
     /// The port as it was when the connection began; guides validation.
     port: PortAttr,
     config: DeviceConfig,
+    /// What the device offers; fixed for the connection.
+    offered: u64,
+    /// What the driver acknowledged (of `offered`): what commands are checked against.
     features: u64,
     objects: Objects,
     data_path: DataPath,
@@ -123,6 +126,7 @@ impl Device {
         )?;
         Ok(Device {
             data_path,
+            offered: limits::offered_features(&host_attr),
             features: limits::offered_features(&host_attr),
             host,
             host_attr,
@@ -139,12 +143,13 @@ impl Device {
 
     /// Feature bits the device offers.
     pub fn offered_features(&self) -> u64 {
-        self.features
+        self.offered
     }
 
     /// Records the features the driver acknowledged.
     pub fn set_acked_features(&mut self, acked: u64) {
-        self.features &= acked | features::VERSION_1;
+        // Each SET_FEATURES (a driver negotiates again after a reset) replaces the last.
+        self.features = self.offered & (acked | features::VERSION_1);
     }
 
     /// The data path serving this connection's rings.
@@ -341,7 +346,8 @@ impl Device {
             max_msg_sz: Le32::from(a.max_msg_sz),
             pkey_tbl_len: Le16::from(a.pkey_tbl_len),
             lid: Le16::from(a.lid),
-            reserved: Default::default(),
+            gid_index: Le32::from(self.host.gid_index),
+            reserved: Le32::from(0),
         })
     }
 
