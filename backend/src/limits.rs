@@ -60,7 +60,7 @@ pub fn advertised_config(
         max_ah: Le32::from(host.max_ah.min(quotas.max_ah)),
         max_srq: Le32::from(host.max_srq.min(quotas.max_srq).min(MAX_DOORBELL_BITS / 2)),
         max_srq_wr: Le32::from(prev_power_of_two(host.max_srq_wr)),
-        max_inline_data: Le32::from(MAX_SEND_INLINE),
+        max_inline_data: Le32::from(host.max_inline_data.min(MAX_SEND_INLINE)),
         max_qp_rd_atom: Le32::from(host.max_qp_rd_atom),
         max_qp_init_rd_atom: Le32::from(host.max_qp_init_rd_atom),
         phys_port_cnt: Le32::from(1),
@@ -139,6 +139,7 @@ mod tests {
             max_srq_wr: 1 << 20,
             max_mr_size: u64::MAX,
             atomic_cap: 1,
+            max_inline_data: 4096,
             ..Default::default()
         }
     }
@@ -232,6 +233,18 @@ mod tests {
             (config.max_qp.to_native(), config.max_srq.to_native()),
             (16384, 1024)
         );
+    }
+
+    #[test]
+    fn inline_data_is_what_the_host_grants_within_the_largest_slot() {
+        let small = DeviceAttr {
+            max_inline_data: 400,
+            ..rxe_like()
+        };
+        let config = advertised_config(&small, &Quotas::default(), 1);
+        assert_eq!(config.max_inline_data.to_native(), 400);
+        let config = advertised_config(&rxe_like(), &Quotas::default(), 1);
+        assert_eq!(config.max_inline_data.to_native(), MAX_SEND_INLINE);
     }
 
     #[test]

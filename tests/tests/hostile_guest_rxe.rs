@@ -4,7 +4,9 @@
 use vrdma_guest::spec::ctrl::{Opcode, RegMrRequest};
 use vrdma_guest::spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES};
 use vrdma_guest::spec::{Le16, Le32, Le64};
-use vrdma_guest::{access, Device, QpType, QueuePair, Status};
+use vrdma_guest::{
+    access, qp_attr_mask, qp_state, Device, Error, QpAttr, QpType, QueuePair, Status,
+};
 use vrdma_tests::{control_request, response_status, start_backend};
 
 const PAGE: u64 = 4096;
@@ -78,4 +80,49 @@ fn scattered_registrations_keep_no_mappings_and_the_next_guest_is_served() {
         .reg_mr(&second_buffer, access::LOCAL_WRITE)
         .unwrap();
     assert!(device.query_device().unwrap().max_qp.to_native() > 0);
+}
+
+/// Finding: MODIFY_QP with a transition the state machine forbids (RESET -> RTS) was answered
+/// HOST_ERROR, which says the host failed, not that the request was wrong (SPEC.md §5.11).
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn an_illegal_qp_state_transition_is_an_invalid_argument() {
+    let backend = start_backend();
+    let device = Device::attach(&backend.socket).unwrap();
+    let pd = device.alloc_pd().unwrap();
+    let cq = device.create_cq(16).unwrap();
+    let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+    let to_rts = QpAttr {
+        qp_state: qp_state::RTS,
+        ..Default::default()
+    };
+    match qp.modify(&to_rts, qp_attr_mask::STATE) {
+        Err(Error::Device { status, .. }) => assert_eq!(status, Status::InvalidArgument),
+        other => panic!("RESET -> RTS: {other:?}"),
+    }
+}
+
+/// Finding: the device advertised `max_inline_data` 4032, but CREATE_QP asking for it failed
+/// with HOST_ERROR on rxe, whose QPs take less: what is advertised must be creatable.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_qp_with_the_advertised_inline_limit_can_be_created_and_one_beyond_is_refused() {
+    let backend = start_backend();
+    let device = Device::attach(&backend.socket).unwrap();
+    let pd = device.alloc_pd().unwrap();
+    let cq = device.create_cq(16).unwrap();
+    let max_inline = device.config().max_inline_data.to_native();
+    assert!(max_inline >= 64, "advertised {max_inline}");
+    let qp = QueuePair::builder(QpType::Rc, &cq)
+        .max_inline_data(max_inline)
+        .build(&pd)
+        .unwrap();
+    assert_eq!(qp.caps().max_inline_data, max_inline);
+    match QueuePair::builder(QpType::Rc, &cq)
+        .max_inline_data(max_inline + 1)
+        .build(&pd)
+    {
+        Err(Error::Device { status, .. }) => assert_eq!(status, Status::InvalidArgument),
+        other => panic!("beyond the limit: {:?}", other.map(|qp| qp.caps())),
+    }
 }

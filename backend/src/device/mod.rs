@@ -682,7 +682,16 @@ impl Device {
             atomics: self.features & features::ATOMIC != 0,
         };
         let (attr, mask) = validate::modify_qp(&req, &limits)?;
-        entry.host.modify(&attr, mask)?;
+        // Every field was checked above; what the host still refuses is the transition from
+        // the QP's current state, or an attribute that state needs (SPEC.md §5.11).
+        entry.host.modify(&attr, mask).map_err(|e| match e.errno() {
+            Some(libc::EINVAL) => CommandError {
+                status: Status::InvalidArgument,
+                detail: libc::EINVAL as u32,
+                message: format!("not a legal transition from the QP's state, or attributes missing for it: {e}"),
+            },
+            _ => CommandError::from(e),
+        })?;
         Ok(Vec::new())
     }
 

@@ -130,6 +130,9 @@ pub struct DeviceAttr {
     pub max_srq_sge: u32,
     pub atomic_cap: u32,
     pub phys_port_cnt: u8,
+    /// Inline bytes an RC QP may carry: not in ibv_device_attr, found by
+    /// [`Context::max_inline_data`].
+    pub max_inline_data: u32,
 }
 
 /// Port attributes the backend uses (a subset of `ibv_port_attr`; enums keep ibverbs values).
@@ -359,7 +362,9 @@ impl Context {
         self.raw.as_ptr()
     }
 
-    pub fn query_device(&self) -> Result<DeviceAttr> {
+    /// The device's attributes, with the inline limit [`Context::max_inline_data`] finds.
+    pub fn query_device(self: &Arc<Self>) -> Result<DeviceAttr> {
+        let max_inline_data = self.max_inline_data()?;
         // SAFETY: all-zero is a valid ibv_device_attr (integers and byte arrays).
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the context is open and `attr` is a valid out-pointer.
@@ -394,7 +399,52 @@ impl Context {
             max_srq_sge: clamp(attr.max_srq_sge),
             atomic_cap: attr.atomic_cap,
             phys_port_cnt: attr.phys_port_cnt,
+            max_inline_data,
         })
+    }
+
+    /// The most inline data the provider grants an RC QP: no
+    /// verb reports it, so it is found by creating QPs that ask for less and less (once per
+    /// device and process).
+    pub fn max_inline_data(self: &Arc<Self>) -> Result<u32> {
+        static FOUND: std::sync::Mutex<Vec<(String, u32)>> = std::sync::Mutex::new(Vec::new());
+        let found = |name: &str| {
+            FOUND
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|&(_, inline)| inline)
+        };
+        if let Some(inline) = found(&self.name) {
+            return Ok(inline);
+        }
+        let pd = self.alloc_pd()?;
+        let cq = self.create_cq(1, None)?;
+        let mut granted = 0;
+        for asked in [4096, 2048, 1024, 512, 256, 128, 64, 32] {
+            let init = QpInit {
+                qp_type: QpType::Rc,
+                caps: QpCaps {
+                    max_send_wr: 1,
+                    max_recv_wr: 1,
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: asked,
+                },
+                srq: None,
+                sq_sig_all: false,
+            };
+            if let Ok(qp) = pd.create_qp(&cq, &cq, &init) {
+                granted = qp.caps().max_inline_data;
+                break;
+            }
+        }
+        FOUND
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((self.name.clone(), granted));
+        Ok(granted)
     }
 
     pub fn query_port(&self, port: u8) -> Result<PortAttr> {
