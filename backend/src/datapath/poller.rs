@@ -14,7 +14,7 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
-use super::queues::{CqData, CqProgress, GuestRing, QpData, SrqData};
+use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
 use super::wqe::{self, QpRules, SendRequest, WqeError};
 use super::{Memory, Rung, Shard, ShardObjects, Shared, BATCH, SLEEP_LIMIT_MS};
 use crate::hostverbs::{self, AddressHandle, Payload, RecvWr, SendWr, Sge, UdDest, WorkCompletion};
@@ -289,9 +289,15 @@ impl Poller {
         }
     }
 
-    /// Moves the QP to the error state after a WQE it cannot execute: the host then flushes
-    /// everything outstanding, as hardware would.
-    fn fail_qp(&self, mem: &Memory, qp: &QpData, cq: &CqData, cqe: Option<Cqe>, reason: &str) {
+    /// Moves the QP to the error state after a WQE or record it cannot use: the host then
+    /// flushes everything outstanding, as hardware would. Said (log line, QP_FATAL) once per
+    /// QP, however often a guest repeats the mistake.
+    fn fail_qp(&self, qp: &QpData, progress: &mut QpProgress, reason: &str) {
+        if progress.in_error {
+            log::debug!("QP {:#x}: {reason}", qp.handle);
+            return;
+        }
+        progress.in_error = true;
         log::warn!(
             "QP {:#x}: {reason}; moving it to the error state",
             qp.handle
@@ -300,11 +306,28 @@ impl Poller {
             log::error!("QP {:#x}: cannot enter the error state: {e}", qp.handle);
         }
         self.post_event(event_kind::QP_FATAL, qp.handle);
-        if let Some(cqe) = cqe {
-            let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
-            progress.pending.push_back(cqe);
-            self.flush_pending(mem, cq, &mut progress);
+    }
+
+    /// Completes a refused WQE with `cqe` on `cq` and fails the QP; false (the WQE stays in
+    /// its ring) while the CQ has no room: a guest that never polls keeps its refused WQEs,
+    /// the backend keeps nothing for it.
+    fn refuse_wqe(
+        &self,
+        mem: &Memory,
+        qp: &QpData,
+        progress: &mut QpProgress,
+        cq: &CqData,
+        (cqe, reason): (Cqe, &str),
+    ) -> bool {
+        let mut cq_progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
+        if self.cq_room(mem, cq, &mut cq_progress).unwrap_or(0) == 0
+            || !self.write_cqe(mem, cq, &mut cq_progress, cqe)
+        {
+            return false;
         }
+        drop(cq_progress);
+        self.fail_qp(qp, progress, reason);
+        true
     }
 
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
@@ -320,7 +343,7 @@ impl Poller {
             Ordering::Acquire,
         ) else {
             progress.failed = true;
-            self.fail_qp(mem, qp, &qp.send_cq, None, "doorbell record unreadable");
+            self.fail_qp(qp, &mut progress, "doorbell record unreadable");
             return Visit::WORKED;
         };
         let pending = ring_pending(producer, progress.sq_consumer);
@@ -330,10 +353,8 @@ impl Poller {
         if pending > qp.sq.depth {
             progress.failed = true;
             self.fail_qp(
-                mem,
                 qp,
-                &qp.send_cq,
-                None,
+                &mut progress,
                 &format!(
                     "SQ producer {producer} runs {pending} ahead of a {}-deep ring",
                     qp.sq.depth
@@ -359,7 +380,7 @@ impl Poller {
                     .is_err()
                 {
                     progress.failed = true;
-                    self.fail_qp(mem, qp, &qp.send_cq, None, "SQ ring unreadable");
+                    self.fail_qp(qp, &mut progress, "SQ ring unreadable");
                     return Visit::WORKED;
                 }
                 let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
@@ -396,11 +417,14 @@ impl Poller {
         let posted = self.post_sends(qp);
         progress.sq_consumer = progress.sq_consumer.wrapping_add(posted as u32);
         let all_posted = posted == self.requests.len();
-        let was_refused = refused.is_some();
+        let mut refused_one = false;
         if let (true, Some((wr_id, opcode, error))) = (all_posted, refused) {
-            progress.sq_consumer = progress.sq_consumer.wrapping_add(1);
             let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status, opcode);
-            self.fail_qp(mem, qp, &qp.send_cq, Some(cqe), &error.reason);
+            let refusal = (cqe, error.reason.as_str());
+            refused_one = self.refuse_wqe(mem, qp, &mut progress, &qp.send_cq, refusal);
+            if refused_one {
+                progress.sq_consumer = progress.sq_consumer.wrapping_add(1);
+            }
         }
         let _ = mem.store(
             progress.sq_consumer,
@@ -409,7 +433,7 @@ impl Poller {
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
         Visit {
-            worked: posted > 0 || was_refused,
+            worked: posted > 0 || refused_one,
             more: ring_pending(producer, progress.sq_consumer) > 0,
         }
     }
@@ -553,17 +577,20 @@ impl Poller {
                 "RQ producer {producer} runs {pending} ahead of a {}-deep ring",
                 rq.depth
             );
-            self.fail_qp(mem, qp, &qp.recv_cq, None, &reason);
+            self.fail_qp(qp, &mut progress, &reason);
             return Visit::WORKED;
         }
         let refused = self.read_receives(mem, rq, &qp.rules, progress.rq_consumer, pending);
         let posted = self.post_receives(|wrs| qp.qp.post_recv(wrs));
         progress.rq_consumer = progress.rq_consumer.wrapping_add(posted as u32);
-        let refused_any = refused.is_some();
+        let mut refused_one = false;
         if let (true, Some((wr_id, error))) = (posted == self.recv.len(), refused) {
-            progress.rq_consumer = progress.rq_consumer.wrapping_add(1);
             let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status, wc_opcode::RECV);
-            self.fail_qp(mem, qp, &qp.recv_cq, Some(cqe), &error.reason);
+            let refusal = (cqe, error.reason.as_str());
+            refused_one = self.refuse_wqe(mem, qp, &mut progress, &qp.recv_cq, refusal);
+            if refused_one {
+                progress.rq_consumer = progress.rq_consumer.wrapping_add(1);
+            }
         }
         let _ = mem.store(
             progress.rq_consumer,
@@ -572,7 +599,7 @@ impl Poller {
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
         Visit {
-            worked: posted > 0 || refused_any,
+            worked: posted > 0 || refused_one,
             more: ring_pending(producer, progress.rq_consumer) > 0,
         }
     }
@@ -685,30 +712,14 @@ impl Poller {
         written
     }
 
-    fn flush_pending(&self, mem: &Memory, cq: &CqData, progress: &mut CqProgress) -> u32 {
-        let mut room = self.cq_room(mem, cq, progress).unwrap_or(0);
-        let mut written = 0;
-        while room > 0 {
-            let Some(cqe) = progress.pending.pop_front() else {
-                break;
-            };
-            if !self.write_cqe(mem, cq, progress, cqe) {
-                break;
-            }
-            room -= 1;
-            written += 1;
-        }
-        written
-    }
-
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
     fn process_cq(&mut self, mem: &Memory, cq: &CqData) -> bool {
         let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let mut moved = self.flush_pending(mem, cq, &mut progress);
+        let mut moved = 0u32;
         let Some(room) = self.cq_room(mem, cq, &mut progress) else {
-            return moved > 0;
+            return false;
         };
         let want = room.min(BATCH) as usize;
         let n = match cq.host.poll(&mut self.wcs[..want]) {

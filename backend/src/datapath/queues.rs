@@ -1,12 +1,10 @@
 //! The data-path half of each queue: where its ring and doorbell record are in guest memory,
 //! what its WQEs may ask for, and how far the device has got.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use vm_memory::GuestAddress;
 use vrdma_spec::codec::ring_slot;
-use vrdma_spec::ring::Cqe;
 
 use super::host::{HostCompletionQueue, HostQueuePair, HostSharedReceiveQueue};
 use super::wqe::QpRules;
@@ -46,8 +44,6 @@ impl GuestRing {
 
 pub(super) struct CqProgress {
     pub(super) producer: u32,
-    /// Error completions of refused WQEs, written as room allows.
-    pub(super) pending: VecDeque<Cqe>,
     pub(super) failed: bool,
 }
 
@@ -74,7 +70,6 @@ impl CqData {
             doorbell,
             progress: Mutex::new(CqProgress {
                 producer: 0,
-                pending: VecDeque::new(),
                 failed: false,
             }),
         }
@@ -86,6 +81,8 @@ pub(super) struct QpProgress {
     pub(super) rq_consumer: u32,
     /// The doorbell record or a ring became unreadable: the QP is in error and left alone.
     pub(super) failed: bool,
+    /// The device moved the QP to the error state (and said so).
+    pub(super) in_error: bool,
 }
 
 /// The data-path half of a QP.
@@ -129,6 +126,7 @@ impl QpData {
                 sq_consumer: 0,
                 rq_consumer: 0,
                 failed: false,
+                in_error: false,
             }),
         }
     }

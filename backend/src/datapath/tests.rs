@@ -517,3 +517,26 @@ fn a_queue_with_wqes_left_is_visited_again_without_a_new_doorbell() {
     assert_eq!(rig.sent().len(), 20);
     assert!(!rig.poller.pass());
 }
+
+#[test]
+fn a_refused_wqe_waits_for_room_in_its_cq_and_the_qp_fails_once() {
+    let mut rig = Rig::new(4);
+    rig.cq.ready.lock().unwrap().extend(0..4);
+    rig.poller.pass();
+    rig.write_send(10, 0xbad);
+    rig.write_send(11, 0xbad);
+    rig.ring_sq();
+    assert!(!rig.poller.pass(), "the CQ is full: nothing can move");
+    assert_eq!(rig.load(QP_DOORBELL + QpDoorbell::SQ_CONSUMER), 0);
+    assert!(rig.events().is_empty());
+    // The guest polls two CQEs: both refused WQEs complete, the QP fails once.
+    rig.store(CQ_DOORBELL + CqDoorbell::CONSUMER_INDEX, 2);
+    assert!(rig.poller.pass());
+    assert!(rig.poller.pass());
+    assert_eq!(rig.load(QP_DOORBELL + QpDoorbell::SQ_CONSUMER), 2);
+    assert_eq!(
+        (rig.cqe(4).wr_id.to_native(), rig.cqe(5).wr_id.to_native()),
+        (10, 11)
+    );
+    assert_eq!(rig.events(), vec![(event_kind::QP_FATAL, QP_HANDLE)]);
+}

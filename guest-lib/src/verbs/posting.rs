@@ -262,6 +262,16 @@ impl QueuePair {
             .load(Ordering::Acquire);
         Ok(ring_pending(producer, consumer))
     }
+
+    /// Send WQEs posted but not yet taken by the device.
+    pub fn send_backlog(&self) -> Result<u32> {
+        let producer = *self.sq.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let consumer = self
+            .doorbell
+            .atomic_u32(QpDoorbell::SQ_CONSUMER)?
+            .load(Ordering::Acquire);
+        Ok(ring_pending(producer, consumer))
+    }
 }
 
 impl SharedReceiveQueue {
