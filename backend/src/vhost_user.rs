@@ -34,6 +34,10 @@ const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
 
 type GuestMemory = GuestMemoryAtomic<GuestMemoryMmap>;
 
+/// Memory regions a front end may add: the slot count vhost-user-backend advertises
+/// (GET_MAX_MEM_SLOTS), which it does not enforce itself.
+const MAX_MEMORY_REGIONS: usize = 509;
+
 /// vhost-user backend state of one connection.
 pub struct RdmaBackend {
     device: Device,
@@ -42,6 +46,8 @@ pub struct RdmaBackend {
     event_idx: bool,
     exit: (EventConsumer, EventNotifier),
     event_sink_set: bool,
+    /// The memory table as last accepted.
+    last_table: Option<GuestMemoryMmap>,
 }
 
 /// Delivers device events into buffers the driver posted on the event queue.
@@ -85,6 +91,7 @@ impl RdmaBackend {
             event_idx: false,
             exit: new_event_consumer_and_notifier(EventFlag::NONBLOCK).map_err(Error::Io)?,
             event_sink_set: false,
+            last_table: None,
         })
     }
 
@@ -201,6 +208,20 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn update_memory(&mut self, mem: GuestMemory) -> io::Result<()> {
+        // vhost-user-backend has already put the new table in place; one past the slots it
+        // advertises (each region costs an fd and a mapping) is put back and refused.
+        let regions = vm_memory::GuestMemoryBackend::num_regions(&*mem.memory());
+        if regions > MAX_MEMORY_REGIONS {
+            if let Some(previous) = self.last_table.clone() {
+                mem.lock()
+                    .map_err(|_| io::Error::other("memory table lock poisoned"))?
+                    .replace(previous);
+            }
+            return Err(io::Error::other(format!(
+                "{regions} memory regions: at most {MAX_MEMORY_REGIONS} (the advertised slots)"
+            )));
+        }
+        self.last_table = Some((*mem.memory()).clone());
         self.device.data_path().set_memory(mem.clone());
         self.mem = mem;
         Ok(())

@@ -200,7 +200,8 @@ impl Transport for DirectTransport {
     }
 
     fn control(&self, request: &[u8], response: &mut [u8]) -> Result<usize> {
-        self.queues.control(request, response)
+        self.queues
+            .control(request, response, &|| self.disconnected())
     }
 
     fn notify(&self, queue: u32) -> Result<()> {

@@ -347,7 +347,8 @@ impl Transport for PciTransport {
 
     fn control(&self, request: &[u8], response: &mut [u8]) -> Result<usize> {
         self.check_device()?;
-        self.queues.control(request, response)
+        // A device reset is what the driver sees of a vanished backend here (§9).
+        self.queues.control(request, response, &|| false)
     }
 
     fn notify(&self, queue: u32) -> Result<()> {

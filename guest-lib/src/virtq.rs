@@ -247,6 +247,8 @@ const CONTROL_BUFFER: u64 = PAGE_SIZE;
 /// How long a control request may take before the device is considered gone. Generous: the
 /// tests run under full emulation, nested.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often a wait for the device looks whether it is gone.
+const GONE_CHECK_INTERVAL: Duration = Duration::from_millis(200);
 
 struct Control {
     queue: SplitQueue,
@@ -298,7 +300,14 @@ impl DeviceQueues {
 
     /// Sends one control request and waits for its response; returns the bytes the device
     /// wrote into `response`.
-    pub fn control(&self, request: &[u8], response: &mut [u8]) -> Result<usize> {
+    /// Sends `request` on the control queue and waits for the response, giving up when
+    /// `gone` says the device went away, or after a minute.
+    pub fn control(
+        &self,
+        request: &[u8],
+        response: &mut [u8],
+        gone: &dyn Fn() -> bool,
+    ) -> Result<usize> {
         if request.len() as u64 > CONTROL_BUFFER || response.len() as u64 > CONTROL_BUFFER {
             return Err(Error::OutOfBounds {
                 offset: 0,
@@ -322,7 +331,19 @@ impl DeviceQueues {
             },
         ];
         control.queue.submit(&chain)?;
-        let written = (control.queue.wait_used(CONTROL_TIMEOUT)? as usize).min(response.len());
+        let started = std::time::Instant::now();
+        let written = loop {
+            match control.queue.wait_used(GONE_CHECK_INTERVAL) {
+                Ok(written) => break written,
+                Err(Error::Timeout(_)) if gone() => return Err(Error::Disconnected),
+                Err(Error::Timeout(_)) if started.elapsed() >= CONTROL_TIMEOUT => {
+                    return Err(Error::Timeout(CONTROL_TIMEOUT))
+                }
+                Err(Error::Timeout(_)) => {}
+                Err(e) => return Err(e),
+            }
+        };
+        let written = (written as usize).min(response.len());
         control.response.read(0, &mut response[..written])?;
         Ok(written)
     }

@@ -7,8 +7,8 @@ use vrdma_guest::spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES};
 use vrdma_guest::spec::{Le16, Le32, Le64};
 
 use vrdma_guest::{
-    access, qp_attr_mask, qp_state, wc_status, Device, Error, Payload, QpAttr, QpType, QueuePair,
-    SendOp, SendWr, Sge, Status, WorkCompletion,
+    access, qp_attr_mask, qp_state, wc_status, Device, DirectOptions, Error, Payload, QpAttr,
+    QpType, QueuePair, SendOp, SendWr, Sge, Status, WorkCompletion,
 };
 use vrdma_tests::{control_request, response_status, start_backend};
 
@@ -187,4 +187,53 @@ fn refused_wqes_wait_for_room_in_their_cq_instead_of_piling_up_in_the_backend() 
             .all(|(i, &(id, status))| id == i as u64 && status != wc_status::SUCCESS),
         "{statuses:?}"
     );
+}
+
+/// Finding: ADD_MEM_REG was accepted past the 509 slots the backend advertises, each region
+/// costing the backend a file descriptor and a mapping. The 510th region is now refused; as
+/// for any failed vhost-user request, the connection of that front end ends (it sees a clear
+/// error, not a hang), and the backend serves the next one.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn memory_regions_past_the_advertised_slots_are_refused_and_the_backend_serves_on() {
+    // Guest and backend share this process: two descriptors per region.
+    vrdma_backend::hostverbs::raise_open_file_limit().unwrap();
+    let backend = start_backend();
+    // Small regions, so that each buffer needs one more (the queues fit the first).
+    let region_size = 64 * 1024;
+    let options = DirectOptions {
+        huge_pages: false,
+        region_size,
+    };
+    let device = Device::attach_with(&backend.socket, options).unwrap();
+    let mut buffers = Vec::new();
+    let refused = loop {
+        match device.alloc_buffer(region_size) {
+            Ok(buffer) => buffers.push(buffer),
+            Err(e) => break e,
+        }
+        assert!(buffers.len() < 600, "no region was ever refused");
+    };
+    assert!(
+        refused.to_string().contains("adding shared memory"),
+        "{refused}"
+    );
+    assert!(buffers.len() < 509, "{} regions of buffers", buffers.len());
+    // The connection ends (a failed vhost-user request ends it): the guest learns so at
+    // once, and the backend serves the next guest.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match device.alloc_pd() {
+            Err(Error::Disconnected) => break,
+            Ok(_) => assert!(Instant::now() < deadline, "the connection never ended"),
+            Err(e) => panic!("{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(buffers);
+    drop(device);
+    let next = Device::attach(&backend.socket).unwrap();
+    let pd = next.alloc_pd().unwrap();
+    let buffer = next.alloc_buffer(1 << 20).unwrap();
+    pd.reg_mr(&buffer, access::LOCAL_WRITE).unwrap();
 }
