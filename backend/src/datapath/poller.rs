@@ -155,15 +155,7 @@ impl Poller {
             // Going to sleep: ask for kicks and completion events, then look once more so
             // that nothing that arrived meanwhile is missed (SPEC.md §8.5).
             self.set_need_wakeup(true);
-            for cq in &self
-                .shard()
-                .objects
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .cqs
-            {
-                let _ = cq.host.arm();
-            }
+            self.arm_cqs();
             fence(Ordering::SeqCst);
             let woken = self.pass() || {
                 let mut events = [EpollEvent::default(); 2];
@@ -189,6 +181,21 @@ impl Poller {
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .map(|m| m.memory())
+    }
+
+    /// Before sleeping: asks the host for a completion event on every CQ of the shard that
+    /// is not armed already (a CQ stays armed until a completion arrives on it).
+    pub(super) fn arm_cqs(&self) {
+        let objects = self
+            .shard()
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for cq in &objects.cqs {
+            if !cq.armed.swap(true, Ordering::Relaxed) && cq.host.arm().is_err() {
+                cq.armed.store(false, Ordering::Relaxed);
+            }
+        }
     }
 
     pub(super) fn set_need_wakeup(&self, sleeping: bool) {
@@ -729,6 +736,10 @@ impl Poller {
                 0
             }
         };
+        if n > 0 {
+            // The event of an armed CQ fires with its next completion: arm it again.
+            cq.armed.store(false, Ordering::Relaxed);
+        }
         for wc in &self.wcs[..n] {
             let cqe = Cqe {
                 wr_id: Le64::from(wc.wr_id()),

@@ -1,6 +1,7 @@
 //! The data-path half of each queue: where its ring and doorbell record are in guest memory,
 //! what its WQEs may ask for, and how far the device has got.
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use vm_memory::GuestAddress;
@@ -54,6 +55,9 @@ pub struct CqData {
     pub(super) ring: GuestRing,
     pub(super) doorbell: u64,
     pub(super) progress: Mutex<CqProgress>,
+    /// The host CQ is armed and has not completed anything since: arming it again before
+    /// sleeping would only cost a system call.
+    pub(super) armed: AtomicBool,
 }
 
 impl CqData {
@@ -72,6 +76,7 @@ impl CqData {
                 producer: 0,
                 failed: false,
             }),
+            armed: AtomicBool::new(false),
         }
     }
 }

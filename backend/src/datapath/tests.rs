@@ -86,10 +86,11 @@ impl HostQueuePair for FakeQp {
     }
 }
 
-/// A host CQ that hands out the completions a test queued.
+/// A host CQ that hands out the completions a test queued, and counts its arm requests.
 #[derive(Default)]
 struct FakeCq {
     ready: Mutex<VecDeque<u64>>,
+    arms: AtomicUsize,
 }
 
 impl HostCompletionQueue for FakeCq {
@@ -108,6 +109,7 @@ impl HostCompletionQueue for FakeCq {
     }
 
     fn arm(&self) -> hostverbs::Result<()> {
+        self.arms.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -539,4 +541,19 @@ fn a_refused_wqe_waits_for_room_in_its_cq_and_the_qp_fails_once() {
         (10, 11)
     );
     assert_eq!(rig.events(), vec![(event_kind::QP_FATAL, QP_HANDLE)]);
+}
+
+#[test]
+fn an_idle_cq_is_armed_once_not_before_every_sleep() {
+    let mut rig = Rig::new(4);
+    for _ in 0..3 {
+        rig.poller.arm_cqs();
+        assert!(!rig.poller.pass());
+    }
+    assert_eq!(rig.cq.arms.load(Ordering::Relaxed), 1);
+    // A completion may have fired the event: the next sleep arms the CQ again.
+    rig.cq.ready.lock().unwrap().push_back(1);
+    assert!(rig.poller.pass());
+    rig.poller.arm_cqs();
+    assert_eq!(rig.cq.arms.load(Ordering::Relaxed), 2);
 }
