@@ -48,6 +48,8 @@ pub struct RdmaBackend {
     event_sink_set: bool,
     /// The memory table as last accepted.
     last_table: Option<GuestMemoryMmap>,
+    /// The driver broke the control queue; it is served again after a reset.
+    control_broken: bool,
 }
 
 /// Delivers device events into buffers the driver posted on the event queue.
@@ -92,6 +94,7 @@ impl RdmaBackend {
             exit: new_event_consumer_and_notifier(EventFlag::NONBLOCK).map_err(Error::Io)?,
             event_sink_set: false,
             last_table: None,
+            control_broken: false,
         })
     }
 
@@ -102,31 +105,47 @@ impl RdmaBackend {
         }
     }
 
+    /// Serves the control queue. A queue the driver broke (an available index more than a
+    /// queue ahead, a head beyond the queue) is not served again until a reset, and the driver
+    /// hears DEVICE_FATAL (SPEC.md §8.4): the connection's worker lives on.
     fn process_control_queue(&mut self, vring: &VringRwLock) -> io::Result<()> {
+        if self.control_broken {
+            return Ok(());
+        }
         loop {
             if self.event_idx {
                 vring.disable_notification().map_err(io::Error::other)?;
             }
             let mem = self.mem.memory();
-            let chains: Vec<_> = vring
-                .get_mut()
-                .get_queue_mut()
-                .iter(mem.clone())
-                .map_err(io::Error::other)?
-                .collect();
+            let chains = match vring.get_mut().get_queue_mut().iter(mem.clone()) {
+                Ok(chains) => chains.collect::<Vec<_>>(),
+                Err(e) => {
+                    self.break_control_queue(&e);
+                    return Ok(());
+                }
+            };
             for chain in chains {
                 let head = chain.head_index();
                 let used = self.process_control_chain(&mem, chain).unwrap_or_else(|e| {
                     log::warn!("control chain {head} is malformed: {e}");
                     0
                 });
-                vring.add_used(head, used).map_err(io::Error::other)?;
+                if let Err(e) = vring.add_used(head, used) {
+                    self.break_control_queue(&e);
+                    return Ok(());
+                }
             }
             vring.signal_used_queue()?;
             if !self.event_idx || !vring.enable_notification().map_err(io::Error::other)? {
                 return Ok(());
             }
         }
+    }
+
+    fn break_control_queue(&mut self, error: &dyn std::fmt::Display) {
+        log::warn!("the driver broke the control queue ({error}); it must reset the device");
+        self.control_broken = true;
+        self.device.data_path().device_fatal();
     }
 
     /// Runs one request; returns the bytes written into the chain.
@@ -184,6 +203,7 @@ impl VhostUserBackendMut for RdmaBackend {
 
     fn reset_device(&mut self) {
         self.device.reset();
+        self.control_broken = false;
     }
 
     /// QEMU's generic vhost-user device sends neither RESET_DEVICE nor SET_STATUS when the
@@ -192,6 +212,7 @@ impl VhostUserBackendMut for RdmaBackend {
     fn stop_vring(&mut self, queue_index: u32) -> io::Result<()> {
         if queue_index == u32::from(CONTROL_QUEUE) {
             self.device.reset();
+            self.control_broken = false;
         }
         Ok(())
     }

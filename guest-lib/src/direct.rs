@@ -204,6 +204,10 @@ impl Transport for DirectTransport {
             .control(request, response, &|| self.disconnected())
     }
 
+    fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()> {
+        self.queues.publish_bogus_control_entries(ahead)
+    }
+
     fn notify(&self, queue: u32) -> Result<()> {
         self.queues.notify(queue)
     }

@@ -351,6 +351,10 @@ impl Transport for PciTransport {
         self.queues.control(request, response, &|| false)
     }
 
+    fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()> {
+        self.queues.publish_bogus_control_entries(ahead)
+    }
+
     fn notify(&self, queue: u32) -> Result<()> {
         self.queues.notify(queue)
     }

@@ -48,4 +48,8 @@ pub trait Transport: Send + Sync {
     fn disconnected(&self) -> bool {
         false
     }
+
+    /// Makes `ahead` control queue entries available that the driver never wrote, as a
+    /// broken or hostile driver might (conformance tests of a device).
+    fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()>;
 }

@@ -366,6 +366,12 @@ impl Device {
         self.inner.kicks.load(Ordering::Relaxed)
     }
 
+    /// Makes `ahead` control queue entries available that this driver never wrote: for
+    /// conformance tests of the device's queue handling (the device must survive it).
+    pub fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()> {
+        self.inner.transport.publish_bogus_control_entries(ahead)
+    }
+
     /// Sends raw request bytes on the control queue and returns the raw response (at most
     /// `response_len` bytes): for conformance tests of the device's validation.
     pub fn raw_control(&self, request: &[u8], response_len: usize) -> Result<Vec<u8>> {

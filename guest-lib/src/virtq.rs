@@ -127,6 +127,16 @@ impl SplitQueue {
     }
 
     /// Makes `chain` available to the device and kicks it.
+    /// Publishes `index` as the available index and kicks, whatever the ring holds: what a
+    /// broken or hostile driver might do (for conformance tests of a device).
+    pub fn publish_avail_index(&mut self, index: u16) -> Result<()> {
+        let avail = Self::avail_offset(self.size);
+        self.ring
+            .atomic_u16(avail + 2)?
+            .store(index, Ordering::Release);
+        self.signal.kick()
+    }
+
     pub fn submit(&mut self, chain: &[ChainBuffer]) -> Result<()> {
         assert!(!chain.is_empty() && chain.len() <= usize::from(self.size));
         for (i, buffer) in chain.iter().enumerate() {
@@ -346,6 +356,14 @@ impl DeviceQueues {
         let written = (written as usize).min(response.len());
         control.response.read(0, &mut response[..written])?;
         Ok(written)
+    }
+
+    /// Publishes `ahead` entries more than were made available on the control queue
+    /// (conformance tests of the device's queue handling).
+    pub fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()> {
+        let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+        let index = control.queue.next_avail.wrapping_add(ahead);
+        control.queue.publish_avail_index(index)
     }
 
     /// Kicks notification queue `queue`.

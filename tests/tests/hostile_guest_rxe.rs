@@ -7,8 +7,8 @@ use vrdma_guest::spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES};
 use vrdma_guest::spec::{Le16, Le32, Le64};
 
 use vrdma_guest::{
-    access, qp_attr_mask, qp_state, wc_status, Device, DirectOptions, Error, Payload, QpAttr,
-    QpType, QueuePair, SendOp, SendWr, Sge, Status, WorkCompletion,
+    access, qp_attr_mask, qp_state, wc_status, Device, DeviceEvent, DirectOptions, Error, Payload,
+    QpAttr, QpType, QueuePair, SendOp, SendWr, Sge, Status, WorkCompletion,
 };
 use vrdma_tests::{control_request, response_status, start_backend};
 
@@ -236,4 +236,29 @@ fn memory_regions_past_the_advertised_slots_are_refused_and_the_backend_serves_o
     let pd = next.alloc_pd().unwrap();
     let buffer = next.alloc_buffer(1 << 20).unwrap();
     pd.reg_mr(&buffer, access::LOCAL_WRITE).unwrap();
+}
+
+/// Finding: a driver that made available more control queue entries than the queue holds
+/// (or a head beyond it) ended its connection's worker for good: no answer, no reset. Now the
+/// device raises DEVICE_FATAL, the backend serves on, and a reset device (here: a new
+/// attachment) works.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_broken_control_queue_raises_device_fatal_and_the_backend_serves_on() {
+    let backend = start_backend();
+    let bystander = Device::attach(&backend.socket).unwrap();
+    let device = Device::attach(&backend.socket).unwrap();
+    device.publish_bogus_control_entries(1024).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "no DEVICE_FATAL");
+        if device.wait_event(left).unwrap() == Some(DeviceEvent::DeviceFatal) {
+            break;
+        }
+    }
+    drop(device);
+    let next = Device::attach(&backend.socket).unwrap();
+    next.alloc_pd().unwrap();
+    bystander.alloc_pd().unwrap();
 }

@@ -267,6 +267,12 @@ impl DataPath {
         }
     }
 
+    /// Tells the guest the device needs a reset (SPEC.md §8.4).
+    pub fn device_fatal(&self) {
+        self.shared.post_event(event_kind::DEVICE_FATAL, 0);
+        let _ = self.shared.shards[0].wake.write(1);
+    }
+
     /// The guest posted event buffers: let a poller retry undelivered events.
     pub fn events_available(&self) {
         let _ = self.shared.shards[0].wake.write(1);
