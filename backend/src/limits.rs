@@ -17,6 +17,9 @@ pub struct Quotas {
     pub max_srq: u32,
     /// Largest single memory registration, in bytes.
     pub max_mr_size: u64,
+    /// Bytes of work and completion queue rings (all CQs, QPs and SRQs together): the host
+    /// provider's queues for them cost a few times as much.
+    pub max_ring_bytes: u64,
 }
 
 impl Default for Quotas {
@@ -29,6 +32,7 @@ impl Default for Quotas {
             max_ah: 4096,
             max_srq: 1024,
             max_mr_size: 1 << 32,
+            max_ring_bytes: 256 << 20,
         }
     }
 }

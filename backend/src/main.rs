@@ -40,6 +40,9 @@ struct Args {
     /// Largest single memory registration, in bytes.
     #[arg(long, default_value_t = Quotas::default().max_mr_size)]
     max_mr_size: u64,
+    /// Most bytes of queue rings (CQs, QPs, SRQs together) one guest may hold.
+    #[arg(long, default_value_t = Quotas::default().max_ring_bytes)]
+    max_ring_bytes: u64,
     /// Check the host device and print what guests would be offered, then exit.
     #[arg(long, conflicts_with = "socket_path")]
     check: bool,
@@ -56,6 +59,7 @@ impl From<Args> for Config {
                 max_qp: args.max_qp,
                 max_mr: args.max_mr,
                 max_mr_size: args.max_mr_size,
+                max_ring_bytes: args.max_ring_bytes,
                 ..Quotas::default()
             },
             notify_queues: args.notify_queues,

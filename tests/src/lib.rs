@@ -182,6 +182,12 @@ pub fn start_backend() -> TestBackend {
 /// Starts a backend thread on RDMA device `device`, listening on a new socket under the temp
 /// directory.
 pub fn start_backend_on(device: &str) -> TestBackend {
+    start_backend_with(device, vrdma_backend::Quotas::default())
+}
+
+/// Starts a backend thread on RDMA device `device` with `quotas`, listening on a new socket
+/// under the temp directory.
+pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBackend {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let socket = std::env::temp_dir().join(format!("vrdma-test-{}-{n}.sock", std::process::id()));
@@ -189,7 +195,7 @@ pub fn start_backend_on(device: &str) -> TestBackend {
         device: device.to_string(),
         port: PORT,
         gid_index: None,
-        quotas: vrdma_backend::Quotas::default(),
+        quotas,
         notify_queues: 2,
         pollers: 1,
         poll_idle: Duration::from_millis(2),

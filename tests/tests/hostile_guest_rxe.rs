@@ -2,7 +2,8 @@
 //! test is the regression test of an attack that once worked. Runs inside the VM harness.
 
 use std::time::{Duration, Instant};
-use vrdma_guest::spec::ctrl::{Opcode, RegMrRequest};
+use vrdma_backend::Quotas;
+use vrdma_guest::spec::ctrl::{CreateQpRequest, Opcode, RegMrRequest};
 use vrdma_guest::spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES};
 use vrdma_guest::spec::{Le16, Le32, Le64};
 
@@ -10,7 +11,9 @@ use vrdma_guest::{
     access, qp_attr_mask, qp_state, wc_status, Device, DeviceEvent, DirectOptions, Error, Payload,
     QpAttr, QpType, QueuePair, SendOp, SendWr, Sge, Status, WorkCompletion,
 };
-use vrdma_tests::{control_request, response_status, start_backend};
+use vrdma_tests::{
+    control_request, response_status, start_backend, start_backend_with, test_device_name,
+};
 
 const PAGE: u64 = 4096;
 
@@ -261,4 +264,70 @@ fn a_broken_control_queue_raises_device_fatal_and_the_backend_serves_on() {
     let next = Device::attach(&backend.socket).unwrap();
     next.alloc_pd().unwrap();
     bystander.alloc_pd().unwrap();
+}
+
+/// Finding: a QP of depth 2^20 whose rings all pointed at one guest page cost ~646 MiB of host
+/// memory; quotas counted objects, not bytes. Now a ring's pages must be distinct (a guest
+/// pays for the rings it asks for) and the rings a guest holds are bounded in bytes.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn rings_over_one_repeated_page_are_refused() {
+    let backend = start_backend();
+    let device = Device::attach(&backend.socket).unwrap();
+    let pd = device.alloc_pd().unwrap();
+    let cq = device.create_cq(16).unwrap();
+    let page = device.alloc_buffer(PAGE).unwrap();
+    let list = device.alloc_buffer(PAGE).unwrap();
+    let doorbell = device.alloc_buffer(PAGE).unwrap();
+    let depth = 1024u32; // 1024 WQEs of 64 bytes: 16 pages, all the same one
+    let entries: Vec<u8> = (0..16).flat_map(|_| page.addr().to_le_bytes()).collect();
+    list.write(0, &entries).unwrap();
+    let ring = PageList {
+        addr: Le64::from(list.addr()),
+        npages: Le32::from(16),
+        page_shift: 12,
+        form: PageListForm::Direct as u8,
+        reserved: Le16::from(0),
+    };
+    let req = CreateQpRequest {
+        pd: Le32::from(pd.handle()),
+        send_cq: Le32::from(cq.handle()),
+        recv_cq: Le32::from(cq.handle()),
+        qp_type: vrdma_guest::spec::ctrl::qp_type::RC,
+        sq_wqe_shift: 6,
+        rq_wqe_shift: 6,
+        max_send_wr: Le32::from(depth),
+        max_recv_wr: Le32::from(depth),
+        max_send_sge: Le32::from(1),
+        max_recv_sge: Le32::from(1),
+        sq_ring: ring,
+        rq_ring: ring,
+        doorbell: Le64::from(doorbell.addr()),
+        ..Default::default()
+    };
+    let response = device
+        .raw_control(&control_request(Opcode::CreateQp as u16, &req), 64)
+        .unwrap();
+    assert_eq!(response_status(&response), Status::InvalidArgument as u16);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn the_rings_a_guest_holds_are_bounded_in_bytes() {
+    let quotas = Quotas {
+        max_ring_bytes: 1 << 20,
+        ..Quotas::default()
+    };
+    let backend = start_backend_with(&test_device_name(), quotas);
+    let device = Device::attach(&backend.socket).unwrap();
+    // 4096 CQEs of 32 bytes: 128 KiB each, eight fit in 1 MiB.
+    let mut cqs: Vec<_> = (0..8).map(|_| device.create_cq(4096).unwrap()).collect();
+    match device.create_cq(4096) {
+        Err(Error::Device { status, .. }) => assert_eq!(status, Status::NoResources),
+        other => panic!("a ninth CQ: {:?}", other.map(|cq| cq.handle())),
+    }
+    cqs.pop();
+    device
+        .create_cq(4096)
+        .expect("a destroyed CQ's bytes are free again");
 }

@@ -38,6 +38,11 @@ impl GuestRing {
         GuestAddress(page + (offset & ((1 << self.page_shift) - 1)))
     }
 
+    /// Bytes of guest memory the ring spans.
+    pub fn bytes(&self) -> u64 {
+        u64::from(self.depth) << self.stride_shift
+    }
+
     pub(super) fn stride(&self) -> usize {
         1 << self.stride_shift
     }
@@ -61,6 +66,11 @@ pub struct CqData {
 }
 
 impl CqData {
+    /// Bytes of the guest's ring, which the ring quota counts.
+    pub fn ring_bytes(&self) -> u64 {
+        self.ring.bytes()
+    }
+
     pub fn new(
         handle: u32,
         host: Arc<dyn HostCompletionQueue>,
@@ -106,6 +116,11 @@ pub struct QpData {
 }
 
 impl QpData {
+    /// Bytes of the guest's rings, which the ring quota counts.
+    pub fn ring_bytes(&self) -> u64 {
+        self.sq.bytes() + self.rq.as_ref().map_or(0, GuestRing::bytes)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         handle: u32,
@@ -154,6 +169,11 @@ pub struct SrqData {
 }
 
 impl SrqData {
+    /// Bytes of the guest's ring, which the ring quota counts.
+    pub fn ring_bytes(&self) -> u64 {
+        self.ring.bytes()
+    }
+
     pub fn new(
         handle: u32,
         srq: Arc<dyn HostSharedReceiveQueue>,

@@ -85,6 +85,7 @@ pub struct Device {
     offered: u64,
     /// What the driver acknowledged (of `offered`): what commands are checked against.
     features: u64,
+    quotas: crate::Quotas,
     objects: Objects,
     data_path: DataPath,
 }
@@ -126,6 +127,7 @@ impl Device {
         )?;
         Ok(Device {
             data_path,
+            quotas: config.quotas,
             offered: limits::offered_features(&host_attr),
             features: limits::offered_features(&host_attr),
             host,
@@ -420,8 +422,31 @@ impl Device {
         let expected = pages_needed(0, bytes, list.page_shift)
             .ok_or_else(|| CommandError::invalid("ring size overflows"))?;
         let pages = mtt::resolve_page_list(mem, list, expected, &self.page_rules())?;
-        let gpas = pages.into_iter().map(|p| p.gpa).collect();
+        let gpas: Vec<u64> = pages.into_iter().map(|p| p.gpa).collect();
+        // One page listed many times would let a small guest buffer stand for a huge queue
+        // on the host.
+        let mut distinct = gpas.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() != gpas.len() {
+            return Err(CommandError::invalid("a ring's pages must all be distinct"));
+        }
         Ok(GuestRing::new(gpas, list.page_shift, stride_shift, depth))
+    }
+
+    /// Whether `bytes` more of rings fit the guest's ring quota.
+    fn check_ring_quota(&self, bytes: u64) -> Result<(), CommandError> {
+        let quota = self.quotas.max_ring_bytes;
+        if self.objects.ring_bytes.saturating_add(bytes) > quota {
+            return Err(CommandError::new(
+                Status::NoResources,
+                format!(
+                    "{bytes} more bytes of rings exceed the quota of {quota} ({} in use)",
+                    self.objects.ring_bytes
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn create_cq<M: GuestMemoryBackend>(&mut self, mem: &M, req: CreateCqRequest) -> CommandResult {
@@ -433,6 +458,7 @@ impl Device {
         }
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, CqDoorbell>(mem, doorbell, 16)?;
+        self.check_ring_quota(u64::from(depth) * CQE_SIZE as u64)?;
         let ring = self.ring(mem, &req.ring, depth, CQE_SIZE.trailing_zeros() as u8)?;
         let handle = self.objects.new_handle();
         let channel = self.data_path.channel_for_cq(handle);
@@ -541,6 +567,11 @@ impl Device {
             Some(h) => Some(Arc::clone(&self.objects.srq(h)?.host)),
             None => None,
         };
+        let rq_bytes = match srq {
+            Some(_) => 0,
+            None => u64::from(caps.max_recv_wr) << req.rq_wqe_shift,
+        };
+        self.check_ring_quota((u64::from(caps.max_send_wr) << req.sq_wqe_shift) + rq_bytes)?;
         let sq = self.ring(mem, &req.sq_ring, caps.max_send_wr, req.sq_wqe_shift)?;
         let rq = match srq {
             Some(_) => None,
@@ -617,6 +648,7 @@ impl Device {
         let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, SrqDoorbell>(mem, doorbell, 16)?;
+        self.check_ring_quota(u64::from(max_wr) << req.wqe_shift)?;
         let ring = self.ring(mem, &req.ring, max_wr, req.wqe_shift)?;
         let srq = pd.create_srq(max_wr, max_sge)?;
         let handle = self.objects.new_handle();

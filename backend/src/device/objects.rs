@@ -59,6 +59,8 @@ pub struct AhEntry {
 #[derive(Default)]
 pub struct Objects {
     last_handle: Handle,
+    /// Bytes of the guest rings of all CQs, QPs and SRQs (the ring quota's measure).
+    pub ring_bytes: u64,
     // Field order is drop order: children before the objects they use.
     pub qps: HashMap<Handle, QpEntry>,
     pub ahs: HashMap<Handle, AhEntry>,
@@ -134,6 +136,7 @@ impl Objects {
     /// Inserts an SRQ under a handle from [`Objects::new_handle`].
     pub fn insert_srq(&mut self, h: Handle, entry: SrqEntry) {
         self.use_pd(entry.pd, 1);
+        self.ring_bytes += entry.data.ring_bytes();
         self.srqs.insert(h, entry);
     }
 
@@ -144,6 +147,7 @@ impl Objects {
         }
         if let Some(entry) = self.srqs.remove(&h) {
             self.use_pd(entry.pd, -1);
+            self.ring_bytes -= entry.data.ring_bytes();
         }
         Ok(())
     }
@@ -171,6 +175,7 @@ impl Objects {
 
     /// Inserts a CQ under a handle from [`Objects::new_handle`].
     pub fn insert_cq(&mut self, h: Handle, entry: CqEntry) {
+        self.ring_bytes += entry.data.ring_bytes();
         self.cqs.insert(h, entry);
     }
 
@@ -179,7 +184,9 @@ impl Objects {
         if users > 0 {
             return Err(busy("CQ", h, users));
         }
-        self.cqs.remove(&h);
+        if let Some(entry) = self.cqs.remove(&h) {
+            self.ring_bytes -= entry.data.ring_bytes();
+        }
         Ok(())
     }
 
@@ -214,6 +221,7 @@ impl Objects {
         self.use_cq(entry.send_cq, 1);
         self.use_cq(entry.recv_cq, 1);
         self.use_srq(entry.srq, 1);
+        self.ring_bytes += entry.data.ring_bytes();
         self.qps.insert(h, entry);
     }
 
@@ -223,6 +231,7 @@ impl Objects {
         self.use_cq(entry.send_cq, -1);
         self.use_cq(entry.recv_cq, -1);
         self.use_srq(entry.srq, -1);
+        self.ring_bytes -= entry.data.ring_bytes();
         Ok(())
     }
 
