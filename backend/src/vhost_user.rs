@@ -355,10 +355,11 @@ fn start_connection(
             drop(daemon);
             drop(serving); // the last reference: the device and its host objects go
             log::info!(
-                "connection {connection}: closed, {objects} objects released; {} WQEs, {} completions, {} kicks",
+                "connection {connection}: closed, {objects} objects released; {} WQEs, {} completions, {} kicks, {} WQEs refused",
                 stats.wqes,
                 stats.completions,
-                stats.kicks
+                stats.kicks,
+                stats.refused
             );
         })
         .map_err(Error::Io)?;

@@ -118,6 +118,8 @@ pub struct Stats {
     pub wqes: u64,
     pub completions: u64,
     pub kicks: u64,
+    /// WQEs the device refused (completed in error without reaching the host).
+    pub refused: u64,
 }
 
 struct Shared {
@@ -134,6 +136,7 @@ struct Shared {
     kicks: Vec<AtomicU64>,
     wqes: AtomicU64,
     completions: AtomicU64,
+    refused: AtomicU64,
     idle_spin: Duration,
     stop: AtomicBool,
 }
@@ -412,6 +415,7 @@ impl DataPath {
         Stats {
             wqes: self.shared.wqes.load(Ordering::Relaxed),
             completions: self.shared.completions.load(Ordering::Relaxed),
+            refused: self.shared.refused.load(Ordering::Relaxed),
             kicks: self
                 .shared
                 .kicks
@@ -455,6 +459,7 @@ impl Shared {
             kicks: (0..num_notify_queues).map(|_| AtomicU64::new(0)).collect(),
             wqes: AtomicU64::new(0),
             completions: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             idle_spin,
             stop: AtomicBool::new(false),
         }

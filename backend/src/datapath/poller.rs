@@ -9,8 +9,8 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryBackend, Vola
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vrdma_spec::codec::{ring_pending, ArmRequest};
 use vrdma_spec::ring::{
-    cqe_owner_for, event_kind, wc_opcode, wc_status, CqDoorbell, Cqe, NotifyState, QpDoorbell,
-    SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
+    cqe_owner_for, event_kind, wc_opcode, CqDoorbell, Cqe, NotifyState, QpDoorbell, SrqDoorbell,
+    CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
@@ -299,7 +299,7 @@ impl Poller {
     /// Moves the QP to the error state after a WQE or record it cannot use: the host then
     /// flushes everything outstanding, as hardware would. Said (log line, QP_FATAL) once per
     /// QP, however often a guest repeats the mistake.
-    fn fail_qp(&self, qp: &QpData, progress: &mut QpProgress, reason: &str) {
+    fn fail_qp(&self, qp: &QpData, progress: &mut QpProgress, reason: &dyn std::fmt::Display) {
         if progress.in_error {
             log::debug!("QP {:#x}: {reason}", qp.handle);
             return;
@@ -324,7 +324,7 @@ impl Poller {
         qp: &QpData,
         progress: &mut QpProgress,
         cq: &CqData,
-        (cqe, reason): (Cqe, &str),
+        (cqe, reason): (Cqe, &WqeError),
     ) -> bool {
         let mut cq_progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
         if self.cq_room(mem, cq, &mut cq_progress).unwrap_or(0) == 0
@@ -333,6 +333,7 @@ impl Poller {
             return false;
         }
         drop(cq_progress);
+        self.shared.refused.fetch_add(1, Ordering::Relaxed);
         self.fail_qp(qp, progress, reason);
         true
     }
@@ -350,7 +351,7 @@ impl Poller {
             Ordering::Acquire,
         ) else {
             progress.failed = true;
-            self.fail_qp(qp, &mut progress, "doorbell record unreadable");
+            self.fail_qp(qp, &mut progress, &"doorbell record unreadable");
             return Visit::WORKED;
         };
         let pending = ring_pending(producer, progress.sq_consumer);
@@ -387,7 +388,7 @@ impl Poller {
                     .is_err()
                 {
                     progress.failed = true;
-                    self.fail_qp(qp, &mut progress, "SQ ring unreadable");
+                    self.fail_qp(qp, &mut progress, &"SQ ring unreadable");
                     return Visit::WORKED;
                 }
                 let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
@@ -402,10 +403,7 @@ impl Poller {
                                     self.ahs.push(Arc::clone(handle))
                                 }
                                 _ => {
-                                    let error = WqeError {
-                                        status: wc_status::LOC_PROT_ERR,
-                                        reason: format!("AH {ah:#x} is not in the QP's PD"),
-                                    };
+                                    let error = WqeError::UnknownAh(ah);
                                     refused = Some((wr_id, request.op.completion_opcode(), error));
                                     break;
                                 }
@@ -426,8 +424,8 @@ impl Poller {
         let all_posted = posted == self.requests.len();
         let mut refused_one = false;
         if let (true, Some((wr_id, opcode, error))) = (all_posted, refused) {
-            let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status, opcode);
-            let refusal = (cqe, error.reason.as_str());
+            let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status(), opcode);
+            let refusal = (cqe, &error);
             refused_one = self.refuse_wqe(mem, qp, &mut progress, &qp.send_cq, refusal);
             if refused_one {
                 progress.sq_consumer = progress.sq_consumer.wrapping_add(1);
@@ -518,14 +516,7 @@ impl Poller {
                 .read_slice(slot, ring.slot(consumer.wrapping_add(i)))
                 .is_err()
             {
-                let reason = "receive ring unreadable".to_string();
-                return Some((
-                    0,
-                    WqeError {
-                        status: wc_status::LOC_QP_OP_ERR,
-                        reason,
-                    },
-                ));
+                return Some((0, WqeError::RingUnreadable));
             }
             let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
             match wqe::parse_recv(slot, rules, &lookup, &mut self.sges) {
@@ -592,8 +583,8 @@ impl Poller {
         progress.rq_consumer = progress.rq_consumer.wrapping_add(posted as u32);
         let mut refused_one = false;
         if let (true, Some((wr_id, error))) = (posted == self.recv.len(), refused) {
-            let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status, wc_opcode::RECV);
-            let refusal = (cqe, error.reason.as_str());
+            let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status(), wc_opcode::RECV);
+            let refusal = (cqe, &error);
             refused_one = self.refuse_wqe(mem, qp, &mut progress, &qp.recv_cq, refusal);
             if refused_one {
                 progress.rq_consumer = progress.rq_consumer.wrapping_add(1);
@@ -649,7 +640,7 @@ impl Poller {
                 GuestAddress(srq.doorbell + SrqDoorbell::CONSUMER),
                 Ordering::Release,
             );
-            refused.map(|(_, error)| error.reason)
+            refused.map(|(_, error)| error.to_string())
         };
         if let Some(reason) = refused {
             log::warn!(

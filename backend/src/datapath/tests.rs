@@ -541,6 +541,7 @@ fn a_refused_wqe_waits_for_room_in_its_cq_and_the_qp_fails_once() {
         (10, 11)
     );
     assert_eq!(rig.events(), vec![(event_kind::QP_FATAL, QP_HANDLE)]);
+    assert_eq!(rig.shared.refused.load(Ordering::Relaxed), 2, "counted");
 }
 
 #[test]

@@ -1,30 +1,60 @@
 //! Work queue entries copied out of a guest ring, checked against SPEC.md §7 and turned into
 //! host work requests. Pure: the caller supplies the MR table; nothing here touches memory.
 
-use vrdma_spec::codec::{sge_offset, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER};
+use vrdma_spec::codec::{sge_offset, WqeFormatError, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER};
 use vrdma_spec::ring::{wc_status, RecvWqe, SendWqe, Sge as WireSge};
 use vrdma_spec::ByteValued;
 
 use crate::hostverbs::{SendOp, Sge};
 
-/// Why a WQE was refused, and the completion status that says so (SPEC.md §7.5).
-#[derive(Debug, PartialEq, Eq)]
-pub struct WqeError {
-    pub status: u8,
-    pub reason: String,
+/// Why a WQE was refused: one variant per rule (SPEC.md §7), each with the completion
+/// status that reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WqeError {
+    #[error(transparent)]
+    Format(#[from] WqeFormatError),
+    #[error("UD QPs only send")]
+    UdNotSend,
+    #[error("atomics were not negotiated")]
+    AtomicsNotNegotiated,
+    #[error("INLINE only with SEND or RDMA WRITE")]
+    InlineOperation,
+    #[error("inline payload of {0} bytes does not fit")]
+    InlineTooLong(u32),
+    #[error("{0} SGEs exceed the queue's limit")]
+    TooManySges(usize),
+    #[error("an atomic takes exactly one 8-byte SGE")]
+    AtomicSge,
+    #[error("atomic target {0:#x} is not 8-byte aligned")]
+    AtomicAlignment(u64),
+    #[error("remote QPN {0:#x} exceeds 24 bits")]
+    RemoteQpn(u32),
+    #[error("SGE {index}: lkey {lkey:#x} is not an MR of this guest")]
+    UnknownLkey { index: usize, lkey: u32 },
+    #[error("SGE {index}: lkey {lkey:#x} belongs to another PD")]
+    OtherPd { index: usize, lkey: u32 },
+    #[error("SGE {index}: {addr:#x}+{length:#x} outside its MR")]
+    OutsideMr {
+        index: usize,
+        addr: u64,
+        length: u32,
+    },
+    #[error("AH {0:#x} is not an AH of the QP's PD")]
+    UnknownAh(u32),
+    #[error("the ring is unreadable")]
+    RingUnreadable,
 }
 
-fn malformed(reason: String) -> WqeError {
-    WqeError {
-        status: wc_status::LOC_QP_OP_ERR,
-        reason,
-    }
-}
-
-fn protection(reason: String) -> WqeError {
-    WqeError {
-        status: wc_status::LOC_PROT_ERR,
-        reason,
+impl WqeError {
+    /// The `ibv_wc_status` of the refused WQE's completion (SPEC.md §7.5).
+    pub fn status(&self) -> u8 {
+        match self {
+            WqeError::UnknownLkey { .. }
+            | WqeError::OtherPd { .. }
+            | WqeError::OutsideMr { .. }
+            | WqeError::UnknownAh(_) => wc_status::LOC_PROT_ERR,
+            _ => wc_status::LOC_QP_OP_ERR,
+        }
     }
 }
 
@@ -84,24 +114,20 @@ fn check_sges(
             sge.length.to_native(),
             sge.lkey.to_native(),
         );
-        let mr = lookup(lkey).ok_or_else(|| {
-            protection(format!(
-                "SGE {i}: lkey {lkey:#x} is not an MR of this guest"
-            ))
-        })?;
+        let mr = lookup(lkey).ok_or(WqeError::UnknownLkey { index: i, lkey })?;
         if mr.pd != rules.pd {
-            return Err(protection(format!(
-                "SGE {i}: lkey {lkey:#x} belongs to another PD"
-            )));
+            return Err(WqeError::OtherPd { index: i, lkey });
         }
         let inside = addr >= mr.start
             && addr
                 .checked_add(u64::from(length))
                 .is_some_and(|end| end <= mr.start + mr.len);
         if !inside {
-            return Err(protection(format!(
-                "SGE {i}: {addr:#x}+{length:#x} outside its MR"
-            )));
+            return Err(WqeError::OutsideMr {
+                index: i,
+                addr,
+                length,
+            });
         }
         out.push(Sge { addr, length, lkey });
     }
@@ -116,24 +142,22 @@ pub fn parse_send(
     sges: &mut Vec<Sge>,
 ) -> Result<SendRequest, WqeError> {
     let wqe: SendWqe = read(slot);
-    let header = wqe.decode().map_err(|e| malformed(e.to_string()))?;
+    let header = wqe.decode()?;
     let op = header.op;
     if rules.ud && !op.is_send() {
-        return Err(malformed("UD QPs only send".into()));
+        return Err(WqeError::UdNotSend);
     }
     if op.is_atomic() && !rules.atomics {
-        return Err(malformed("atomics were not negotiated".into()));
+        return Err(WqeError::AtomicsNotNegotiated);
     }
     let (inline_len, sge_count) = match header.payload {
         WqePayload::Inline(len) => {
             let len = len as usize;
             if !op.may_be_inline() {
-                return Err(malformed("INLINE only with SEND or RDMA WRITE".into()));
+                return Err(WqeError::InlineOperation);
             }
             if len > rules.max_inline as usize || SEND_WQE_HEADER + len > rules.sq_stride {
-                return Err(malformed(format!(
-                    "inline payload of {len} bytes does not fit"
-                )));
+                return Err(WqeError::InlineTooLong(len as u32));
             }
             (Some(len), 0)
         }
@@ -142,7 +166,7 @@ pub fn parse_send(
             if count > rules.max_send_sge as usize
                 || sge_offset(SEND_WQE_HEADER, count) > rules.sq_stride
             {
-                return Err(malformed(format!("{count} SGEs exceed the QP's limit")));
+                return Err(WqeError::TooManySges(count));
             }
             let first = sges.len();
             check_sges(&slot[SEND_WQE_HEADER..], count, rules, lookup, sges)?;
@@ -150,12 +174,10 @@ pub fn parse_send(
             | SendOp::FetchAndAdd { remote_addr, .. } = op
             {
                 if count != 1 || sges[first].length != 8 {
-                    return Err(malformed("an atomic takes exactly one 8-byte SGE".into()));
+                    return Err(WqeError::AtomicSge);
                 }
                 if !remote_addr.is_multiple_of(8) {
-                    return Err(malformed(format!(
-                        "atomic target {remote_addr:#x} is not 8-byte aligned"
-                    )));
+                    return Err(WqeError::AtomicAlignment(remote_addr));
                 }
             }
             (None, count)
@@ -166,7 +188,7 @@ pub fn parse_send(
         .then_some((header.ud.ah, header.ud.remote_qpn, header.ud.remote_qkey));
     if let Some((_, qpn, _)) = ud {
         if qpn >= 1 << 24 {
-            return Err(malformed(format!("remote QPN {qpn:#x} exceeds 24 bits")));
+            return Err(WqeError::RemoteQpn(qpn));
         }
     }
     Ok(SendRequest {
@@ -191,7 +213,7 @@ pub fn parse_recv(
     let wqe: RecvWqe = read(slot);
     let count = wqe.num_sge.to_native() as usize;
     if count > rules.max_recv_sge as usize || sge_offset(RECV_WQE_HEADER, count) > rules.rq_stride {
-        return Err(malformed(format!("{count} SGEs exceed the queue's limit")));
+        return Err(WqeError::TooManySges(count));
     }
     check_sges(&slot[RECV_WQE_HEADER..], count, rules, lookup, sges)?;
     Ok((wqe.wr_id.to_native(), count))
@@ -283,50 +305,67 @@ mod tests {
             (u64::MAX - 4, 16, 1),
         ] {
             let err = send(&slot(write(1), &[sge]), &RULES).unwrap_err();
-            assert_eq!(
-                err.status,
-                wc_status::LOC_PROT_ERR,
-                "{sge:?}: {}",
-                err.reason
-            );
+            assert_eq!(err.status(), wc_status::LOC_PROT_ERR, "{sge:?}: {err}");
+            let (addr, length, lkey) = sge;
+            let expected = match lkey {
+                9 => WqeError::UnknownLkey { index: 0, lkey },
+                2 => WqeError::OtherPd { index: 0, lkey },
+                _ => WqeError::OutsideMr {
+                    index: 0,
+                    addr,
+                    length,
+                },
+            };
+            assert_eq!(err, expected);
         }
     }
 
     #[test]
     fn malformed_wqes_are_local_qp_operation_errors() {
         let cases = [
-            SendWqe {
-                opcode: 9,
-                ..write(0)
-            },
-            SendWqe {
-                flags: 0x80,
-                ..write(0)
-            },
-            write(3),
-            SendWqe {
-                flags: wqe_flags::INLINE,
-                inline_len: Le32::from(65),
-                ..write(0)
-            },
-            SendWqe {
-                opcode: wr_opcode::RDMA_READ,
-                flags: wqe_flags::INLINE,
-                ..write(0)
-            },
-            SendWqe {
-                opcode: wr_opcode::ATOMIC_FETCH_AND_ADD,
-                ..write(0)
-            },
+            (
+                SendWqe {
+                    opcode: 9,
+                    ..write(0)
+                },
+                WqeError::Format(WqeFormatError::UnknownOpcode(9)),
+            ),
+            (
+                SendWqe {
+                    flags: 0x80,
+                    ..write(0)
+                },
+                WqeError::Format(WqeFormatError::UnknownFlags(0x80)),
+            ),
+            (write(3), WqeError::TooManySges(3)),
+            (
+                SendWqe {
+                    flags: wqe_flags::INLINE,
+                    inline_len: Le32::from(65),
+                    ..write(0)
+                },
+                WqeError::InlineTooLong(65),
+            ),
+            (
+                SendWqe {
+                    opcode: wr_opcode::RDMA_READ,
+                    flags: wqe_flags::INLINE,
+                    ..write(0)
+                },
+                WqeError::InlineOperation,
+            ),
+            (
+                SendWqe {
+                    opcode: wr_opcode::ATOMIC_FETCH_AND_ADD,
+                    ..write(0)
+                },
+                WqeError::AtomicSge,
+            ),
         ];
-        for (i, wqe) in cases.into_iter().enumerate() {
+        for (wqe, expected) in cases {
             let err = send(&slot(wqe, &[]), &RULES).unwrap_err();
-            assert_eq!(
-                err.status,
-                wc_status::LOC_QP_OP_ERR,
-                "case {i}: {}",
-                err.reason
-            );
+            assert_eq!(err, expected);
+            assert_eq!(err.status(), wc_status::LOC_QP_OP_ERR, "{err}");
         }
         let misaligned = SendWqe {
             opcode: wr_opcode::ATOMIC_CMP_AND_SWP,
@@ -334,10 +373,8 @@ mod tests {
             ..write(1)
         };
         assert_eq!(
-            send(&slot(misaligned, &[(0x1000, 8, 1)]), &RULES)
-                .unwrap_err()
-                .status,
-            wc_status::LOC_QP_OP_ERR
+            send(&slot(misaligned, &[(0x1000, 8, 1)]), &RULES).unwrap_err(),
+            WqeError::AtomicAlignment(0x9004)
         );
         let no_atomics = QpRules {
             atomics: false,
@@ -348,16 +385,13 @@ mod tests {
             ..write(1)
         };
         assert_eq!(
-            send(&slot(atomic, &[(0x1000, 8, 1)]), &no_atomics)
-                .unwrap_err()
-                .status,
-            wc_status::LOC_QP_OP_ERR
+            send(&slot(atomic, &[(0x1000, 8, 1)]), &no_atomics).unwrap_err(),
+            WqeError::AtomicsNotNegotiated
         );
         let ud = QpRules { ud: true, ..RULES };
         assert_eq!(
-            send(&slot(write(0), &[]), &ud).unwrap_err().status,
-            wc_status::LOC_QP_OP_ERR,
-            "UD cannot write"
+            send(&slot(write(0), &[]), &ud).unwrap_err(),
+            WqeError::UdNotSend
         );
     }
 
@@ -401,10 +435,8 @@ mod tests {
         );
         bytes[8] = 3; // num_sge beyond max_recv_sge
         assert_eq!(
-            parse_recv(&bytes, &RULES, &lookup, &mut sges)
-                .unwrap_err()
-                .status,
-            wc_status::LOC_QP_OP_ERR
+            parse_recv(&bytes, &RULES, &lookup, &mut sges).unwrap_err(),
+            WqeError::TooManySges(3)
         );
     }
 }
