@@ -413,12 +413,14 @@ impl ArmRequest {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Proptest strategies over the codec's types, for property tests of either side.
+#[cfg(any(test, feature = "testing"))]
+pub mod strategies {
+    use super::SendOp;
     use proptest::prelude::*;
 
-    fn send_op() -> impl Strategy<Value = SendOp> {
+    /// Any send operation, operands included.
+    pub fn send_op() -> impl Strategy<Value = SendOp> {
         let addr = any::<u64>();
         let key = any::<u32>();
         prop_oneof![
@@ -450,6 +452,13 @@ mod tests {
             }),
         ]
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strategies::send_op;
+    use super::*;
+    use proptest::prelude::*;
 
     fn send_header() -> impl Strategy<Value = SendHeader> {
         let payload = prop_oneof![

@@ -7,7 +7,7 @@ use vrdma_backend::datapath::wqe::{parse_recv, parse_send, MrRange, QpRules};
 use vrdma_backend::hostverbs::Sge as HostSge;
 use vrdma_guest::verbs::{encode_recv, encode_send, QpType, SendShape};
 use vrdma_guest::{Payload, RecvWr, SendOp, SendWr, Sge};
-use vrdma_spec::codec::{recv_wqe_shift, send_wqe_shift, SEND_WQE_HEADER};
+use vrdma_spec::codec::{recv_wqe_shift, send_wqe_shift, strategies, SEND_WQE_HEADER};
 
 const PD: u32 = 3;
 const MAX_SGE: u32 = 4;
@@ -43,54 +43,64 @@ fn sge() -> impl Strategy<Value = Sge> {
     })
 }
 
-/// A send request the device accepts on an RC QP with atomics.
+/// A send request the device accepts on an RC QP with atomics: atomics with one 8-byte SGE
+/// and an aligned target, inline payloads only where allowed.
 fn send_request() -> impl Strategy<Value = (SendOp, Vec<Sge>, Option<Vec<u8>>)> {
-    let addr = any::<u64>();
-    let key = any::<u32>();
-    let gathered = prop_oneof![
-        Just(SendOp::Send),
-        any::<u32>().prop_map(|imm| SendOp::SendWithImm { imm }),
-        (addr, key).prop_map(|(remote_addr, rkey)| SendOp::RdmaWrite { remote_addr, rkey }),
-        (addr, key, any::<u32>()).prop_map(|(remote_addr, rkey, imm)| {
-            SendOp::RdmaWriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            }
-        }),
-        (addr, key).prop_map(|(remote_addr, rkey)| SendOp::RdmaRead { remote_addr, rkey }),
-    ];
-    let atomic = prop_oneof![
-        (addr, key, any::<u64>(), any::<u64>()).prop_map(|(a, rkey, compare, swap)| {
-            SendOp::CompareAndSwap {
-                remote_addr: a & !7,
+    let sges = proptest::collection::vec(sge(), 1..=MAX_SGE as usize);
+    let inline = proptest::option::of(proptest::collection::vec(
+        any::<u8>(),
+        0..=MAX_INLINE as usize,
+    ));
+    (strategies::send_op(), sges, inline).prop_map(|(op, mut sges, inline)| match op {
+        SendOp::CompareAndSwap {
+            remote_addr,
+            rkey,
+            compare,
+            swap,
+        } => {
+            let op = SendOp::CompareAndSwap {
+                remote_addr: remote_addr & !7,
                 rkey,
                 compare,
                 swap,
-            }
-        }),
-        (addr, key, any::<u64>()).prop_map(|(a, rkey, add)| SendOp::FetchAndAdd {
-            remote_addr: a & !7,
+            };
+            (
+                op,
+                vec![Sge {
+                    length: 8,
+                    ..sges[0]
+                }],
+                None,
+            )
+        }
+        SendOp::FetchAndAdd {
+            remote_addr,
             rkey,
             add,
-        }),
-    ];
-    prop_oneof![
-        (
-            gathered,
-            proptest::collection::vec(sge(), 0..=MAX_SGE as usize)
-        )
-            .prop_map(|(op, sges)| (op, sges, None)),
-        (atomic, sge()).prop_map(|(op, sge)| (op, vec![Sge { length: 8, ..sge }], None)),
-        (
-            prop_oneof![
-                Just(SendOp::Send),
-                (addr, key).prop_map(|(remote_addr, rkey)| SendOp::RdmaWrite { remote_addr, rkey })
-            ],
-            proptest::collection::vec(any::<u8>(), 0..=MAX_INLINE as usize)
-        )
-            .prop_map(|(op, data)| (op, Vec::new(), Some(data))),
-    ]
+        } => {
+            let op = SendOp::FetchAndAdd {
+                remote_addr: remote_addr & !7,
+                rkey,
+                add,
+            };
+            (
+                op,
+                vec![Sge {
+                    length: 8,
+                    ..sges[0]
+                }],
+                None,
+            )
+        }
+        op if inline.is_some() && op.may_be_inline() => (op, Vec::new(), inline),
+        op => {
+            // Also requests with no SGE at all.
+            if sges.len() == MAX_SGE as usize {
+                sges.clear();
+            }
+            (op, sges, None)
+        }
+    })
 }
 
 fn host_sges(sges: &[Sge]) -> Vec<HostSge> {
