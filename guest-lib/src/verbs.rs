@@ -18,9 +18,9 @@ use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::ctrl::{
     qp_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
     CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse, DeviceAttr,
-    HandleRequest, ModifyQpRequest, Opcode, PortAttr, QpAttr as WireQpAttr, QueryGidRequest,
-    QueryGidResponse, QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
-    SetNotifyAreaRequest, Status,
+    HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode, PortAttr, QpAttr as WireQpAttr,
+    QueryGidRequest, QueryGidResponse, QueryPortRequest, RegMrRequest, RegMrResponse,
+    RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status,
 };
 use vrdma_spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES, PAGE_LIST_ENTRIES_PER_PAGE};
 use vrdma_spec::ring::{
@@ -1104,6 +1104,22 @@ impl SharedReceiveQueue {
 
     pub fn max_sge(&self) -> u32 {
         self.inner.max_sge
+    }
+
+    /// Arms the SRQ's limit: [`DeviceEvent::SrqLimitReached`] once, when fewer than `limit`
+    /// of its receive WQEs are left (SPEC.md §5.13); 0 disarms. Below the SRQ's depth.
+    pub fn set_limit(&self, limit: u32) -> Result<()> {
+        let request = ModifySrqRequest {
+            handle: Le32::from(self.inner.handle),
+            attr_mask: Le32::from(vrdma_spec::ctrl::SRQ_ATTR_LIMIT),
+            srq_limit: Le32::from(limit),
+            reserved: Le32::from(0),
+        };
+        self.inner
+            .pd
+            .device
+            .command::<_, Empty>(Opcode::ModifySrq, &request)?;
+        Ok(())
     }
 }
 

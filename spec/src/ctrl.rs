@@ -529,12 +529,15 @@ pub struct CreateSrqResponse {
     pub doorbell_bit: Le16,
 }
 
+/// MODIFY_SRQ's `attr_mask`: ibverbs' IBV_SRQ_LIMIT, the only attribute that changes.
+pub const SRQ_ATTR_LIMIT: u32 = 1 << 1;
+
 /// MODIFY_SRQ request (SPEC.md §5.13): only the limit can change (mask bit 1 << 1).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ModifySrqRequest {
     pub handle: Le32,
-    /// Must be exactly 1 << 1 (ibverbs IBV_SRQ_LIMIT).
+    /// Must be exactly [`SRQ_ATTR_LIMIT`].
     pub attr_mask: Le32,
     pub srq_limit: Le32,
     pub reserved: Le32,

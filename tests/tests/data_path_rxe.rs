@@ -692,3 +692,59 @@ fn a_cq_overrun_by_its_driver_is_reported_not_silent() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn an_srq_below_its_limit_raises_one_event() {
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    let srq = b.pd.create_srq(16, 1).unwrap();
+    let receiver = QueuePair::builder(QpType::Rc, &b.cq)
+        .srq(&srq)
+        .build(&b.pd)
+        .unwrap();
+    let sender = QueuePair::builder(QpType::Rc, &a.cq)
+        .max_inline_data(16)
+        .build(&a.pd)
+        .unwrap();
+    let (index, gid) = a.device.gid().unwrap();
+    connect_guest_qp(&sender, index as u8, gid, receiver.qp_num()).unwrap();
+    connect_guest_qp(&receiver, index as u8, gid, sender.qp_num()).unwrap();
+    let slots: Vec<[Sge; 1]> = (0..8).map(|i| [b.sge(i * 64, 64)]).collect();
+    let receives: Vec<RecvWr> = slots
+        .iter()
+        .enumerate()
+        .map(|(i, sges)| RecvWr {
+            wr_id: i as u64,
+            sges,
+        })
+        .collect();
+    srq.post_recv(&receives).unwrap();
+    srq.set_limit(5).unwrap();
+    let send = |n: u64| {
+        for i in 0..n {
+            sender
+                .post_send(&[SendWr::new(i, SendOp::Send, Payload::Inline(b"limit"))])
+                .unwrap();
+            wait_for_guest_completions(&a.cq, 1);
+            wait_for_guest_completions(&b.cq, 1);
+        }
+    };
+    let next_event = |wait| b.device.wait_event(wait).unwrap();
+    // 8 posted, 3 taken: 5 left, not below the limit.
+    send(3);
+    assert_eq!(next_event(Duration::from_millis(500)), None);
+    // The fourth leaves 4: one event.
+    send(1);
+    assert_eq!(
+        next_event(Duration::from_secs(10)),
+        Some(DeviceEvent::SrqLimitReached(srq.handle()))
+    );
+    // It disarmed itself.
+    send(1);
+    assert_eq!(next_event(Duration::from_millis(500)), None);
+    assert!(
+        srq.set_limit(16).is_err(),
+        "a limit must be below the depth"
+    );
+}

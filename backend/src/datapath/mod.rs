@@ -24,12 +24,12 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-use vrdma_spec::codec::doorbell_word;
+use vrdma_spec::codec::{doorbell_word, ring_pending};
 use vrdma_spec::ctrl::PORT_NUM;
-use vrdma_spec::ring::{event_kind, Event};
+use vrdma_spec::ring::{event_kind, Event, SrqDoorbell};
 use vrdma_spec::{Le16, Le32};
 
 use crate::hostverbs::{self, AddressHandle, AsyncEvent, CompletionChannel, Context};
@@ -129,6 +129,8 @@ struct Shared {
     shards: Vec<Shard>,
     num_notify_queues: u32,
     notify_area: Mutex<Option<NotifyArea>>,
+    /// The SRQ each QP that receives through one takes its receives from, by QP number.
+    srq_receivers: RwLock<HashMap<u32, Arc<SrqData>>>,
     /// Bits of the doorbell bitmap.
     doorbell_bits: u32,
     sink: Mutex<Option<Arc<dyn EventSink>>>,
@@ -270,6 +272,39 @@ impl DataPath {
         }
     }
 
+    /// The QP numbered `qp_num` takes its receives from `srq`: its receive completions count
+    /// towards the SRQ's limit.
+    pub fn receive_through(&self, qp_num: u32, srq: Arc<SrqData>) {
+        self.shared
+            .srq_receivers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(qp_num, srq);
+    }
+
+    pub fn forget_receiver(&self, qp_num: u32) {
+        self.shared
+            .srq_receivers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&qp_num);
+    }
+
+    /// Arms `srq`'s limit (SPEC.md §5.13): SRQ_LIMIT_REACHED when fewer than `limit` of its
+    /// WQEs are left, now or later; 0 disarms.
+    pub fn arm_srq_limit(&self, srq: &SrqData, limit: u32) {
+        srq.limit.store(limit, Ordering::Release);
+        if let Some(mem) = self
+            .shared
+            .mem
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            self.shared.check_srq_limit(&mem.memory(), srq);
+        }
+    }
+
     /// Tells the guest the device needs a reset (SPEC.md §8.4).
     pub fn device_fatal(&self) {
         self.shared.post_event(event_kind::DEVICE_FATAL, 0);
@@ -408,6 +443,11 @@ impl DataPath {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
+        self.shared
+            .srq_receivers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         self.set_notify_area(None);
     }
 
@@ -454,6 +494,7 @@ impl Shared {
             shards,
             num_notify_queues,
             notify_area: Mutex::new(None),
+            srq_receivers: RwLock::default(),
             sink: Mutex::new(None),
             pending_events: Mutex::default(),
             kicks: (0..num_notify_queues).map(|_| AtomicU64::new(0)).collect(),
@@ -483,6 +524,33 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner());
         if !pending.contains(&event) {
             pending.push_back(event);
+        }
+    }
+
+    /// Raises SRQ_LIMIT_REACHED once when fewer WQEs than the armed limit are left in the
+    /// SRQ: those the guest posted, less the receives that took one.
+    fn check_srq_limit(&self, mem: &Memory, srq: &SrqData) {
+        let limit = srq.limit.load(Ordering::Acquire);
+        if limit == 0 {
+            return;
+        }
+        let at = vm_memory::GuestAddress(srq.doorbell + SrqDoorbell::PRODUCER);
+        let Ok(posted) = vm_memory::Bytes::load::<u32>(mem, at, Ordering::Acquire) else {
+            return;
+        };
+        let left = ring_pending(posted, srq.received.load(Ordering::Acquire));
+        if left < limit && srq.limit.swap(0, Ordering::AcqRel) != 0 {
+            self.post_event(event_kind::SRQ_LIMIT_REACHED, srq.handle);
+            let _ = self.shards[0].wake.write(1);
+        }
+    }
+
+    /// A receive completion of QP `qp_num` was taken: count it against its SRQ, if any.
+    fn received_on(&self, mem: &Memory, qp_num: u32) {
+        let receivers = self.srq_receivers.read().unwrap_or_else(|e| e.into_inner());
+        if let Some(srq) = receivers.get(&qp_num) {
+            srq.received.fetch_add(1, Ordering::AcqRel);
+            self.check_srq_limit(mem, srq);
         }
     }
 

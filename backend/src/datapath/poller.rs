@@ -749,6 +749,9 @@ impl Poller {
             if !self.write_cqe(mem, cq, &mut progress, cqe) {
                 break;
             }
+            if wc.is_recv() {
+                self.shared.received_on(mem, wc.qp_num());
+            }
             moved += 1;
         }
         self.shared

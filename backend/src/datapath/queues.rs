@@ -1,7 +1,7 @@
 //! The data-path half of each queue: where its ring and doorbell record are in guest memory,
 //! what its WQEs may ask for, and how far the device has got.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::{Arc, Mutex};
 
 use vm_memory::GuestAddress;
@@ -166,9 +166,18 @@ pub struct SrqData {
     pub(super) ring: GuestRing,
     pub(super) doorbell: u64,
     pub(super) progress: Mutex<SrqProgress>,
+    /// The armed limit (SPEC.md §5.13); 0 when disarmed.
+    pub(super) limit: AtomicU32,
+    /// Receive completions taken from the SRQ, free-running.
+    pub(super) received: AtomicU32,
 }
 
 impl SrqData {
+    /// WQEs the SRQ holds.
+    pub fn depth(&self) -> u32 {
+        self.ring.depth
+    }
+
     /// Bytes of the guest's ring, which the ring quota counts.
     pub fn ring_bytes(&self) -> u64 {
         self.ring.bytes()
@@ -187,6 +196,8 @@ impl SrqData {
             failed: false,
         });
         SrqData {
+            limit: AtomicU32::new(0),
+            received: AtomicU32::new(0),
             handle,
             srq,
             notify_queue,

@@ -13,9 +13,10 @@ use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     gid_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
     CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse,
-    DeviceAttr as WireDeviceAttr, HandleRequest, ModifyQpRequest, Opcode, PortAttr as WirePortAttr,
-    QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse, QueryPortRequest, RegMrRequest,
-    RegMrResponse, RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status, PORT_NUM,
+    DeviceAttr as WireDeviceAttr, HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode,
+    PortAttr as WirePortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
+    QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
+    SetNotifyAreaRequest, Status, PORT_NUM,
 };
 use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SIZE};
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
@@ -278,10 +279,7 @@ impl Device {
             Opcode::SetNotifyArea => self.set_notify_area(mem, parse(payload)),
             Opcode::CreateSrq => self.create_srq(mem, parse(payload)),
             Opcode::DestroySrq => self.destroy_srq(parse(payload)),
-            Opcode::ModifySrq => Err(CommandError::new(
-                Status::Unsupported,
-                "SRQ limit events are not implemented",
-            )),
+            Opcode::ModifySrq => self.modify_srq(parse(payload)),
         }
     }
 
@@ -563,9 +561,12 @@ impl Device {
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, QpDoorbell>(mem, doorbell, 16)?;
         let srq_handle = Some(req.srq.to_native()).filter(|&h| h != 0);
-        let srq = match srq_handle {
-            Some(h) => Some(Arc::clone(&self.objects.srq(h)?.host)),
-            None => None,
+        let (srq, srq_data) = match srq_handle {
+            Some(h) => {
+                let entry = self.objects.srq(h)?;
+                (Some(Arc::clone(&entry.host)), Some(Arc::clone(&entry.data)))
+            }
+            None => (None, None),
         };
         let rq_bytes = match srq {
             Some(_) => 0,
@@ -617,6 +618,9 @@ impl Device {
             srq: srq_handle,
         };
         let doorbell_bit = self.data_path.add_qp(data).ok_or_else(no_doorbell_bit)?;
+        if let Some(srq) = srq_data {
+            self.data_path.receive_through(qp_num, srq);
+        }
         self.objects.insert_qp(handle, entry);
         reply(CreateQpResponse {
             handle: Le32::from(handle),
@@ -677,6 +681,8 @@ impl Device {
             pd: pd_handle,
             users: 0,
         };
+        self.data_path
+            .arm_srq_limit(&data, req.srq_limit.to_native());
         let doorbell_bit = self.data_path.add_srq(data).ok_or_else(no_doorbell_bit)?;
         self.objects.insert_srq(handle, entry);
         reply(CreateSrqResponse {
@@ -695,11 +701,19 @@ impl Device {
         Ok(Vec::new())
     }
 
+    fn modify_srq(&mut self, req: ModifySrqRequest) -> CommandResult {
+        let entry = self.objects.srq(req.handle.to_native())?;
+        let limit = validate::modify_srq(&req, entry.data.depth())?;
+        self.data_path.arm_srq_limit(&entry.data, limit);
+        Ok(Vec::new())
+    }
+
     fn destroy_qp(&mut self, req: HandleRequest) -> CommandResult {
         let handle = req.handle.to_native();
-        self.objects.qp(handle)?;
+        let qp_num = self.objects.qp(handle)?.host.qp_num();
         // Out of its poller first, so that no pass is using the QP when it goes.
         self.data_path.remove_qp(handle);
+        self.data_path.forget_receiver(qp_num);
         self.objects.remove_qp(handle)?;
         Ok(Vec::new())
     }

@@ -6,7 +6,7 @@ use vrdma_spec::codec::{recv_slot_bytes, send_slot_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     access, qp_attr_mask as wire_mask, qp_state, qp_type, AhAttr as WireAhAttr, CreateQpRequest,
-    CreateSrqRequest, ModifyQpRequest, Status,
+    CreateSrqRequest, ModifyQpRequest, ModifySrqRequest, Status, SRQ_ATTR_LIMIT,
 };
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
 
@@ -189,6 +189,30 @@ pub(super) fn create_qp(
     })
 }
 
+/// An SRQ limit (SPEC.md §5.13): below the SRQ's depth; 0 disarms.
+pub fn srq_limit(limit: u32, max_wr: u32) -> Result<u32, CommandError> {
+    if limit >= max_wr {
+        return Err(invalid(format!(
+            "SRQ limit {limit} is not below the SRQ's depth {max_wr}"
+        )));
+    }
+    Ok(limit)
+}
+
+/// MODIFY_SRQ (SPEC.md §5.13): the limit to arm, for an SRQ of `max_wr` WQEs.
+pub fn modify_srq(req: &ModifySrqRequest, max_wr: u32) -> Result<u32, CommandError> {
+    if req.attr_mask.to_native() != SRQ_ATTR_LIMIT {
+        return Err(invalid(format!(
+            "MODIFY_SRQ attr_mask {:#x}: only the limit ({SRQ_ATTR_LIMIT:#x}) can change",
+            req.attr_mask.to_native()
+        )));
+    }
+    if req.reserved.to_native() != 0 {
+        return Err(invalid("reserved fields must be zero".into()));
+    }
+    srq_limit(req.srq_limit.to_native(), max_wr)
+}
+
 /// CREATE_SRQ fields (SPEC.md §5.13): the depth and SGE count granted.
 pub fn create_srq(
     req: &CreateSrqRequest,
@@ -202,12 +226,7 @@ pub fn create_srq(
         1,
         config.max_sge.to_native(),
     )?;
-    if req.srq_limit.to_native() != 0 {
-        return Err(CommandError::new(
-            Status::Unsupported,
-            "SRQ limit events are not implemented",
-        ));
-    }
+    srq_limit(req.srq_limit.to_native(), max_wr)?;
     let shift = u32::from(req.wqe_shift);
     range(
         "SRQ wqe_shift",
@@ -823,7 +842,34 @@ mod tests {
             srq_limit: Le32::from(4),
             ..good
         };
-        assert_eq!(status(create_srq(&limited, &config)), Status::Unsupported);
+        assert!(create_srq(&limited, &config).is_ok());
+        let at_depth = CreateSrqRequest {
+            srq_limit: Le32::from(64),
+            ..good
+        };
+        assert_eq!(
+            status(create_srq(&at_depth, &config)),
+            Status::InvalidArgument
+        );
+    }
+
+    #[test]
+    fn modify_srq_arms_a_limit_below_the_depth_and_nothing_else() {
+        let arm = |attr_mask, srq_limit| ModifySrqRequest {
+            handle: Le32::from(1),
+            attr_mask: Le32::from(attr_mask),
+            srq_limit: Le32::from(srq_limit),
+            reserved: Le32::from(0),
+        };
+        assert_eq!(modify_srq(&arm(2, 10), 64).unwrap(), 10);
+        assert_eq!(modify_srq(&arm(2, 0), 64).unwrap(), 0);
+        for (mask, limit) in [(2, 64), (1, 10), (3, 10)] {
+            assert_eq!(
+                status(modify_srq(&arm(mask, limit), 64)),
+                Status::InvalidArgument,
+                "mask {mask} limit {limit}"
+            );
+        }
     }
 
     #[test]

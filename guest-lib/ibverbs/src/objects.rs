@@ -8,6 +8,7 @@
 use std::os::fd::AsRawFd;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rdma_sys::{
@@ -116,6 +117,8 @@ impl VrdmaQp {
 struct VrdmaSrq {
     srq: ibv_srq,
     inner: SharedReceiveQueue,
+    /// The limit last armed, for ibv_query_srq.
+    limit: AtomicU32,
 }
 
 #[repr(C)]
@@ -1012,12 +1015,16 @@ unsafe extern "C" fn ibv_create_srq(pd: *mut ibv_pd, init: *mut ibv_srq_init_att
     }
     // SAFETY: a PD from ibv_alloc_pd and an attribute block the caller filled.
     let (owner, init) = unsafe { (ours::<VrdmaPd>(pd), &mut *init) };
-    if init.attr.srq_limit != 0 {
-        report_once("srq_limit", "SRQ limit events are not served by vrdma yet");
-        set_errno(libc::EOPNOTSUPP);
-        return ptr::null_mut();
-    }
-    match owner.inner.create_srq(init.attr.max_wr, init.attr.max_sge) {
+    let created = owner
+        .inner
+        .create_srq(init.attr.max_wr, init.attr.max_sge)
+        .and_then(|inner| {
+            if init.attr.srq_limit != 0 {
+                inner.set_limit(init.attr.srq_limit)?;
+            }
+            Ok(inner)
+        });
+    match created {
         Ok(inner) => {
             init.attr.max_wr = inner.depth(); // the caller learns what it got
                                               // SAFETY: ibv_srq is C data valid as all-zero bytes (see ibv_cq).
@@ -1027,7 +1034,8 @@ unsafe extern "C" fn ibv_create_srq(pd: *mut ibv_pd, init: *mut ibv_srq_init_att
             srq.pd = pd;
             srq.handle = inner.handle();
             let handle = srq.handle;
-            let created: *mut ibv_srq = into_c(VrdmaSrq { srq, inner });
+            let limit = AtomicU32::new(init.attr.srq_limit);
+            let created: *mut ibv_srq = into_c(VrdmaSrq { srq, inner, limit });
             // SAFETY: the PD's context is the program's live context, per the API contract.
             unsafe { context_of(owner.pd.context) }
                 .with_dispatcher(|d| d.register(ObjectKind::Srq, handle, created as usize));
@@ -1045,14 +1053,28 @@ unsafe extern "C" fn ibv_create_srq(pd: *mut ibv_pd, init: *mut ibv_srq_init_att
 #[no_mangle]
 unsafe extern "C" fn ibv_modify_srq(
     srq: *mut ibv_srq,
-    _attr: *mut ibv_srq_attr,
-    _mask: c_int,
+    attr: *mut ibv_srq_attr,
+    mask: c_int,
 ) -> c_int {
-    if srq.is_null() {
+    if srq.is_null() || attr.is_null() {
         return libc::EINVAL;
     }
-    report_once("srq_limit", "SRQ limit events are not served by vrdma yet");
-    libc::EOPNOTSUPP
+    if mask as u32 != vrdma_guest::spec::ctrl::SRQ_ATTR_LIMIT {
+        report_once(
+            "srq_resize",
+            "ibv_modify_srq: vrdma SRQs cannot be resized; only the limit can change",
+        );
+        return libc::EINVAL;
+    }
+    // SAFETY: an SRQ from ibv_create_srq and the caller's attributes.
+    let (ours_srq, attr) = unsafe { (ours::<VrdmaSrq>(srq), &*attr) };
+    match ours_srq.inner.set_limit(attr.srq_limit) {
+        Ok(()) => {
+            ours_srq.limit.store(attr.srq_limit, Ordering::Relaxed);
+            0
+        }
+        Err(e) => errno_of(&e),
+    }
 }
 
 #[no_mangle]
@@ -1064,7 +1086,7 @@ unsafe extern "C" fn ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr) -
     let (ours_srq, attr) = unsafe { (ours::<VrdmaSrq>(srq), &mut *attr) };
     attr.max_wr = ours_srq.inner.depth();
     attr.max_sge = ours_srq.inner.max_sge();
-    attr.srq_limit = 0;
+    attr.srq_limit = ours_srq.limit.load(Ordering::Relaxed);
     0
 }
 
