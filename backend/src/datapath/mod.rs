@@ -70,6 +70,8 @@ impl Rung {
 struct ShardObjects {
     /// QPs and SRQs by doorbell bit.
     queues: HashMap<u16, Rung>,
+    /// Their doorbell bits by handle.
+    bits: HashMap<u32, u16>,
     /// The bitmap words (byte offsets) holding their bits, with how many each: a pass reads
     /// only these.
     words: BTreeMap<u64, u32>,
@@ -78,11 +80,14 @@ struct ShardObjects {
 
 impl ShardObjects {
     fn insert(&mut self, bit: u16, rung: Rung) {
+        self.bits.insert(rung.handle(), bit);
         self.queues.insert(bit, rung);
         *self.words.entry(doorbell_word(bit).0).or_default() += 1;
     }
 
-    fn remove(&mut self, bit: u16) {
+    /// Takes out the queue with `handle`; its bit, now free.
+    fn remove(&mut self, handle: u32) -> Option<u16> {
+        let bit = self.bits.remove(&handle)?;
         if self.queues.remove(&bit).is_some() {
             let word = doorbell_word(bit).0;
             if let Some(count) = self.words.get_mut(&word) {
@@ -92,6 +97,7 @@ impl ShardObjects {
                 }
             }
         }
+        Some(bit)
     }
 }
 
@@ -131,6 +137,8 @@ struct Shared {
     notify_area: Mutex<Option<NotifyArea>>,
     /// The SRQ each QP that receives through one takes its receives from, by QP number.
     srq_receivers: RwLock<HashMap<u32, Arc<SrqData>>>,
+    /// `srq_receivers` is not empty: receive completions need counting.
+    any_srq_receivers: AtomicBool,
     /// Bits of the doorbell bitmap.
     doorbell_bits: u32,
     sink: Mutex<Option<Arc<dyn EventSink>>>,
@@ -275,19 +283,27 @@ impl DataPath {
     /// The QP numbered `qp_num` takes its receives from `srq`: its receive completions count
     /// towards the SRQ's limit.
     pub fn receive_through(&self, qp_num: u32, srq: Arc<SrqData>) {
-        self.shared
-            .srq_receivers
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(qp_num, srq);
+        self.update_receivers(|receivers| {
+            receivers.insert(qp_num, srq);
+        });
     }
 
     pub fn forget_receiver(&self, qp_num: u32) {
-        self.shared
+        self.update_receivers(|receivers| {
+            receivers.remove(&qp_num);
+        });
+    }
+
+    fn update_receivers(&self, change: impl FnOnce(&mut HashMap<u32, Arc<SrqData>>)) {
+        let mut receivers = self
+            .shared
             .srq_receivers
             .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&qp_num);
+            .unwrap_or_else(|e| e.into_inner());
+        change(&mut receivers);
+        self.shared
+            .any_srq_receivers
+            .store(!receivers.is_empty(), Ordering::Release);
     }
 
     /// Arms `srq`'s limit (SPEC.md §5.13): SRQ_LIMIT_REACHED when fewer than `limit` of its
@@ -375,13 +391,12 @@ impl DataPath {
 
     fn remove_rung(&self, handle: u32) {
         let shard = self.shard_of_queue(self.notify_queue_for(handle));
-        let mut objects = shard.objects.lock().unwrap_or_else(|e| e.into_inner());
-        let bit = objects
-            .queues
-            .iter()
-            .find_map(|(&bit, rung)| (rung.handle() == handle).then_some(bit));
-        if let Some(bit) = bit {
-            objects.remove(bit);
+        let removed = shard
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(handle);
+        if let Some(bit) = removed {
             self.bits
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -443,11 +458,7 @@ impl DataPath {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
-        self.shared
-            .srq_receivers
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.update_receivers(HashMap::clear);
         self.set_notify_area(None);
     }
 
@@ -495,6 +506,7 @@ impl Shared {
             num_notify_queues,
             notify_area: Mutex::new(None),
             srq_receivers: RwLock::default(),
+            any_srq_receivers: AtomicBool::new(false),
             sink: Mutex::new(None),
             pending_events: Mutex::default(),
             kicks: (0..num_notify_queues).map(|_| AtomicU64::new(0)).collect(),
@@ -547,6 +559,10 @@ impl Shared {
 
     /// A receive completion of QP `qp_num` was taken: count it against its SRQ, if any.
     fn received_on(&self, mem: &Memory, qp_num: u32) {
+        // No lock on the completion path of connections without SRQs.
+        if !self.any_srq_receivers.load(Ordering::Acquire) {
+            return;
+        }
         let receivers = self.srq_receivers.read().unwrap_or_else(|e| e.into_inner());
         if let Some(srq) = receivers.get(&qp_num) {
             srq.received.fetch_add(1, Ordering::AcqRel);
