@@ -36,9 +36,8 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "guest-lib and the control queue; the scaling rows come from ctl-bench."
   echo "Backend threads: one poller per guest connection (the default), so two in the vrdma" \
     "column's tests, on the same 2 vCPUs as both perftest ends. In write_lat and send_lat both" \
-    "ends busy-poll, so the pollers compete with them for the CPU: they then sleep between" \
-    "messages and the drivers' kicks wake them, which costs a wake-up per message (the floor" \
-    "of a relay on an oversubscribed guest); read_lat and atomic_lat leave one end idle."
+    "ends busy-poll, so a spinning poller runs only when the scheduler preempts one of them" \
+    "(a slice, milliseconds, per message); read_lat and atomic_lat leave one end idle."
   echo
   echo "$table"
 } >BENCHMARKS.md

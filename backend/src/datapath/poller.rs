@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryBackend, VolatileMemory};
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
@@ -18,48 +18,6 @@ use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
 use super::wqe::{self, QpRules, SendRequest, WqeError};
 use super::{Memory, Rung, Shard, ShardObjects, Shared, BATCH, SLEEP_LIMIT_MS};
 use crate::hostverbs::{self, AddressHandle, Payload, RecvWr, SendWr, Sge, UdDest, WorkCompletion};
-
-/// A yield that returns later than this means other threads had the CPU meanwhile.
-const STARVED_YIELD: Duration = Duration::from_millis(1);
-/// How long a poller that waited for a CPU sleeps whenever idle instead of spinning.
-const STARVED_BACKOFF: Duration = Duration::from_millis(100);
-
-/// When an idle poller keeps polling and when it sleeps. It spins for `idle_window` after its
-/// last work, so a busy driver never needs to kick. But when a yield returns late, the poller
-/// competes for the CPU with other threads — typically the very ones that ring its
-/// doorbells, which then wait a scheduler slice for it: for a while it then sleeps as soon as
-/// it is idle, and their kicks wake it at once.
-struct SpinPolicy {
-    idle_window: Duration,
-    last_work: Instant,
-    starved_until: Option<Instant>,
-}
-
-impl SpinPolicy {
-    fn new(idle_window: Duration, now: Instant) -> SpinPolicy {
-        SpinPolicy {
-            idle_window,
-            last_work: now,
-            starved_until: None,
-        }
-    }
-
-    fn worked(&mut self, now: Instant) {
-        self.last_work = now;
-    }
-
-    fn keep_spinning(&self, now: Instant) -> bool {
-        let starved = self.starved_until.is_some_and(|until| now < until);
-        !starved && now.duration_since(self.last_work) < self.idle_window
-    }
-
-    /// A yield began at `began` and returned at `now`.
-    fn yielded(&mut self, began: Instant, now: Instant) {
-        if now.duration_since(began) > STARVED_YIELD {
-            self.starved_until = Some(now + STARVED_BACKOFF);
-        }
-    }
-}
 
 /// What visiting a queue did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -139,17 +97,15 @@ impl Poller {
     }
 
     pub(super) fn run(mut self, epoll: Epoll) {
-        let mut spin = SpinPolicy::new(self.shared.idle_spin, Instant::now());
+        let mut last_work = Instant::now();
         while !self.shared.stop.load(Ordering::Acquire) {
             if self.pass() {
-                spin.worked(Instant::now());
+                last_work = Instant::now();
                 continue;
             }
-            if spin.keep_spinning(Instant::now()) {
+            if last_work.elapsed() < self.shared.idle_spin {
                 // Stay awake for the next doorbell, but leave the CPU to whoever rings it.
-                let yielded = Instant::now();
                 std::thread::yield_now();
-                spin.yielded(yielded, Instant::now());
                 continue;
             }
             // Going to sleep: ask for kicks and completion events, then look once more so
@@ -169,7 +125,7 @@ impl Poller {
             self.set_need_wakeup(false);
             // Spin again only for real work; after a quiet timeout, go straight back to sleep.
             if woken {
-                spin.worked(Instant::now());
+                last_work = Instant::now();
             }
         }
     }
@@ -812,41 +768,5 @@ impl Poller {
             pending.pop_front();
         }
         pending.len() < before
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_idle_poller_spins_for_its_window_then_sleeps() {
-        let start = Instant::now();
-        let mut spin = SpinPolicy::new(Duration::from_millis(2), start);
-        assert!(spin.keep_spinning(start + Duration::from_micros(1500)));
-        assert!(!spin.keep_spinning(start + Duration::from_millis(3)));
-        spin.worked(start + Duration::from_millis(3));
-        assert!(spin.keep_spinning(start + Duration::from_millis(4)));
-    }
-
-    #[test]
-    fn a_poller_that_waited_for_a_cpu_sleeps_when_idle_for_a_while() {
-        let start = Instant::now();
-        let mut spin = SpinPolicy::new(Duration::from_millis(2), start);
-        spin.yielded(start, start + Duration::from_micros(20));
-        assert!(
-            spin.keep_spinning(start + Duration::from_micros(30)),
-            "a quick yield"
-        );
-        let late = start + Duration::from_millis(5);
-        spin.worked(late);
-        spin.yielded(late, late + Duration::from_millis(4));
-        let now = late + Duration::from_millis(4);
-        assert!(!spin.keep_spinning(now), "starved: sleep at once");
-        spin.worked(now + STARVED_BACKOFF);
-        assert!(
-            spin.keep_spinning(now + STARVED_BACKOFF + Duration::from_micros(10)),
-            "and spin again later"
-        );
     }
 }
