@@ -36,7 +36,8 @@ perftest() { # DEVICE TEST SIZE ITERS COLUMN
 
 perftest_once() { # DEVICE TEST SIZE ITERS COLUMN
   local run=() args=(-d "$1" -x "$gid_index" -n "$4")
-  [ "$1" = vrdma0 ] && run=("$vrdma_run" --device /tmp/vrdma.sock --)
+  # A vrdma guest's table holds only its own GID, at index 0.
+  [ "$1" = vrdma0 ] && run=("$vrdma_run" --device /tmp/vrdma.sock --) args=(-d "$1" -x 0 -n "$4")
   [ "$2" = atomic_lat ] || args+=(-s "$3")
   stdbuf -oL "${run[@]}" "ib_$2" "${args[@]}" >/tmp/server.log 2>&1 &
   local server=$! i

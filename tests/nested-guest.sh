@@ -48,6 +48,6 @@ busybox nc -l -p 18515 -e sh -c 'busybox tail -c +1 -F -s 1 "$2" & exec cat >>"$
   relay "$exchange/pingpong.up" "$exchange/pingpong.down" &
 sleep 1
 VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" --device pci -- \
-  ibv_rc_pingpong -d vrdma0 -g 1 -c -s 4096 -n 50 -p 18515 127.0.0.1 \
+  ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 50 -p 18515 127.0.0.1 \
   >"$exchange/pingpong.from-nested" 2>"$exchange/pingpong.nested-err"
 echo $? >"$exchange/pingpong.nested-rc"

@@ -5,14 +5,16 @@
 
 pub mod datapath;
 pub mod device;
+pub mod guest_address;
 mod guest_mapping;
 pub mod hostverbs;
 pub mod limits;
 pub mod mtt;
 pub mod vhost_user;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use guest_address::{GuestAddress, GuestIp};
 use hostverbs::{Context, Gid, LINK_LAYER_ETHERNET, PORT_ACTIVE};
 pub use limits::Quotas;
 
@@ -36,6 +38,10 @@ pub enum Error {
         index: u32,
         reason: String,
     },
+    #[error("guest address: {0}")]
+    GuestAddress(#[from] guest_address::AddressError),
+    #[error("the guest's GID {gid} did not appear in the device's GID table: is its address on the device's network interface?")]
+    GuestGidMissing { gid: Gid },
     #[error("vhost-user socket: {0}")]
     VhostUser(#[source] vhost::vhost_user::Error),
     /// vhost-user-backend's error type implements Display but not std::error::Error.
@@ -53,6 +59,9 @@ pub struct Config {
     pub port: u8,
     /// Source GID index for guest traffic; `None` picks the first RoCEv2 IPv4 GID.
     pub gid_index: Option<u32>,
+    /// The guest's own address: its GID is the one this address gives (see
+    /// [`guest_address`]), instead of one of the host's.
+    pub guest_ip: Option<GuestIp>,
     pub quotas: Quotas,
     pub notify_queues: u32,
     /// Data-path poller threads per connection.
@@ -65,9 +74,14 @@ pub struct Config {
 pub struct HostDevice {
     pub context: Arc<Context>,
     pub port: u8,
-    pub gid_index: u32,
+    /// The host's index of the guest's GID (the guest knows it as index 0).
+    pub gid_index: u8,
     pub gid: Gid,
 }
+
+/// How long a guest address may take to show up in the RDMA device's GID table (the kernel
+/// adds the entry asynchronously).
+const GUEST_GID_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl HostDevice {
     /// Opens the device and checks the port is an active RoCE port with a usable GID.
@@ -87,30 +101,82 @@ impl HostDevice {
                 port: config.port,
             });
         }
-        let (gid_index, gid) = match config.gid_index {
-            None => context.find_roce_v2_ipv4_gid(config.port)?,
-            Some(index) => {
-                let bad = |reason: String| Error::BadGidIndex {
-                    device: config.device.clone(),
-                    port: config.port,
-                    index,
-                    reason,
-                };
+        let bad = |index: u32, reason: String| Error::BadGidIndex {
+            device: config.device.clone(),
+            port: config.port,
+            index,
+            reason,
+        };
+        let (gid_index, gid) = match (config.guest_ip, config.gid_index) {
+            (Some(ip), _) => (wait_for_gid(&context, config.port, ip.gid())?, ip.gid()),
+            (None, None) => context.find_roce_v2_ipv4_gid(config.port)?,
+            (None, Some(index)) => {
                 let (gid, _) = context
                     .query_gid(config.port, index)
-                    .map_err(|e| bad(e.to_string()))?;
+                    .map_err(|e| bad(index, e.to_string()))?;
                 if gid.is_zero() {
-                    return Err(bad("the entry is empty".into()));
+                    return Err(bad(index, "the entry is empty".into()));
                 }
                 (index, gid)
             }
         };
+        // An address vector names its source GID in a byte.
+        let gid_index = u8::try_from(gid_index).map_err(|_| {
+            bad(
+                gid_index,
+                "beyond 255, which an address vector cannot name".into(),
+            )
+        })?;
         Ok(HostDevice {
             context,
             port: config.port,
             gid_index,
             gid,
         })
+    }
+}
+
+/// The guest's address of `config`, put on the network interface of the host device's port
+/// (see [`guest_address`]). It is removed when the last holder drops it.
+pub fn assign_guest_address(config: &Config) -> Result<SharedGuestAddress, Error> {
+    let Some(ip) = config.guest_ip else {
+        return Ok(SharedGuestAddress::default());
+    };
+    let ifindex = Context::open(&config.device)?.netdev_index(config.port)?;
+    let address = GuestAddress::assign(ifindex, ip)?;
+    Ok(Arc::new(Mutex::new(Some(address))))
+}
+
+/// A guest address that whoever ends the process takes and removes.
+pub type SharedGuestAddress = Arc<Mutex<Option<GuestAddress>>>;
+
+/// Ends the process on SIGINT or SIGTERM, after taking the guest's address off the host.
+pub fn exit_on_signals(address: &SharedGuestAddress) -> Result<(), Error> {
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM])?;
+    let address = Arc::clone(address);
+    std::thread::Builder::new()
+        .name("vrdma-signals".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                log::info!("signal {signal}: stopping");
+                drop(address.lock().unwrap_or_else(|e| e.into_inner()).take());
+                std::process::exit(0);
+            }
+        })?;
+    Ok(())
+}
+
+/// The index of `gid` in `port`'s GID table, waiting for the kernel to add it.
+fn wait_for_gid(context: &Context, port: u8, gid: Gid) -> Result<u32, Error> {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(index) = context.find_roce_v2_gid(port, gid)? {
+            return Ok(index);
+        }
+        if start.elapsed() > GUEST_GID_WAIT {
+            return Err(Error::GuestGidMissing { gid });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
 
@@ -124,6 +190,7 @@ mod tests {
             device: "no-such-rdma-device".into(),
             port: 1,
             gid_index: None,
+            guest_ip: None,
             quotas: Quotas::default(),
             notify_queues: 1,
             pollers: 1,

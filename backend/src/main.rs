@@ -1,8 +1,10 @@
 //! `vhost-user-rdma`: parses the command line and starts the backend.
 
+use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Parser;
+use vrdma_backend::guest_address::GuestIp;
 use vrdma_backend::{limits, vhost_user, Config, HostDevice, Quotas};
 
 /// vhost-user backend of the vrdma paravirtual RDMA device (virtio id 42).
@@ -19,8 +21,12 @@ struct Args {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..))]
     port: u8,
     /// Source GID index for guest traffic [default: the first RoCEv2 IPv4 GID].
-    #[arg(long)]
+    #[arg(long, conflicts_with = "guest_ip")]
     gid_index: Option<u32>,
+    /// The guest's own IPv4 address and prefix (10.0.0.5/24): added to the device's network
+    /// interface while the backend runs, its GID is the only one the guest sees and may use.
+    #[arg(long)]
+    guest_ip: Option<GuestIp>,
     /// Notification virtqueues (doorbell kicks), 1 to 64.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     notify_queues: u32,
@@ -55,6 +61,7 @@ impl From<Args> for Config {
             device: args.device,
             port: args.port,
             gid_index: args.gid_index,
+            guest_ip: args.guest_ip,
             quotas: Quotas {
                 max_qp: args.max_qp,
                 max_mr: args.max_mr,
@@ -88,16 +95,30 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
     }
     let socket_path = args.socket_path.clone();
     let config = Config::from(args);
+    // Taken off the host on SIGINT/SIGTERM, or when serving ends.
+    let guest_address = vrdma_backend::assign_guest_address(&config)?;
+    vrdma_backend::exit_on_signals(&guest_address)?;
+    let result = check_or_serve(&config, socket_path.as_deref());
+    drop(
+        guest_address
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(),
+    );
+    result
+}
+
+fn check_or_serve(config: &Config, socket_path: Option<&Path>) -> Result<(), vrdma_backend::Error> {
     // Fail fast on an unusable device, before listening.
-    let device = HostDevice::open(&config)?;
+    let device = HostDevice::open(config)?;
     match socket_path {
         None => {
-            print_check(&config, &device, &device.context.query_device()?);
+            print_check(config, &device, &device.context.query_device()?);
             Ok(())
         }
         Some(path) => {
             drop(device); // each connection opens a context of its own
-            vhost_user::serve(&config, &path)
+            vhost_user::serve(config, path)
         }
     }
 }

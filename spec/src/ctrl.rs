@@ -184,6 +184,12 @@ pub struct DeviceAttr {
 /// The device's only port (SPEC.md §5.5).
 pub const PORT_NUM: u8 = 1;
 
+/// The guest's GID table has one entry, at this index: the GID the operator assigned to the
+/// guest (SPEC.md §5.6). The host's own table and indexes stay hidden.
+pub const GUEST_GID_INDEX: u8 = 0;
+/// Entries in the guest's GID table (QUERY_PORT's `gid_tbl_len`).
+pub const GUEST_GID_TABLE_LEN: u32 = 1;
+
 /// QUERY_PORT request (SPEC.md §5.5).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -213,7 +219,7 @@ pub struct PortAttr {
     pub max_msg_sz: Le32,
     pub pkey_tbl_len: Le16,
     pub lid: Le16,
-    /// The GID table index the device lets this guest use (the one QUERY_GID answers).
+    /// The GID table index the guest uses: always [`GUEST_GID_INDEX`].
     pub gid_index: Le32,
     pub reserved: Le32,
 }

@@ -60,6 +60,13 @@ impl Gid {
     }
 }
 
+impl From<std::net::Ipv4Addr> for Gid {
+    /// The IPv4-mapped GID RoCEv2 gives an IPv4 address.
+    fn from(address: std::net::Ipv4Addr) -> Gid {
+        Gid(address.to_ipv6_mapped().octets())
+    }
+}
+
 impl core::fmt::Display for Gid {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         std::net::Ipv6Addr::from(self.0).fmt(f)

@@ -195,6 +195,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         device: device.to_string(),
         port: PORT,
         gid_index: None,
+        guest_ip: None,
         quotas,
         notify_queues: 2,
         pollers: 1,

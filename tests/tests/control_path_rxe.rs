@@ -66,7 +66,14 @@ fn two_guest_processes_on_their_own_connections_reach_rts() {
 fn connect_guest_to_native(device: &Device, guest: &QueuePair, native: &RcEndpoint) {
     let (gid_index, gid) = device.gid().expect("the guest's GID");
     connect_guest_qp(guest, gid_index as u8, gid, native.qp.qp_num()).expect("guest QP to RTS");
-    native.connect(gid_index as u8, gid, guest.qp_num(), 0x1234);
+    // The guest's GID is the host's (no --guest-ip), at the host's own index.
+    let native_index = native
+        .pd
+        .context()
+        .find_roce_v2_gid(1, gid)
+        .unwrap()
+        .expect("the guest's GID in the host table");
+    native.connect(native_index as u8, gid, guest.qp_num(), 0x1234);
 }
 
 /// A native peer RDMA-writes into a guest-lib MR at the guest's own address; the bytes must

@@ -191,8 +191,12 @@ fn ibv_devinfo_shows_the_attributes_port_and_gid_of_vrdma0() {
     assert_eq!(field("state"), "PORT_ACTIVE (4)");
     assert_eq!(field("link_layer"), "Ethernet");
     assert!(
-        stdout.contains("::ffff:192.168.77.1"),
-        "the guest's GID is listed:\n{stdout}"
+        stdout.contains("GID[  0]:") && stdout.contains("::ffff:192.168.77.1"),
+        "the guest's GID is listed, as entry 0:\n{stdout}"
+    );
+    assert!(
+        !stdout.contains("GID[  1]:"),
+        "no other GID is listed:\n{stdout}"
     );
 }
 
@@ -273,7 +277,10 @@ enum Side {
 }
 
 /// GID index of rxe0's IPv4 RoCEv2 GID, which the backend also gives its guests.
-const GID_INDEX: &str = "1";
+/// rxe0's IPv4 GID in the harness guest (index 0 is its link-local one).
+const NATIVE_GID_INDEX: &str = "1";
+/// A vrdma guest's own GID, the only entry of its table (SPEC.md §5.6).
+const VRDMA_GID_INDEX: &str = "0";
 
 /// `program` on `side`, with its device and GID flags (`-g` for the pingpongs, `-x` for
 /// perftest) and `args`.
@@ -297,7 +304,11 @@ fn peer_command(side: Side, socket: &str, program: &str, args: &[String]) -> Com
     } else {
         "-x"
     };
-    command.args([gid_flag, GID_INDEX]).args(args);
+    let gid_index = match side {
+        Side::Vrdma => VRDMA_GID_INDEX,
+        Side::Native => NATIVE_GID_INDEX,
+    };
+    command.args([gid_flag, gid_index]).args(args);
     command
 }
 
@@ -534,7 +545,7 @@ fn the_extended_qp_and_cq_apis_send_write_read_do_atomics_and_poll() {
     let backend = start_backend();
     let output = run_on(
         backend.socket.to_str().unwrap(),
-        &[program.path(), "vrdma0", GID_INDEX],
+        &[program.path(), "vrdma0", VRDMA_GID_INDEX],
     );
     assert!(
         text(&output.stdout).contains("qp_ex: ok"),

@@ -16,7 +16,7 @@ use vrdma_spec::ctrl::{
     DeviceAttr as WireDeviceAttr, HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode,
     PortAttr as WirePortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
     QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
-    SetNotifyAreaRequest, Status, PORT_NUM,
+    SetNotifyAreaRequest, Status, GUEST_GID_INDEX, GUEST_GID_TABLE_LEN, PORT_NUM,
 };
 use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SIZE};
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
@@ -341,34 +341,38 @@ impl Device {
             active_width: a.active_width,
             active_speed: a.active_speed,
             reserved0: 0,
-            gid_tbl_len: Le32::from(a.gid_tbl_len),
+            gid_tbl_len: Le32::from(GUEST_GID_TABLE_LEN),
             port_cap_flags: Le32::from(a.port_cap_flags),
             max_msg_sz: Le32::from(a.max_msg_sz),
             pkey_tbl_len: Le16::from(a.pkey_tbl_len),
             lid: Le16::from(a.lid),
-            gid_index: Le32::from(self.host.gid_index),
+            gid_index: Le32::from(u32::from(GUEST_GID_INDEX)),
             reserved: Le32::from(0),
         })
     }
 
-    /// Only the GID the operator assigned is visible; other entries read as empty.
+    /// The guest's table holds one entry, the GID the operator assigned to it; the host's
+    /// table and indexes stay hidden.
     fn query_gid(&self, req: QueryGidRequest) -> CommandResult {
         self.check_port(req.port)?;
         let index = req.index.to_native();
-        if index >= self.port.gid_tbl_len {
+        if index != u32::from(GUEST_GID_INDEX) {
             return Err(CommandError::invalid(format!(
-                "GID index {index} beyond the table ({})",
-                self.port.gid_tbl_len
+                "GID index {index} beyond the table ({GUEST_GID_TABLE_LEN} entry)"
             )));
         }
-        if index != self.host.gid_index {
+        let (gid, kind) = self
+            .host
+            .context
+            .query_gid(self.host.port, self.host.gid_index.into())?;
+        if gid != self.host.gid {
+            // The host's table changed under the guest (its address was taken away).
             return Err(CommandError {
                 status: Status::HostError,
                 detail: libc::ENODATA as u32,
-                message: format!("GID index {index} is not assigned to this guest"),
+                message: format!("the guest's GID {} is gone from the host", self.host.gid),
             });
         }
-        let (gid, kind) = self.host.context.query_gid(self.host.port, index)?;
         reply(QueryGidResponse {
             gid: gid.0,
             gid_type: match kind {
@@ -722,7 +726,7 @@ impl Device {
         let entry = self.objects.qp(req.handle.to_native())?;
         let limits = validate::QpLimits {
             port: self.port,
-            gid_index: self.host.gid_index,
+            host_gid_index: self.host.gid_index,
             max_rd_atomic: self.config.max_qp_init_rd_atom.to_native(),
             max_dest_rd_atomic: self.config.max_qp_rd_atom.to_native(),
             atomics: self.features & features::ATOMIC != 0,
@@ -845,7 +849,8 @@ fn wire_ah_attr(a: &AhAttr) -> WireAhAttr {
         dgid: a.dgid.0,
         flow_label: Le32::from(a.flow_label),
         dlid: Le16::from(a.dlid),
-        sgid_index: a.sgid_index,
+        // A QP can only hold the guest's GID (MODIFY_QP checks it).
+        sgid_index: GUEST_GID_INDEX,
         hop_limit: a.hop_limit,
         traffic_class: a.traffic_class,
         sl: a.sl,

@@ -6,7 +6,7 @@ use vrdma_spec::codec::{recv_slot_bytes, send_slot_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     access, qp_attr_mask as wire_mask, qp_state, qp_type, AhAttr as WireAhAttr, CreateQpRequest,
-    CreateSrqRequest, ModifyQpRequest, ModifySrqRequest, Status, SRQ_ATTR_LIMIT,
+    CreateSrqRequest, ModifyQpRequest, ModifySrqRequest, Status, GUEST_GID_INDEX, SRQ_ATTR_LIMIT,
 };
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
 
@@ -249,24 +249,29 @@ pub fn create_srq(
 /// What MODIFY_QP checks fields against.
 pub(super) struct QpLimits {
     pub port: PortAttr,
-    /// The only source GID this guest may use.
-    pub gid_index: u32,
+    /// The host's index of the guest's GID, the only source GID it may use.
+    pub host_gid_index: u8,
     pub max_rd_atomic: u32,
     pub max_dest_rd_atomic: u32,
     pub atomics: bool,
 }
 
-/// An address vector (SPEC.md §5.10); the guest may only source traffic from its own GID.
-pub fn ah_attr(a: &WireAhAttr, port: &PortAttr, gid_index: u32) -> Result<AhAttr, CommandError> {
+/// An address vector (SPEC.md §5.10); the guest may only source traffic from its own GID,
+/// which it names as [`GUEST_GID_INDEX`] and the host knows as `host_gid_index`.
+pub fn ah_attr(
+    a: &WireAhAttr,
+    port: &PortAttr,
+    host_gid_index: u8,
+) -> Result<AhAttr, CommandError> {
     if a.port_num != 1 {
         return Err(invalid(format!(
             "port {} does not exist (only 1)",
             a.port_num
         )));
     }
-    if u32::from(a.sgid_index) != gid_index {
+    if a.sgid_index != GUEST_GID_INDEX {
         return Err(invalid(format!(
-            "source GID index {} is not the one assigned to this guest ({gid_index})",
+            "source GID index {} is not the guest's GID ({GUEST_GID_INDEX})",
             a.sgid_index
         )));
     }
@@ -298,7 +303,7 @@ pub fn ah_attr(a: &WireAhAttr, port: &PortAttr, gid_index: u32) -> Result<AhAttr
     Ok(AhAttr {
         dgid: Gid(a.dgid),
         flow_label,
-        sgid_index: a.sgid_index,
+        sgid_index: host_gid_index,
         hop_limit: a.hop_limit,
         traffic_class: a.traffic_class,
         is_global,
@@ -423,7 +428,7 @@ pub(super) fn modify_qp(
         )?;
     }
     if has(wire_mask::AV) {
-        attr.ah_attr = ah_attr(&a.ah_attr, &limits.port, limits.gid_index)?;
+        attr.ah_attr = ah_attr(&a.ah_attr, &limits.port, limits.host_gid_index)?;
     }
     Ok((attr, mask))
 }
@@ -468,7 +473,7 @@ mod tests {
     fn limits() -> QpLimits {
         QpLimits {
             port: port(),
-            gid_index: 1,
+            host_gid_index: 3,
             max_rd_atomic: 128,
             max_dest_rd_atomic: 128,
             atomics: true,
@@ -477,7 +482,7 @@ mod tests {
 
     fn av() -> WireAhAttr {
         WireAhAttr {
-            sgid_index: 1,
+            sgid_index: 0,
             hop_limit: 1,
             is_global: 1,
             port_num: 1,
@@ -623,7 +628,11 @@ mod tests {
     fn a_guest_cannot_source_traffic_from_another_gid_or_without_a_route() {
         for bad in [
             WireAhAttr {
-                sgid_index: 0,
+                sgid_index: 3,
+                ..av()
+            },
+            WireAhAttr {
+                sgid_index: 1,
                 ..av()
             },
             WireAhAttr {
@@ -649,12 +658,13 @@ mod tests {
             },
         ] {
             assert_eq!(
-                status(ah_attr(&bad, &port(), 1)),
+                status(ah_attr(&bad, &port(), 3)),
                 Status::InvalidArgument,
                 "{bad:?}"
             );
         }
-        assert!(ah_attr(&av(), &port(), 1).is_ok());
+        // The guest's index 0 is the host's entry of the guest's GID.
+        assert_eq!(ah_attr(&av(), &port(), 3).unwrap().sgid_index, 3);
     }
 
     #[test]

@@ -472,6 +472,17 @@ impl Context {
 
     /// The GID at `index` of `port` and its type. An unused entry is an error (ENODATA).
     pub fn query_gid(&self, port: u8, index: u32) -> Result<(Gid, GidType)> {
+        let entry = self.query_gid_entry(port, index)?;
+        let gid_type = match entry.gid_type {
+            IBV_GID_TYPE_ROCE_V1 => GidType::RoceV1,
+            IBV_GID_TYPE_ROCE_V2 => GidType::RoceV2,
+            _ => GidType::Ib,
+        };
+        // SAFETY: every bit pattern of the union is a valid byte array.
+        Ok((Gid(unsafe { entry.gid.raw }), gid_type))
+    }
+
+    fn query_gid_entry(&self, port: u8, index: u32) -> Result<ibv_gid_entry> {
         // SAFETY: all-zero is a valid ibv_gid_entry (integers and a byte union).
         let mut entry: ibv_gid_entry = unsafe { std::mem::zeroed() };
         // SAFETY: the context is open; `entry` is a valid out-pointer of the size passed.
@@ -485,13 +496,28 @@ impl Context {
                 std::mem::size_of::<ibv_gid_entry>(),
             )
         })?;
-        let gid_type = match entry.gid_type {
-            IBV_GID_TYPE_ROCE_V1 => GidType::RoceV1,
-            IBV_GID_TYPE_ROCE_V2 => GidType::RoceV2,
-            _ => GidType::Ib,
-        };
-        // SAFETY: every bit pattern of the union is a valid byte array.
-        Ok((Gid(unsafe { entry.gid.raw }), gid_type))
+        Ok(entry)
+    }
+
+    /// The interface index of the network device under a RoCE `port` (the one its default
+    /// GID, entry 0, belongs to).
+    pub fn netdev_index(&self, port: u8) -> Result<u32> {
+        match self.query_gid_entry(port, 0)?.ndev_ifindex {
+            0 => Err(Error::InvalidArgument(format!(
+                "{} port {port} has no network device",
+                self.name
+            ))),
+            index => Ok(index),
+        }
+    }
+
+    /// The index of `gid` as a RoCEv2 entry of `port`'s GID table, if it is there.
+    pub fn find_roce_v2_gid(&self, port: u8, gid: Gid) -> Result<Option<u32>> {
+        let table_len = self.query_port(port)?.gid_tbl_len;
+        Ok((0..table_len).find(|&index| {
+            self.query_gid(port, index)
+                .is_ok_and(|entry| entry == (gid, GidType::RoceV2))
+        }))
     }
 
     /// The index of the first RoCEv2 GID of `port` that maps an IPv4 address.

@@ -365,8 +365,9 @@ fn gid_entry(context: &VrdmaContext, port: u8, index: u32) -> Result<(ibv_gid, u
     Ok((ibv_gid { raw: gid.0 }, gid_type))
 }
 
-/// 0, or -1 with errno set, as libibverbs documents. Entries the device does not show this
-/// guest read as zero, as empty entries of a native device's table do.
+/// 0, or -1 with errno set, as libibverbs documents. The guest's table has one entry, its own
+/// GID (SPEC.md §5.6); should the host have lost it, it reads as zero, as an empty entry of a
+/// native device's table does.
 #[no_mangle]
 unsafe extern "C" fn ibv_query_gid(
     context: *mut ibv_context,
@@ -472,7 +473,7 @@ unsafe extern "C" fn _ibv_query_gid_ex(
     }
 }
 
-/// The GID entries the device shows (only the guest's own): how many were written to
+/// The GID entries of the guest's table (only its own GID): how many were written to
 /// `entries`, or a negative errno.
 #[no_mangle]
 unsafe extern "C" fn _ibv_query_gid_table(
