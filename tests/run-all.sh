@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every vrdma check and test: formatting, clippy, unit tests on this machine, then the
-# integration tests that need real RDMA inside a QEMU guest with rdma_rxe (tests/vm/), a
-# benchmark smoke run, and the nested-VM end-to-end test (a VM with a vrdma PCI device inside
+# integration tests that need real RDMA inside a QEMU guest with rdma_rxe (tests/vm/), the
+# cross-host tests (two such guests joined by an emulated Ethernet link, tests/cross-host.sh),
+# a benchmark smoke run, and the nested-VM end-to-end test (a VM with a vrdma PCI device inside
 # the rxe guest). Installs what it needs on first use (tests/vm/setup.sh, and the patched QEMU
 # of tests/vm/qemu/build.sh); caches under target/.
 #   VRDMA_VM_NO_RXE=1  boot the guest without rdma_rxe: the RDMA tests must then fail.
@@ -42,9 +43,13 @@ for line in sys.stdin:
 
 # The binaries too: some integration tests run the backend as a process of its own.
 cargo build --workspace --bins --examples --locked
+cc -Wall -Werror -O1 -o target/debug/rdma_check tests/c/rdma_check.c -libverbs
 
 step "integration tests with real RDMA (QEMU guest, rdma_rxe)"
 tests/vm/run.sh -- tests/guest-tests.sh "${binaries[@]}"
+
+step "two hosts: vrdma guests over RoCEv2 across an emulated link (about 2 minutes)"
+tests/vm/two-hosts.sh -- tests/cross-host.sh "$PWD/target/debug" "$PWD/target/debug/rdma_check"
 
 step "benchmark smoke run (few iterations; numbers are not checked)"
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENCH_GUESTS=8 \
@@ -62,9 +67,9 @@ run_all 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 # One closing line for every runner above: the totals of their "test result:" lines and of
-# the nested-VM checks.
+# the nested-VM and cross-host checks.
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
-     /^nested-e2e: .* ok$/ { p++ }
-     /^nested-e2e: .* FAILED$/ { f++ }
+     /^(\[[ab]\] )?(nested-e2e|cross-host): .* ok$/ { p++ }
+     /^(\[[ab]\] )?(nested-e2e|cross-host): .* FAILED$/ { f++ }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"

@@ -2,7 +2,8 @@
 # PID 1 of the test guest. Loads the modules the initramfs carries, mounts the machine's root
 # (read-only 9p) and the run's results folder (writable 9p, mounted at the same path it has on
 # the machine), brings up rdma_rxe on a veth, runs the command and records its exit code.
-# Kernel command line: vrdma.results=PATH (required), vrdma.rxe=0 to leave rdma_rxe out.
+# Kernel command line: vrdma.results=PATH (required), vrdma.rxe=0 to leave rdma_rxe out,
+# vrdma.net=ADDRESS/PREFIX to put ADDRESS on the network card eth0 and rdma_rxe on eth0.
 /bin/busybox --install -s /bin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
@@ -10,10 +11,12 @@ mount -t devtmpfs devtmpfs /dev
 
 results=
 want_rxe=1
+net=
 for arg in $(cat /proc/cmdline); do
   case "$arg" in
     vrdma.results=*) results=${arg#vrdma.results=} ;;
     vrdma.rxe=*) want_rxe=${arg#vrdma.rxe=} ;;
+    vrdma.net=*) net=${arg#vrdma.net=} ;;
   esac
 done
 
@@ -51,8 +54,15 @@ chroot /newroot /bin/sh -c '
   ip addr add 192.168.77.1/24 dev va
   ip link set va up
   ip link set vb up'
+rxe_netdev=va
+if [ -n "$net" ]; then
+  # A host of several (tests/vm/two-hosts.sh): rxe on the network card, towards the others.
+  chroot /newroot /bin/sh -c "ip addr add $net dev eth0 && ip link set eth0 up" ||
+    echo "guest-init: cannot configure eth0 with $net"
+  rxe_netdev=eth0
+fi
 if [ "$want_rxe" = 1 ]; then
-  chroot /newroot rdma link add rxe0 type rxe netdev va || echo "guest-init: rdma link add rxe0 failed"
+  chroot /newroot rdma link add rxe0 type rxe netdev $rxe_netdev || echo "guest-init: rdma link add rxe0 failed"
 fi
 
 chroot /newroot /bin/bash "$results/cmd.sh"

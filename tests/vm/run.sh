@@ -4,25 +4,30 @@
 # there unchanged. Prints the command's output and exits with its exit code.
 #
 # usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--timeout SECONDS] [--vrdma SOCKET]
-#                        -- COMMAND [ARG...]
+#                        [--host-net ADDRESS/PREFIX,PORT,PEER_PORT] -- COMMAND [ARG...]
 #   --no-rxe        boot without loading rdma_rxe (also VRDMA_VM_NO_RXE=1): RDMA tests must
 #                   then fail
 #   --vrdma SOCKET  give the guest a vrdma PCI device served by the backend listening on
 #                   SOCKET (with the QEMU that tests/vm/qemu/build.sh builds); the guest is
 #                   then a nested one when run.sh itself runs inside a harness guest
+#   --host-net ADDRESS/PREFIX,PORT,PEER_PORT
+#                   give the guest a network card (eth0, with ADDRESS) whose frames travel as
+#                   UDP datagrams from 127.0.0.1:PORT to 127.0.0.1:PEER_PORT, where another
+#                   guest's card listens (tests/vm/two-hosts.sh); rxe0 then sits on eth0
 # Environment passed into the guest: RUST_LOG, RUST_BACKTRACE, and every VRDMA_* variable;
 # the command finds a writable folder shared with the machine in $VRDMA_VM_RUN_DIR.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 rxe=$([ "${VRDMA_VM_NO_RXE:-0}" = 1 ] && echo 0 || echo 1) mem=3072 limit=${VRDMA_VM_TIMEOUT:-1800}
-vrdma_socket=
+vrdma_socket= host_net=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-rxe) rxe=0; shift ;;
     --mem) mem=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
     --vrdma) vrdma_socket=$2; shift 2 ;;
+    --host-net) host_net=$2; shift 2 ;;
     --) shift; break ;;
     -*) echo "run.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
@@ -41,6 +46,18 @@ if [ -n "$vrdma_socket" ]; then
     -object "memory-backend-memfd,id=mem,size=${mem}M,share=on" -numa node,memdev=mem
     -chardev "socket,id=vrdma0,path=$vrdma_socket,reconnect-ms=1000"
     -device "vhost-user-device-pci,chardev=vrdma0,virtio-id=42,num_vqs=$queues,config_size=128")
+fi
+
+nic=(-nic none) net_arg=
+if [ -n "$host_net" ]; then
+  IFS=, read -r address port peer_port <<<"$host_net"
+  [[ "$address" =~ ^([0-9]+)\.([0-9]+)\.([0-9]+)\.([0-9]+)/[0-9]+$ && -n "$port" && -n "$peer_port" ]] ||
+    { echo "run.sh: --host-net wants ADDRESS/PREFIX,PORT,PEER_PORT, not '$host_net'" >&2; exit 2; }
+  # A MAC address of QEMU's prefix that differs for every address.
+  mac=$(printf '52:54:00:%02x:%02x:%02x' "${BASH_REMATCH[2]}" "${BASH_REMATCH[3]}" "${BASH_REMATCH[4]}")
+  nic=(-netdev "dgram,id=net0,local.type=inet,local.host=127.0.0.1,local.port=$port,remote.type=inet,remote.host=127.0.0.1,remote.port=$peer_port"
+    -device "virtio-net-pci,netdev=net0,mac=$mac,romfile=")
+  net_arg="vrdma.net=$address"
 fi
 
 cpus=2
@@ -71,9 +88,9 @@ trap 'rm -rf "$run"' EXIT
 } >"$run/cmd.sh"
 
 timeout --foreground "$limit" "${qemu[@]}" \
-  -accel tcg -m "$mem" -smp "$cpus" -nographic -no-reboot -nic none \
+  -accel tcg -m "$mem" -smp "$cpus" -nographic -no-reboot "${nic[@]}" \
   -kernel "$cache/kernel/vmlinuz" -initrd "$cache/initrd.gz" \
-  -append "console=ttyS0 quiet loglevel=3 panic=-1 vrdma.results=$run vrdma.rxe=$rxe" \
+  -append "console=ttyS0 quiet loglevel=3 panic=-1 vrdma.results=$run vrdma.rxe=$rxe $net_arg" \
   -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on \
   -virtfs "local,path=$run,mount_tag=results,security_model=none" \
   </dev/null | sed -u -e 's/\r$//; s/\x1b[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' \
