@@ -55,6 +55,8 @@ step "benchmark smoke run (few iterations; numbers are not checked)"
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENCH_GUESTS=8 \
   VRDMA_BENCH_MR_MIB=64 VRDMA_BENCH_CALLGRIND_WRITES=200 \
   tests/vm/run.sh -- tests/bench-guest.sh "$PWD/target/debug"
+VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 \
+  tests/vm/two-hosts.sh -- tests/bench-cross-host.sh "$PWD/target/debug"
 
 step "nested VM end to end: guest-lib over the vrdma PCI device (about 5 minutes)"
 tests/vm/run.sh -- tests/nested-e2e.sh "$PWD/target/debug"

@@ -219,6 +219,47 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
     TestBackend { socket }
 }
 
+/// The backend binary, `vhost-user-rdma`, as a process of its own on the test device,
+/// listening on `socket` once this returns; `args` are added to its command line and its log
+/// (RUST_LOG=info) goes to [`backend_log`]`(socket)`. The test may signal or kill it.
+pub fn spawn_backend_process(socket: &std::path::Path, args: &[&str]) -> std::process::Child {
+    let binary = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/debug/vhost-user-rdma");
+    assert!(
+        binary.exists(),
+        "no {}: build the workspace's binaries first (cargo build --workspace --bins)",
+        binary.display()
+    );
+    let _ = std::fs::remove_file(socket);
+    let log = std::fs::File::create(backend_log(socket)).expect("create the backend's log");
+    let mut backend = std::process::Command::new(&binary)
+        .arg("--socket-path")
+        .arg(socket)
+        .args(["--device", &test_device_name()])
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stderr(log)
+        .spawn()
+        .expect("start the backend");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        if let Some(status) = backend.try_wait().expect("poll the backend") {
+            panic!(
+                "the backend exited ({status}) before listening:\n{}",
+                std::fs::read_to_string(backend_log(socket)).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "the backend never listened");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    backend
+}
+
+/// Where [`spawn_backend_process`] writes the log of the backend listening on `socket`.
+pub fn backend_log(socket: &std::path::Path) -> std::path::PathBuf {
+    socket.with_extension("log")
+}
+
 /// Host object counts of the test device, from `rdma resource show` (pd, cq, qp, mr, ctx ...).
 pub fn host_resource_counts() -> std::collections::BTreeMap<String, u64> {
     let output = std::process::Command::new("rdma")

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::Context;
-use vrdma_tests::{start_backend, start_backend_on, test_device_name};
+use vrdma_tests::{spawn_backend_process, start_backend, start_backend_on};
 
 /// Where link.sh put libibverbs.so.1 for this build.
 fn library_dir() -> PathBuf {
@@ -636,25 +636,8 @@ fn the_host_link_going_down_and_up_reaches_the_program_as_port_events() {
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_backend_that_goes_away_reaches_the_program_as_device_fatal() {
     // The real backend, in a process of its own that the test can kill.
-    let backend_binary =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/vhost-user-rdma");
-    assert!(
-        backend_binary.exists(),
-        "no {}: build the workspace's binaries first (cargo build --workspace --bins)",
-        backend_binary.display()
-    );
     let socket = std::env::temp_dir().join(format!("vrdma-fatal-{}.sock", std::process::id()));
-    let mut backend = Command::new(&backend_binary)
-        .arg("--socket-path")
-        .arg(&socket)
-        .args(["--device", &test_device_name()])
-        .spawn()
-        .expect("start the backend");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() {
-        assert!(Instant::now() < deadline, "the backend never listened");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let mut backend = spawn_backend_process(&socket, &[]);
     let program = CProgram::build("async_events");
     let mut child = program.spawn_on(socket.to_str().unwrap(), &["vrdma0", "fatal"]);
     let stdout = wait_for_line(&mut child, "ready");

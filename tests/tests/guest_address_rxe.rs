@@ -1,0 +1,146 @@
+//! A guest's own address (`vhost-user-rdma --guest-ip`, SPEC.md §10) on rxe: the backend puts
+//! it on the device's network interface, the guest sees its GID as the only entry of its
+//! table, and the address goes when the backend does. Runs inside the VM harness, where rxe0
+//! sits on the veth end `va` with the host's address 192.168.77.1/24. The traffic itself
+//! under such addresses, between two hosts, is tests/cross-host.sh's.
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use vrdma_backend::hostverbs::Gid;
+use vrdma_guest::{AhAttr, Device, Status};
+use vrdma_tests::{backend_log, open_test_device, spawn_backend_process};
+
+const NETDEV: &str = "va";
+
+fn socket(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("vrdma-address-{name}-{}.sock", std::process::id()))
+}
+
+/// `ip -4 -o addr show dev va`: one line per address, with its label.
+fn addresses() -> String {
+    let output = Command::new("ip")
+        .args(["-4", "-o", "addr", "show", "dev", NETDEV])
+        .output()
+        .expect("run ip");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn gid_of(address: &str) -> Gid {
+    Gid::from(address.parse::<std::net::Ipv4Addr>().unwrap())
+}
+
+/// Waits up to 5 s for `gid` to be (or not be) in rxe0's GID table.
+fn wait_for_host_gid(gid: Gid, present: bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let context = open_test_device();
+    while context.find_roce_v2_gid(1, gid).unwrap().is_some() != present {
+        assert!(
+            Instant::now() < deadline,
+            "{gid} {} rxe0's GID table",
+            if present {
+                "never entered"
+            } else {
+                "never left"
+            }
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// SIGTERM, as an operator (or systemd) stops the backend.
+fn stop(mut backend: Child) -> std::process::ExitStatus {
+    let sent = Command::new("kill")
+        .args(["-TERM", &backend.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(sent.success());
+    backend.wait().expect("reap the backend")
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_guest_address_is_the_guests_only_gid_and_leaves_with_the_backend() {
+    let address = "192.168.77.50";
+    let socket = socket("own");
+    let backend = spawn_backend_process(&socket, &["--guest-ip", "192.168.77.50/24"]);
+    let on_netdev = addresses();
+    assert!(
+        on_netdev.contains(&format!("inet {address}/24")) && on_netdev.contains("va:vrdma"),
+        "{on_netdev}"
+    );
+    wait_for_host_gid(gid_of(address), true);
+    {
+        let device = Device::open(socket.to_str().unwrap()).expect("open the device");
+        let port = device.query_port().unwrap();
+        assert_eq!(
+            (port.gid_tbl_len.to_native(), port.gid_index.to_native()),
+            (1, 0)
+        );
+        assert_eq!(device.gid().unwrap(), (0, gid_of(address)));
+        // No other entry: the host's own GIDs stay hidden.
+        let beyond = device.query_gid(1).expect_err("a second GID entry");
+        assert_eq!(beyond.status(), Some(Status::InvalidArgument));
+        // An address vector can name no other source GID.
+        let pd = device.alloc_pd().unwrap();
+        let route = AhAttr {
+            dgid: gid_of("192.168.77.1"),
+            sgid_index: 0,
+            hop_limit: 1,
+            is_global: true,
+            port_num: 1,
+            ..Default::default()
+        };
+        pd.create_ah(&route)
+            .expect("an AH from the guest's own GID");
+        let other = pd
+            .create_ah(&AhAttr {
+                sgid_index: 1,
+                ..route
+            })
+            .expect_err("an AH from another GID");
+        assert_eq!(other.status(), Some(Status::InvalidArgument));
+    }
+    assert!(
+        stop(backend).success(),
+        "the backend stops cleanly on SIGTERM"
+    );
+    assert!(!addresses().contains(address), "{}", addresses());
+    wait_for_host_gid(gid_of(address), false);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn an_address_the_host_holds_is_refused_and_one_a_killed_backend_left_is_taken_over() {
+    // The host's own address is never a guest's.
+    let binary = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/debug/vhost-user-rdma");
+    let refused = Command::new(&binary)
+        .args(["--socket-path", socket("host").to_str().unwrap()])
+        .args(["--device", "rxe0", "--guest-ip", "192.168.77.1/24"])
+        .output()
+        .expect("run the backend");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        stderr.contains("192.168.77.1 is already in use on this host (va)"),
+        "{stderr}"
+    );
+    assert!(addresses().contains("inet 192.168.77.1/24"), "left alone");
+
+    // A backend killed outright leaves its address; the next one for the guest takes it over.
+    let address = "192.168.77.51";
+    let socket = socket("killed");
+    let mut first = spawn_backend_process(&socket, &["--guest-ip", "192.168.77.51/24"]);
+    first.kill().unwrap();
+    first.wait().unwrap();
+    assert!(addresses().contains(address), "{}", addresses());
+    let second = spawn_backend_process(&socket, &["--guest-ip", "192.168.77.51/24"]);
+    let log = std::fs::read_to_string(backend_log(&socket)).unwrap();
+    assert!(log.contains("left by an earlier vrdma backend"), "{log}");
+    let device = Device::open(socket.to_str().unwrap()).expect("open the device");
+    assert_eq!(device.gid().unwrap(), (0, gid_of(address)));
+    drop(device);
+    assert!(stop(second).success());
+    assert!(!addresses().contains(address), "{}", addresses());
+}
