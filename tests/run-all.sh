@@ -20,6 +20,7 @@ tests/vm/qemu/build.sh >/dev/null
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
+cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 
 step "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
@@ -29,6 +30,9 @@ guest-lib/ibverbs/link.sh >/dev/null
 
 step "unit tests (this machine)"
 cargo test --workspace --locked
+
+step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in README)"
+fuzz/run.sh "${VRDMA_FUZZ_SECONDS:-20}"
 
 step "build the integration tests"
 mapfile -t binaries < <(cargo test -p vrdma-tests --tests --no-run --locked --message-format=json 2>/dev/null |

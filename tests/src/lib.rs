@@ -125,6 +125,16 @@ impl RcEndpoint {
     }
 }
 
+/// The host's own index of `gid` on the test device: where a native peer finds the GID a
+/// vrdma guest (whose table holds only that GID, at index 0) sends from.
+pub fn host_gid_index(context: &Context, gid: Gid) -> u8 {
+    let index = context
+        .find_roce_v2_gid(PORT, gid)
+        .expect("query the GID table")
+        .unwrap_or_else(|| panic!("{gid} is not in the host's GID table"));
+    u8::try_from(index).expect("GID index fits in a byte")
+}
+
 /// Two RC endpoints on one device, connected to each other through its RoCEv2 IPv4 GID.
 pub fn connected_rc_pair(context: &Arc<Context>) -> (RcEndpoint, RcEndpoint) {
     let (gid_index, gid) = context

@@ -14,8 +14,9 @@ use vrdma_guest::{
     QueuePair, Status,
 };
 use vrdma_tests::{
-    connect_guest_qp, control_request, host_resource_counts, open_test_device, response_status,
-    start_backend, wait_for_completions, wait_for_host_counts, RcEndpoint, FULL_ACCESS,
+    connect_guest_qp, control_request, host_gid_index, host_resource_counts, open_test_device,
+    response_status, start_backend, wait_for_completions, wait_for_host_counts, RcEndpoint,
+    FULL_ACCESS,
 };
 
 const GUEST_ENDPOINT: &str = env!("CARGO_BIN_EXE_guest-endpoint");
@@ -67,13 +68,8 @@ fn connect_guest_to_native(device: &Device, guest: &QueuePair, native: &RcEndpoi
     let (gid_index, gid) = device.gid().expect("the guest's GID");
     connect_guest_qp(guest, gid_index as u8, gid, native.qp.qp_num()).expect("guest QP to RTS");
     // The guest's GID is the host's (no --guest-ip), at the host's own index.
-    let native_index = native
-        .pd
-        .context()
-        .find_roce_v2_gid(1, gid)
-        .unwrap()
-        .expect("the guest's GID in the host table");
-    native.connect(native_index as u8, gid, guest.qp_num(), 0x1234);
+    let native_index = host_gid_index(native.pd.context(), gid);
+    native.connect(native_index, gid, guest.qp_num(), 0x1234);
 }
 
 /// A native peer RDMA-writes into a guest-lib MR at the guest's own address; the bytes must

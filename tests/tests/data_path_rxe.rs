@@ -14,9 +14,9 @@ use vrdma_guest::{
     SharedBuffer, UdDest,
 };
 use vrdma_tests::{
-    checksum, connect_guest_qp, line_field, open_test_device, start_backend, test_pattern,
-    ud_to_rts, wait_for_completions, wait_for_guest_completions, RcEndpoint, TestBackend,
-    FULL_ACCESS,
+    checksum, connect_guest_qp, host_gid_index, line_field, open_test_device, start_backend,
+    test_pattern, ud_to_rts, wait_for_completions, wait_for_guest_completions, RcEndpoint,
+    TestBackend, FULL_ACCESS,
 };
 
 const ALL_ACCESS: u32 =
@@ -431,7 +431,12 @@ fn a_guest_and_a_native_ibverbs_program_exchange_data_both_ways() {
     let native = RcEndpoint::new(&context);
     let (index, gid) = guest.device.gid().unwrap();
     connect_guest_qp(&guest.qp, index as u8, gid, native.qp.qp_num()).unwrap();
-    native.connect(index as u8, gid, guest.qp.qp_num(), 0x1234);
+    native.connect(
+        host_gid_index(&context, gid),
+        gid,
+        guest.qp.qp_num(),
+        0x1234,
+    );
     let memory = Arc::new(hostverbs::AnonymousMemory::new(8192).unwrap());
     let native_mr = native
         .pd

@@ -8,6 +8,8 @@
 //! at the guest's addresses (inline data is part of the WQE itself).
 
 mod doorbells;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fake;
 pub mod host;
 mod poller;
 mod queues;

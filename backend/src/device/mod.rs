@@ -3,7 +3,7 @@
 //! memory as any [`GuestMemoryBackend`].
 
 mod objects;
-mod validate;
+pub mod validate;
 
 use std::sync::Arc;
 
@@ -102,7 +102,46 @@ fn no_doorbell_bit() -> CommandError {
     )
 }
 
-/// A wire struct from request bytes whose length `execute` has already checked.
+/// The framing of a control request (SPEC.md §5.1): its opcode and payload, given the bytes
+/// the driver wrote and `room` bytes for the response payload.
+pub fn frame_request(readable: &[u8], room: usize) -> Result<(Opcode, &[u8]), CommandError> {
+    let header_len = std::mem::size_of::<RequestHeader>();
+    if readable.len() < header_len {
+        return Err(CommandError::new(
+            Status::BadLength,
+            "request shorter than its header",
+        ));
+    }
+    let header: RequestHeader = parse(readable);
+    let opcode = Opcode::try_from(header.opcode.to_native())
+        .map_err(|op| CommandError::new(Status::Unsupported, format!("unknown opcode {op}")))?;
+    if header.flags.to_native() != 0 {
+        return Err(CommandError::invalid("request flags must be zero"));
+    }
+    let length = header.length.to_native() as usize;
+    if length != opcode.request_size() || readable.len() - header_len < length {
+        return Err(CommandError::new(
+            Status::BadLength,
+            format!(
+                "{opcode:?}: length {length}, {} bytes present, {} expected",
+                readable.len() - header_len,
+                opcode.request_size()
+            ),
+        ));
+    }
+    if room < opcode.response_size() {
+        return Err(CommandError::new(
+            Status::BadLength,
+            format!(
+                "{opcode:?}: {room} bytes for a {}-byte response",
+                opcode.response_size()
+            ),
+        ));
+    }
+    Ok((opcode, &readable[header_len..header_len + length]))
+}
+
+/// A wire struct from request bytes whose length `frame_request` has already checked.
 fn parse<T: ByteValued + Default>(payload: &[u8]) -> T {
     vrdma_spec::read_wire(payload).expect("the request length was checked")
 }
@@ -213,40 +252,7 @@ impl Device {
         readable: &[u8],
         room: usize,
     ) -> CommandResult {
-        let header_len = std::mem::size_of::<RequestHeader>();
-        if readable.len() < header_len {
-            return Err(CommandError::new(
-                Status::BadLength,
-                "request shorter than its header",
-            ));
-        }
-        let header: RequestHeader = parse(readable);
-        let opcode = Opcode::try_from(header.opcode.to_native())
-            .map_err(|op| CommandError::new(Status::Unsupported, format!("unknown opcode {op}")))?;
-        if header.flags.to_native() != 0 {
-            return Err(CommandError::invalid("request flags must be zero"));
-        }
-        let length = header.length.to_native() as usize;
-        if length != opcode.request_size() || readable.len() - header_len < length {
-            return Err(CommandError::new(
-                Status::BadLength,
-                format!(
-                    "{opcode:?}: length {length}, {} bytes present, {} expected",
-                    readable.len() - header_len,
-                    opcode.request_size()
-                ),
-            ));
-        }
-        if room < opcode.response_size() {
-            return Err(CommandError::new(
-                Status::BadLength,
-                format!(
-                    "{opcode:?}: {room} bytes for a {}-byte response",
-                    opcode.response_size()
-                ),
-            ));
-        }
-        let payload = &readable[header_len..header_len + length];
+        let (opcode, payload) = frame_request(readable, room)?;
         let query_or_setup = matches!(
             opcode,
             Opcode::QueryDevice | Opcode::QueryPort | Opcode::QueryGid | Opcode::SetNotifyArea
@@ -861,7 +867,7 @@ fn wire_ah_attr(a: &AhAttr) -> WireAhAttr {
 }
 
 /// The shape a validated CREATE_QP describes.
-pub(crate) struct QpShape {
+pub struct QpShape {
     qp_type: QpType,
     caps: QpCaps,
 }

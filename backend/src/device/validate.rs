@@ -83,7 +83,7 @@ fn range(what: &str, value: u32, min: u32, max: u32) -> Result<u32, CommandError
 }
 
 /// CREATE_QP fields (SPEC.md §5.9); CQ and PD handles are checked by the caller.
-pub(super) fn create_qp(
+pub fn create_qp(
     req: &CreateQpRequest,
     config: &DeviceConfig,
     negotiated: u64,
@@ -247,7 +247,7 @@ pub fn create_srq(
 }
 
 /// What MODIFY_QP checks fields against.
-pub(super) struct QpLimits {
+pub struct QpLimits {
     pub port: PortAttr,
     /// The host's index of the guest's GID, the only source GID it may use.
     pub host_gid_index: u8,
@@ -324,10 +324,7 @@ const PSN_LIMIT: u32 = 1 << 24;
 
 /// MODIFY_QP (SPEC.md §5.11): the host attributes and mask, after every selected field was
 /// checked against its rule. Spec mask bits equal ibverbs bits, checked at compile time below.
-pub(super) fn modify_qp(
-    req: &ModifyQpRequest,
-    limits: &QpLimits,
-) -> Result<(QpAttr, u32), CommandError> {
+pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u32), CommandError> {
     let mask = req.attr_mask.to_native();
     if mask & !wire_mask::SUPPORTED != 0 {
         return Err(invalid(format!(

@@ -681,7 +681,7 @@ pub struct WorkCompletion(ibv_wc);
 
 impl WorkCompletion {
     /// A completion as a fake host CQ of a unit test hands it out.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn for_test(
         wr_id: u64,
         status: u32,

@@ -1,0 +1,303 @@
+//! A fake host under one poller, over plain guest memory: the rig the data path's unit tests
+//! and its fuzz target drive. One QP (SQ and RQ) and its CQ, laid out as a driver would, with
+//! host queues that record what they are given.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_spec::codec::{
+    doorbell_word, ring_slot, sge_offset, SendHeader, SendOp, UdAddress, WqePayload,
+    SEND_WQE_HEADER,
+};
+use vrdma_spec::ring::{Cqe, Event, QpDoorbell, SendWqe, Sge as WireSge, CQE_SIZE};
+use vrdma_spec::ByteValued;
+
+use super::host::{HostCompletionQueue, HostQueuePair};
+use super::poller::Poller;
+use super::wqe::{MrRange, QpRules};
+use super::*;
+use crate::hostverbs::{self, ObjectId, RecvWr, SendWr, WorkCompletion};
+
+pub const PAGE: u64 = 4096;
+pub const SQ_RING: u64 = 0x10000;
+pub const SQ_DEPTH: u32 = 64;
+pub const SQ_SHIFT: u8 = 7;
+pub const RQ_RING: u64 = 0x20000;
+pub const CQ_RING: u64 = 0x30000;
+pub const QP_DOORBELL: u64 = 0x40000;
+pub const CQ_DOORBELL: u64 = 0x40100;
+pub const NOTIFY_AREA: u64 = 0x41000;
+pub const DOORBELL_BITMAP: u64 = 0x42000;
+pub const DOORBELL_BITS: u32 = 1024;
+pub const QP_BIT: u16 = 0;
+pub const MR_START: u64 = 0x80000;
+pub const LKEY: u32 = 0x100;
+pub const PD: u32 = 1;
+pub const QP_HANDLE: u32 = 0x21;
+pub const CQ_HANDLE: u32 = 0x22;
+pub const QP_NUM: u32 = 0x11;
+
+/// A host QP that records what it is given and takes at most `room` sends per post.
+pub struct FakeQp {
+    pub sends: Mutex<Vec<(u64, SendOp)>>,
+    pub receives: Mutex<Vec<u64>>,
+    pub room: AtomicUsize,
+    pub failed: AtomicBool,
+}
+
+impl HostQueuePair for FakeQp {
+    fn qp_num(&self) -> u32 {
+        QP_NUM
+    }
+
+    fn post_send(&self, wrs: &[SendWr<'_>]) -> hostverbs::Result<()> {
+        let room = self.room.load(Ordering::Relaxed);
+        let taken = wrs.len().min(room);
+        self.room.fetch_sub(taken, Ordering::Relaxed);
+        let mut sends = self.sends.lock().unwrap();
+        sends.extend(wrs[..taken].iter().map(|wr| (wr.wr_id, wr.op)));
+        if taken < wrs.len() {
+            return Err(hostverbs::Error::Post {
+                call: "fake post_send",
+                posted: taken,
+                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+            });
+        }
+        Ok(())
+    }
+
+    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> hostverbs::Result<()> {
+        self.receives
+            .lock()
+            .unwrap()
+            .extend(wrs.iter().map(|wr| wr.wr_id));
+        Ok(())
+    }
+
+    fn set_error(&self) -> hostverbs::Result<()> {
+        self.failed.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// A host CQ that hands out the completions a test queued, and counts its arm requests.
+#[derive(Default)]
+pub struct FakeCq {
+    pub ready: Mutex<VecDeque<u64>>,
+    pub arms: AtomicUsize,
+}
+
+impl HostCompletionQueue for FakeCq {
+    fn id(&self) -> ObjectId {
+        1
+    }
+
+    fn poll(&self, out: &mut [WorkCompletion]) -> hostverbs::Result<usize> {
+        let mut ready = self.ready.lock().unwrap();
+        let n = out.len().min(ready.len());
+        for slot in &mut out[..n] {
+            let wr_id = ready.pop_front().unwrap();
+            *slot = WorkCompletion::for_test(wr_id, 0, 1, 8, QP_NUM);
+        }
+        Ok(n)
+    }
+
+    fn arm(&self) -> hostverbs::Result<()> {
+        self.arms.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+pub struct FakeEventQueue {
+    pub events: Mutex<Vec<(u16, u32)>>,
+}
+
+impl EventSink for FakeEventQueue {
+    fn deliver(&self, event: &Event) -> bool {
+        let kind = event.kind.to_native();
+        self.events
+            .lock()
+            .unwrap()
+            .push((kind, event.handle.to_native()));
+        true
+    }
+}
+
+/// One QP and its CQ in 1 MiB of guest memory, served by one poller driven by hand.
+pub struct Rig {
+    pub mem: GuestMemoryMmap,
+    #[cfg_attr(not(test), allow(dead_code))] // the unit tests look inside
+    pub(super) shared: Arc<Shared>,
+    pub(super) poller: Poller,
+    pub qp: Arc<FakeQp>,
+    pub cq: Arc<FakeCq>,
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(super) qp_data: Arc<QpData>,
+    pub events: Arc<FakeEventQueue>,
+    pub cq_depth: u32,
+    /// The driver's SQ producer index.
+    pub producer: u32,
+}
+
+impl Rig {
+    /// A rig whose CQ has `cq_depth` entries (a power of two).
+    pub fn new(cq_depth: u32) -> Rig {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let shard = Shard {
+            objects: Mutex::default(),
+            wake: EventFd::new(EFD_NONBLOCK).unwrap(),
+            channel: None,
+        };
+        let shared = Arc::new(Shared::new(vec![shard], 1, DOORBELL_BITS, Duration::ZERO));
+        *shared.mem.write().unwrap() = Some(GuestMemoryAtomic::new(mem.clone()));
+        *shared.notify_area.lock().unwrap() = Some(NotifyArea {
+            states: NOTIFY_AREA,
+            doorbell_bitmap: DOORBELL_BITMAP,
+        });
+        let events = Arc::new(FakeEventQueue::default());
+        *shared.sink.lock().unwrap() = Some(Arc::clone(&events) as _);
+        shared.mrs.write().unwrap().insert(
+            LKEY,
+            MrRange {
+                pd: PD,
+                start: MR_START,
+                len: 0x10000,
+            },
+        );
+        let pages = |base: u64, bytes: u64| (0..bytes.div_ceil(PAGE)).map(move |i| base + i * PAGE);
+        let cq = Arc::new(FakeCq::default());
+        let cq_ring = GuestRing::new(
+            pages(CQ_RING, u64::from(cq_depth) * 32).collect(),
+            12,
+            5,
+            cq_depth,
+        );
+        let cq_data = Arc::new(CqData::new(
+            CQ_HANDLE,
+            Arc::clone(&cq) as _,
+            cq_ring,
+            CQ_DOORBELL,
+        ));
+        let qp = Arc::new(FakeQp {
+            sends: Mutex::default(),
+            receives: Mutex::default(),
+            room: AtomicUsize::new(usize::MAX),
+            failed: AtomicBool::new(false),
+        });
+        let rules = QpRules {
+            pd: PD,
+            ud: false,
+            atomics: true,
+            max_send_sge: 2,
+            max_recv_sge: 2,
+            max_inline: 64,
+            sq_stride: 1 << SQ_SHIFT,
+            rq_stride: 64,
+        };
+        let sq = GuestRing::new(
+            pages(SQ_RING, u64::from(SQ_DEPTH) << SQ_SHIFT).collect(),
+            12,
+            SQ_SHIFT,
+            SQ_DEPTH,
+        );
+        let rq = GuestRing::new(pages(RQ_RING, 16 * 64).collect(), 12, 6, 16);
+        let qp_data = Arc::new(QpData::new(
+            QP_HANDLE,
+            Arc::clone(&qp) as _,
+            0,
+            rules,
+            (sq, Some(rq)),
+            QP_DOORBELL,
+            Arc::clone(&cq_data),
+            Arc::clone(&cq_data),
+        ));
+        {
+            let mut objects = shared.shards[0].objects.lock().unwrap();
+            objects.insert(QP_BIT, Rung::Qp(Arc::clone(&qp_data)));
+            objects.cqs.push(cq_data);
+        }
+        Rig {
+            mem,
+            shared: Arc::clone(&shared),
+            poller: Poller::new(shared, 0),
+            qp,
+            cq,
+            qp_data,
+            events,
+            cq_depth,
+            producer: 0,
+        }
+    }
+
+    /// Writes an RDMA WRITE of 8 bytes from `lkey` into the next SQ slot, as a driver would.
+    pub fn write_send(&mut self, wr_id: u64, lkey: u32) {
+        let header = SendHeader {
+            wr_id,
+            op: SendOp::RdmaWrite {
+                remote_addr: 0x1000,
+                rkey: 7,
+            },
+            signaled: true,
+            solicited: false,
+            fence: false,
+            payload: WqePayload::Sges(1),
+            ud: UdAddress::default(),
+        };
+        let slot = SQ_RING + (u64::from(ring_slot(self.producer, SQ_DEPTH)) << SQ_SHIFT);
+        let sge = WireSge::encode(MR_START, 8, lkey);
+        self.mem
+            .write_slice(
+                sge.as_slice(),
+                GuestAddress(slot + sge_offset(SEND_WQE_HEADER, 0) as u64),
+            )
+            .unwrap();
+        self.mem
+            .write_slice(SendWqe::encode(&header).as_slice(), GuestAddress(slot))
+            .unwrap();
+        self.producer = self.producer.wrapping_add(1);
+    }
+
+    /// Publishes the SQ producer index and sets the QP's doorbell bit, as a driver does.
+    pub fn ring_sq(&self) {
+        self.store(QP_DOORBELL + QpDoorbell::SQ_PRODUCER, self.producer);
+        self.set_doorbell_bit(QP_BIT);
+    }
+
+    pub fn set_doorbell_bit(&self, bit: u16) {
+        let (offset, mask) = doorbell_word(bit);
+        let at = GuestAddress(DOORBELL_BITMAP + offset);
+        let word: u64 = self.mem.read_obj(at).unwrap();
+        self.mem.write_obj(word | mask, at).unwrap();
+    }
+
+    pub fn store(&self, gpa: u64, value: u32) {
+        self.mem.write_obj(value, GuestAddress(gpa)).unwrap();
+    }
+
+    pub fn load(&self, gpa: u64) -> u32 {
+        self.mem.read_obj(GuestAddress(gpa)).unwrap()
+    }
+
+    pub fn sent(&self) -> Vec<u64> {
+        self.qp.sends.lock().unwrap().iter().map(|s| s.0).collect()
+    }
+
+    pub fn cqe(&self, index: u32) -> Cqe {
+        let slot = CQ_RING + u64::from(ring_slot(index, self.cq_depth)) * CQE_SIZE as u64;
+        self.mem.read_obj(GuestAddress(slot)).unwrap()
+    }
+
+    pub fn events(&self) -> Vec<(u16, u32)> {
+        self.events.events.lock().unwrap().clone()
+    }
+
+    /// One poller pass; true if it did work.
+    pub fn pass(&mut self) -> bool {
+        self.poller.pass()
+    }
+}

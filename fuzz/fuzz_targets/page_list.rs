@@ -1,0 +1,78 @@
+//! Page lists (SPEC.md §6) as REG_MR, CREATE_CQ, CREATE_QP and CREATE_SRQ give them: read out
+//! of guest memory, bounded, checked page by page against the memory table and resolved to
+//! the file behind guest RAM.
+#![no_main]
+
+use std::sync::OnceLock;
+
+use libfuzzer_sys::fuzz_target;
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vrdma_backend::mtt::{resolve_page_list, PageListRules};
+use vrdma_spec::mem::PageList;
+use vrdma_spec::read_wire;
+
+/// Where the input's page-list bytes are written before each run.
+const LIST_AREA: u64 = 0x10000;
+const LIST_AREA_LEN: usize = 0x10000;
+
+/// Two regions of file-backed guest memory with a hole between them, as a VM's would be.
+fn memory() -> &'static GuestMemoryMmap {
+    static MEMORY: OnceLock<GuestMemoryMmap> = OnceLock::new();
+    MEMORY.get_or_init(|| {
+        let path = std::env::temp_dir().join(format!("vrdma-fuzz-{}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .expect("guest memory file");
+        let _ = std::fs::remove_file(&path);
+        file.set_len(8 << 20).expect("size the file");
+        let file = std::sync::Arc::new(file);
+        GuestMemoryMmap::from_ranges_with_files(&[
+            (
+                GuestAddress(0),
+                4 << 20,
+                Some(FileOffset::from_arc(file.clone(), 0)),
+            ),
+            (
+                GuestAddress(8 << 20),
+                4 << 20,
+                Some(FileOffset::from_arc(file, 4 << 20)),
+            ),
+        ])
+        .expect("guest memory")
+    })
+}
+
+fuzz_target!(|input: &[u8]| {
+    if input.len() < 20 {
+        return;
+    }
+    let (head, entries) = input.split_at(20);
+    let list: PageList = read_wire(head).unwrap();
+    let expected = u64::from(u32::from_le_bytes(head[16..20].try_into().unwrap()) % 4096);
+    let rules = PageListRules {
+        page_size_cap: (1 << 12) | (1 << 21),
+        indirect_allowed: head[19] & 1 != 0,
+    };
+    let mem = memory();
+    let len = entries.len().min(LIST_AREA_LEN);
+    mem.write_slice(&entries[..len], GuestAddress(LIST_AREA))
+        .unwrap();
+    mem.write_slice(
+        &vec![0; LIST_AREA_LEN - len],
+        GuestAddress(LIST_AREA + len as u64),
+    )
+    .unwrap();
+    if let Ok(pages) = resolve_page_list(mem, &list, expected, &rules) {
+        let page_size = 1u64 << list.page_shift;
+        assert_eq!(pages.len() as u64, expected);
+        for page in pages {
+            assert_eq!(page.gpa % page_size, 0);
+            let last = GuestAddress(page.gpa + page_size - 1);
+            assert!(mem.address_in_range(GuestAddress(page.gpa)) && mem.address_in_range(last));
+        }
+    }
+});

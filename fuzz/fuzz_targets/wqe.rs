@@ -1,0 +1,58 @@
+//! Send and receive WQEs as the backend reads them from a guest's rings: decoding
+//! (vrdma-spec's codec) and validation against a QP's rules and the guest's MRs.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use vrdma_backend::datapath::wqe::{parse_recv, parse_send, MrRange, QpRules};
+use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
+
+fuzz_target!(|input: &[u8]| {
+    // The first bytes choose the QP's rules; the rest is one slot of its ring.
+    let [flags, sges, inline, stride_shift, slot @ ..] = input else {
+        return;
+    };
+    // Strides as CREATE_QP allows them (SPEC.md §7.1).
+    let receive = flags & 4 != 0;
+    let min_shift = if receive {
+        MIN_RQ_WQE_SHIFT
+    } else {
+        MIN_SQ_WQE_SHIFT
+    };
+    let stride = 1usize << (min_shift + stride_shift % (MAX_WQE_SHIFT - min_shift + 1));
+    let mut wqe = vec![0u8; stride];
+    let len = slot.len().min(stride);
+    wqe[..len].copy_from_slice(&slot[..len]);
+    let rules = QpRules {
+        pd: 7,
+        ud: flags & 1 != 0,
+        atomics: flags & 2 != 0,
+        max_send_sge: u32::from(sges % 32),
+        max_recv_sge: u32::from(sges / 8),
+        max_inline: u32::from(*inline) * 16,
+        sq_stride: stride,
+        rq_stride: stride,
+    };
+    let lookup = |lkey: u32| {
+        (lkey % 3 != 0).then_some(MrRange {
+            pd: if lkey % 5 == 0 { 8 } else { 7 },
+            start: u64::from(lkey) << 12,
+            len: 1 << 20,
+        })
+    };
+    let mut list = Vec::new();
+    if !receive {
+        if let Ok(request) = parse_send(&wqe, &rules, &lookup, &mut list) {
+            assert_eq!(list.len(), request.sge_count);
+            if let Some(inline_len) = request.inline_len {
+                assert!(inline_len <= rules.max_inline as usize && inline_len < stride);
+            }
+        }
+    } else if let Ok((_, count)) = parse_recv(&wqe, &rules, &lookup, &mut list) {
+        assert_eq!(list.len(), count);
+        assert!(count <= rules.max_recv_sge as usize);
+    }
+    for sge in &list {
+        let mr = lookup(sge.lkey).expect("an accepted SGE names an MR");
+        assert!(sge.addr >= mr.start && sge.addr + u64::from(sge.length) <= mr.start + mr.len);
+    }
+});
