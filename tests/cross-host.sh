@@ -29,7 +29,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 bin=$(cd "$1" && pwd)
 rdma_check=$2
 : "${VRDMA_HOST:?run me through tests/vm/two-hosts.sh}"
-host=$VRDMA_HOST host_ip=$VRDMA_HOST_IP peer_ip=$VRDMA_PEER_IP
+host=$VRDMA_HOST host_ip=$VRDMA_HOST_IP
 a1=10.50.0.11 a2=10.50.0.13 b1=10.50.0.12
 host_b=10.50.0.2
 logs=/tmp/cross-host
@@ -45,6 +45,7 @@ check() { # NAME COMMAND...
   else
     echo "cross-host: $name FAILED"
     failures=$((failures + 1))
+    tail -n 5 "$logs"/backend-*.log >&2
   fi
 }
 

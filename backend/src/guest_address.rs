@@ -9,7 +9,7 @@
 //! on the host (the host's own, say) is never handed to a guest.
 
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -139,10 +139,6 @@ impl GuestAddress {
         })
     }
 
-    pub fn ip(&self) -> GuestIp {
-        self.ip
-    }
-
     /// Takes the address off the network device (the guest's GID goes with it).
     pub fn remove(&mut self) -> Result<(), AddressError> {
         if self.removed {
@@ -192,7 +188,7 @@ fn holder_of(address: Ipv4Addr) -> Result<Option<String>, AddressError> {
                 .address
                 .as_ref()
                 .and_then(|a| a.as_sockaddr_in())
-                .is_some_and(|a| IpAddr::V4(a.ip()) == IpAddr::V4(address))
+                .is_some_and(|a| a.ip() == address)
         })
         .map(|entry| entry.interface_name))
 }
