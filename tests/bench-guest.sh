@@ -78,7 +78,8 @@ echo
 
 # Instructions per WQE: a second backend under callgrind that counts only inside the
 # functions taking WQEs from the rings and writing CQEs back (Poller::process_*), with busy
-# polling off so that few idle passes are counted, over a fixed workload: write_bw of N
+# polling off so that few idle passes are counted, and no seccomp filter (it would filter
+# valgrind's own system calls too), over a fixed workload: write_bw of N
 # 64-byte writes (one WQE and one CQE each). The profile is dumped while the backend runs
 # (it does not exit cleanly under valgrind), then the backend is killed.
 instructions_per_wqe() {
@@ -87,7 +88,7 @@ instructions_per_wqe() {
   rm -f "$out"*
   valgrind --tool=callgrind --callgrind-out-file="$out" --collect-atstart=no \
     --toggle-collect='*Poller*process_*' \
-    "$bin/vhost-user-rdma" --device rxe0 --socket-path "$socket" --poll-idle-us 0 \
+    "$bin/vhost-user-rdma" --device rxe0 --socket-path "$socket" --poll-idle-us 0 --seccomp none \
     2>/tmp/callgrind.log &
   local traced=$! instructions=
   for _ in $(seq 600); do [ -S "$socket" ] && break; sleep 0.1; done

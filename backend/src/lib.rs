@@ -10,6 +10,7 @@ mod guest_mapping;
 pub mod hostverbs;
 pub mod limits;
 pub mod mtt;
+pub mod sandbox;
 pub mod vhost_user;
 
 use std::sync::{Arc, Mutex};
@@ -42,6 +43,8 @@ pub enum Error {
     GuestAddress(#[from] guest_address::AddressError),
     #[error("the guest's GID {gid} did not appear in the device's GID table: is its address on the device's network interface?")]
     GuestGidMissing { gid: Gid },
+    #[error(transparent)]
+    Sandbox(#[from] sandbox::SandboxError),
     #[error("vhost-user socket: {0}")]
     VhostUser(#[source] vhost::vhost_user::Error),
     /// vhost-user-backend's error type implements Display but not std::error::Error.
@@ -68,6 +71,8 @@ pub struct Config {
     pub pollers: usize,
     /// How long a poller keeps polling after its last work before it sleeps.
     pub poll_idle: std::time::Duration,
+    /// The system call filter [`vhost_user::serve`] installs once it listens.
+    pub seccomp: sandbox::SeccompMode,
 }
 
 /// The host device, checked to be usable for guests.
@@ -195,6 +200,7 @@ mod tests {
             notify_queues: 1,
             pollers: 1,
             poll_idle: std::time::Duration::from_millis(2),
+            seccomp: sandbox::SeccompMode::None,
         };
         let message = HostDevice::open(&config)
             .err()

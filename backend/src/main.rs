@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use vrdma_backend::guest_address::GuestIp;
+use vrdma_backend::sandbox::SeccompMode;
 use vrdma_backend::{limits, vhost_user, Config, HostDevice, Quotas};
 
 /// vhost-user backend of the vrdma paravirtual RDMA device (virtio id 42).
@@ -49,6 +50,10 @@ struct Args {
     /// Most bytes of queue rings (CQs, QPs, SRQs together) one guest may hold.
     #[arg(long, default_value_t = Quotas::default().max_ring_bytes)]
     max_ring_bytes: u64,
+    /// System calls outside what serving needs, once the backend listens: kill the process
+    /// (with a line naming the call), log them (kernel audit log), or allow everything.
+    #[arg(long, value_enum, default_value_t = SeccompMode::Kill)]
+    seccomp: SeccompMode,
     /// Check the host device and print what guests would be offered, then exit.
     #[arg(long, conflicts_with = "socket_path")]
     check: bool,
@@ -72,6 +77,7 @@ impl From<Args> for Config {
             notify_queues: args.notify_queues,
             pollers: args.pollers as usize,
             poll_idle: std::time::Duration::from_micros(args.poll_idle_us),
+            seccomp: args.seccomp,
         }
     }
 }

@@ -300,6 +300,8 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
     let mut backend = Arc::new(RwLock::new(RdmaBackend::new(config)?));
     let mut listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
     log::info!("listening on {}", socket_path.display());
+    // Everything serving needs from here on is in the filter (crate::sandbox).
+    crate::sandbox::confine(config.seccomp)?;
     for connection in 1u64.. {
         // One connection failing to start (no threads, descriptors or memory left) must not
         // stop the guests already served, nor the ones that come later.

@@ -1,0 +1,294 @@
+//! The backend confined: once it listens, every thread runs under a seccomp filter that allows
+//! only the system calls serving guests needs (vhost-user messages and guest memory, the host
+//! RDMA device through libibverbs, threads, eventfds and epoll, logging). Anything else kills
+//! the process, after one line on stderr naming the system call.
+//!
+//! What is allowed was read off the backend serving the whole test suite (strace -f), then
+//! reasoned about; `--seccomp log` lets an operator find what a new host library adds.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule,
+};
+
+/// What happens to a system call outside the allowed list.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum SeccompMode {
+    /// No filter (the default for the library, whose users are other programs and tests).
+    #[default]
+    None,
+    /// The kernel logs the call and lets it through.
+    Log,
+    /// The process exits, with a line on stderr naming the call.
+    Kill,
+}
+
+/// The exit status of a process a disallowed system call ended (128 + SIGSYS, as a shell
+/// reports a process SIGSYS killed).
+pub const KILLED_STATUS: i32 = 128 + libc::SIGSYS;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("cannot build the seccomp filter: {0}")]
+    Filter(#[from] seccompiler::BackendError),
+    #[error("cannot compile the seccomp filter: {0}")]
+    Compile(#[from] seccompiler::Error),
+    #[error("cannot install the SIGSYS handler: {0}")]
+    Handler(vmm_sys_util::errno::Error),
+}
+
+/// System calls the backend makes while serving guests (x86_64 and aarch64 names).
+const ALLOWED: &[libc::c_long] = &[
+    // vhost-user socket, netlink (libibverbs lists devices over it for every new context; a
+    // guest address going away), eventfds, epoll. `socket` itself is allowed for netlink
+    // only (see `rules`).
+    libc::SYS_accept4,
+    libc::SYS_bind,
+    libc::SYS_setsockopt,
+    libc::SYS_getsockname,
+    libc::SYS_recvfrom,
+    libc::SYS_recvmsg,
+    libc::SYS_sendto,
+    libc::SYS_sendmsg,
+    libc::SYS_shutdown,
+    libc::SYS_getsockopt,
+    libc::SYS_eventfd2,
+    libc::SYS_epoll_create1,
+    libc::SYS_epoll_ctl,
+    libc::SYS_epoll_pwait,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_epoll_wait,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+    libc::SYS_pipe2,
+    // files: the RDMA device and its sysfs attributes (a context per connection), guest
+    // memory files, /proc limits
+    libc::SYS_openat,
+    libc::SYS_close,
+    libc::SYS_read,
+    libc::SYS_readv,
+    libc::SYS_write,
+    libc::SYS_writev,
+    libc::SYS_pread64,
+    libc::SYS_pwrite64,
+    libc::SYS_lseek,
+    libc::SYS_fstat,
+    libc::SYS_newfstatat,
+    libc::SYS_statx,
+    libc::SYS_getdents64,
+    libc::SYS_readlinkat,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_readlink,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_access,
+    libc::SYS_faccessat,
+    libc::SYS_ioctl,
+    libc::SYS_fcntl,
+    libc::SYS_dup,
+    libc::SYS_dup3,
+    // memory: guest RAM, MR mappings, the device's queues, heap and thread stacks
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_mremap,
+    libc::SYS_mprotect,
+    libc::SYS_madvise,
+    libc::SYS_brk,
+    // threads (a worker and pollers per connection), time, signals, exit
+    libc::SYS_clone,
+    libc::SYS_clone3,
+    libc::SYS_set_robust_list,
+    libc::SYS_rseq,
+    libc::SYS_prctl,
+    libc::SYS_futex,
+    libc::SYS_sched_yield,
+    libc::SYS_sched_getaffinity,
+    libc::SYS_nanosleep,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_clock_gettime,
+    libc::SYS_gettid,
+    libc::SYS_getpid,
+    libc::SYS_getuid,
+    libc::SYS_geteuid,
+    libc::SYS_getgid,
+    libc::SYS_getegid,
+    libc::SYS_tgkill,
+    libc::SYS_rt_sigaction,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_sigaltstack,
+    libc::SYS_getrandom,
+    libc::SYS_prlimit64,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+];
+
+/// Confines every thread of the process as `mode` says. Threads started later inherit it.
+pub fn confine(mode: SeccompMode) -> Result<(), SandboxError> {
+    let mismatch = match mode {
+        SeccompMode::None => return Ok(()),
+        SeccompMode::Log => SeccompAction::Log,
+        SeccompMode::Kill => {
+            vmm_sys_util::signal::register_signal_handler(libc::SIGSYS, disallowed_system_call)
+                .map_err(SandboxError::Handler)?;
+            SeccompAction::Trap
+        }
+    };
+    let filter = SeccompFilter::new(
+        rules()?,
+        mismatch,
+        SeccompAction::Allow,
+        std::env::consts::ARCH.try_into()?,
+    )?;
+    let program: BpfProgram = filter.try_into()?;
+    seccompiler::apply_filter_all_threads(&program)?;
+    log::info!(
+        "seccomp filter installed ({mode:?}): {} system calls allowed",
+        ALLOWED.len()
+    );
+    Ok(())
+}
+
+/// The filter's rules: every call of [`ALLOWED`], and `socket` for netlink only.
+fn rules() -> Result<BTreeMap<i64, Vec<SeccompRule>>, SandboxError> {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        ALLOWED.iter().map(|&call| (call, Vec::new())).collect();
+    let netlink = SeccompCondition::new(
+        0,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        libc::AF_NETLINK as u64,
+    )?;
+    rules.insert(libc::SYS_socket, vec![SeccompRule::new(vec![netlink])?]);
+    Ok(rules)
+}
+
+/// SIGSYS from the filter: one line naming the call, then exit. Only async-signal-safe calls
+/// (write, _exit), both of them allowed.
+extern "C" fn disallowed_system_call(
+    _signal: libc::c_int,
+    info: *mut libc::siginfo_t,
+    _context: *mut libc::c_void,
+) {
+    // SAFETY: the kernel passes a valid siginfo_t for SIGSYS, whose seccomp part holds the
+    // call number as the int after si_signo, si_errno, si_code (and padding) and the
+    // faulting address: byte offset 24 on 64-bit Linux.
+    let call = unsafe { *(info as *const i32).add(6) };
+    const PREFIX: &[u8] = b"vhost-user-rdma: seccomp: system call ";
+    const SUFFIX: &[u8] = b" is not allowed; exiting\n";
+    let mut digits = [0u8; 10];
+    let mut count = 0;
+    let mut n = call.unsigned_abs();
+    loop {
+        digits[count] = b'0' + (n % 10) as u8;
+        count += 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let mut line = [0u8; 80];
+    let mut len = 0;
+    for &byte in PREFIX
+        .iter()
+        .chain(digits[..count].iter().rev())
+        .chain(SUFFIX)
+    {
+        line[len] = byte;
+        len += 1;
+    }
+    // SAFETY: writing a buffer we own to stderr, then ending the process: both allowed by
+    // the filter and async-signal-safe.
+    unsafe {
+        libc::write(2, line.as_ptr().cast(), len);
+        libc::_exit(KILLED_STATUS);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Set in the child process the test below starts.
+    const CHILD: &str = "VRDMA_SANDBOX_TEST_CHILD";
+
+    /// Runs `test` of this module in a child process that confines itself and then does
+    /// what the test's child branch does; returns the child's exit code and stderr.
+    fn confined_child(test: &str) -> (Option<i32>, String) {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", &format!("sandbox::tests::{test}"), "--nocapture"])
+            .args(["--test-threads=1"])
+            .env(CHILD, "1")
+            .output()
+            .expect("run the child");
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        (output.status.code(), stderr)
+    }
+
+    fn in_child() -> bool {
+        if std::env::var_os(CHILD).is_none() {
+            return false;
+        }
+        confine(SeccompMode::Kill).expect("install the filter");
+        eprintln!("confined, and still logging");
+        true
+    }
+
+    fn expect_killed_for(test: &str, call: libc::c_long) {
+        let (status, stderr) = confined_child(test);
+        assert_eq!(status, Some(KILLED_STATUS), "{stderr}");
+        assert!(stderr.contains("confined, and still logging"), "{stderr}");
+        let line = format!("vhost-user-rdma: seccomp: system call {call} is not allowed; exiting");
+        assert!(stderr.contains(&line), "{stderr}");
+    }
+
+    #[test]
+    fn a_disallowed_system_call_ends_the_process_with_a_line_naming_it() {
+        if in_child() {
+            // getppid: serving guests never asks for its parent.
+            let parent = std::os::unix::process::parent_id();
+            unreachable!("the filter let getppid through ({parent})");
+        }
+        expect_killed_for(
+            "a_disallowed_system_call_ends_the_process_with_a_line_naming_it",
+            libc::SYS_getppid,
+        );
+    }
+
+    #[test]
+    fn only_netlink_sockets_can_be_opened() {
+        if in_child() {
+            let netlink = nix::sys::socket::socket(
+                nix::sys::socket::AddressFamily::Netlink,
+                nix::sys::socket::SockType::Raw,
+                nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+                nix::sys::socket::SockProtocol::NetlinkRoute,
+            );
+            eprintln!(
+                "netlink: {}",
+                if netlink.is_ok() { "opened" } else { "refused" }
+            );
+            let inet = std::net::TcpListener::bind("127.0.0.1:0");
+            unreachable!("the filter let an inet socket through ({inet:?})");
+        }
+        expect_killed_for("only_netlink_sockets_can_be_opened", libc::SYS_socket);
+        let (_, stderr) = confined_child("only_netlink_sockets_can_be_opened");
+        assert!(stderr.contains("netlink: opened"), "{stderr}");
+    }
+
+    #[test]
+    fn the_filter_compiles_for_this_architecture() {
+        let rules = rules().unwrap();
+        assert_eq!(rules.len(), ALLOWED.len() + 1, "no call listed twice");
+        let filter = SeccompFilter::new(
+            rules,
+            SeccompAction::Trap,
+            SeccompAction::Allow,
+            std::env::consts::ARCH.try_into().unwrap(),
+        )
+        .unwrap();
+        let _: BpfProgram = filter.try_into().unwrap();
+    }
+}
