@@ -64,9 +64,17 @@ fn a_guest_address_is_the_guests_only_gid_and_leaves_with_the_backend() {
     let address = "192.168.77.50";
     let socket = socket("own");
     let backend = spawn_backend_process(&socket, &["--guest-ip", "192.168.77.50/24"]);
-    // The backend serves confined (its default), and removing the address still works.
-    let log = std::fs::read_to_string(backend_log(&socket)).unwrap();
-    assert!(log.contains("seccomp filter installed (Kill)"), "{log}");
+    // The backend serves confined (its default; it says so just after it listens), and
+    // removing the address still works.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = std::fs::read_to_string(backend_log(&socket)).unwrap();
+        if log.contains("seccomp filter installed (Kill)") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not confined:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let on_netdev = addresses();
     assert!(
         on_netdev.contains(&format!("inet {address}/24")) && on_netdev.contains("va:vrdma"),
