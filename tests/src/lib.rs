@@ -235,13 +235,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
 /// listening on `socket` once this returns; `args` are added to its command line and its log
 /// (RUST_LOG=info) goes to [`backend_log`]`(socket)`. The test may signal or kill it.
 pub fn spawn_backend_process(socket: &std::path::Path, args: &[&str]) -> std::process::Child {
-    let binary = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/debug/vhost-user-rdma");
-    assert!(
-        binary.exists(),
-        "no {}: build the workspace's binaries first (cargo build --workspace --bins)",
-        binary.display()
-    );
+    let binary = backend_binary();
     let _ = std::fs::remove_file(socket);
     let log = std::fs::File::create(backend_log(socket)).expect("create the backend's log");
     let mut backend = std::process::Command::new(&binary)
@@ -265,6 +259,18 @@ pub fn spawn_backend_process(socket: &std::path::Path, args: &[&str]) -> std::pr
         std::thread::sleep(Duration::from_millis(10));
     }
     backend
+}
+
+/// The backend binary, `vhost-user-rdma`, as the workspace built it.
+pub fn backend_binary() -> std::path::PathBuf {
+    let binary = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/debug/vhost-user-rdma");
+    assert!(
+        binary.exists(),
+        "no {}: build the workspace's binaries first (cargo build --workspace --bins)",
+        binary.display()
+    );
+    binary
 }
 
 /// Where [`spawn_backend_process`] writes the log of the backend listening on `socket`.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::Gid;
 use vrdma_guest::{AhAttr, Device, Status};
-use vrdma_tests::{backend_log, open_test_device, spawn_backend_process};
+use vrdma_tests::{backend_binary, backend_log, open_test_device, spawn_backend_process};
 
 const NETDEV: &str = "va";
 
@@ -124,9 +124,7 @@ fn a_guest_address_is_the_guests_only_gid_and_leaves_with_the_backend() {
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn an_address_the_host_holds_is_refused_and_one_a_killed_backend_left_is_taken_over() {
     // The host's own address is never a guest's.
-    let binary = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/debug/vhost-user-rdma");
-    let refused = Command::new(&binary)
+    let refused = Command::new(backend_binary())
         .args(["--socket-path", socket("host").to_str().unwrap()])
         .args(["--device", "rxe0", "--guest-ip", "192.168.77.1/24"])
         .output()
