@@ -940,8 +940,21 @@ impl QueuePair {
     /// Walks an RC QP RESET -> INIT -> RTR -> RTS towards `peer`, sending from GID
     /// `sgid_index`, with the usual settings: the port's active MTU, remote read/write/atomic
     /// access, up to 16 outstanding reads and atomics (as the device allows), unlimited RNR
-    /// retries.
+    /// retries, and transport retries as [`QueuePair::connect_rc_retrying`] with 7.
     pub fn connect_rc(&self, sgid_index: u8, local_psn: u32, peer: &RcPeer) -> Result<()> {
+        self.connect_rc_retrying(sgid_index, local_psn, peer, 7)
+    }
+
+    /// As [`QueuePair::connect_rc`], retransmitting an unanswered request `retry_cnt` times
+    /// (0..=7) before the QP fails with `RETRY_EXC_ERR`. Soft-RoCE takes 7 as "forever", so a
+    /// QP that must notice a vanished peer there asks for at most 6.
+    pub fn connect_rc_retrying(
+        &self,
+        sgid_index: u8,
+        local_psn: u32,
+        peer: &RcPeer,
+        retry_cnt: u8,
+    ) -> Result<()> {
         let device = &self.pd.device;
         let path_mtu = device
             .command::<_, vrdma_spec::ctrl::PortAttr>(
@@ -995,7 +1008,7 @@ impl QueuePair {
         let rts = QpAttr {
             qp_state: qp_state::RTS,
             timeout: 14,
-            retry_cnt: 7,
+            retry_cnt,
             rnr_retry: 7,
             sq_psn: local_psn,
             max_rd_atomic: reads(config.max_qp_init_rd_atom),

@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use vrdma_backend::hostverbs::{self, PinnedMemory};
 use vrdma_guest::{
     access, qp_state, wc_opcode, wc_status, AhAttr, CompletionQueue, Device, DeviceEvent,
-    MemoryRegion, Payload, ProtectionDomain, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge,
-    SharedBuffer, UdDest,
+    MemoryRegion, Payload, ProtectionDomain, QpType, QueuePair, RcPeer, RecvWr, SendOp, SendWr,
+    Sge, SharedBuffer, UdDest,
 };
 use vrdma_tests::{
-    checksum, connect_guest_qp, host_gid_index, line_field, open_test_device, start_backend,
-    test_pattern, ud_to_rts, wait_for_completions, wait_for_guest_completions, RcEndpoint,
-    TestBackend, FULL_ACCESS,
+    checksum, connect_guest_qp, host_gid_index, host_resource_counts, line_field, open_test_device,
+    start_backend, test_pattern, ud_to_rts, wait_for_completions, wait_for_guest_completions,
+    wait_for_host_counts, RcEndpoint, TestBackend, FULL_ACCESS,
 };
 
 const ALL_ACCESS: u32 =
@@ -661,6 +661,92 @@ impl TargetProcess {
             "the target process failed"
         );
     }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_guest_killed_amid_large_writes_leaves_its_peer_error_completions_and_the_backend_serving() {
+    const LEN: u64 = 64 << 20;
+    const STREAM: u64 = 8;
+    /// `ibv_wc_status` of a WRITE whose target went away: its memory region first (the
+    /// target answers "remote access error") or its QP first (nobody answers).
+    const REM_ACCESS_ERR: u8 = 10;
+    const RETRY_EXC_ERR: u8 = 12;
+    let backend = start_backend();
+    let baseline = host_resource_counts();
+    {
+        let writer = Endpoint::new(&backend, QpType::Rc, LEN);
+        let mut target = TargetProcess::start(&backend, LEN);
+        let target_qpn = target.new_qp("rc");
+        let peer = RcPeer {
+            qp_num: target_qpn,
+            gid: target.gid,
+            psn: 0x1234,
+        };
+        // Six retries: rxe retransmits forever at seven, and this QP must notice the death.
+        writer
+            .qp
+            .connect_rc_retrying(target.gid_index, 0x1234, &peer, 6)
+            .unwrap();
+        target.ask_ok(&format!("connect {target_qpn} {}", writer.qp.qp_num()));
+        let write = SendOp::RdmaWrite {
+            remote_addr: target.va,
+            rkey: target.rkey,
+        };
+        let whole = [writer.sge(0, LEN as u32)];
+        let stream: Vec<SendWr> = (0..STREAM)
+            .map(|i| SendWr::new(i, write, Payload::Sges(&whole)))
+            .collect();
+        writer.qp.post_send(&stream).unwrap();
+        let first = wait_for_guest_completions(&writer.cq, 1);
+        assert_eq!(first[0].status, wc_status::SUCCESS, "{first:?}");
+
+        // The target dies with the rest of the stream in flight.
+        target.child.kill().unwrap(); // SIGKILL
+        target.child.wait().unwrap();
+        let rest = wait_for_guest_completions(&writer.cq, (STREAM - 1) as usize);
+        let statuses: Vec<u8> = rest.iter().map(|wc| wc.status).collect();
+        let failed = statuses
+            .iter()
+            .position(|&status| status != wc_status::SUCCESS)
+            .unwrap_or_else(|| panic!("every WRITE succeeded after the kill: {statuses:?}"));
+        assert!(
+            [REM_ACCESS_ERR, RETRY_EXC_ERR].contains(&statuses[failed]),
+            "{statuses:?}"
+        );
+        assert!(
+            statuses[failed + 1..]
+                .iter()
+                .all(|&status| status == wc_status::WR_FLUSH_ERR),
+            "after the failure the stream is flushed: {statuses:?}"
+        );
+        let ids: Vec<u64> = rest.iter().map(|wc| wc.wr_id).collect();
+        assert_eq!(
+            ids,
+            (1..STREAM).collect::<Vec<_>>(),
+            "each WRITE once, in order"
+        );
+        // The survivor's connection still answers control commands.
+        assert!(writer.device.query_device().unwrap().max_qp.to_native() > 0);
+    }
+    // A new pair of guests is served as before.
+    let (a, b) = rc_pair(&backend, 4096);
+    a.buffer.write(0, &test_pattern(4096, 7)).unwrap();
+    let write = SendOp::RdmaWrite {
+        remote_addr: b.mr.addr(),
+        rkey: b.mr.rkey(),
+    };
+    a.qp.post_send(&[SendWr::new(1, write, Payload::Sges(&[a.sge(0, 4096)]))])
+        .unwrap();
+    assert_eq!(
+        wait_for_guest_completions(&a.cq, 1)[0].status,
+        wc_status::SUCCESS
+    );
+    let mut landed = vec![0u8; 4096];
+    b.buffer.read(0, &mut landed).unwrap();
+    assert_eq!(landed, test_pattern(4096, 7));
+    drop((a, b));
+    wait_for_host_counts(&baseline);
 }
 
 #[test]
