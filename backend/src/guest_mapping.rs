@@ -47,10 +47,10 @@ impl GuestPagesMapping {
         pages: &[BackedPage],
         page_size: u64,
     ) -> Result<Arc<Self>, MttError> {
-        let map_err = |e: io::Error| MttError::Map(e);
-        let too_large = || MttError::Map(io::Error::from_raw_os_error(libc::ENOMEM));
+        let map_err = |e: io::Error| MttError::Map(e.raw_os_error().unwrap_or(libc::EIO));
+        let too_large = || MttError::Map(libc::ENOMEM);
         if pages.is_empty() || !page_size.is_power_of_two() {
-            return Err(MttError::Map(io::Error::from_raw_os_error(libc::EINVAL)));
+            return Err(MttError::Map(libc::EINVAL));
         }
         let reservation = budget.reserve(file_runs(pages, page_size).count())?;
         let page_size = usize::try_from(page_size).map_err(|_| too_large())?;

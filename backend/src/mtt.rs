@@ -19,7 +19,7 @@ use vrdma_spec::mem::{
 pub use crate::guest_mapping::{GuestPagesMapping, MapBudget};
 
 /// Why a page list was refused.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum MttError {
     #[error("page_shift {0} is not an accepted page size")]
     PageShift(u8),
@@ -39,8 +39,8 @@ pub enum MttError {
     PageMisaligned { gpa: u64, page_size: u64 },
     #[error("guest memory at {0:#x} is not backed by a file the backend can map")]
     NotFileBacked(u64),
-    #[error("mapping guest pages failed: {0}")]
-    Map(#[source] std::io::Error),
+    #[error("mapping guest pages failed: {}", std::io::Error::from_raw_os_error(*.0))]
+    Map(i32),
     #[error("the pages form {runs} separate runs in guest RAM; one registration may map at most {max} (use larger or contiguous pages)")]
     TooManyRuns { runs: usize, max: usize },
     #[error("no room for {runs} more guest-page mappings while other registrations hold theirs")]

@@ -352,6 +352,7 @@ fn start_connection(
             let state = serving.read().unwrap_or_else(|e| e.into_inner());
             let objects = state.device.object_count();
             let stats = state.device.data_path().stats();
+            let refusals = state.device.refusals().summary();
             state.stop_workers();
             drop(state);
             drop(daemon);
@@ -363,6 +364,9 @@ fn start_connection(
                 stats.kicks,
                 stats.refused
             );
+            if let Some(refusals) = refusals {
+                log::info!("connection {connection}: failed control requests: {refusals}");
+            }
         })
         .map_err(Error::Io)?;
     let mut daemon = VhostUserDaemon::new(

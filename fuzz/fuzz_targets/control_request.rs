@@ -7,13 +7,13 @@ use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
-use vrdma_backend::device::{frame_request, validate};
+use vrdma_backend::device::{frame_request, validate, Refusal};
 use vrdma_backend::hostverbs::{DeviceAttr, PortAttr, LINK_LAYER_ETHERNET};
 use vrdma_backend::{limits, mtt, Quotas};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     CreateAhRequest, CreateCqRequest, CreateQpRequest, CreateSrqRequest, ModifyQpRequest,
-    ModifySrqRequest, Opcode, RegMrRequest, SetNotifyAreaRequest,
+    ModifySrqRequest, Opcode, RegMrRequest, SetNotifyAreaRequest, Status,
 };
 use vrdma_spec::read_wire;
 use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell};
@@ -78,7 +78,13 @@ fuzz_target!(|input: &[u8]| {
     let negotiated = u64::from(*negotiated)
         & (features::RC | features::UD | features::SRQ | features::ATOMIC)
         | features::INDIRECT_PAGE_LIST;
-    let Ok((opcode, payload)) = frame_request(readable, room) else {
+    let framed = frame_request(readable, room).map_err(|e| {
+        let refusal = e
+            .refusal()
+            .expect("framing is decided by rules, not the host");
+        checked::<()>(Err(refusal.clone()));
+    });
+    let Ok((opcode, payload)) = framed else {
         return;
     };
     assert_eq!(payload.len(), opcode.request_size());
@@ -86,30 +92,41 @@ fuzz_target!(|input: &[u8]| {
     let f = fixture();
     let config = &f.config;
     let record = |gpa: u64, size: usize| {
-        let _ = validate::guest_range(&f.mem, gpa, size as u64);
+        checked(validate::guest_range(&f.mem, gpa, size as u64));
     };
     match opcode {
         Opcode::CreateCq => {
             let req: CreateCqRequest = read_wire(payload).unwrap();
-            let _ = validate::depth(
+            checked(validate::depth(
                 "CQ depth",
                 req.cqe.to_native(),
                 2,
                 config.max_cqe.to_native(),
-            );
-            let _ = validate::guest_record::<_, CqDoorbell>(&f.mem, req.doorbell.to_native(), 16);
+            ));
+            let doorbell = req.doorbell.to_native();
+            checked(validate::guest_record::<_, CqDoorbell>(
+                &f.mem,
+                "CQ doorbell",
+                doorbell,
+                16,
+            ));
         }
         Opcode::RegMr => {
             let req: RegMrRequest = read_wire(payload).unwrap();
-            let _ = validate::mr_access(req.access.to_native(), negotiated);
+            checked(validate::mr_access(req.access.to_native(), negotiated));
             let offset = req.virt_addr.to_native() % (1 << 12);
             let _ = mtt::pages_needed(offset, req.length.to_native(), req.pages.page_shift);
         }
         Opcode::CreateQp => {
             let req: CreateQpRequest = read_wire(payload).unwrap();
-            if validate::create_qp(&req, config, negotiated).is_ok() {
-                let _ =
-                    validate::guest_record::<_, QpDoorbell>(&f.mem, req.doorbell.to_native(), 16);
+            if checked(validate::create_qp(&req, config, negotiated)).is_some() {
+                let doorbell = req.doorbell.to_native();
+                checked(validate::guest_record::<_, QpDoorbell>(
+                    &f.mem,
+                    "QP doorbell",
+                    doorbell,
+                    16,
+                ));
             }
         }
         Opcode::ModifyQp => {
@@ -121,35 +138,51 @@ fuzz_target!(|input: &[u8]| {
                 max_dest_rd_atomic: config.max_qp_rd_atom.to_native(),
                 atomics: negotiated & features::ATOMIC != 0,
             };
-            if let Ok((attr, _)) = validate::modify_qp(&req, &limits) {
+            if let Some((attr, _)) = checked(validate::modify_qp(&req, &limits)) {
                 assert!(attr.ah_attr.sgid_index == 1 || attr.ah_attr.sgid_index == 0);
             }
         }
         Opcode::CreateAh => {
             let req: CreateAhRequest = read_wire(payload).unwrap();
-            if let Ok(attr) = validate::ah_attr(&req.attr, &f.port, 1) {
+            if let Some(attr) = checked(validate::ah_attr(&req.attr, &f.port, 1)) {
                 assert_eq!(attr.sgid_index, 1, "only the guest's own GID");
             }
         }
         Opcode::CreateSrq => {
             let req: CreateSrqRequest = read_wire(payload).unwrap();
-            if let Ok((max_wr, max_sge)) = validate::create_srq(&req, config) {
+            if let Some((max_wr, max_sge)) = checked(validate::create_srq(&req, config)) {
                 assert!(max_wr <= config.max_srq_wr.to_native());
                 assert!(max_sge <= config.max_sge.to_native());
             }
         }
         Opcode::ModifySrq => {
             let req: ModifySrqRequest = read_wire(payload).unwrap();
-            if let Ok(limit) = validate::modify_srq(&req, 64) {
+            if let Some(limit) = checked(validate::modify_srq(&req, 64)) {
                 assert!(limit < 64);
             }
         }
         Opcode::SetNotifyArea => {
             let req: SetNotifyAreaRequest = read_wire(payload).unwrap();
-            let _ = validate::guest_record::<_, NotifyState>(&f.mem, req.addr.to_native(), 64);
+            let area = req.addr.to_native();
+            checked(validate::guest_record::<_, NotifyState>(
+                &f.mem,
+                "notify area",
+                area,
+                64,
+            ));
             record(req.doorbell_bitmap.to_native(), 8192);
         }
         // The rest carry handles only, or nothing.
         _ => {}
     }
 });
+
+/// A refusal names a status other than OK, a rule and a reason.
+fn checked<T>(result: Result<T, Refusal>) -> Option<T> {
+    result
+        .map_err(|refusal| {
+            assert_ne!(refusal.status(), Status::Ok, "{refusal:?}");
+            assert!(!refusal.rule().is_empty() && !refusal.to_string().is_empty());
+        })
+        .ok()
+}

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 use vrdma_backend::Quotas;
-use vrdma_guest::spec::ctrl::{CreateQpRequest, Opcode, RegMrRequest};
+use vrdma_guest::spec::ctrl::{CreateQpRequest, Opcode, QueryGidRequest, RegMrRequest};
 use vrdma_guest::spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES};
 use vrdma_guest::spec::{Le16, Le32, Le64};
 
@@ -12,7 +12,8 @@ use vrdma_guest::{
     QpAttr, QpType, QueuePair, SendOp, SendWr, Sge, Status, WorkCompletion,
 };
 use vrdma_tests::{
-    control_request, response_status, start_backend, start_backend_with, test_device_name,
+    backend_log, control_request, response_status, spawn_backend_process, start_backend,
+    start_backend_with, test_device_name,
 };
 
 const PAGE: u64 = 4096;
@@ -330,4 +331,54 @@ fn the_rings_a_guest_holds_are_bounded_in_bytes() {
     device
         .create_cq(4096)
         .expect("a destroyed CQ's bytes are free again");
+}
+
+/// Finding: every refused control request became a log line, so a guest could write to the
+/// host's log as fast as it could send requests. Refusals are now counted per connection by
+/// rule, at most 10 lines a second are logged, and the connection's end logs the counts.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn refused_requests_are_counted_by_rule_and_logged_at_a_bounded_rate() {
+    const UNKNOWN: usize = 2000;
+    const BAD_GID: usize = 300;
+    let socket = std::env::temp_dir().join(format!("vrdma-refusals-{}.sock", std::process::id()));
+    let mut backend = spawn_backend_process(&socket, &[]);
+    let started = Instant::now();
+    {
+        let device = Device::open(socket.to_str().unwrap()).expect("open the device");
+        let unknown = control_request(0x7777, &Le32::from(0));
+        for _ in 0..UNKNOWN {
+            let response = device.raw_control(&unknown, 64).unwrap();
+            assert_eq!(response_status(&response), Status::Unsupported as u16);
+        }
+        let gid = QueryGidRequest {
+            port: 1,
+            reserved: [0; 3],
+            index: Le32::from(5),
+        };
+        let bad_gid = control_request(Opcode::QueryGid as u16, &gid);
+        for _ in 0..BAD_GID {
+            let response = device.raw_control(&bad_gid, 64).unwrap();
+            assert_eq!(response_status(&response), Status::InvalidArgument as u16);
+        }
+    }
+    let seconds = started.elapsed().as_secs() + 1;
+    let summary = format!("failed control requests: GidIndex x{BAD_GID}, UnknownOpcode x{UNKNOWN}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let log = loop {
+        let log = std::fs::read_to_string(backend_log(&socket)).unwrap();
+        if log.contains(&summary) {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "no `{summary}` in:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let logged = log.matches("control request refused").count();
+    assert!(
+        (1..=10 * (seconds as usize + 1)).contains(&logged),
+        "{logged} refusal lines in about {seconds} s"
+    );
+    assert!(log.contains("more not logged before this one") || logged == UNKNOWN + BAD_GID);
+    backend.kill().unwrap();
+    backend.wait().unwrap();
 }

@@ -3,6 +3,7 @@
 //! memory as any [`GuestMemoryBackend`].
 
 mod objects;
+mod refusal;
 pub mod validate;
 
 use std::sync::Arc;
@@ -28,50 +29,7 @@ use crate::mtt::{self, pages_needed, GuestPagesMapping, PageListRules};
 use crate::{limits, Config, HostDevice};
 pub use objects::Objects;
 use objects::{AhEntry, CqEntry, MrEntry, QpEntry, SrqEntry};
-
-/// A command refused or failed: the status the guest sees and why, for the log.
-#[derive(Debug)]
-pub struct CommandError {
-    pub status: Status,
-    pub detail: u32,
-    pub message: String,
-}
-
-impl CommandError {
-    pub fn new(status: Status, message: impl Into<String>) -> Self {
-        CommandError {
-            status,
-            detail: 0,
-            message: message.into(),
-        }
-    }
-
-    fn invalid(message: impl Into<String>) -> Self {
-        Self::new(Status::InvalidArgument, message)
-    }
-}
-
-impl From<hostverbs::Error> for CommandError {
-    fn from(e: hostverbs::Error) -> Self {
-        let errno = e.errno().unwrap_or(libc::EIO);
-        let status = if errno == libc::ENOMEM {
-            Status::NoResources
-        } else {
-            Status::HostError
-        };
-        CommandError {
-            status,
-            detail: errno as u32,
-            message: e.to_string(),
-        }
-    }
-}
-
-impl From<mtt::MttError> for CommandError {
-    fn from(e: mtt::MttError) -> Self {
-        CommandError::new(e.status(), e.to_string())
-    }
-}
+pub use refusal::{CommandError, Refusal, RefusalLog};
 
 type CommandResult = Result<Vec<u8>, CommandError>;
 
@@ -89,6 +47,8 @@ pub struct Device {
     quotas: crate::Quotas,
     objects: Objects,
     data_path: DataPath,
+    /// The connection's failed commands, counted by rule.
+    refusals: RefusalLog,
 }
 
 fn reply<T: ByteValued>(value: T) -> CommandResult {
@@ -96,10 +56,7 @@ fn reply<T: ByteValued>(value: T) -> CommandResult {
 }
 
 fn no_doorbell_bit() -> CommandError {
-    CommandError::new(
-        Status::NoResources,
-        "no doorbell bit is left for the notification queue",
-    )
+    Refusal::NoDoorbellBit.into()
 }
 
 /// The framing of a control request (SPEC.md §5.1): its opcode and payload, given the bytes
@@ -107,36 +64,36 @@ fn no_doorbell_bit() -> CommandError {
 pub fn frame_request(readable: &[u8], room: usize) -> Result<(Opcode, &[u8]), CommandError> {
     let header_len = std::mem::size_of::<RequestHeader>();
     if readable.len() < header_len {
-        return Err(CommandError::new(
-            Status::BadLength,
-            "request shorter than its header",
-        ));
+        return Err(Refusal::ShortRequest.into());
     }
     let header: RequestHeader = parse(readable);
-    let opcode = Opcode::try_from(header.opcode.to_native())
-        .map_err(|op| CommandError::new(Status::Unsupported, format!("unknown opcode {op}")))?;
-    if header.flags.to_native() != 0 {
-        return Err(CommandError::invalid("request flags must be zero"));
+    let opcode = Opcode::try_from(header.opcode.to_native()).map_err(Refusal::UnknownOpcode)?;
+    let flags = header.flags.to_native();
+    if flags != 0 {
+        return Err(Refusal::UnknownBits {
+            field: "request flags",
+            value: flags.into(),
+            bits: flags.into(),
+        }
+        .into());
     }
     let length = header.length.to_native() as usize;
     if length != opcode.request_size() || readable.len() - header_len < length {
-        return Err(CommandError::new(
-            Status::BadLength,
-            format!(
-                "{opcode:?}: length {length}, {} bytes present, {} expected",
-                readable.len() - header_len,
-                opcode.request_size()
-            ),
-        ));
+        return Err(Refusal::RequestLength {
+            opcode,
+            length,
+            present: readable.len() - header_len,
+            expected: opcode.request_size(),
+        }
+        .into());
     }
     if room < opcode.response_size() {
-        return Err(CommandError::new(
-            Status::BadLength,
-            format!(
-                "{opcode:?}: {room} bytes for a {}-byte response",
-                opcode.response_size()
-            ),
-        ));
+        return Err(Refusal::ResponseRoom {
+            opcode,
+            room,
+            needed: opcode.response_size(),
+        }
+        .into());
     }
     Ok((opcode, &readable[header_len..header_len + length]))
 }
@@ -175,6 +132,7 @@ impl Device {
             port,
             config: advertised,
             objects: Objects::new(),
+            refusals: RefusalLog::new(),
         })
     }
 
@@ -214,6 +172,11 @@ impl Device {
         self.objects.count()
     }
 
+    /// The connection's failed commands so far.
+    pub fn refusals(&self) -> &RefusalLog {
+        &self.refusals
+    }
+
     /// Processes one control request (SPEC.md §5.1): `readable` is the device-readable part of
     /// the chain, `writable_len` the room in its writable part. Returns the bytes to write
     /// back (empty when not even a response header fits).
@@ -232,8 +195,10 @@ impl Device {
         {
             Ok(payload) => (Status::Ok, 0, payload),
             Err(e) => {
-                log::warn!("control request refused ({:?}): {}", e.status, e.message);
-                (e.status, e.detail, Vec::new())
+                if let Some(line) = self.refusals.record(&e, std::time::Instant::now()) {
+                    log::warn!("{line}");
+                }
+                (e.status(), e.detail(), Vec::new())
             }
         };
         let header = ResponseHeader {
@@ -258,10 +223,7 @@ impl Device {
             Opcode::QueryDevice | Opcode::QueryPort | Opcode::QueryGid | Opcode::SetNotifyArea
         );
         if !query_or_setup && self.data_path.notify_area().is_none() {
-            return Err(CommandError::new(
-                Status::NotReady,
-                "SET_NOTIFY_AREA first: the device was reset or has just started",
-            ));
+            return Err(Refusal::NoNotifyArea.into());
         }
         match opcode {
             Opcode::QueryDevice => self.query_device(),
@@ -327,9 +289,7 @@ impl Device {
 
     fn check_port(&self, port: u8) -> Result<(), CommandError> {
         if port != PORT_NUM {
-            return Err(CommandError::invalid(format!(
-                "port {port} does not exist (only {PORT_NUM})"
-            )));
+            return Err(Refusal::NoSuchPort(port).into());
         }
         Ok(())
     }
@@ -363,9 +323,7 @@ impl Device {
         self.check_port(req.port)?;
         let index = req.index.to_native();
         if index != u32::from(GUEST_GID_INDEX) {
-            return Err(CommandError::invalid(format!(
-                "GID index {index} beyond the table ({GUEST_GID_TABLE_LEN} entry)"
-            )));
+            return Err(Refusal::GidIndex(index).into());
         }
         let (gid, kind) = self
             .host
@@ -373,9 +331,9 @@ impl Device {
             .query_gid(self.host.port, self.host.gid_index.into())?;
         if gid != self.host.gid {
             // The host's table changed under the guest (its address was taken away).
-            return Err(CommandError {
+            return Err(CommandError::Host {
                 status: Status::HostError,
-                detail: libc::ENODATA as u32,
+                errno: libc::ENODATA as u32,
                 message: format!("the guest's GID {} is gone from the host", self.host.gid),
             });
         }
@@ -390,12 +348,10 @@ impl Device {
         })
     }
 
-    fn check_quota(&self, kind: &str, held: usize, max: Le32) -> Result<(), CommandError> {
-        if held >= max.to_native() as usize {
-            return Err(CommandError::new(
-                Status::NoResources,
-                format!("{kind} quota of {} reached", max.to_native()),
-            ));
+    fn check_quota(&self, kind: &'static str, held: usize, max: Le32) -> Result<(), CommandError> {
+        let max = max.to_native();
+        if held >= max as usize {
+            return Err(Refusal::Quota { kind, max }.into());
         }
         Ok(())
     }
@@ -427,8 +383,8 @@ impl Device {
         stride_shift: u8,
     ) -> Result<GuestRing, CommandError> {
         let bytes = u64::from(depth) << stride_shift;
-        let expected = pages_needed(0, bytes, list.page_shift)
-            .ok_or_else(|| CommandError::invalid("ring size overflows"))?;
+        let expected =
+            pages_needed(0, bytes, list.page_shift).ok_or(Refusal::Overflow("ring size"))?;
         let pages = mtt::resolve_page_list(mem, list, expected, &self.page_rules())?;
         let gpas: Vec<u64> = pages.into_iter().map(|p| p.gpa).collect();
         // One page listed many times would let a small guest buffer stand for a huge queue
@@ -437,7 +393,7 @@ impl Device {
         distinct.sort_unstable();
         distinct.dedup();
         if distinct.len() != gpas.len() {
-            return Err(CommandError::invalid("a ring's pages must all be distinct"));
+            return Err(Refusal::RepeatedRingPage.into());
         }
         Ok(GuestRing::new(gpas, list.page_shift, stride_shift, depth))
     }
@@ -446,13 +402,12 @@ impl Device {
     fn check_ring_quota(&self, bytes: u64) -> Result<(), CommandError> {
         let quota = self.quotas.max_ring_bytes;
         if self.objects.ring_bytes.saturating_add(bytes) > quota {
-            return Err(CommandError::new(
-                Status::NoResources,
-                format!(
-                    "{bytes} more bytes of rings exceed the quota of {quota} ({} in use)",
-                    self.objects.ring_bytes
-                ),
-            ));
+            return Err(Refusal::RingQuota {
+                bytes,
+                quota,
+                used: self.objects.ring_bytes,
+            }
+            .into());
         }
         Ok(())
     }
@@ -461,11 +416,17 @@ impl Device {
         self.check_quota("CQ", self.objects.cqs.len(), self.config.max_cq)?;
         let depth = req.cqe.to_native();
         validate::depth("CQ depth", depth, 2, self.config.max_cqe.to_native())?;
-        if req.flags.to_native() != 0 {
-            return Err(CommandError::invalid("CREATE_CQ flags must be zero"));
+        let flags = req.flags.to_native();
+        if flags != 0 {
+            return Err(Refusal::UnknownBits {
+                field: "CREATE_CQ flags",
+                value: flags,
+                bits: flags,
+            }
+            .into());
         }
         let doorbell = req.doorbell.to_native();
-        validate::guest_record::<M, CqDoorbell>(mem, doorbell, 16)?;
+        validate::guest_record::<M, CqDoorbell>(mem, "CQ doorbell", doorbell, 16)?;
         self.check_ring_quota(u64::from(depth) * CQE_SIZE as u64)?;
         let ring = self.ring(mem, &req.ring, depth, CQE_SIZE.trailing_zeros() as u8)?;
         let handle = self.objects.new_handle();
@@ -500,27 +461,28 @@ impl Device {
         let virt_addr = req.virt_addr.to_native();
         let length = req.length.to_native();
         if length == 0 || length > self.config.max_mr_size.to_native() {
-            return Err(CommandError::invalid(format!(
-                "MR length {length} outside 1..={}",
-                self.config.max_mr_size.to_native()
-            )));
+            return Err(Refusal::OutOfRange {
+                field: "MR length",
+                value: length,
+                min: 1,
+                max: self.config.max_mr_size.to_native(),
+            }
+            .into());
         }
         if virt_addr.checked_add(length).is_none() {
-            return Err(CommandError::new(
-                Status::BadAddress,
-                "virt_addr + length overflows",
-            ));
+            return Err(Refusal::AddressWraps {
+                addr: virt_addr,
+                len: length,
+            }
+            .into());
         }
         let shift = req.pages.page_shift;
         if !(vrdma_spec::mem::MIN_PAGE_SHIFT..=vrdma_spec::mem::MAX_PAGE_SHIFT).contains(&shift) {
-            return Err(CommandError::invalid(format!(
-                "page_shift {shift} not accepted"
-            )));
+            return Err(mtt::MttError::PageShift(shift).into());
         }
         let page_size = 1u64 << shift;
         let offset = virt_addr & (page_size - 1);
-        let expected = pages_needed(offset, length, shift)
-            .ok_or_else(|| CommandError::invalid("MR range overflows"))?;
+        let expected = pages_needed(offset, length, shift).ok_or(Refusal::Overflow("MR range"))?;
         let pages = mtt::resolve_page_list(mem, &req.pages, expected, &self.page_rules())?;
         // The mapping lives only for the registration: the MR keeps the pages pinned, so the
         // mappings a guest causes do not pile up with its MRs (SPEC.md §6).
@@ -569,7 +531,7 @@ impl Device {
         let (send_cq_host, recv_cq_host) = (Arc::clone(&send_cq.host), Arc::clone(&recv_cq.host));
         let (send_cq, recv_cq) = (Arc::clone(&send_cq.data), Arc::clone(&recv_cq.data));
         let doorbell = req.doorbell.to_native();
-        validate::guest_record::<M, QpDoorbell>(mem, doorbell, 16)?;
+        validate::guest_record::<M, QpDoorbell>(mem, "QP doorbell", doorbell, 16)?;
         let srq_handle = Some(req.srq.to_native()).filter(|&h| h != 0);
         let (srq, srq_data) = match srq_handle {
             Some(h) => {
@@ -651,17 +613,14 @@ impl Device {
         req: CreateSrqRequest,
     ) -> CommandResult {
         if self.features & features::SRQ == 0 {
-            return Err(CommandError::new(
-                Status::Unsupported,
-                "SRQs were not negotiated",
-            ));
+            return Err(Refusal::NotNegotiated("SRQ").into());
         }
         self.check_quota("SRQ", self.objects.srqs.len(), self.config.max_srq)?;
         let (max_wr, max_sge) = validate::create_srq(&req, &self.config)?;
         let pd_handle = req.pd.to_native();
         let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
         let doorbell = req.doorbell.to_native();
-        validate::guest_record::<M, SrqDoorbell>(mem, doorbell, 16)?;
+        validate::guest_record::<M, SrqDoorbell>(mem, "SRQ doorbell", doorbell, 16)?;
         self.check_ring_quota(u64::from(max_wr) << req.wqe_shift)?;
         let ring = self.ring(mem, &req.ring, max_wr, req.wqe_shift)?;
         let srq = pd.create_srq(max_wr, max_sge)?;
@@ -740,14 +699,13 @@ impl Device {
         let (attr, mask) = validate::modify_qp(&req, &limits)?;
         // Every field was checked above; what the host still refuses is the transition from
         // the QP's current state, or an attribute that state needs (SPEC.md §5.11).
-        entry.host.modify(&attr, mask).map_err(|e| match e.errno() {
-            Some(libc::EINVAL) => CommandError {
-                status: Status::InvalidArgument,
-                detail: libc::EINVAL as u32,
-                message: format!("not a legal transition from the QP's state, or attributes missing for it: {e}"),
-            },
-            _ => CommandError::from(e),
-        })?;
+        entry
+            .host
+            .modify(&attr, mask)
+            .map_err(|e| match e.errno() {
+                Some(libc::EINVAL) => Refusal::QpTransition(e.to_string()).into(),
+                _ => CommandError::from(e),
+            })?;
         Ok(Vec::new())
     }
 
@@ -776,10 +734,7 @@ impl Device {
 
     fn create_ah(&mut self, req: CreateAhRequest) -> CommandResult {
         if self.features & features::UD == 0 {
-            return Err(CommandError::new(
-                Status::Unsupported,
-                "UD was not negotiated",
-            ));
+            return Err(Refusal::NotNegotiated("UD").into());
         }
         self.check_quota("AH", self.objects.ahs.len(), self.config.max_ah)?;
         let pd_handle = req.pd.to_native();
@@ -810,37 +765,29 @@ impl Device {
         req: SetNotifyAreaRequest,
     ) -> CommandResult {
         if self.data_path.notify_area().is_some() {
-            return Err(CommandError::invalid(
-                "SET_NOTIFY_AREA was already issued since the last reset",
-            ));
+            return Err(Refusal::NotifyAreaSet.into());
         }
         let addr = req.addr.to_native();
         let len = self.config.num_notify_queues.to_native() as u64
             * std::mem::size_of::<NotifyState>() as u64;
         if addr % 4096 + len > 4096 {
-            return Err(CommandError::new(
-                Status::BadAddress,
-                "the notify area must lie inside one 4 KiB page",
-            ));
+            return Err(Refusal::NotifyAreaCrossesPage.into());
         }
-        validate::guest_record::<M, NotifyState>(mem, addr, 64)?;
+        validate::guest_record::<M, NotifyState>(mem, "notify area", addr, 64)?;
         validate::guest_range(mem, addr, len)?;
         let bitmap = req.doorbell_bitmap.to_native();
         let bitmap_len = doorbell_bitmap_bytes(
             self.config.max_qp.to_native(),
             self.config.max_srq.to_native(),
         );
-        validate::guest_record::<M, u64>(mem, bitmap, 64)?;
+        validate::guest_record::<M, u64>(mem, "doorbell bitmap", bitmap, 64)?;
         validate::guest_range(mem, bitmap, bitmap_len)?;
         // Pollers take rung bits with atomic swaps on the backend's mapping of the bitmap.
         if mem
             .get_slice(vm_memory::GuestAddress(bitmap), bitmap_len as usize)
             .is_err()
         {
-            return Err(CommandError::new(
-                Status::BadAddress,
-                "the doorbell bitmap must be contiguous in guest-physical memory",
-            ));
+            return Err(Refusal::BitmapNotContiguous.into());
         }
         self.data_path.set_notify_area(Some(NotifyArea {
             states: addr,

@@ -4,9 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use vrdma_spec::ctrl::Status;
-
-use super::CommandError;
+use super::{CommandError, Refusal};
 use crate::datapath::{CqData, QpData, SrqData};
 use crate::hostverbs::{
     AddressHandle, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, SharedReceiveQueue,
@@ -70,18 +68,17 @@ pub struct Objects {
     pub pds: HashMap<Handle, PdEntry>,
 }
 
-fn bad_handle(kind: &str, handle: Handle) -> CommandError {
-    CommandError::new(
-        Status::BadHandle,
-        format!("{handle:#x} is not a live {kind} handle"),
-    )
+fn bad_handle(kind: &'static str, handle: Handle) -> CommandError {
+    Refusal::BadHandle { kind, handle }.into()
 }
 
-fn busy(kind: &str, handle: Handle, users: u32) -> CommandError {
-    CommandError::new(
-        Status::Busy,
-        format!("{kind} {handle:#x} is still used by {users} objects"),
-    )
+fn busy(kind: &'static str, handle: Handle, users: u32) -> CommandError {
+    Refusal::Busy {
+        kind,
+        handle,
+        users,
+    }
+    .into()
 }
 
 impl Objects {
@@ -276,11 +273,10 @@ mod tests {
     #[test]
     fn unknown_handles_are_bad_handles() {
         let mut objects = Objects::default();
-        assert_eq!(objects.pd(7).err().unwrap().status, Status::BadHandle);
-        assert_eq!(
-            objects.remove_mr(0).err().unwrap().status,
-            Status::BadHandle
-        );
-        assert_eq!(objects.remove_qp(1).unwrap_err().status, Status::BadHandle);
+        let refusal = |e: CommandError| e.refusal().cloned();
+        let bad = |kind, handle| Some(Refusal::BadHandle { kind, handle });
+        assert_eq!(refusal(objects.pd(7).err().unwrap()), bad("PD", 7));
+        assert_eq!(refusal(objects.remove_mr(0).err().unwrap()), bad("MR", 0));
+        assert_eq!(refusal(objects.remove_qp(1).err().unwrap()), bad("QP", 1));
     }
 }

@@ -6,78 +6,76 @@ use vrdma_spec::codec::{recv_slot_bytes, send_slot_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     access, qp_attr_mask as wire_mask, qp_state, qp_type, AhAttr as WireAhAttr, CreateQpRequest,
-    CreateSrqRequest, ModifyQpRequest, ModifySrqRequest, Status, GUEST_GID_INDEX, SRQ_ATTR_LIMIT,
+    CreateSrqRequest, ModifyQpRequest, ModifySrqRequest, GUEST_GID_INDEX, SRQ_ATTR_LIMIT,
 };
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
 
-use super::{CommandError, QpShape};
+use super::{QpShape, Refusal};
 use crate::hostverbs::{
     qp_attr_mask as host_mask, AhAttr, Gid, PortAttr, QpAttr, QpCaps, QpState, QpType,
     LINK_LAYER_ETHERNET,
 };
 use crate::mtt;
 
-fn invalid(message: String) -> CommandError {
-    CommandError::invalid(message)
-}
-
 /// A queue depth: a power of two in `min..=max`.
-pub fn depth(what: &str, value: u32, min: u32, max: u32) -> Result<(), CommandError> {
+pub fn depth(field: &'static str, value: u32, min: u32, max: u32) -> Result<(), Refusal> {
     if !value.is_power_of_two() || value < min || value > max {
-        return Err(invalid(format!(
-            "{what} {value} is not a power of two in {min}..={max}"
-        )));
+        return Err(Refusal::NotPowerOfTwo {
+            field,
+            value,
+            min,
+            max,
+        });
     }
     Ok(())
 }
 
 /// A guest range the device will read or write: inside one region of guest memory.
-pub fn guest_range<M: GuestMemoryBackend>(mem: &M, gpa: u64, len: u64) -> Result<(), CommandError> {
-    mtt::check_guest_range(mem, gpa, len).map_err(CommandError::from)
+pub fn guest_range<M: GuestMemoryBackend>(mem: &M, gpa: u64, len: u64) -> Result<(), Refusal> {
+    mtt::check_guest_range(mem, gpa, len).map_err(Refusal::Pages)
 }
 
-/// A record of type `T` at `gpa`, aligned to `align`, inside guest memory.
+/// A record of type `T` (`what`) at `gpa`, aligned to `align`, inside guest memory.
 pub fn guest_record<M: GuestMemoryBackend, T>(
     mem: &M,
+    what: &'static str,
     gpa: u64,
     align: u64,
-) -> Result<(), CommandError> {
+) -> Result<(), Refusal> {
     if !gpa.is_multiple_of(align) {
-        return Err(CommandError::new(
-            Status::BadAddress,
-            format!("record at {gpa:#x} is not {align}-byte aligned"),
-        ));
+        return Err(Refusal::Misaligned { what, gpa, align });
     }
     guest_range(mem, gpa, std::mem::size_of::<T>() as u64)
 }
 
 /// MR access flags (SPEC.md §5.8).
-pub fn mr_access(flags: u32, negotiated: u64) -> Result<u32, CommandError> {
+pub fn mr_access(flags: u32, negotiated: u64) -> Result<u32, Refusal> {
     if flags & !access::ALL != 0 {
-        return Err(invalid(format!(
-            "unknown access flags {:#x}",
-            flags & !access::ALL
-        )));
+        return Err(Refusal::UnknownBits {
+            field: "MR access flags",
+            value: flags,
+            bits: flags & !access::ALL,
+        });
     }
     if flags & (access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0
         && flags & access::LOCAL_WRITE == 0
     {
-        return Err(invalid(
-            "remote write or atomic access requires local write".into(),
-        ));
+        return Err(Refusal::RemoteWithoutLocalWrite);
     }
     if flags & access::REMOTE_ATOMIC != 0 && negotiated & features::ATOMIC == 0 {
-        return Err(CommandError::new(
-            Status::Unsupported,
-            "atomics were not negotiated",
-        ));
+        return Err(Refusal::NotNegotiated("ATOMIC"));
     }
     Ok(flags)
 }
 
-fn range(what: &str, value: u32, min: u32, max: u32) -> Result<u32, CommandError> {
+fn range(field: &'static str, value: u32, min: u32, max: u32) -> Result<u32, Refusal> {
     if value < min || value > max {
-        return Err(invalid(format!("{what} {value} outside {min}..={max}")));
+        return Err(Refusal::OutOfRange {
+            field,
+            value: value.into(),
+            min: min.into(),
+            max: max.into(),
+        });
     }
     Ok(value)
 }
@@ -87,30 +85,22 @@ pub fn create_qp(
     req: &CreateQpRequest,
     config: &DeviceConfig,
     negotiated: u64,
-) -> Result<QpShape, CommandError> {
+) -> Result<QpShape, Refusal> {
     let qp_type = match req.qp_type {
         qp_type::RC => QpType::Rc,
         qp_type::UD if negotiated & features::UD != 0 => QpType::Ud,
-        qp_type::UD => {
-            return Err(CommandError::new(
-                Status::Unsupported,
-                "UD was not negotiated",
-            ))
-        }
-        other => return Err(invalid(format!("QP type {other} is not RC (2) or UD (4)"))),
+        qp_type::UD => return Err(Refusal::NotNegotiated("UD")),
+        other => return Err(Refusal::QpType(other)),
     };
     let with_srq = req.srq.to_native() != 0;
     if with_srq && negotiated & features::SRQ == 0 {
-        return Err(CommandError::new(
-            Status::Unsupported,
-            "SRQs were not negotiated",
-        ));
+        return Err(Refusal::NotNegotiated("SRQ"));
     }
     if req.sq_sig_all > 1 {
-        return Err(invalid(format!(
-            "sq_sig_all {} is not 0 or 1",
-            req.sq_sig_all
-        )));
+        return Err(Refusal::NotBoolean {
+            field: "sq_sig_all",
+            value: req.sq_sig_all,
+        });
     }
     let max_wr = config.max_qp_wr.to_native();
     let max_sge = config.max_sge.to_native();
@@ -125,9 +115,7 @@ pub fn create_qp(
             req.rq_ring.npages.to_native(),
         ];
         if rq_fields.iter().any(|&v| v != 0) {
-            return Err(invalid(
-                "a QP on an SRQ has no RQ: its RQ fields must be 0".into(),
-            ));
+            return Err(Refusal::RqOnSrqQp);
         }
     } else {
         depth("max_recv_wr", recv_wr, 1, max_wr)?;
@@ -162,20 +150,22 @@ pub fn create_qp(
     }
     let sq_needed = send_slot_bytes(send_sge, inline);
     if sq_needed > 1 << sq_shift {
-        return Err(invalid(format!(
-            "SQ slots of {} bytes cannot hold {sq_needed}",
-            1u64 << sq_shift
-        )));
+        return Err(Refusal::SlotTooSmall {
+            queue: "SQ",
+            slot: 1 << sq_shift,
+            needed: sq_needed,
+        });
     }
     let rq_needed = recv_slot_bytes(recv_sge);
     if !with_srq && rq_needed > 1 << rq_shift {
-        return Err(invalid(format!(
-            "RQ slots of {} bytes cannot hold {rq_needed}",
-            1u64 << rq_shift
-        )));
+        return Err(Refusal::SlotTooSmall {
+            queue: "RQ",
+            slot: 1 << rq_shift,
+            needed: rq_needed,
+        });
     }
     if req.reserved.iter().any(|r| r.to_native() != 0) {
-        return Err(invalid("reserved fields must be zero".into()));
+        return Err(Refusal::Reserved);
     }
     Ok(QpShape {
         qp_type,
@@ -190,34 +180,35 @@ pub fn create_qp(
 }
 
 /// An SRQ limit (SPEC.md §5.13): below the SRQ's depth; 0 disarms.
-pub fn srq_limit(limit: u32, max_wr: u32) -> Result<u32, CommandError> {
+pub fn srq_limit(limit: u32, max_wr: u32) -> Result<u32, Refusal> {
     if limit >= max_wr {
-        return Err(invalid(format!(
-            "SRQ limit {limit} is not below the SRQ's depth {max_wr}"
-        )));
+        return Err(Refusal::SrqLimit {
+            limit,
+            depth: max_wr,
+        });
     }
     Ok(limit)
 }
 
 /// MODIFY_SRQ (SPEC.md §5.13): the limit to arm, for an SRQ of `max_wr` WQEs.
-pub fn modify_srq(req: &ModifySrqRequest, max_wr: u32) -> Result<u32, CommandError> {
-    if req.attr_mask.to_native() != SRQ_ATTR_LIMIT {
-        return Err(invalid(format!(
-            "MODIFY_SRQ attr_mask {:#x}: only the limit ({SRQ_ATTR_LIMIT:#x}) can change",
-            req.attr_mask.to_native()
-        )));
+pub fn modify_srq(req: &ModifySrqRequest, max_wr: u32) -> Result<u32, Refusal> {
+    let mask = req.attr_mask.to_native();
+    if mask != SRQ_ATTR_LIMIT {
+        // Only the limit can change, and a request must change something.
+        return Err(Refusal::UnknownBits {
+            field: "MODIFY_SRQ attr_mask",
+            value: mask,
+            bits: (mask & !SRQ_ATTR_LIMIT) | (!mask & SRQ_ATTR_LIMIT),
+        });
     }
     if req.reserved.to_native() != 0 {
-        return Err(invalid("reserved fields must be zero".into()));
+        return Err(Refusal::Reserved);
     }
     srq_limit(req.srq_limit.to_native(), max_wr)
 }
 
 /// CREATE_SRQ fields (SPEC.md §5.13): the depth and SGE count granted.
-pub fn create_srq(
-    req: &CreateSrqRequest,
-    config: &DeviceConfig,
-) -> Result<(u32, u32), CommandError> {
+pub fn create_srq(req: &CreateSrqRequest, config: &DeviceConfig) -> Result<(u32, u32), Refusal> {
     let max_wr = req.max_wr.to_native();
     depth("SRQ depth", max_wr, 1, config.max_srq_wr.to_native())?;
     let max_sge = range(
@@ -235,13 +226,14 @@ pub fn create_srq(
         MAX_WQE_SHIFT.into(),
     )?;
     if recv_slot_bytes(max_sge) > 1 << shift {
-        return Err(invalid(format!(
-            "SRQ slots of {} bytes cannot hold {max_sge} SGEs",
-            1u64 << shift
-        )));
+        return Err(Refusal::SlotTooSmall {
+            queue: "SRQ",
+            slot: 1 << shift,
+            needed: recv_slot_bytes(max_sge),
+        });
     }
     if req.reserved.iter().any(|&r| r != 0) {
-        return Err(invalid("reserved fields must be zero".into()));
+        return Err(Refusal::Reserved);
     }
     Ok((max_wr, max_sge))
 }
@@ -258,47 +250,33 @@ pub struct QpLimits {
 
 /// An address vector (SPEC.md §5.10); the guest may only source traffic from its own GID,
 /// which it names as [`GUEST_GID_INDEX`] and the host knows as `host_gid_index`.
-pub fn ah_attr(
-    a: &WireAhAttr,
-    port: &PortAttr,
-    host_gid_index: u8,
-) -> Result<AhAttr, CommandError> {
+pub fn ah_attr(a: &WireAhAttr, port: &PortAttr, host_gid_index: u8) -> Result<AhAttr, Refusal> {
     if a.port_num != 1 {
-        return Err(invalid(format!(
-            "port {} does not exist (only 1)",
-            a.port_num
-        )));
+        return Err(Refusal::NoSuchPort(a.port_num));
     }
     if a.sgid_index != GUEST_GID_INDEX {
-        return Err(invalid(format!(
-            "source GID index {} is not the guest's GID ({GUEST_GID_INDEX})",
-            a.sgid_index
-        )));
+        return Err(Refusal::ForeignSourceGid(a.sgid_index));
     }
-    let flow_label = a.flow_label.to_native();
-    if flow_label >= 1 << 20 {
-        return Err(invalid(format!(
-            "flow label {flow_label:#x} exceeds 20 bits"
-        )));
-    }
-    if a.sl > 15 {
-        return Err(invalid(format!("service level {} exceeds 15", a.sl)));
-    }
+    let flow_label = range("flow label", a.flow_label.to_native(), 0, (1 << 20) - 1)?;
+    range("service level", a.sl.into(), 0, 15)?;
     let is_global = match a.is_global {
         0 => false,
         1 => true,
-        other => return Err(invalid(format!("is_global {other} is not 0 or 1"))),
+        value => {
+            return Err(Refusal::NotBoolean {
+                field: "is_global",
+                value,
+            })
+        }
     };
     if port.link_layer == LINK_LAYER_ETHERNET && !is_global {
-        return Err(invalid(
-            "an Ethernet (RoCE) port needs a global route (is_global 1)".into(),
-        ));
+        return Err(Refusal::NoGlobalRoute);
     }
     if is_global && a.hop_limit == 0 {
-        return Err(invalid("hop limit 0 with a global route".into()));
+        return Err(Refusal::ZeroHopLimit);
     }
     if a.reserved.to_native() != 0 {
-        return Err(invalid("reserved fields must be zero".into()));
+        return Err(Refusal::Reserved);
     }
     Ok(AhAttr {
         dgid: Gid(a.dgid),
@@ -313,24 +291,25 @@ pub fn ah_attr(
     })
 }
 
-fn state(value: u8) -> Result<QpState, CommandError> {
+fn state(value: u8) -> Result<QpState, Refusal> {
     if value > qp_state::ERR {
-        return Err(invalid(format!("QP state {value} does not exist")));
+        return Err(Refusal::NoSuchQpState(value.into()));
     }
-    QpState::try_from(u32::from(value)).map_err(|v| invalid(format!("QP state {v} does not exist")))
+    QpState::try_from(u32::from(value)).map_err(Refusal::NoSuchQpState)
 }
 
 const PSN_LIMIT: u32 = 1 << 24;
 
 /// MODIFY_QP (SPEC.md §5.11): the host attributes and mask, after every selected field was
 /// checked against its rule. Spec mask bits equal ibverbs bits, checked at compile time below.
-pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u32), CommandError> {
+pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u32), Refusal> {
     let mask = req.attr_mask.to_native();
     if mask & !wire_mask::SUPPORTED != 0 {
-        return Err(invalid(format!(
-            "unsupported attribute mask bits {:#x}",
-            mask & !wire_mask::SUPPORTED
-        )));
+        return Err(Refusal::UnknownBits {
+            field: "MODIFY_QP attr_mask",
+            value: mask,
+            bits: mask & !wire_mask::SUPPORTED,
+        });
     }
     let a = &req.attr;
     let has = |bit: u32| mask & bit != 0;
@@ -345,10 +324,7 @@ pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u3
         attr.path_mtu = range("path MTU", a.path_mtu.into(), 1, limits.port.active_mtu)?;
     }
     if has(wire_mask::PORT) && a.port_num != 1 {
-        return Err(invalid(format!(
-            "port {} does not exist (only 1)",
-            a.port_num
-        )));
+        return Err(Refusal::NoSuchPort(a.port_num));
     }
     attr.port_num = a.port_num;
     if has(wire_mask::ACCESS_FLAGS) {
@@ -357,22 +333,21 @@ pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u3
         // devices accept it: accepted and dropped (SPEC.md §5.11).
         let flags = a.qp_access_flags.to_native() & !access::LOCAL_WRITE;
         if flags & !remote != 0 {
-            return Err(invalid(format!(
-                "QP access flags {flags:#x} beyond remote write/read/atomic"
-            )));
+            return Err(Refusal::UnknownBits {
+                field: "QP access flags",
+                value: flags,
+                bits: flags & !remote,
+            });
         }
         if flags & access::REMOTE_ATOMIC != 0 && !limits.atomics {
-            return Err(CommandError::new(
-                Status::Unsupported,
-                "atomics were not negotiated",
-            ));
+            return Err(Refusal::NotNegotiated("ATOMIC"));
         }
         attr.qp_access_flags = flags;
     }
     if has(wire_mask::PKEY_INDEX) {
         let index = a.pkey_index.to_native();
         if u32::from(index) >= u32::from(limits.port.pkey_tbl_len).max(1) {
-            return Err(invalid(format!("P_Key index {index} beyond the table")));
+            return Err(Refusal::PkeyIndex(index));
         }
         attr.pkey_index = index;
     }
@@ -407,7 +382,7 @@ pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u3
     if has(wire_mask::QKEY) {
         attr.qkey = a.qkey.to_native();
         if attr.qkey & (1 << 31) != 0 {
-            return Err(invalid("Q_Keys with bit 31 set are privileged".into()));
+            return Err(Refusal::PrivilegedQkey);
         }
     }
     if has(wire_mask::RQ_PSN) {
@@ -455,6 +430,7 @@ const _: () = {
 mod tests {
     use super::*;
     use vrdma_spec::ctrl::QpAttr as WireQpAttr;
+    use vrdma_spec::ctrl::Status;
     use vrdma_spec::{Le32, Le64};
 
     fn port() -> PortAttr {
@@ -487,7 +463,7 @@ mod tests {
         }
     }
 
-    fn modify(mask: u32, attr: WireQpAttr) -> Result<(QpAttr, u32), CommandError> {
+    fn modify(mask: u32, attr: WireQpAttr) -> Result<(QpAttr, u32), Refusal> {
         modify_qp(
             &ModifyQpRequest {
                 handle: Le32::from(1),
@@ -498,8 +474,17 @@ mod tests {
         )
     }
 
-    fn status<T>(r: Result<T, CommandError>) -> Status {
-        r.err().expect("refused").status
+    fn refused<T>(r: Result<T, Refusal>) -> Refusal {
+        r.err().expect("refused")
+    }
+
+    fn out_of_range(field: &'static str, value: u64, min: u64, max: u64) -> Refusal {
+        Refusal::OutOfRange {
+            field,
+            value,
+            min,
+            max,
+        }
     }
 
     #[test]
@@ -529,14 +514,23 @@ mod tests {
     #[test]
     fn out_of_range_fields_and_unknown_mask_bits_are_invalid() {
         let base = WireQpAttr::default();
-        let cases: [(u32, WireQpAttr); 11] = [
-            (1 << 14, base),
+        let cases: [(u32, WireQpAttr, Refusal); 11] = [
+            (
+                1 << 14,
+                base,
+                Refusal::UnknownBits {
+                    field: "MODIFY_QP attr_mask",
+                    value: 1 << 14,
+                    bits: 1 << 14,
+                },
+            ),
             (
                 wire_mask::STATE,
                 WireQpAttr {
                     qp_state: 7,
                     ..base
                 },
+                Refusal::NoSuchQpState(7),
             ),
             (
                 wire_mask::PATH_MTU,
@@ -544,6 +538,7 @@ mod tests {
                     path_mtu: 4,
                     ..base
                 },
+                out_of_range("path MTU", 4, 1, 3),
             ),
             (
                 wire_mask::PATH_MTU,
@@ -551,6 +546,7 @@ mod tests {
                     path_mtu: 0,
                     ..base
                 },
+                out_of_range("path MTU", 0, 1, 3),
             ),
             (
                 wire_mask::PORT,
@@ -558,6 +554,7 @@ mod tests {
                     port_num: 2,
                     ..base
                 },
+                Refusal::NoSuchPort(2),
             ),
             (
                 wire_mask::TIMEOUT,
@@ -565,6 +562,7 @@ mod tests {
                     timeout: 32,
                     ..base
                 },
+                out_of_range("timeout", 32, 0, 31),
             ),
             (
                 wire_mask::RETRY_CNT,
@@ -572,6 +570,7 @@ mod tests {
                     retry_cnt: 8,
                     ..base
                 },
+                out_of_range("retry count", 8, 0, 7),
             ),
             (
                 wire_mask::SQ_PSN,
@@ -579,6 +578,7 @@ mod tests {
                     sq_psn: Le32::from(1 << 24),
                     ..base
                 },
+                out_of_range("SQ PSN", 1 << 24, 0, (1 << 24) - 1),
             ),
             (
                 wire_mask::DEST_QPN,
@@ -586,12 +586,18 @@ mod tests {
                     dest_qp_num: Le32::from(u32::MAX),
                     ..base
                 },
+                out_of_range("destination QPN", u32::MAX.into(), 0, (1 << 24) - 1),
             ),
             (
                 wire_mask::ACCESS_FLAGS,
                 WireQpAttr {
                     qp_access_flags: Le32::from(1 << 4),
                     ..base
+                },
+                Refusal::UnknownBits {
+                    field: "QP access flags",
+                    value: 1 << 4,
+                    bits: 1 << 4,
                 },
             ),
             (
@@ -600,14 +606,12 @@ mod tests {
                     pkey_index: 1.into(),
                     ..base
                 },
+                Refusal::PkeyIndex(1),
             ),
         ];
-        for (i, (mask, attr)) in cases.into_iter().enumerate() {
-            assert_eq!(
-                status(modify(mask, attr)),
-                Status::InvalidArgument,
-                "case {i}"
-            );
+        for (i, (mask, attr, refusal)) in cases.into_iter().enumerate() {
+            assert_eq!(refused(modify(mask, attr)), refusal, "case {i}");
+            assert_eq!(refusal.status(), Status::InvalidArgument, "case {i}");
         }
         // LOCAL_WRITE, which libibverbs programs set on QPs, is accepted and dropped.
         let (attr, _) = modify(
@@ -623,42 +627,66 @@ mod tests {
 
     #[test]
     fn a_guest_cannot_source_traffic_from_another_gid_or_without_a_route() {
-        for bad in [
-            WireAhAttr {
-                sgid_index: 3,
-                ..av()
-            },
-            WireAhAttr {
-                sgid_index: 1,
-                ..av()
-            },
-            WireAhAttr {
-                is_global: 0,
-                ..av()
-            },
-            WireAhAttr {
-                is_global: 2,
-                ..av()
-            },
-            WireAhAttr {
-                hop_limit: 0,
-                ..av()
-            },
-            WireAhAttr { sl: 16, ..av() },
-            WireAhAttr {
-                flow_label: Le32::from(1 << 20),
-                ..av()
-            },
-            WireAhAttr {
-                port_num: 0,
-                ..av()
-            },
+        for (bad, refusal) in [
+            (
+                WireAhAttr {
+                    sgid_index: 3,
+                    ..av()
+                },
+                Refusal::ForeignSourceGid(3),
+            ),
+            (
+                WireAhAttr {
+                    sgid_index: 1,
+                    ..av()
+                },
+                Refusal::ForeignSourceGid(1),
+            ),
+            (
+                WireAhAttr {
+                    is_global: 0,
+                    ..av()
+                },
+                Refusal::NoGlobalRoute,
+            ),
+            (
+                WireAhAttr {
+                    is_global: 2,
+                    ..av()
+                },
+                Refusal::NotBoolean {
+                    field: "is_global",
+                    value: 2,
+                },
+            ),
+            (
+                WireAhAttr {
+                    hop_limit: 0,
+                    ..av()
+                },
+                Refusal::ZeroHopLimit,
+            ),
+            (
+                WireAhAttr { sl: 16, ..av() },
+                out_of_range("service level", 16, 0, 15),
+            ),
+            (
+                WireAhAttr {
+                    flow_label: Le32::from(1 << 20),
+                    ..av()
+                },
+                out_of_range("flow label", 1 << 20, 0, (1 << 20) - 1),
+            ),
+            (
+                WireAhAttr {
+                    port_num: 0,
+                    ..av()
+                },
+                Refusal::NoSuchPort(0),
+            ),
         ] {
-            assert_eq!(
-                status(ah_attr(&bad, &port(), 3)),
-                Status::InvalidArgument,
-                "{bad:?}"
-            );
+            assert_eq!(refused(ah_attr(&bad, &port(), 3)), refusal, "{bad:?}");
+            assert_eq!(refusal.status(), Status::InvalidArgument);
         }
         // The guest's index 0 is the host's entry of the guest's GID.
         assert_eq!(ah_attr(&av(), &port(), 3).unwrap().sgid_index, 3);
@@ -671,14 +699,20 @@ mod tests {
             3
         );
         assert_eq!(
-            status(mr_access(access::REMOTE_WRITE, 0)),
-            Status::InvalidArgument
+            refused(mr_access(access::REMOTE_WRITE, 0)),
+            Refusal::RemoteWithoutLocalWrite
         );
-        assert_eq!(status(mr_access(1 << 4, 0)), Status::InvalidArgument);
         assert_eq!(
-            status(mr_access(access::LOCAL_WRITE | access::REMOTE_ATOMIC, 0)),
-            Status::Unsupported
+            refused(mr_access(1 << 4, 0)),
+            Refusal::UnknownBits {
+                field: "MR access flags",
+                value: 1 << 4,
+                bits: 1 << 4
+            }
         );
+        let atomics = refused(mr_access(access::LOCAL_WRITE | access::REMOTE_ATOMIC, 0));
+        assert_eq!(atomics, Refusal::NotNegotiated("ATOMIC"));
+        assert_eq!(atomics.status(), Status::Unsupported);
     }
 
     fn config() -> DeviceConfig {
@@ -719,57 +753,116 @@ mod tests {
     #[test]
     fn create_qp_refuses_bad_shapes() {
         let r = rc_request();
+        let depth = |field, value| Refusal::NotPowerOfTwo {
+            field,
+            value,
+            min: 1,
+            max: 1024,
+        };
+        let sq_slot = |needed| Refusal::SlotTooSmall {
+            queue: "SQ",
+            slot: 128,
+            needed,
+        };
         let cases = [
-            CreateQpRequest { qp_type: 3, ..r },
-            CreateQpRequest {
-                max_send_wr: Le32::from(48),
-                ..r
-            },
-            CreateQpRequest {
-                max_recv_wr: Le32::from(2048),
-                ..r
-            },
-            CreateQpRequest {
-                max_send_sge: Le32::from(0),
-                ..r
-            },
-            CreateQpRequest {
-                max_send_sge: Le32::from(5),
-                ..r
-            },
-            CreateQpRequest {
-                max_recv_sge: Le32::from(4),
-                ..r
-            },
-            CreateQpRequest {
-                max_inline_data: Le32::from(65),
-                ..r
-            },
-            CreateQpRequest {
-                sq_wqe_shift: 13,
-                ..r
-            },
-            CreateQpRequest {
-                rq_wqe_shift: 3,
-                ..r
-            },
-            CreateQpRequest { sq_sig_all: 2, ..r },
+            (CreateQpRequest { qp_type: 3, ..r }, Refusal::QpType(3)),
+            (
+                CreateQpRequest {
+                    max_send_wr: Le32::from(48),
+                    ..r
+                },
+                depth("max_send_wr", 48),
+            ),
+            (
+                CreateQpRequest {
+                    max_recv_wr: Le32::from(2048),
+                    ..r
+                },
+                depth("max_recv_wr", 2048),
+            ),
+            (
+                CreateQpRequest {
+                    max_send_sge: Le32::from(0),
+                    ..r
+                },
+                out_of_range("max_send_sge", 0, 1, 32),
+            ),
+            (
+                CreateQpRequest {
+                    max_send_sge: Le32::from(5),
+                    ..r
+                },
+                sq_slot(send_slot_bytes(5, 64)),
+            ),
+            (
+                CreateQpRequest {
+                    max_recv_sge: Le32::from(4),
+                    ..r
+                },
+                Refusal::SlotTooSmall {
+                    queue: "RQ",
+                    slot: 64,
+                    needed: recv_slot_bytes(4),
+                },
+            ),
+            (
+                CreateQpRequest {
+                    max_inline_data: Le32::from(65),
+                    ..r
+                },
+                sq_slot(send_slot_bytes(4, 65)),
+            ),
+            (
+                CreateQpRequest {
+                    sq_wqe_shift: 13,
+                    ..r
+                },
+                out_of_range(
+                    "sq_wqe_shift",
+                    13,
+                    MIN_SQ_WQE_SHIFT.into(),
+                    MAX_WQE_SHIFT.into(),
+                ),
+            ),
+            (
+                CreateQpRequest {
+                    rq_wqe_shift: 3,
+                    ..r
+                },
+                out_of_range(
+                    "rq_wqe_shift",
+                    3,
+                    MIN_RQ_WQE_SHIFT.into(),
+                    MAX_WQE_SHIFT.into(),
+                ),
+            ),
+            (
+                CreateQpRequest { sq_sig_all: 2, ..r },
+                Refusal::NotBoolean {
+                    field: "sq_sig_all",
+                    value: 2,
+                },
+            ),
+            (
+                CreateQpRequest {
+                    reserved: [Le32::from(1), Le32::from(0)],
+                    ..r
+                },
+                Refusal::Reserved,
+            ),
         ];
-        for (i, req) in cases.iter().enumerate() {
-            assert_eq!(
-                status(create_qp(req, &config(), features::RC | features::UD)),
-                Status::InvalidArgument,
-                "case {i}"
-            );
+        for (i, (req, refusal)) in cases.iter().enumerate() {
+            let got = refused(create_qp(req, &config(), features::RC | features::UD));
+            assert_eq!(&got, refusal, "case {i}");
+            assert_eq!(got.status(), Status::InvalidArgument, "case {i}");
         }
         let ud = CreateQpRequest {
             qp_type: qp_type::UD,
             ..r
         };
-        assert_eq!(
-            status(create_qp(&ud, &config(), features::RC)),
-            Status::Unsupported
-        );
+        let not_negotiated = refused(create_qp(&ud, &config(), features::RC));
+        assert_eq!(not_negotiated, Refusal::NotNegotiated("UD"));
+        assert_eq!(not_negotiated.status(), Status::Unsupported);
     }
 
     #[test]
@@ -784,20 +877,20 @@ mod tests {
         let shape = create_qp(&on_srq, &config(), features::RC | features::SRQ).unwrap();
         assert_eq!((shape.caps.max_recv_wr, shape.caps.max_recv_sge), (0, 0));
         assert_eq!(
-            status(create_qp(&on_srq, &config(), features::RC)),
-            Status::Unsupported
+            refused(create_qp(&on_srq, &config(), features::RC)),
+            Refusal::NotNegotiated("SRQ")
         );
         let with_rq_too = CreateQpRequest {
             max_recv_wr: Le32::from(8),
             ..on_srq
         };
         assert_eq!(
-            status(create_qp(
+            refused(create_qp(
                 &with_rq_too,
                 &config(),
                 features::RC | features::SRQ
             )),
-            Status::InvalidArgument
+            Refusal::RqOnSrqQp
         );
     }
 
@@ -814,50 +907,79 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(create_srq(&good, &config).unwrap(), (64, 3));
-        for (i, bad) in [
-            CreateSrqRequest {
-                max_wr: Le32::from(48),
-                ..good
-            },
-            CreateSrqRequest {
-                max_sge: Le32::from(0),
-                ..good
-            },
-            CreateSrqRequest {
-                max_sge: Le32::from(4),
-                ..good
-            },
-            CreateSrqRequest {
-                wqe_shift: 13,
-                ..good
-            },
-            CreateSrqRequest {
-                reserved: [1, 0, 0, 0, 0, 0, 0],
-                ..good
-            },
+        for (i, (bad, refusal)) in [
+            (
+                CreateSrqRequest {
+                    max_wr: Le32::from(48),
+                    ..good
+                },
+                Refusal::NotPowerOfTwo {
+                    field: "SRQ depth",
+                    value: 48,
+                    min: 1,
+                    max: 1024,
+                },
+            ),
+            (
+                CreateSrqRequest {
+                    max_sge: Le32::from(0),
+                    ..good
+                },
+                out_of_range("SRQ max_sge", 0, 1, 32),
+            ),
+            (
+                CreateSrqRequest {
+                    max_sge: Le32::from(4),
+                    ..good
+                },
+                Refusal::SlotTooSmall {
+                    queue: "SRQ",
+                    slot: 64,
+                    needed: recv_slot_bytes(4),
+                },
+            ),
+            (
+                CreateSrqRequest {
+                    wqe_shift: 13,
+                    ..good
+                },
+                out_of_range(
+                    "SRQ wqe_shift",
+                    13,
+                    MIN_RQ_WQE_SHIFT.into(),
+                    MAX_WQE_SHIFT.into(),
+                ),
+            ),
+            (
+                CreateSrqRequest {
+                    reserved: [1, 0, 0, 0, 0, 0, 0],
+                    ..good
+                },
+                Refusal::Reserved,
+            ),
+            (
+                CreateSrqRequest {
+                    srq_limit: Le32::from(64),
+                    ..good
+                },
+                Refusal::SrqLimit {
+                    limit: 64,
+                    depth: 64,
+                },
+            ),
         ]
         .iter()
         .enumerate()
         {
-            assert_eq!(
-                status(create_srq(bad, &config)),
-                Status::InvalidArgument,
-                "case {i}"
-            );
+            let got = refused(create_srq(bad, &config));
+            assert_eq!(&got, refusal, "case {i}");
+            assert_eq!(got.status(), Status::InvalidArgument, "case {i}");
         }
         let limited = CreateSrqRequest {
             srq_limit: Le32::from(4),
             ..good
         };
         assert!(create_srq(&limited, &config).is_ok());
-        let at_depth = CreateSrqRequest {
-            srq_limit: Le32::from(64),
-            ..good
-        };
-        assert_eq!(
-            status(create_srq(&at_depth, &config)),
-            Status::InvalidArgument
-        );
     }
 
     #[test]
@@ -870,11 +992,27 @@ mod tests {
         };
         assert_eq!(modify_srq(&arm(2, 10), 64).unwrap(), 10);
         assert_eq!(modify_srq(&arm(2, 0), 64).unwrap(), 0);
-        for (mask, limit) in [(2, 64), (1, 10), (3, 10)] {
+        let mask = |value, bits| Refusal::UnknownBits {
+            field: "MODIFY_SRQ attr_mask",
+            value,
+            bits,
+        };
+        for (attr_mask, limit, refusal) in [
+            (
+                2,
+                64,
+                Refusal::SrqLimit {
+                    limit: 64,
+                    depth: 64,
+                },
+            ),
+            (1, 10, mask(1, 3)),
+            (3, 10, mask(3, 1)),
+        ] {
             assert_eq!(
-                status(modify_srq(&arm(mask, limit), 64)),
-                Status::InvalidArgument,
-                "mask {mask} limit {limit}"
+                refused(modify_srq(&arm(attr_mask, limit), 64)),
+                refusal,
+                "mask {attr_mask} limit {limit}"
             );
         }
     }
@@ -883,7 +1021,15 @@ mod tests {
     fn depths_are_powers_of_two_in_range() {
         assert!(depth("d", 64, 2, 64).is_ok());
         for bad in [0, 1, 3, 128] {
-            assert!(depth("d", bad, 2, 64).is_err(), "{bad}");
+            assert_eq!(
+                depth("d", bad, 2, 64),
+                Err(Refusal::NotPowerOfTwo {
+                    field: "d",
+                    value: bad,
+                    min: 2,
+                    max: 64
+                })
+            );
         }
     }
 }
