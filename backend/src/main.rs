@@ -1,11 +1,10 @@
 //! `vhost-user-rdma`: parses the command line and starts the backend.
 
-use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Parser;
 use vrdma_backend::guest_address::GuestIp;
-use vrdma_backend::sandbox::SeccompMode;
+use vrdma_backend::sandbox::{RunAs, SeccompMode};
 use vrdma_backend::{limits, vhost_user, Config, HostDevice, Quotas};
 
 /// vhost-user backend of the vrdma paravirtual RDMA device (virtio id 42).
@@ -54,6 +53,12 @@ struct Args {
     /// (with a line naming the call), log them (kernel audit log), or allow everything.
     #[arg(long, value_enum, default_value_t = SeccompMode::Kill)]
     seccomp: SeccompMode,
+    /// Serve as this user (and its primary group), with no capabilities but CAP_NET_ADMIN
+    /// when --guest-ip needs it; the backend must start as root. It must be able to open the
+    /// host RDMA device (/dev/infiniband/uverbs*, world-accessible as the kernel creates it)
+    /// and to create the socket.
+    #[arg(long)]
+    user: Option<RunAs>,
     /// Check the host device and print what guests would be offered, then exit.
     #[arg(long, conflicts_with = "socket_path")]
     check: bool,
@@ -100,11 +105,17 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
         Err(e) => log::warn!("cannot raise the open file limit: {e}"),
     }
     let socket_path = args.socket_path.clone();
+    let user = args.user.clone();
     let config = Config::from(args);
     // Taken off the host on SIGINT/SIGTERM, or when serving ends.
     let guest_address = vrdma_backend::assign_guest_address(&config)?;
+    // What needs root comes first: the address, the socket (whose directory may be root's).
+    let listener = socket_path.as_deref().map(vhost_user::listen).transpose()?;
+    if let Some(user) = &user {
+        vrdma_backend::sandbox::run_as(user, config.guest_ip.is_some())?;
+    }
     vrdma_backend::exit_on_signals(&guest_address)?;
-    let result = check_or_serve(&config, socket_path.as_deref());
+    let result = check_or_serve(&config, listener);
     drop(
         guest_address
             .lock()
@@ -114,17 +125,20 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
     result
 }
 
-fn check_or_serve(config: &Config, socket_path: Option<&Path>) -> Result<(), vrdma_backend::Error> {
-    // Fail fast on an unusable device, before listening.
+fn check_or_serve(
+    config: &Config,
+    listener: Option<vhost_user::Listener>,
+) -> Result<(), vrdma_backend::Error> {
+    // Fail fast on an unusable device (as the user that serves), before accepting guests.
     let device = HostDevice::open(config)?;
-    match socket_path {
+    match listener {
         None => {
             print_check(config, &device, &device.context.query_device()?);
             Ok(())
         }
-        Some(path) => {
+        Some(listener) => {
             drop(device); // each connection opens a context of its own
-            vhost_user::serve(config, path)
+            vhost_user::serve_listener(config, listener)
         }
     }
 }

@@ -5,6 +5,10 @@
 //!
 //! What is allowed was read off the backend serving the whole test suite (strace -f), then
 //! reasoned about; `--seccomp log` lets an operator find what a new host library adds.
+//!
+//! Started as root, the backend can also become an unprivileged user ([`run_as`]) before it
+//! starts any thread, once what needs root is done (raising its resource limits, putting a
+//! guest's address on the host).
 
 use std::collections::BTreeMap;
 
@@ -37,6 +41,99 @@ pub enum SandboxError {
     Compile(#[from] seccompiler::Error),
     #[error("cannot install the SIGSYS handler: {0}")]
     Handler(vmm_sys_util::errno::Error),
+    #[error("cannot become user {user}: {step} failed: {source}")]
+    RunAs {
+        user: String,
+        step: &'static str,
+        source: nix::Error,
+    },
+    #[error("cannot keep CAP_NET_ADMIN as user {user}: {source}")]
+    Capabilities {
+        user: String,
+        source: caps::errors::CapsError,
+    },
+    #[error("cannot become user {0} with {1} threads running: capabilities are per thread")]
+    Threads(String, usize),
+    #[error("user {0} could take root back; refusing to serve")]
+    RootRegained(String),
+}
+
+/// A user to serve as, looked up when the command line is read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunAs {
+    pub name: String,
+    pub uid: nix::unistd::Uid,
+    pub gid: nix::unistd::Gid,
+}
+
+impl std::str::FromStr for RunAs {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<RunAs, String> {
+        let user = nix::unistd::User::from_name(name)
+            .map_err(|e| format!("cannot look up user {name}: {e}"))?
+            .ok_or_else(|| format!("no user named {name}"))?;
+        Ok(RunAs {
+            name: user.name,
+            uid: user.uid,
+            gid: user.gid,
+        })
+    }
+}
+
+/// Becomes `user` (its uid and primary group, no other groups, no capabilities) for good;
+/// with `keep_net_admin` it keeps CAP_NET_ADMIN alone, to take a guest's address off the host
+/// when it stops. Memory regions pin guest memory, which an unprivileged process may do only
+/// up to RLIMIT_MEMLOCK: the limit is lifted first (the guest quotas bound it instead).
+///
+/// Call it while the process has one thread: capabilities belong to threads, and threads
+/// started later inherit the ones of the thread that starts them.
+pub fn run_as(user: &RunAs, keep_net_admin: bool) -> Result<(), SandboxError> {
+    use nix::sys::resource::{setrlimit, Resource, RLIM_INFINITY};
+    use nix::unistd::{setgroups, setresgid, setresuid, setuid, Uid};
+
+    let threads = std::fs::read_dir("/proc/self/task").map_or(0, |tasks| tasks.count());
+    if threads != 1 {
+        return Err(SandboxError::Threads(user.name.clone(), threads));
+    }
+    let failed = |step| {
+        move |source| SandboxError::RunAs {
+            user: user.name.clone(),
+            step,
+            source,
+        }
+    };
+    setrlimit(Resource::RLIMIT_MEMLOCK, RLIM_INFINITY, RLIM_INFINITY)
+        .map_err(failed("lifting RLIMIT_MEMLOCK"))?;
+    nix::sys::prctl::set_keepcaps(keep_net_admin).map_err(failed("PR_SET_KEEPCAPS"))?;
+    setgroups(&[user.gid]).map_err(failed("setgroups"))?;
+    setresgid(user.gid, user.gid, user.gid).map_err(failed("setresgid"))?;
+    setresuid(user.uid, user.uid, user.uid).map_err(failed("setresuid"))?;
+    if keep_net_admin {
+        let only = std::collections::HashSet::from([caps::Capability::CAP_NET_ADMIN]);
+        for set in [caps::CapSet::Permitted, caps::CapSet::Effective] {
+            caps::set(None, set, &only).map_err(|source| SandboxError::Capabilities {
+                user: user.name.clone(),
+                source,
+            })?;
+        }
+        nix::sys::prctl::set_keepcaps(false).map_err(failed("PR_SET_KEEPCAPS"))?;
+    }
+    if !user.uid.is_root() && setuid(Uid::from_raw(0)).is_ok() {
+        return Err(SandboxError::RootRegained(user.name.clone()));
+    }
+    log::info!(
+        "running as user {} (uid {}, gid {}){}",
+        user.name,
+        user.uid,
+        user.gid,
+        if keep_net_admin {
+            ", keeping CAP_NET_ADMIN only"
+        } else {
+            ", no capabilities"
+        }
+    );
+    Ok(())
 }
 
 /// System calls the backend makes while serving guests (x86_64 and aarch64 names).

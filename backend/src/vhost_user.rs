@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, RwLock};
 
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
-use vhost::vhost_user::Listener;
+pub use vhost::vhost_user::Listener;
 use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
@@ -291,15 +291,25 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 }
 
-/// Serves front ends on `socket_path` until an error: each connection gets its own backend
-/// (its own host context and objects), served on its own threads; when it ends, everything it
-/// created on the host is destroyed.
+/// Serves front ends on `socket_path` until an error: [`listen`], then [`serve_listener`].
 pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
-    // The device context for the next connection is opened before it arrives (and before the
-    // socket exists), so a front end never waits for it and a bad device fails at start-up.
-    let mut backend = Arc::new(RwLock::new(RdmaBackend::new(config)?));
-    let mut listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
+    serve_listener(config, listen(socket_path)?)
+}
+
+/// The vhost-user socket at `socket_path`, listening (a file left there is replaced).
+pub fn listen(socket_path: &Path) -> Result<Listener, Error> {
+    let listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
     log::info!("listening on {}", socket_path.display());
+    Ok(listener)
+}
+
+/// Serves the front ends `listener` accepts until an error: each connection gets its own
+/// backend (its own host context and objects), served on its own threads; when it ends,
+/// everything it created on the host is destroyed.
+pub fn serve_listener(config: &Config, mut listener: Listener) -> Result<(), Error> {
+    // The device context for the next connection is opened before it arrives, so a front end
+    // never waits for it and a bad device fails before the first guest is accepted.
+    let mut backend = Arc::new(RwLock::new(RdmaBackend::new(config)?));
     // Everything serving needs from here on is in the filter (crate::sandbox).
     crate::sandbox::confine(config.seccomp)?;
     for connection in 1u64.. {

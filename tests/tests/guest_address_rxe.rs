@@ -8,7 +8,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::Gid;
-use vrdma_guest::{AhAttr, Device, Status};
+use vrdma_guest::{access, AhAttr, Device, QpType, QueuePair, Status};
 use vrdma_tests::{backend_binary, backend_log, open_test_device, spawn_backend_process};
 
 const NETDEV: &str = "va";
@@ -66,15 +66,7 @@ fn a_guest_address_is_the_guests_only_gid_and_leaves_with_the_backend() {
     let backend = spawn_backend_process(&socket, &["--guest-ip", "192.168.77.50/24"]);
     // The backend serves confined (its default; it says so just after it listens), and
     // removing the address still works.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let log = std::fs::read_to_string(backend_log(&socket)).unwrap();
-        if log.contains("seccomp filter installed (Kill)") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "not confined:\n{log}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_log(&socket, "seccomp filter installed (Kill)");
     let on_netdev = addresses();
     assert!(
         on_netdev.contains(&format!("inet {address}/24")) && on_netdev.contains("va:vrdma"),
@@ -152,4 +144,81 @@ fn an_address_the_host_holds_is_refused_and_one_a_killed_backend_left_is_taken_o
     drop(device);
     assert!(stop(second).success());
     assert!(!addresses().contains(address), "{}", addresses());
+}
+
+/// Waits for the log of the backend on `socket` to say `line`.
+fn wait_for_log(socket: &std::path::Path, line: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = std::fs::read_to_string(backend_log(socket)).unwrap();
+        if log.contains(line) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no `{line}` in:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `/proc/PID/task/*/status` lines starting with `field`, one per thread of `pid`.
+fn thread_status(pid: u32, field: &str) -> Vec<String> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the backend's threads");
+    tasks
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("status")).ok())
+        .filter_map(|status| {
+            let line = status.lines().find(|l| l.starts_with(field))?;
+            Some(
+                line.split_whitespace()
+                    .skip(1)
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            )
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_backend_serving_as_an_unprivileged_user_pins_guest_memory_and_removes_its_address() {
+    let address = "192.168.77.52";
+    let socket = socket("user");
+    let backend = spawn_backend_process(
+        &socket,
+        &["--guest-ip", "192.168.77.52/24", "--user", "nobody"],
+    );
+    wait_for_log(
+        &socket,
+        "running as user nobody (uid 65534, gid 65534), keeping CAP_NET_ADMIN only",
+    );
+    {
+        let device = Device::open(socket.to_str().unwrap()).expect("open the device");
+        // 64 MiB pinned: eight times the usual RLIMIT_MEMLOCK of an unprivileged process.
+        let pd = device.alloc_pd().unwrap();
+        let buffer = device.alloc_buffer(64 << 20).unwrap();
+        let mr = pd
+            .reg_mr(&buffer, access::LOCAL_WRITE | access::REMOTE_WRITE)
+            .expect("register 64 MiB as nobody");
+        let cq = device.create_cq(16).unwrap();
+        let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+        // Every thread, the connection's among them: nobody, CAP_NET_ADMIN (bit 12) alone.
+        let uids = thread_status(backend.id(), "Uid:");
+        assert!(uids.len() > 2, "{uids:?}");
+        assert!(
+            uids.iter().all(|uid| uid == "65534 65534 65534 65534"),
+            "{uids:?}"
+        );
+        let effective = thread_status(backend.id(), "CapEff:");
+        assert!(
+            effective.iter().all(|caps| caps == "0000000000001000"),
+            "{effective:?}"
+        );
+        let permitted = thread_status(backend.id(), "CapPrm:");
+        assert!(
+            permitted.iter().all(|caps| caps == "0000000000001000"),
+            "{permitted:?}"
+        );
+        drop((qp, cq, mr, buffer, pd));
+    }
+    assert!(stop(backend).success(), "stops cleanly on SIGTERM");
+    assert!(!addresses().contains(address), "{}", addresses());
+    wait_for_host_gid(gid_of(address), false);
 }
