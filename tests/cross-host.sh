@@ -57,10 +57,15 @@ case "$host" in
 esac
 
 declare -A backend
+# accepting FILE: how many times the backend logging to FILE said it was ready for guests.
+accepting() { grep -c "accepting guests" "$1" 2>/dev/null || true; }
+
 start_backends() {
   local guest name address
+  local -A before
   for guest in "${guests[@]}"; do
     read -r name address <<<"$guest"
+    before[$name]=$(accepting "$logs/backend-$name.log")
     rm -f "$(socket "$name")"
     RUST_LOG=info "$bin/vhost-user-rdma" --socket-path "$(socket "$name")" \
       --guest-ip "$address/24" >>"$logs/backend-$name.log" 2>&1 &
@@ -68,7 +73,10 @@ start_backends() {
   done
   for guest in "${guests[@]}"; do
     read -r name address <<<"$guest"
-    for _ in $(seq 300); do [ -S "$(socket "$name")" ] && continue 2; sleep 0.1; done
+    for _ in $(seq 300); do
+      [ "$(accepting "$logs/backend-$name.log")" -gt "${before[$name]:-0}" ] && continue 2
+      sleep 0.1
+    done
     echo "cross-host: backend $name did not start:" >&2
     cat "$logs/backend-$name.log" >&2
     return 1

@@ -34,11 +34,19 @@ check() {
   fi
 }
 
+# accepting FILE: how many times the backend logging to FILE said it was ready for guests.
+accepting() { grep -c "accepting guests" "$1" 2>/dev/null || true; }
+
 start_backend() {
+  local before
+  before=$(accepting "$logs/backend.log")
   rm -f "$socket"
   RUST_LOG=info "$bin/vhost-user-rdma" --socket-path "$socket" >>"$logs/backend.log" 2>&1 &
   backend=$!
-  for _ in $(seq 300); do [ -S "$socket" ] && return 0; sleep 0.1; done
+  for _ in $(seq 300); do
+    [ "$(accepting "$logs/backend.log")" -gt "${before:-0}" ] && return 0
+    sleep 0.1
+  done
   echo "nested-e2e: the backend did not start:" >&2
   cat "$logs/backend.log" >&2
   return 1

@@ -312,6 +312,9 @@ pub fn serve_listener(config: &Config, mut listener: Listener) -> Result<(), Err
     let mut backend = Arc::new(RwLock::new(RdmaBackend::new(config)?));
     // Everything serving needs from here on is in the filter (crate::sandbox).
     crate::sandbox::confine(config.seccomp)?;
+    // Front ends may connect once the socket exists; this line says their host context is
+    // ready (test harnesses count the host's objects from here).
+    log::info!("accepting guests");
     for connection in 1u64.. {
         // One connection failing to start (no threads, descriptors or memory left) must not
         // stop the guests already served, nor the ones that come later.
