@@ -61,10 +61,10 @@ fn no_doorbell_bit() -> CommandError {
 
 /// The framing of a control request (SPEC.md §5.1): its opcode and payload, given the bytes
 /// the driver wrote and `room` bytes for the response payload.
-pub fn frame_request(readable: &[u8], room: usize) -> Result<(Opcode, &[u8]), CommandError> {
+pub fn frame_request(readable: &[u8], room: usize) -> Result<(Opcode, &[u8]), Refusal> {
     let header_len = std::mem::size_of::<RequestHeader>();
     if readable.len() < header_len {
-        return Err(Refusal::ShortRequest.into());
+        return Err(Refusal::ShortRequest);
     }
     let header: RequestHeader = parse(readable);
     let opcode = Opcode::try_from(header.opcode.to_native()).map_err(Refusal::UnknownOpcode)?;
@@ -74,8 +74,7 @@ pub fn frame_request(readable: &[u8], room: usize) -> Result<(Opcode, &[u8]), Co
             field: "request flags",
             value: flags.into(),
             bits: flags.into(),
-        }
-        .into());
+        });
     }
     let length = header.length.to_native() as usize;
     if length != opcode.request_size() || readable.len() - header_len < length {
@@ -84,16 +83,14 @@ pub fn frame_request(readable: &[u8], room: usize) -> Result<(Opcode, &[u8]), Co
             length,
             present: readable.len() - header_len,
             expected: opcode.request_size(),
-        }
-        .into());
+        });
     }
     if room < opcode.response_size() {
         return Err(Refusal::ResponseRoom {
             opcode,
             room,
             needed: opcode.response_size(),
-        }
-        .into());
+        });
     }
     Ok((opcode, &readable[header_len..header_len + length]))
 }
