@@ -10,7 +10,7 @@ pub use vhost::vhost_user::Listener;
 use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
-use virtio_queue::QueueOwnedT;
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -117,23 +117,14 @@ impl RdmaBackend {
                 vring.disable_notification().map_err(io::Error::other)?;
             }
             let mem = self.mem.memory();
-            let chains = match vring.get_mut().get_queue_mut().iter(mem.clone()) {
-                Ok(chains) => chains.collect::<Vec<_>>(),
-                Err(e) => {
-                    self.break_control_queue(&e);
-                    return Ok(());
-                }
-            };
-            for chain in chains {
-                let head = chain.head_index();
-                let used = self.process_control_chain(&mem, chain).unwrap_or_else(|e| {
-                    log::warn!("control chain {head} is malformed: {e}");
-                    0
-                });
-                if let Err(e) = vring.add_used(head, used) {
-                    self.break_control_queue(&e);
-                    return Ok(());
-                }
+            let device = &mut self.device;
+            let queue = &mut *vring.get_mut();
+            let served = serve_control_chains(queue.get_queue_mut(), mem.clone(), |r, room| {
+                device.process_request(&*mem, r, room)
+            });
+            if let Err(e) = served {
+                self.break_control_queue(&e);
+                return Ok(());
             }
             vring.signal_used_queue()?;
             if !self.event_idx || !vring.enable_notification().map_err(io::Error::other)? {
@@ -147,27 +138,62 @@ impl RdmaBackend {
         self.control_broken = true;
         self.device.data_path().device_fatal();
     }
+}
 
-    /// Runs one request; returns the bytes written into the chain.
-    fn process_control_chain(
-        &mut self,
-        mem: &vm_memory::GuestMemoryLoadGuard<GuestMemoryMmap>,
-        chain: virtio_queue::DescriptorChain<vm_memory::GuestMemoryLoadGuard<GuestMemoryMmap>>,
-    ) -> io::Result<u32> {
-        let mut request = Vec::new();
-        chain
-            .clone()
-            .reader(mem)
-            .map_err(io::Error::other)?
-            .take(MAX_REQUEST_BYTES)
-            .read_to_end(&mut request)?;
-        let mut writer = chain.writer(mem).map_err(io::Error::other)?;
-        let response = self
-            .device
-            .process_request(&**mem, &request, writer.available_bytes());
-        writer.write_all(&response)?;
-        Ok(response.len() as u32)
+/// Serves every chain the driver made available on the control queue: its readable bytes (at
+/// most [`MAX_REQUEST_BYTES`]) and the room in its writable part go to `respond`, whose answer
+/// is written back before the chain is marked used. A malformed chain is used with nothing
+/// written; an error means the driver broke the queue itself (an index beyond it).
+pub fn serve_control_chains<M>(
+    queue: &mut Queue,
+    mem: M,
+    mut respond: impl FnMut(&[u8], usize) -> Vec<u8>,
+) -> Result<(), virtio_queue::Error>
+where
+    M: std::ops::Deref + Clone,
+    M::Target: vm_memory::GuestMemory + Sized,
+{
+    let chains: Vec<_> = queue.iter(mem.clone())?.collect();
+    for chain in chains {
+        let head = chain.head_index();
+        let used = respond_in_chain(&mem, chain, &mut respond).unwrap_or_else(|e| {
+            log::warn!("control chain {head} is malformed: {e}");
+            0
+        });
+        queue.add_used(&*mem, head, used)?;
     }
+    Ok(())
+}
+
+/// Runs one request; returns the bytes written into the chain.
+fn respond_in_chain<M>(
+    mem: &M,
+    chain: virtio_queue::DescriptorChain<M>,
+    respond: &mut impl FnMut(&[u8], usize) -> Vec<u8>,
+) -> io::Result<u32>
+where
+    M: std::ops::Deref + Clone,
+    M::Target: vm_memory::GuestMemory + Sized,
+{
+    let mut request = Vec::new();
+    chain
+        .clone()
+        .reader(mem)
+        .map_err(io::Error::other)?
+        .take(MAX_REQUEST_BYTES)
+        .read_to_end(&mut request)?;
+    let mut writer = chain.writer(mem).map_err(io::Error::other)?;
+    let response = respond(&request, writer.available_bytes());
+    writer.write_all(&response)?;
+    Ok(response.len() as u32)
+}
+
+/// The part of the configuration space `config` a GET_CONFIG of `size` bytes at `offset`
+/// reads: what of it lies inside, possibly nothing.
+pub fn config_window(config: &[u8], offset: u32, size: u32) -> &[u8] {
+    let start = (offset as usize).min(config.len());
+    let end = start.saturating_add(size as usize).min(config.len());
+    &config[start..end]
 }
 
 impl VhostUserBackendMut for RdmaBackend {
@@ -222,10 +248,7 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        let config = self.device.config().as_slice();
-        let start = (offset as usize).min(config.len());
-        let end = start.saturating_add(size as usize).min(config.len());
-        config[start..end].to_vec()
+        config_window(self.device.config().as_slice(), offset, size).to_vec()
     }
 
     fn update_memory(&mut self, mem: GuestMemory) -> io::Result<()> {
