@@ -118,13 +118,23 @@ impl RdmaBackend {
             }
             let mem = self.mem.memory();
             let device = &mut self.device;
-            let queue = &mut *vring.get_mut();
-            let served = serve_control_chains(queue.get_queue_mut(), mem.clone(), |r, room| {
-                device.process_request(&*mem, r, room)
-            });
-            if let Err(e) = served {
-                self.break_control_queue(&e);
-                return Ok(());
+            let served = {
+                // Held only while serving: signalling below takes the vring again.
+                let mut state = vring.get_mut();
+                serve_control_chains(state.get_queue_mut(), mem.clone(), |r, room| {
+                    device.process_request(&*mem, r, room)
+                })
+            };
+            match served {
+                Ok(malformed) => {
+                    for (head, error) in malformed {
+                        self.device.note_malformed_chain(head, &error);
+                    }
+                }
+                Err(e) => {
+                    self.break_control_queue(&e);
+                    return Ok(());
+                }
             }
             vring.signal_used_queue()?;
             if !self.event_idx || !vring.enable_notification().map_err(io::Error::other)? {
@@ -143,26 +153,28 @@ impl RdmaBackend {
 /// Serves every chain the driver made available on the control queue: its readable bytes (at
 /// most [`MAX_REQUEST_BYTES`]) and the room in its writable part go to `respond`, whose answer
 /// is written back before the chain is marked used. A malformed chain is used with nothing
-/// written; an error means the driver broke the queue itself (an index beyond it).
+/// written, and returned with what is wrong with it; an error means the driver broke the
+/// queue itself (an index beyond it).
 pub fn serve_control_chains<M>(
     queue: &mut Queue,
     mem: M,
     mut respond: impl FnMut(&[u8], usize) -> Vec<u8>,
-) -> Result<(), virtio_queue::Error>
+) -> Result<Vec<(u16, io::Error)>, virtio_queue::Error>
 where
     M: std::ops::Deref + Clone,
     M::Target: vm_memory::GuestMemory + Sized,
 {
     let chains: Vec<_> = queue.iter(mem.clone())?.collect();
+    let mut malformed = Vec::new();
     for chain in chains {
         let head = chain.head_index();
         let used = respond_in_chain(&mem, chain, &mut respond).unwrap_or_else(|e| {
-            log::warn!("control chain {head} is malformed: {e}");
+            malformed.push((head, e));
             0
         });
         queue.add_used(&*mem, head, used)?;
     }
-    Ok(())
+    Ok(malformed)
 }
 
 /// Runs one request; returns the bytes written into the chain.

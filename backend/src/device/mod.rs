@@ -185,16 +185,14 @@ impl Device {
     ) -> Vec<u8> {
         let header_len = std::mem::size_of::<ResponseHeader>();
         if writable_len < header_len {
-            log::warn!("control request without room for a response header; ignored");
+            self.note_failure(&Refusal::NoResponseRoom { room: writable_len }.into());
             return Vec::new();
         }
         let (status, detail, payload) = match self.execute(mem, readable, writable_len - header_len)
         {
             Ok(payload) => (Status::Ok, 0, payload),
             Err(e) => {
-                if let Some(line) = self.refusals.record(&e, std::time::Instant::now()) {
-                    log::warn!("{line}");
-                }
+                self.note_failure(&e);
                 (e.status(), e.detail(), Vec::new())
             }
         };
@@ -206,6 +204,18 @@ impl Device {
         let mut out = header.as_slice().to_vec();
         out.extend_from_slice(&payload);
         out
+    }
+
+    /// A control chain the driver got wrong, so badly that no response could be written.
+    pub fn note_malformed_chain(&mut self, head: u16, error: &std::io::Error) {
+        let reason = error.to_string();
+        self.note_failure(&Refusal::MalformedChain { head, reason }.into());
+    }
+
+    fn note_failure(&mut self, error: &CommandError) {
+        if let Some(line) = self.refusals.record(error, std::time::Instant::now()) {
+            log::warn!("{line}");
+        }
     }
 
     fn execute<M: GuestMemoryBackend>(

@@ -33,6 +33,10 @@ pub enum Refusal {
         room: usize,
         needed: usize,
     },
+    #[error("control chain {head} is malformed: {reason}; nothing was written to it")]
+    MalformedChain { head: u16, reason: String },
+    #[error("{room} bytes of room cannot hold a response header; nothing was written")]
+    NoResponseRoom { room: usize },
     #[error("SET_NOTIFY_AREA first: the device was reset or has just started")]
     NoNotifyArea,
     #[error("SET_NOTIFY_AREA was already issued since the last reset")]
@@ -142,7 +146,12 @@ impl Refusal {
     pub fn status(&self) -> Status {
         use Refusal::*;
         match self {
-            ShortRequest | RequestLength { .. } | ResponseRoom { .. } => Status::BadLength,
+            // The first two are never answered: there is nowhere to write the status.
+            MalformedChain { .. }
+            | NoResponseRoom { .. }
+            | ShortRequest
+            | RequestLength { .. }
+            | ResponseRoom { .. } => Status::BadLength,
             UnknownOpcode(_) | NotNegotiated(_) => Status::Unsupported,
             NoNotifyArea => Status::NotReady,
             Misaligned { .. }
