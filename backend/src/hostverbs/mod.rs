@@ -513,28 +513,35 @@ impl Context {
 
     /// The index of `gid` as a RoCEv2 entry of `port`'s GID table, if it is there.
     pub fn find_roce_v2_gid(&self, port: u8, gid: Gid) -> Result<Option<u32>> {
-        let table_len = self.query_port(port)?.gid_tbl_len;
-        Ok((0..table_len).find(|&index| {
-            self.query_gid(port, index)
-                .is_ok_and(|entry| entry == (gid, GidType::RoceV2))
-        }))
+        let mut entries = self.roce_v2_gids(port)?;
+        Ok(entries
+            .find(|&(_, entry)| entry == gid)
+            .map(|(index, _)| index))
     }
 
     /// The index of the first RoCEv2 GID of `port` that maps an IPv4 address.
     pub fn find_roce_v2_ipv4_gid(&self, port: u8) -> Result<(u32, Gid)> {
-        let table_len = self.query_port(port)?.gid_tbl_len;
-        (0..table_len)
-            .filter_map(|index| {
-                let (gid, gid_type) = self.query_gid(port, index).ok()?;
-                (gid_type == GidType::RoceV2 && gid.ipv4().is_some()).then_some((index, gid))
-            })
-            .next()
+        let mut entries = self.roce_v2_gids(port)?;
+        entries
+            .find(|(_, gid)| gid.ipv4().is_some())
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
                     "{} port {port} has no RoCEv2 GID with an IPv4 address",
                     self.name
                 ))
             })
+    }
+
+    /// The RoCEv2 entries of `port`'s GID table, in index order (unassigned ones fail to
+    /// query and are left out).
+    fn roce_v2_gids(&self, port: u8) -> Result<impl Iterator<Item = (u32, Gid)> + '_> {
+        let table_len = self.query_port(port)?.gid_tbl_len;
+        Ok(
+            (0..table_len).filter_map(move |index| match self.query_gid(port, index) {
+                Ok((gid, GidType::RoceV2)) => Some((index, gid)),
+                _ => None,
+            }),
+        )
     }
 
     pub fn alloc_pd(self: &Arc<Self>) -> Result<Arc<ProtectionDomain>> {
