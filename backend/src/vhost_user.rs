@@ -326,9 +326,12 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 }
 
-/// Serves front ends on `socket_path` until an error: [`listen`], then [`serve_listener`].
+/// Serves front ends on `socket_path` until an error, as [`serve_listener`] does; the first
+/// guest's host context is open before the socket exists, so a front end (or a test counting
+/// the host's objects) that sees the socket finds the backend ready.
 pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
-    serve_listener(config, listen(socket_path)?)
+    let first = RdmaBackend::new(config)?;
+    serve_prepared(config, listen(socket_path)?, first)
 }
 
 /// The vhost-user socket at `socket_path`, listening (a file left there is replaced).
@@ -341,10 +344,18 @@ pub fn listen(socket_path: &Path) -> Result<Listener, Error> {
 /// Serves the front ends `listener` accepts until an error: each connection gets its own
 /// backend (its own host context and objects), served on its own threads; when it ends,
 /// everything it created on the host is destroyed.
-pub fn serve_listener(config: &Config, mut listener: Listener) -> Result<(), Error> {
+pub fn serve_listener(config: &Config, listener: Listener) -> Result<(), Error> {
     // The device context for the next connection is opened before it arrives, so a front end
     // never waits for it and a bad device fails before the first guest is accepted.
-    let mut backend = Arc::new(RwLock::new(RdmaBackend::new(config)?));
+    serve_prepared(config, listener, RdmaBackend::new(config)?)
+}
+
+fn serve_prepared(
+    config: &Config,
+    mut listener: Listener,
+    first: RdmaBackend,
+) -> Result<(), Error> {
+    let mut backend = Arc::new(RwLock::new(first));
     // Everything serving needs from here on is in the filter (crate::sandbox).
     crate::sandbox::confine(config.seccomp)?;
     // Front ends may connect once the socket exists; this line says their host context is

@@ -667,7 +667,7 @@ impl TargetProcess {
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_guest_killed_amid_large_writes_leaves_its_peer_error_completions_and_the_backend_serving() {
     const LEN: u64 = 64 << 20;
-    const STREAM: u64 = 8;
+    const STREAM: u64 = 16;
     /// `ibv_wc_status` of a WRITE whose target went away: its memory region first (the
     /// target answers "remote access error") or its QP first (nobody answers).
     const REM_ACCESS_ERR: u8 = 10;
