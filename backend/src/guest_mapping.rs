@@ -1,20 +1,108 @@
-//! Contiguous mappings of guest pages in the backend's address space: the only place that maps
-//! guest memory for the NIC.
+//! Guest pages laid out contiguously in the backend's address space for the NIC to register.
 //!
-//! Every run of pages that is not adjacent in the backing file costs one kernel mapping, and a
-//! process has a fixed number of them (`vm.max_map_count`) for everything it does. Guests
-//! choose their page lists, so mappings are drawn from a process-wide [`MapBudget`], and the
-//! device holds them only while it registers an MR (registration pins the pages).
+//! Pages that are one run of guest-physical memory are already contiguous in the backend's
+//! own mapping of that guest RAM region ([`with_pages_contiguous`] uses it as is). Any other
+//! list is mapped afresh, and every run of pages that is not adjacent in the backing file
+//! costs one kernel mapping; a process has a fixed number of them (`vm.max_map_count`) for
+//! everything it does. Guests choose their page lists, so those mappings are drawn from a
+//! process-wide [`MapBudget`], and the device holds them only while it registers an MR
+//! (registration pins the pages).
 
 use std::io;
+use std::marker::PhantomData;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+
 use crate::hostverbs::PinnedMemory;
 use crate::mtt::{BackedPage, MttError};
+
+/// Calls `register` with `pages` (each `page_size` bytes) laid out contiguously in this
+/// process: inside the backend's mapping of guest RAM when they are one guest-physical run
+/// in one region, else in a [`GuestPagesMapping`] that lives for the call.
+pub fn with_pages_contiguous<M: GuestMemoryBackend, T>(
+    mem: &M,
+    pages: &[BackedPage],
+    page_size: u64,
+    register: impl FnOnce(&dyn PinnedMemory) -> T,
+) -> Result<T, MttError> {
+    if let Some(span) = RegionSpan::of(mem, pages, page_size) {
+        span.populate();
+        return Ok(register(&span));
+    }
+    let mapping = GuestPagesMapping::new(pages, page_size)?;
+    Ok(register(&*mapping))
+}
+
+/// A range of the backend's mapping of one guest RAM region, borrowed from the memory table
+/// snapshot that holds the mapping.
+struct RegionSpan<'a> {
+    base: NonNull<u8>,
+    len: usize,
+    _mem: PhantomData<&'a ()>,
+}
+
+// SAFETY: plain shared memory of a guest RAM mapping; accesses go through raw pointers, as
+// for any MR's memory.
+unsafe impl Send for RegionSpan<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for RegionSpan<'_> {}
+
+impl<'a> RegionSpan<'a> {
+    /// The span covering `pages` if they are consecutive guest-physical pages inside one
+    /// region that the backend has mapped.
+    fn of<M: GuestMemoryBackend>(mem: &'a M, pages: &[BackedPage], page_size: u64) -> Option<Self> {
+        let first = pages.first()?.gpa;
+        let consecutive = pages
+            .windows(2)
+            .all(|w| w[0].gpa.checked_add(page_size) == Some(w[1].gpa));
+        let len = (pages.len() as u64).checked_mul(page_size)?;
+        let (region, start) = mem.to_region_addr(GuestAddress(first))?;
+        let fits = start
+            .0
+            .checked_add(len)
+            .is_some_and(|end| end <= region.len());
+        if !consecutive || !fits {
+            return None;
+        }
+        let base = region.get_host_address(start).ok()?;
+        Some(RegionSpan {
+            base: NonNull::new(base)?,
+            len: usize::try_from(len).ok()?,
+            _mem: PhantomData,
+        })
+    }
+
+    /// Maps the span's pages into the page tables many at a time (fault-around), where
+    /// registration would fault them in one by one. Only a speed-up: on a kernel without
+    /// MADV_POPULATE_READ, registration faults them itself.
+    fn populate(&self) {
+        // SAFETY: the range lies inside a mapping of guest RAM that outlives `self`;
+        // populating it changes no contents.
+        unsafe {
+            libc::madvise(
+                self.base.as_ptr().cast(),
+                self.len,
+                libc::MADV_POPULATE_READ,
+            );
+        }
+    }
+}
+
+// SAFETY: the range lies inside the region's mapping (checked in `of`), which the memory
+// table snapshot borrowed for 'a keeps mapped at one address.
+unsafe impl PinnedMemory for RegionSpan<'_> {
+    fn as_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
 
 /// Guest pages mapped back to back, in page-list order, shared with the guest (MAP_SHARED of
 /// the files behind guest RAM): what the NIC writes here, the guest reads.
@@ -100,7 +188,9 @@ impl GuestPagesMapping {
                     (base + start * page_size) as *mut libc::c_void,
                     (end - start) * page_size,
                     libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    // Populating here maps the pages many at a time (fault-around);
+                    // registration would otherwise fault them in one by one.
+                    libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
                     pages[start].file.as_raw_fd(),
                     offset,
                 )

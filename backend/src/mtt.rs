@@ -16,7 +16,7 @@ use vrdma_spec::mem::{
     PAGE_LIST_ENTRIES_PER_PAGE, PAGE_LIST_PAGE_SIZE,
 };
 
-pub use crate::guest_mapping::{GuestPagesMapping, MapBudget};
+pub use crate::guest_mapping::{with_pages_contiguous, GuestPagesMapping, MapBudget};
 
 /// Why a page list was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -313,6 +313,35 @@ mod tests {
         mem.read_slice(&mut seen, GuestAddress(5 * PAGE + 100))
             .unwrap();
         assert_eq!(&seen, b"from the NIC");
+    }
+
+    #[test]
+    fn one_guest_physical_run_registers_in_place_and_others_get_a_mapping() {
+        let mem = guest_memory();
+        let run: Vec<u64> = (0..8).map(|i| (32 + i) * PAGE).collect();
+        write_list(&mem, 0, &run);
+        let pages = resolve_page_list(&mem, &direct(0, 8), 8, &RULES).unwrap();
+        let in_place = mem.get_host_address(GuestAddress(32 * PAGE)).unwrap();
+        let seen = with_pages_contiguous(&mem, &pages, PAGE, |memory| {
+            memory.write(PAGE as usize + 7, b"in place").unwrap();
+            (memory.as_ptr(), memory.len())
+        })
+        .unwrap();
+        assert_eq!(seen, (in_place, 8 * PAGE as usize));
+        let mut got = [0u8; 8];
+        mem.read_slice(&mut got, GuestAddress(33 * PAGE + 7))
+            .unwrap();
+        assert_eq!(&got, b"in place");
+        // Pages out of guest-physical order, or repeated, are mapped afresh.
+        for gpas in [[5 * PAGE, 4 * PAGE], [4 * PAGE, 4 * PAGE]] {
+            write_list(&mem, 0, &gpas);
+            let pages = resolve_page_list(&mem, &direct(0, 2), 2, &RULES).unwrap();
+            let address = with_pages_contiguous(&mem, &pages, PAGE, |m| m.as_ptr()).unwrap();
+            assert_ne!(
+                address,
+                mem.get_host_address(GuestAddress(gpas[0])).unwrap()
+            );
+        }
     }
 
     #[test]

@@ -25,7 +25,7 @@ use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 use crate::datapath::wqe::{MrRange, QpRules};
 use crate::datapath::{CqData, DataPath, GuestRing, NotifyArea, QpData, SrqData};
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpCaps, QpInit, QpType};
-use crate::mtt::{self, pages_needed, GuestPagesMapping, PageListRules};
+use crate::mtt::{self, pages_needed, PageListRules};
 use crate::{limits, Config, HostDevice};
 pub use objects::Objects;
 use objects::{AhEntry, CqEntry, MrEntry, QpEntry, SrqEntry};
@@ -491,17 +491,11 @@ impl Device {
         let offset = virt_addr & (page_size - 1);
         let expected = pages_needed(offset, length, shift).ok_or(Refusal::Overflow("MR range"))?;
         let pages = mtt::resolve_page_list(mem, &req.pages, expected, &self.page_rules())?;
-        // The mapping lives only for the registration: the MR keeps the pages pinned, so the
-        // mappings a guest causes do not pile up with its MRs (SPEC.md §6).
-        let mapping = GuestPagesMapping::new(&pages, page_size)?;
-        let mr = pd.reg_mr_pinned(
-            &*mapping,
-            offset as usize,
-            length as usize,
-            virt_addr,
-            access,
-        )?;
-        drop(mapping);
+        // Any mapping made lives only for the registration: the MR keeps the pages pinned,
+        // so the mappings a guest causes do not pile up with its MRs (SPEC.md §6).
+        let mr = mtt::with_pages_contiguous(mem, &pages, page_size, |memory| {
+            pd.reg_mr_pinned(memory, offset as usize, length as usize, virt_addr, access)
+        })??;
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
         let handle = self.objects.insert_mr(MrEntry { mr, pd: pd_handle });
         let range = MrRange {
