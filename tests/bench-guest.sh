@@ -10,7 +10,8 @@ bin=$1
 lat_size=8 lat_iters=${VRDMA_BENCH_LAT_ITERS:-2000}
 bw_size=65536 bw_iters=${VRDMA_BENCH_BW_ITERS:-3000}
 gid_index=$("$bin/vhost-user-rdma" --device rxe0 --check | awk '/GID index/ {print $6; exit}')
-"$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma.sock &
+# One guest at a time holds everything: the scaling rows put 16,384 QPs in one guest.
+"$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma.sock --guests 1 &
 backend=$!
 trap 'kill $backend 2>/dev/null' EXIT
 sleep 1

@@ -50,7 +50,8 @@ cargo build --workspace --bins --examples --locked
 cc -Wall -Werror -O1 -o target/debug/rdma_check tests/c/rdma_check.c -libverbs
 
 step "integration tests with real RDMA (QEMU guest, rdma_rxe)"
-tests/vm/run.sh -- tests/guest-tests.sh "${binaries[@]}"
+# 6 GiB: the quota stress test's 64 guests hold ~3 GiB of the backend and the host provider.
+tests/vm/run.sh --mem 6144 -- tests/guest-tests.sh "${binaries[@]}"
 
 step "two hosts: vrdma guests over RoCEv2 across an emulated link (about 2 minutes)"
 tests/vm/two-hosts.sh -- tests/cross-host.sh "$PWD/target/debug" "$PWD/target/debug/rdma_check"

@@ -245,8 +245,9 @@ impl MapBudget {
         }
     }
 
-    /// The process's budget: half of `vm.max_map_count`; the other half is left to
-    /// everything else (threads, guest RAM regions, the host provider's queue buffers).
+    /// The process's budget: a quarter of `vm.max_map_count`; the rest is left to
+    /// everything else, mostly the host provider's queue buffers (two per QP, one per CQ or
+    /// SRQ: see [`Quotas`](crate::Quotas)), then threads and guest RAM regions.
     pub fn process() -> &'static MapBudget {
         static BUDGET: OnceLock<MapBudget> = OnceLock::new();
         BUDGET.get_or_init(|| {
@@ -254,7 +255,7 @@ impl MapBudget {
                 .ok()
                 .and_then(|s| s.trim().parse::<usize>().ok())
                 .unwrap_or(65_530);
-            MapBudget::new(max_map_count / 2)
+            MapBudget::new(max_map_count / 4)
         })
     }
 

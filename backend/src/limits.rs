@@ -6,7 +6,13 @@ use vrdma_spec::{Le32, Le64, SPEC_VERSION};
 
 use crate::hostverbs::DeviceAttr;
 
-/// Most objects of each kind one guest connection may hold at once.
+/// What one guest connection may hold at once: objects of each kind, and bytes of rings and of
+/// registered memory.
+///
+/// The defaults divide what one backend can give among 64 guests ([`Quotas::shared_by`]), so
+/// that 64 guests at their quotas stay within the host's limits: the host provider maps two
+/// queue buffers per QP and one per CQ or SRQ into the backend (`vm.max_map_count`, 65,530 by
+/// default, bounds them all), and its queue buffers cost a few times the guest's ring bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Quotas {
     pub max_qp: u32,
@@ -20,20 +26,51 @@ pub struct Quotas {
     /// Bytes of work and completion queue rings (all CQs, QPs and SRQs together): the host
     /// provider's queues for them cost a few times as much.
     pub max_ring_bytes: u64,
+    /// Bytes registered by all MRs together (a page registered twice counts twice): the host
+    /// pins them and keeps a page table per MR.
+    pub max_registered_bytes: u64,
+}
+
+/// What one backend gives all its guests together, divided among them by [`Quotas::shared_by`].
+const BACKEND_TOTAL: Quotas = Quotas {
+    max_qp: 16 << 10,
+    max_cq: 8 << 10,
+    max_mr: 16 << 10,
+    max_pd: 4 << 10,
+    max_ah: 16 << 10,
+    max_srq: 1 << 10,
+    max_mr_size: 64 << 30,
+    max_ring_bytes: 256 << 20,
+    max_registered_bytes: 64 << 30,
+};
+
+/// Guests the default quotas are sized for.
+pub const DEFAULT_GUESTS: u32 = 64;
+
+impl Quotas {
+    /// Each guest's share when `guests` guests share one backend (at least one of each).
+    pub fn shared_by(guests: u32) -> Quotas {
+        let guests = guests.max(1);
+        let count = |total: u32| (total / guests).max(1);
+        let bytes = |total: u64| (total / u64::from(guests)).max(1 << 20);
+        let t = BACKEND_TOTAL;
+        Quotas {
+            max_qp: count(t.max_qp),
+            max_cq: count(t.max_cq),
+            max_mr: count(t.max_mr),
+            max_pd: count(t.max_pd),
+            max_ah: count(t.max_ah),
+            max_srq: count(t.max_srq),
+            max_mr_size: bytes(t.max_mr_size),
+            max_ring_bytes: bytes(t.max_ring_bytes),
+            max_registered_bytes: bytes(t.max_registered_bytes),
+        }
+    }
 }
 
 impl Default for Quotas {
     fn default() -> Self {
-        Quotas {
-            max_qp: 16384,
-            max_cq: 16384,
-            max_mr: 16384,
-            max_pd: 1024,
-            max_ah: 4096,
-            max_srq: 1024,
-            max_mr_size: 1 << 32,
-            max_ring_bytes: 256 << 20,
-        }
+        Quotas::shared_by(DEFAULT_GUESTS)
     }
 }
 
@@ -68,7 +105,11 @@ pub fn advertised_config(
         max_qp_rd_atom: Le32::from(host.max_qp_rd_atom),
         max_qp_init_rd_atom: Le32::from(host.max_qp_init_rd_atom),
         phys_port_cnt: Le32::from(1),
-        max_mr_size: Le64::from(host.max_mr_size.min(quotas.max_mr_size)),
+        max_mr_size: Le64::from(
+            host.max_mr_size
+                .min(quotas.max_mr_size)
+                .min(quotas.max_registered_bytes),
+        ),
         page_size_cap: Le64::from(PAGE_SIZE_CAP),
         reserved: Default::default(),
     }
@@ -146,6 +187,32 @@ mod tests {
             max_inline_data: 4096,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn quotas_divide_the_backend_among_its_guests() {
+        let one = Quotas::shared_by(1);
+        let default = Quotas::default();
+        assert_eq!(default, Quotas::shared_by(DEFAULT_GUESTS));
+        assert_eq!(one.max_qp, 64 * default.max_qp);
+        assert_eq!(one.max_registered_bytes, 64 * default.max_registered_bytes);
+        // Two QP queue buffers and one per CQ and SRQ are mapped into the backend: 64 guests
+        // at their quotas leave room under the default vm.max_map_count (65,530) for the
+        // guest-page mappings' budget (a quarter) and everything else.
+        let mapped = 2 * default.max_qp + default.max_cq + default.max_srq;
+        assert!(DEFAULT_GUESTS * mapped + 65_530 / 4 < 60_000);
+        // Never less than one object or 1 MiB, however many guests.
+        let many = Quotas::shared_by(u32::MAX);
+        assert_eq!((many.max_qp, many.max_ring_bytes), (1, 1 << 20));
+        let unshared = Quotas::shared_by(0);
+        assert_eq!(unshared, one);
+        // A registration never exceeds what a guest may register in all.
+        let quotas = Quotas {
+            max_registered_bytes: 1 << 30,
+            ..default
+        };
+        let config = advertised_config(&rxe_like(), &quotas, 1);
+        assert_eq!(config.max_mr_size.to_native(), 1 << 30);
     }
 
     #[test]
@@ -232,7 +299,8 @@ mod tests {
         let config = advertised_config(&huge, &unlimited, 1);
         let (qps, srqs) = (config.max_qp.to_native(), config.max_srq.to_native());
         assert_eq!(qps + srqs, MAX_DOORBELL_BITS);
-        let config = advertised_config(&huge, &Quotas::default(), 1);
+        // The whole backend's QPs and SRQs fit one guest's doorbell bits.
+        let config = advertised_config(&huge, &Quotas::shared_by(1), 1);
         assert_eq!(
             (config.max_qp.to_native(), config.max_srq.to_native()),
             (16384, 1024)

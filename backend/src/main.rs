@@ -37,18 +37,38 @@ struct Args {
     /// guest for a kick).
     #[arg(long, default_value_t = 2000)]
     poll_idle_us: u64,
+    /// Guests the backend is sized for: each guest's quotas are the backend's totals (16,384
+    /// QPs, 8,192 CQs, 16,384 MRs, 4,096 PDs, 16,384 AHs, 1,024 SRQs, 256 MiB of rings, 64 GiB
+    /// registered) divided by this; the --max-* options override single quotas.
+    #[arg(long, default_value_t = limits::DEFAULT_GUESTS, value_parser = clap::value_parser!(u32).range(1..))]
+    guests: u32,
     /// Most QPs one guest may hold.
-    #[arg(long, default_value_t = Quotas::default().max_qp)]
-    max_qp: u32,
+    #[arg(long)]
+    max_qp: Option<u32>,
+    /// Most CQs one guest may hold.
+    #[arg(long)]
+    max_cq: Option<u32>,
     /// Most memory regions one guest may hold.
-    #[arg(long, default_value_t = Quotas::default().max_mr)]
-    max_mr: u32,
+    #[arg(long)]
+    max_mr: Option<u32>,
+    /// Most protection domains one guest may hold.
+    #[arg(long)]
+    max_pd: Option<u32>,
+    /// Most address handles one guest may hold.
+    #[arg(long)]
+    max_ah: Option<u32>,
+    /// Most shared receive queues one guest may hold.
+    #[arg(long)]
+    max_srq: Option<u32>,
     /// Largest single memory registration, in bytes.
-    #[arg(long, default_value_t = Quotas::default().max_mr_size)]
-    max_mr_size: u64,
+    #[arg(long)]
+    max_mr_size: Option<u64>,
     /// Most bytes of queue rings (CQs, QPs, SRQs together) one guest may hold.
-    #[arg(long, default_value_t = Quotas::default().max_ring_bytes)]
-    max_ring_bytes: u64,
+    #[arg(long)]
+    max_ring_bytes: Option<u64>,
+    /// Most bytes one guest may have registered (all MRs together).
+    #[arg(long)]
+    max_registered_bytes: Option<u64>,
     /// System calls outside what serving needs, once the backend listens: kill the process
     /// (with a line naming the call), log them (kernel audit log), or allow everything.
     #[arg(long, value_enum, default_value_t = SeccompMode::Kill)]
@@ -67,23 +87,36 @@ struct Args {
 impl From<Args> for Config {
     // `socket_path` and `check` say where and whether to serve; they are not device config.
     fn from(args: Args) -> Config {
+        let quotas = quotas(&args);
         Config {
             device: args.device,
             port: args.port,
             gid_index: args.gid_index,
             guest_ip: args.guest_ip,
-            quotas: Quotas {
-                max_qp: args.max_qp,
-                max_mr: args.max_mr,
-                max_mr_size: args.max_mr_size,
-                max_ring_bytes: args.max_ring_bytes,
-                ..Quotas::default()
-            },
+            quotas,
             notify_queues: args.notify_queues,
             pollers: args.pollers as usize,
             poll_idle: std::time::Duration::from_micros(args.poll_idle_us),
             seccomp: args.seccomp,
         }
+    }
+}
+
+/// The per-guest share for --guests, with any --max-* option in its place.
+fn quotas(args: &Args) -> Quotas {
+    let share = Quotas::shared_by(args.guests);
+    Quotas {
+        max_qp: args.max_qp.unwrap_or(share.max_qp),
+        max_cq: args.max_cq.unwrap_or(share.max_cq),
+        max_mr: args.max_mr.unwrap_or(share.max_mr),
+        max_pd: args.max_pd.unwrap_or(share.max_pd),
+        max_ah: args.max_ah.unwrap_or(share.max_ah),
+        max_srq: args.max_srq.unwrap_or(share.max_srq),
+        max_mr_size: args.max_mr_size.unwrap_or(share.max_mr_size),
+        max_ring_bytes: args.max_ring_bytes.unwrap_or(share.max_ring_bytes),
+        max_registered_bytes: args
+            .max_registered_bytes
+            .unwrap_or(share.max_registered_bytes),
     }
 }
 

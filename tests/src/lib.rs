@@ -232,7 +232,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
 }
 
 /// The backend binary, `vhost-user-rdma`, as a process of its own on the test device,
-/// listening on `socket` once this returns; `args` are added to its command line and its log
+/// accepting guests on `socket` once this returns; `args` are added to its command line and its log
 /// (RUST_LOG=info) goes to [`backend_log`]`(socket)`. The test may signal or kill it.
 pub fn spawn_backend_process(socket: &std::path::Path, args: &[&str]) -> std::process::Child {
     let binary = backend_binary();
@@ -247,8 +247,12 @@ pub fn spawn_backend_process(socket: &std::path::Path, args: &[&str]) -> std::pr
         .stderr(log)
         .spawn()
         .expect("start the backend");
+    // Ready once it says so: the socket exists before the device is opened.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() {
+    let accepting = || {
+        std::fs::read_to_string(backend_log(socket)).is_ok_and(|l| l.contains("accepting guests"))
+    };
+    while !accepting() {
         if let Some(status) = backend.try_wait().expect("poll the backend") {
             panic!(
                 "the backend exited ({status}) before listening:\n{}",
@@ -301,7 +305,15 @@ pub fn host_resource_counts() -> std::collections::BTreeMap<String, u64> {
 /// Waits until the host's resource counts equal `baseline` (object teardown is asynchronous
 /// to the guest); panics with both when they do not within the timeout.
 pub fn wait_for_host_counts(baseline: &std::collections::BTreeMap<String, u64>) {
-    let deadline = Instant::now() + Duration::from_secs(20);
+    wait_for_host_counts_within(baseline, Duration::from_secs(20))
+}
+
+/// [`wait_for_host_counts`] with a timeout of its own, for teardowns of many objects.
+pub fn wait_for_host_counts_within(
+    baseline: &std::collections::BTreeMap<String, u64>,
+    timeout: Duration,
+) {
+    let deadline = Instant::now() + timeout;
     loop {
         let now = host_resource_counts();
         if &now == baseline {

@@ -51,6 +51,25 @@ pub struct Device {
     refusals: RefusalLog,
 }
 
+/// Whether `bytes` more of `kind` fit a quota of `quota` bytes with `used` in use.
+fn check_byte_quota(
+    kind: &'static str,
+    bytes: u64,
+    used: u64,
+    quota: u64,
+) -> Result<(), CommandError> {
+    if used.saturating_add(bytes) > quota {
+        return Err(Refusal::ByteQuota {
+            kind,
+            bytes,
+            quota,
+            used,
+        }
+        .into());
+    }
+    Ok(())
+}
+
 fn reply<T: ByteValued>(value: T) -> CommandResult {
     Ok(value.as_slice().to_vec())
 }
@@ -407,16 +426,12 @@ impl Device {
 
     /// Whether `bytes` more of rings fit the guest's ring quota.
     fn check_ring_quota(&self, bytes: u64) -> Result<(), CommandError> {
-        let quota = self.quotas.max_ring_bytes;
-        if self.objects.ring_bytes.saturating_add(bytes) > quota {
-            return Err(Refusal::RingQuota {
-                bytes,
-                quota,
-                used: self.objects.ring_bytes,
-            }
-            .into());
-        }
-        Ok(())
+        check_byte_quota(
+            "rings",
+            bytes,
+            self.objects.ring_bytes,
+            self.quotas.max_ring_bytes,
+        )
     }
 
     fn create_cq<M: GuestMemoryBackend>(&mut self, mem: &M, req: CreateCqRequest) -> CommandResult {
@@ -489,6 +504,12 @@ impl Device {
         }
         let page_size = 1u64 << shift;
         let offset = virt_addr & (page_size - 1);
+        check_byte_quota(
+            "registered memory",
+            length,
+            self.objects.registered_bytes,
+            self.quotas.max_registered_bytes,
+        )?;
         let expected = pages_needed(offset, length, shift).ok_or(Refusal::Overflow("MR range"))?;
         let pages = mtt::resolve_page_list(mem, &req.pages, expected, &self.page_rules())?;
         // Any mapping made lives only for the registration: the MR keeps the pages pinned,
@@ -497,7 +518,11 @@ impl Device {
             pd.reg_mr_pinned(memory, offset as usize, length as usize, virt_addr, access)
         })??;
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
-        let handle = self.objects.insert_mr(MrEntry { mr, pd: pd_handle });
+        let handle = self.objects.insert_mr(MrEntry {
+            mr,
+            pd: pd_handle,
+            len: length,
+        });
         let range = MrRange {
             pd: pd_handle,
             start: virt_addr,

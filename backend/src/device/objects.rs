@@ -29,6 +29,8 @@ pub struct CqEntry {
 pub struct MrEntry {
     pub mr: MemoryRegion,
     pub pd: Handle,
+    /// Bytes registered (the registered-memory quota's measure).
+    pub len: u64,
 }
 
 pub struct QpEntry {
@@ -59,6 +61,8 @@ pub struct Objects {
     last_handle: Handle,
     /// Bytes of the guest rings of all CQs, QPs and SRQs (the ring quota's measure).
     pub ring_bytes: u64,
+    /// Bytes registered by all MRs (the registered-memory quota's measure).
+    pub registered_bytes: u64,
     // Field order is drop order: children before the objects they use.
     pub qps: HashMap<Handle, QpEntry>,
     pub ahs: HashMap<Handle, AhEntry>,
@@ -201,6 +205,7 @@ impl Objects {
 
     pub fn insert_mr(&mut self, entry: MrEntry) -> Handle {
         self.use_pd(entry.pd, 1);
+        self.registered_bytes += entry.len;
         let h = self.new_handle();
         self.mrs.insert(h, entry);
         h
@@ -209,6 +214,7 @@ impl Objects {
     pub fn remove_mr(&mut self, h: Handle) -> Result<MrEntry, CommandError> {
         let entry = self.mrs.remove(&h).ok_or_else(|| bad_handle("MR", h))?;
         self.use_pd(entry.pd, -1);
+        self.registered_bytes -= entry.len;
         Ok(entry)
     }
 

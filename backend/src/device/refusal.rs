@@ -135,8 +135,13 @@ pub enum Refusal {
     // Quotas.
     #[error("{kind} quota of {max} reached")]
     Quota { kind: &'static str, max: u32 },
-    #[error("{bytes} more bytes of rings exceed the quota of {quota} ({used} in use)")]
-    RingQuota { bytes: u64, quota: u64, used: u64 },
+    #[error("{bytes} more bytes of {kind} exceed the quota of {quota} ({used} in use)")]
+    ByteQuota {
+        kind: &'static str,
+        bytes: u64,
+        quota: u64,
+        used: u64,
+    },
     #[error("no doorbell bit is left for the notification queue")]
     NoDoorbellBit,
 }
@@ -161,7 +166,7 @@ impl Refusal {
             Pages(e) => e.status(),
             BadHandle { .. } => Status::BadHandle,
             Busy { .. } => Status::Busy,
-            Quota { .. } | RingQuota { .. } | NoDoorbellBit => Status::NoResources,
+            Quota { .. } | ByteQuota { .. } | NoDoorbellBit => Status::NoResources,
             NotifyAreaSet
             | UnknownBits { .. }
             | Reserved
@@ -213,7 +218,8 @@ impl Refusal {
             }
             Refusal::BadHandle { kind, .. }
             | Refusal::Busy { kind, .. }
-            | Refusal::Quota { kind, .. } => format!("{variant}({kind})"),
+            | Refusal::Quota { kind, .. }
+            | Refusal::ByteQuota { kind, .. } => format!("{variant}({kind})"),
             Refusal::Pages(e) => {
                 let inner = format!("{e:?}");
                 let inner = inner.split(|c: char| !c.is_alphanumeric()).next();

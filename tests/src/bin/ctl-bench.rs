@@ -33,7 +33,7 @@ fn main() {
     };
     // 64 guests in this process need more descriptors than the default soft limit.
     vrdma_backend::hostverbs::raise_open_file_limit().expect("raise the open file limit");
-    let rss = || backend_rss_kib(pid);
+    let memory = || Resident::of(pid);
     let per = |d: Duration, n: u32| d.as_secs_f64() * 1e6 / f64::from(n);
     let scale_qps = size_from_env("VRDMA_BENCH_QPS", 16_384) as u32;
     let scale_guests = size_from_env("VRDMA_BENCH_GUESTS", 64) as usize;
@@ -76,7 +76,7 @@ fn main() {
     let device = Device::attach(socket).expect("attach");
     let pd = device.alloc_pd().unwrap();
     let cq = device.create_cq(64).unwrap();
-    let before = rss();
+    let before = memory();
     let start = Instant::now();
     let qps: Vec<QueuePair> = (0..scale_qps)
         .map(|i| {
@@ -88,13 +88,13 @@ fn main() {
         })
         .collect();
     let created = start.elapsed();
-    let qp_memory = (rss() - before) as f64 / f64::from(scale_qps);
+    let qp_memory = memory().per_object_since(&before, scale_qps);
     let start = Instant::now();
     drop(qps);
     let destroyed = start.elapsed();
 
     // 64 concurrent guests, each on its own connection.
-    let before = rss();
+    let before = memory();
     let start = Instant::now();
     let small = DirectOptions {
         region_size: 4 << 20,
@@ -106,7 +106,9 @@ fn main() {
     let attached = start.elapsed();
     // Connections are served after the attach returns; give the backend a moment to settle.
     std::thread::sleep(Duration::from_millis(500));
-    let guest_memory = (rss() - before) as f64 / scale_guests as f64;
+    let guest_memory = memory()
+        .per_object_since(&before, scale_guests as u32)
+        .total;
     for guest in &guests {
         guest.query_device().expect("every guest is served");
     }
@@ -123,7 +125,18 @@ fn main() {
         "| {scale_qps} QPs in one guest: DESTROY_QP | {:.1} us per QP |",
         per(destroyed, scale_qps)
     );
-    println!("| backend memory per QP | {qp_memory:.1} KiB |");
+    println!(
+        "| backend's own memory per QP (heap, RssAnon) | {:.2} KiB |",
+        qp_memory.anon
+    );
+    println!(
+        "| host provider's queue buffers per QP (RssFile; native pays them too) | {:.1} KiB |",
+        qp_memory.file
+    );
+    println!(
+        "| guest ring pages per QP mapped in the backend (RssShmem; the guest's memory) | {:.1} KiB |",
+        qp_memory.shmem
+    );
     println!(
         "| {scale_guests} concurrent guests: attach | {:.1} ms per guest |",
         attached.as_secs_f64() * 1e3 / scale_guests as f64
@@ -131,14 +144,44 @@ fn main() {
     println!("| backend memory per guest connection | {guest_memory:.0} KiB |");
 }
 
-/// Resident memory of the backend, in KiB.
-fn backend_rss_kib(pid: &str) -> i64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("backend status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .expect("VmRSS")
+/// Resident memory of the backend by kind, in KiB.
+#[derive(Clone, Copy, Debug, Default)]
+struct Resident {
+    total: f64,
+    anon: f64,
+    file: f64,
+    shmem: f64,
+}
+
+impl Resident {
+    fn of(pid: &str) -> Resident {
+        let status =
+            std::fs::read_to_string(format!("/proc/{pid}/status")).expect("backend status");
+        let field = |name: &str| -> f64 {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+        };
+        Resident {
+            total: field("VmRSS"),
+            anon: field("RssAnon"),
+            file: field("RssFile"),
+            shmem: field("RssShmem"),
+        }
+    }
+
+    /// The growth since `before`, per each of `count` objects.
+    fn per_object_since(&self, before: &Resident, count: u32) -> Resident {
+        let n = f64::from(count);
+        Resident {
+            total: (self.total - before.total) / n,
+            anon: (self.anon - before.anon) / n,
+            file: (self.file - before.file) / n,
+            shmem: (self.shmem - before.shmem) / n,
+        }
+    }
 }
 
 /// Native: QP create -> RTS; reg_mr, dereg and reg_mr again of `mr_bytes` through host verbs.
