@@ -20,6 +20,7 @@ pub mod wqe;
 pub use queues::{CqData, GuestRing, QpData, SrqData};
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -112,6 +113,28 @@ pub struct NotifyArea {
     pub doorbell_bitmap: u64,
 }
 
+/// Hashes the host's MR keys for the lookup every SGE makes: one multiply instead of SipHash.
+/// The host chooses the keys and a guest holds a bounded number of them, so there is nothing
+/// for a guest to flood.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u32(b.into());
+        }
+    }
+    fn write_u32(&mut self, key: u32) {
+        // The table indexes by the low bits: fold the well-mixed high half into them.
+        let mixed = (self.0 ^ u64::from(key)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = mixed ^ (mixed >> 32);
+    }
+}
+
 struct Shard {
     objects: Mutex<ShardObjects>,
     wake: EventFd,
@@ -132,7 +155,7 @@ pub struct Stats {
 
 struct Shared {
     mem: RwLock<Option<GuestMemoryAtomic<Memory>>>,
-    mrs: RwLock<HashMap<u32, MrRange>>,
+    mrs: RwLock<HashMap<u32, MrRange, BuildHasherDefault<KeyHasher>>>,
     ahs: RwLock<HashMap<u32, (u32, Arc<AddressHandle>)>>,
     shards: Vec<Shard>,
     num_notify_queues: u32,

@@ -1,6 +1,7 @@
 //! Queue pairs, address handles and posting work requests.
 
 use std::io;
+use std::mem::MaybeUninit;
 use std::os::raw::c_int;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -429,15 +430,22 @@ impl QueuePair {
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
         let mut posted = 0;
         for chunk in wrs.chunks(POST_BATCH) {
-            // SAFETY: all-zero is a valid ibv_send_wr / ibv_sge (integers, null pointers,
-            // unions of those).
-            let mut raw: [ibv_send_wr; POST_BATCH] = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
-            let mut inline_sges: [ibv_sge; POST_BATCH] = unsafe { std::mem::zeroed() };
+            // Only the entries a chunk uses are initialised (a full batch is 2 KiB to zero).
+            let mut raw = [const { MaybeUninit::<ibv_send_wr>::uninit() }; POST_BATCH];
+            let mut inline_sges = [const { MaybeUninit::<ibv_sge>::uninit() }; POST_BATCH];
             for (i, wr) in chunk.iter().enumerate() {
-                self.fill_send_wr(wr, &mut raw[i], &mut inline_sges[i])?;
+                // SAFETY: all-zero is a valid ibv_send_wr / ibv_sge (integers, null pointers,
+                // unions of those).
+                let (raw, inline_sge) = unsafe {
+                    (
+                        raw[i].write(std::mem::zeroed()),
+                        inline_sges[i].write(std::mem::zeroed()),
+                    )
+                };
+                self.fill_send_wr(wr, raw, inline_sge)?;
             }
-            let base = raw.as_mut_ptr();
+            // The chain below covers exactly the initialised entries.
+            let base = raw.as_mut_ptr().cast::<ibv_send_wr>();
             for i in 1..chunk.len() {
                 // SAFETY: both indexes are inside the array.
                 unsafe { (*base.add(i - 1)).next = base.add(i) };
@@ -576,15 +584,18 @@ fn post_recv_chains(
 ) -> Result<()> {
     let mut posted = 0;
     for chunk in wrs.chunks(POST_BATCH) {
-        // SAFETY: all-zero is a valid ibv_recv_wr (integers and null pointers).
-        let mut raw: [ibv_recv_wr; POST_BATCH] = unsafe { std::mem::zeroed() };
+        // Only the entries a chunk uses are initialised.
+        let mut raw = [const { MaybeUninit::<ibv_recv_wr>::uninit() }; POST_BATCH];
         for (i, wr) in chunk.iter().enumerate() {
-            raw[i].wr_id = wr.wr_id;
-            raw[i].sg_list = wr.sges.as_ptr() as *mut ibv_sge;
-            raw[i].num_sge = c_int::try_from(wr.sges.len())
+            // SAFETY: all-zero is a valid ibv_recv_wr (integers and null pointers).
+            let raw = unsafe { raw[i].write(std::mem::zeroed()) };
+            raw.wr_id = wr.wr_id;
+            raw.sg_list = wr.sges.as_ptr() as *mut ibv_sge;
+            raw.num_sge = c_int::try_from(wr.sges.len())
                 .map_err(|_| Error::InvalidArgument("too many SGEs".into()))?;
         }
-        let base = raw.as_mut_ptr();
+        // The chain below covers exactly the initialised entries.
+        let base = raw.as_mut_ptr().cast::<ibv_recv_wr>();
         for i in 1..chunk.len() {
             // SAFETY: both indexes are inside the array.
             unsafe { (*base.add(i - 1)).next = base.add(i) };

@@ -72,6 +72,10 @@ fn main() {
         vrdma_again.as_secs_f64() * 1e3,
     );
 
+    // What the host provider's library allocates per QP in the process that creates it:
+    // the backend pays it as native does.
+    let provider_heap = native_heap_per_qp(scale_qps);
+
     // 16,384 QPs in one guest.
     let device = Device::attach(socket).expect("attach");
     let pd = device.alloc_pd().unwrap();
@@ -126,8 +130,15 @@ fn main() {
         per(destroyed, scale_qps)
     );
     println!(
-        "| backend's own memory per QP (heap, RssAnon) | {:.2} KiB |",
+        "| backend heap per QP (RssAnon) | {:.2} KiB |",
         qp_memory.anon
+    );
+    println!(
+        "| host provider's heap per QP (RssAnon of {scale_qps} QPs created natively) | {provider_heap:.2} KiB |"
+    );
+    println!(
+        "| backend's own memory per QP (its heap less the provider's) | {:.2} KiB |",
+        qp_memory.anon - provider_heap
     );
     println!(
         "| host provider's queue buffers per QP (RssFile; native pays them too) | {:.1} KiB |",
@@ -190,18 +201,7 @@ fn native_control_path(mr_bytes: u64) -> (Duration, [Duration; 3]) {
     let (gid_index, gid) = context.find_roce_v2_ipv4_gid(PORT).unwrap();
     let pd = context.alloc_pd().unwrap();
     let cq = context.create_cq(64, None).unwrap();
-    let init = QpInit {
-        qp_type: QpType::Rc,
-        caps: QpCaps {
-            max_send_wr: 1,
-            max_recv_wr: 1,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        srq: None,
-        sq_sig_all: false,
-    };
+    let init = smallest_rc_qp();
     let start = Instant::now();
     let endpoints: Vec<RcEndpoint> = (0..QPS_TIMED)
         .map(|_| {
@@ -235,6 +235,42 @@ fn native_control_path(mr_bytes: u64) -> (Duration, [Duration; 3]) {
     let (reg, dereg) = timed_reg_dereg();
     let (again, _) = timed_reg_dereg();
     (qps, [reg, dereg, again])
+}
+
+/// An RC QP of one WR and one SGE each way, as the scaling guests create.
+fn smallest_rc_qp() -> QpInit<'static> {
+    QpInit {
+        qp_type: QpType::Rc,
+        caps: QpCaps {
+            max_send_wr: 1,
+            max_recv_wr: 1,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        srq: None,
+        sq_sig_all: false,
+    }
+}
+
+/// The growth of this process's heap (RssAnon, KiB) per QP when it creates `count` QPs
+/// through the host verbs layer, as the backend does: the host provider's share.
+fn native_heap_per_qp(count: u32) -> f64 {
+    let context = open_test_device();
+    let pd = context.alloc_pd().unwrap();
+    let cq = context.create_cq(64, None).unwrap();
+    let init = smallest_rc_qp();
+    let pid = std::process::id().to_string();
+    let before = Resident::of(&pid);
+    let qps: Vec<_> = (0..count)
+        .map(|i| {
+            pd.create_qp(&cq, &cq, &init)
+                .unwrap_or_else(|e| panic!("native QP {i}: {e}"))
+        })
+        .collect();
+    let heap = Resident::of(&pid).per_object_since(&before, count).anon;
+    drop(qps);
+    heap
 }
 
 /// vrdma: the same through guest-lib and the backend.
