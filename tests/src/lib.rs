@@ -327,6 +327,18 @@ pub fn wait_for_host_counts_within(
     }
 }
 
+/// A global route to `gid` from source GID index `sgid_index` on port 1, one hop.
+pub fn route_to(sgid_index: u32, gid: vrdma_guest::Gid) -> vrdma_guest::AhAttr {
+    vrdma_guest::AhAttr {
+        dgid: gid,
+        sgid_index: sgid_index as u8,
+        hop_limit: 1,
+        is_global: true,
+        port_num: 1,
+        ..Default::default()
+    }
+}
+
 /// Walks a guest-lib RC QP to RTS towards `remote_qpn` at `remote_gid` (both sides use PSN
 /// 0x1234, as [`RcEndpoint::connect`] does).
 pub fn connect_guest_qp(

@@ -15,8 +15,8 @@ use vrdma_guest::{
 };
 use vrdma_tests::{
     connect_guest_qp, control_request, host_gid_index, host_resource_counts, open_test_device,
-    response_status, start_backend, wait_for_completions, wait_for_host_counts, RcEndpoint,
-    FULL_ACCESS,
+    response_status, route_to, start_backend, wait_for_completions, wait_for_host_counts,
+    RcEndpoint, FULL_ACCESS,
 };
 
 const GUEST_ENDPOINT: &str = env!("CARGO_BIN_EXE_guest-endpoint");
@@ -379,14 +379,7 @@ fn ud_qps_and_address_handles() {
         assert_eq!((attr.qp_state, attr.qkey), (qp_state::RTS, 0x1111));
 
         let (gid_index, gid) = device.gid().unwrap();
-        let route = AhAttr {
-            dgid: gid,
-            sgid_index: gid_index as u8,
-            hop_limit: 1,
-            is_global: true,
-            port_num: 1,
-            ..Default::default()
-        };
+        let route = route_to(gid_index, gid);
         let ah = pd.create_ah(&route).expect("create AH");
         assert_ne!(ah.handle(), 0);
         // A guest may only source traffic from the GID assigned to it.

@@ -54,7 +54,8 @@ impl HostQueuePair for FakeQp {
         QP_NUM
     }
 
-    fn post_send(&self, wrs: &[SendWr<'_>]) -> hostverbs::Result<()> {
+    fn post_send<'a>(&self, wrs: &mut dyn Iterator<Item = SendWr<'a>>) -> hostverbs::Result<()> {
+        let wrs: Vec<SendWr<'a>> = wrs.collect();
         let room = self.room.load(Ordering::Relaxed);
         let taken = wrs.len().min(room);
         self.room.fetch_sub(taken, Ordering::Relaxed);

@@ -10,7 +10,7 @@ use crate::hostverbs::{
 pub trait HostQueuePair: Send + Sync {
     fn qp_num(&self) -> u32;
     /// Posts in order; on a partial post, `Error::Post` says how many were taken.
-    fn post_send(&self, wrs: &[SendWr<'_>]) -> hostverbs::Result<()>;
+    fn post_send<'a>(&self, wrs: &mut dyn Iterator<Item = SendWr<'a>>) -> hostverbs::Result<()>;
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> hostverbs::Result<()>;
     /// Moves the QP to the error state: the host flushes what is outstanding.
     fn set_error(&self) -> hostverbs::Result<()>;
@@ -35,8 +35,8 @@ impl HostQueuePair for QueuePair {
         QueuePair::qp_num(self)
     }
 
-    fn post_send(&self, wrs: &[SendWr<'_>]) -> hostverbs::Result<()> {
-        QueuePair::post_send(self, wrs)
+    fn post_send<'a>(&self, wrs: &mut dyn Iterator<Item = SendWr<'a>>) -> hostverbs::Result<()> {
+        QueuePair::post_sends(self, wrs)
     }
 
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> hostverbs::Result<()> {

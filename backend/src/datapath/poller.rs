@@ -405,9 +405,8 @@ impl Poller {
         if self.requests.is_empty() {
             return 0;
         }
-        let mut wrs = Vec::with_capacity(self.requests.len());
         let (mut sge_at, mut inline_at, mut ah_at) = (0, 0, 0);
-        for request in &self.requests {
+        let mut wrs = self.requests.iter().map(|request| {
             let payload = match request.inline_len {
                 Some(len) => {
                     inline_at += len;
@@ -426,7 +425,7 @@ impl Poller {
                     remote_qkey,
                 }
             });
-            wrs.push(SendWr {
+            SendWr {
                 wr_id: request.wr_id,
                 op: request.op,
                 payload,
@@ -434,10 +433,10 @@ impl Poller {
                 solicited: request.solicited,
                 fence: request.fence,
                 ud,
-            });
-        }
-        match qp.qp.post_send(&wrs) {
-            Ok(()) => wrs.len(),
+            }
+        });
+        match qp.qp.post_send(&mut wrs) {
+            Ok(()) => self.requests.len(),
             Err(hostverbs::Error::Post { posted, source, .. }) => {
                 if source.raw_os_error() != Some(libc::ENOMEM) {
                     log::warn!("QP {:#x}: host refused a send: {source}", qp.handle);

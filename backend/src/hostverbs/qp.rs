@@ -428,32 +428,43 @@ impl QueuePair {
     /// Posts `wrs` in order, chained in batches. On failure the error says how many were
     /// posted before the one the provider refused.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        self.post_sends(&mut wrs.iter().copied())
+    }
+
+    /// As [`post_send`](Self::post_send), taking the requests as they are made, so that a
+    /// caller builds none in memory of its own.
+    pub fn post_sends<'a>(&self, wrs: &mut dyn Iterator<Item = SendWr<'a>>) -> Result<()> {
         let mut posted = 0;
-        for chunk in wrs.chunks(POST_BATCH) {
+        loop {
             // Only the entries a chunk uses are initialised (a full batch is 2 KiB to zero).
             let mut raw = [const { MaybeUninit::<ibv_send_wr>::uninit() }; POST_BATCH];
             let mut inline_sges = [const { MaybeUninit::<ibv_sge>::uninit() }; POST_BATCH];
-            for (i, wr) in chunk.iter().enumerate() {
+            let mut len = 0;
+            for wr in (&mut *wrs).take(POST_BATCH) {
                 // SAFETY: all-zero is a valid ibv_send_wr / ibv_sge (integers, null pointers,
                 // unions of those).
                 let (raw, inline_sge) = unsafe {
                     (
-                        raw[i].write(std::mem::zeroed()),
-                        inline_sges[i].write(std::mem::zeroed()),
+                        raw[len].write(std::mem::zeroed()),
+                        inline_sges[len].write(std::mem::zeroed()),
                     )
                 };
-                self.fill_send_wr(wr, raw, inline_sge)?;
+                self.fill_send_wr(&wr, raw, inline_sge)?;
+                len += 1;
+            }
+            if len == 0 {
+                return Ok(());
             }
             // The chain below covers exactly the initialised entries.
             let base = raw.as_mut_ptr().cast::<ibv_send_wr>();
-            for i in 1..chunk.len() {
-                // SAFETY: both indexes are inside the array.
+            for i in 1..len {
+                // SAFETY: both indexes are inside the initialised part of the array.
                 unsafe { (*base.add(i - 1)).next = base.add(i) };
             }
             let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-            // SAFETY: the QP is alive; the chain and every SGE list it points to (caller
-            // slices, `inline_sges`) live until the call returns; the provider copies what it
-            // keeps, and reads inline data during the call.
+            // SAFETY: the QP is alive; the chain and every SGE list it points to (the
+            // requests' slices, `inline_sges`) live until the call returns; the provider
+            // copies what it keeps, and reads inline data during the call.
             let ret = unsafe { ibv_post_send(self.raw.as_ptr(), base, &mut bad) };
             if ret != 0 {
                 let accepted = if bad.is_null() {
@@ -464,9 +475,11 @@ impl QueuePair {
                 };
                 return Err(post_error("ibv_post_send", posted + accepted, ret));
             }
-            posted += chunk.len();
+            posted += len;
+            if len < POST_BATCH {
+                return Ok(());
+            }
         }
-        Ok(())
     }
 
     fn fill_send_wr(

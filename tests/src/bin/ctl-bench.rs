@@ -222,19 +222,26 @@ fn native_control_path(mr_bytes: u64) -> (Duration, [Duration; 3]) {
         memory.write(page, &[1]).unwrap(); // fault it in, as guest RAM already is
     }
     let memory = memory as Arc<dyn PinnedMemory>;
-    let timed_reg_dereg = || {
-        let start = Instant::now();
-        let mr = pd
-            .reg_mr(Arc::clone(&memory), 0x10_0000_0000, FULL_ACCESS)
-            .unwrap();
-        let reg = start.elapsed();
-        let start = Instant::now();
-        drop(mr);
-        (reg, start.elapsed())
-    };
-    let (reg, dereg) = timed_reg_dereg();
-    let (again, _) = timed_reg_dereg();
-    (qps, [reg, dereg, again])
+    let times = reg_dereg_reg(|| {
+        pd.reg_mr(Arc::clone(&memory), 0x10_0000_0000, FULL_ACCESS)
+            .unwrap()
+    });
+    (qps, times)
+}
+
+/// Times `register`, dropping what it registered (deregistration), and `register` again.
+fn reg_dereg_reg<T>(register: impl Fn() -> T) -> [Duration; 3] {
+    let start = Instant::now();
+    let mr = register();
+    let reg = start.elapsed();
+    let start = Instant::now();
+    drop(mr);
+    let dereg = start.elapsed();
+    let start = Instant::now();
+    let mr = register();
+    let again = start.elapsed();
+    drop(mr);
+    [reg, dereg, again]
 }
 
 /// An RC QP of one WR and one SGE each way, as the scaling guests create.
@@ -297,20 +304,6 @@ fn vrdma_control_path(socket: &str, mr_bytes: u64) -> (Duration, [Duration; 3]) 
     for page in (0..mr_bytes).step_by(4096) {
         buffer.write(page, &[1]).unwrap(); // fault it in, as guest RAM already is
     }
-    let timed_reg_dereg = || {
-        let start = Instant::now();
-        let mr = pd
-            .reg_mr(
-                &buffer,
-                access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ,
-            )
-            .unwrap();
-        let reg = start.elapsed();
-        let start = Instant::now();
-        drop(mr);
-        (reg, start.elapsed())
-    };
-    let (reg, dereg) = timed_reg_dereg();
-    let (again, _) = timed_reg_dereg();
-    (qps_time, [reg, dereg, again])
+    let all = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+    (qps_time, reg_dereg_reg(|| pd.reg_mr(&buffer, all).unwrap()))
 }

@@ -13,11 +13,10 @@ use std::io::BufRead;
 
 use vrdma_backend::Quotas;
 use vrdma_guest::{
-    access, AddressHandle, AhAttr, CompletionQueue, Device, Error, MemoryRegion, Payload,
-    ProtectionDomain, QpType, QueuePair, SendOp, SendWr, Sge, SharedBuffer, SharedReceiveQueue,
-    Status,
+    access, AddressHandle, CompletionQueue, Device, Error, MemoryRegion, Payload, ProtectionDomain,
+    QpType, QueuePair, SendOp, SendWr, Sge, SharedBuffer, SharedReceiveQueue, Status,
 };
-use vrdma_tests::{connect_guest_qp, wait_for_guest_completions};
+use vrdma_tests::{connect_guest_qp, route_to, wait_for_guest_completions};
 
 /// Each MR covers this much of one buffer, so that the MR count and registered-bytes quotas
 /// fill together (256 MRs of 4 MiB are 1 GiB).
@@ -87,14 +86,7 @@ fn guest_at_its_quotas(socket: &std::path::Path, quotas: &Quotas) -> Guest {
     assert_eq!(qps.len() as u32, quotas.max_qp);
     let srqs = fill("SRQs", || pd.create_srq(2, 1));
     assert_eq!(srqs.len() as u32, quotas.max_srq);
-    let route = AhAttr {
-        dgid: gid,
-        sgid_index: gid_index as u8,
-        hop_limit: 1,
-        is_global: true,
-        port_num: 1,
-        ..Default::default()
-    };
+    let route = route_to(gid_index, gid);
     let ahs = fill("AHs", || pd.create_ah(&route));
     assert_eq!(ahs.len() as u32, quotas.max_ah);
 
