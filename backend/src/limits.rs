@@ -12,7 +12,8 @@ use crate::hostverbs::DeviceAttr;
 /// The defaults divide what one backend can give among 64 guests ([`Quotas::shared_by`]), so
 /// that 64 guests at their quotas stay within the host's limits: the host provider maps two
 /// queue buffers per QP and one per CQ or SRQ into the backend (`vm.max_map_count`, 65,530 by
-/// default, bounds them all), and its queue buffers cost a few times the guest's ring bytes.
+/// default, bounds them all), and its queue buffers cost up to ten times the guest's ring
+/// bytes on rxe (README: Quotas).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Quotas {
     pub max_qp: u32,
@@ -24,7 +25,7 @@ pub struct Quotas {
     /// Largest single memory registration, in bytes.
     pub max_mr_size: u64,
     /// Bytes of work and completion queue rings (all CQs, QPs and SRQs together): the host
-    /// provider's queues for them cost a few times as much.
+    /// provider's queues for them cost several times as much.
     pub max_ring_bytes: u64,
     /// Bytes registered by all MRs together (a page registered twice counts twice): the host
     /// pins them and keeps a page table per MR.
