@@ -70,6 +70,53 @@ impl FreeList {
     }
 }
 
+/// A region's allocator. The page list hands out whole pages only; buffers smaller than a page
+/// and aligned to less than one (doorbell records) are carved from pages set aside for them.
+/// So no fragment lies between whole pages, and a page-aligned allocation finds room at the
+/// front of the page list instead of scanning one fragment per earlier small buffer.
+#[derive(Debug)]
+struct Heap {
+    pages: FreeList,
+    small: FreeList,
+}
+
+impl Heap {
+    fn new(size: u64) -> Self {
+        Heap {
+            pages: FreeList::new(size),
+            small: FreeList { free: Vec::new() },
+        }
+    }
+
+    fn is_small(len: u64, align: u64) -> bool {
+        len < PAGE_SIZE && align < PAGE_SIZE
+    }
+
+    fn alloc(&mut self, len: u64, align: u64) -> Option<u64> {
+        if !Self::is_small(len, align) {
+            return self.pages.alloc(
+                len.checked_next_multiple_of(PAGE_SIZE)?,
+                align.max(PAGE_SIZE),
+            );
+        }
+        if let Some(offset) = self.small.alloc(len, align) {
+            return Some(offset);
+        }
+        // Small buffers keep the pages they were given: they are few, and reused.
+        let page = self.pages.alloc(PAGE_SIZE, PAGE_SIZE)?;
+        self.small.release(page, PAGE_SIZE);
+        self.small.alloc(len, align)
+    }
+
+    fn release(&mut self, offset: u64, len: u64, align: u64) {
+        if Self::is_small(len, align) {
+            self.small.release(offset, len);
+        } else {
+            self.pages.release(offset, len.next_multiple_of(PAGE_SIZE));
+        }
+    }
+}
+
 /// How the device addresses a region's memory.
 #[derive(Debug)]
 enum DeviceAddressing {
@@ -89,7 +136,7 @@ pub struct Region {
     len: u64,
     page_size: u64,
     addressing: DeviceAddressing,
-    free: Mutex<FreeList>,
+    heap: Mutex<Heap>,
     /// Whether dropping the region unmaps it (guest-lib's own) or only unlocks it (the
     /// program's).
     owned: bool,
@@ -212,7 +259,7 @@ impl Region {
             len,
             page_size: PAGE_SIZE,
             addressing,
-            free: Mutex::new(FreeList { free: Vec::new() }),
+            heap: Mutex::new(Heap::new(0)),
             owned: false,
         }
     }
@@ -252,7 +299,7 @@ impl Region {
             len,
             page_size,
             addressing: DeviceAddressing::SameAsProcess,
-            free: Mutex::new(FreeList::new(len)),
+            heap: Mutex::new(Heap::new(len)),
             owned: true,
         })
     }
@@ -309,7 +356,7 @@ impl Region {
     pub fn alloc(self: &Arc<Self>, len: u64, align: u64) -> Option<SharedBuffer> {
         let len = len.max(1).next_multiple_of(8);
         let offset = self
-            .free
+            .heap
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .alloc(len, align)?;
@@ -317,6 +364,7 @@ impl Region {
             region: Arc::clone(self),
             offset,
             len,
+            align,
         };
         buffer.zero();
         Some(buffer)
@@ -375,6 +423,8 @@ pub struct SharedBuffer {
     region: Arc<Region>,
     offset: u64,
     len: u64,
+    /// The alignment it was allocated with, which says which pool it returns to.
+    align: u64,
 }
 
 impl std::fmt::Debug for SharedBuffer {
@@ -620,10 +670,10 @@ impl RegionSet {
 impl Drop for SharedBuffer {
     fn drop(&mut self) {
         self.region
-            .free
+            .heap
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .release(self.offset, self.len);
+            .release(self.offset, self.len, self.align);
     }
 }
 
@@ -644,6 +694,49 @@ mod tests {
         list.release(a, 100);
         list.release(c, 16);
         assert_eq!(list.free, vec![(0, 4 * PAGE_SIZE)]);
+    }
+
+    #[test]
+    fn small_buffers_leave_no_fragments_between_pages() {
+        let mut heap = Heap::new(1024 * PAGE_SIZE);
+        // A QP's rings and doorbell record, many times over.
+        let taken: Vec<[u64; 3]> = (0..300)
+            .map(|_| {
+                let sq = heap.alloc(PAGE_SIZE, PAGE_SIZE).unwrap();
+                let rq = heap.alloc(PAGE_SIZE, PAGE_SIZE).unwrap();
+                let doorbell = heap.alloc(64, 64).unwrap();
+                [sq, rq, doorbell]
+            })
+            .collect();
+        assert_eq!(heap.pages.free.len(), 1, "the pages stay one free range");
+        assert!(heap.small.free.len() <= 1);
+        let doorbells: std::collections::HashSet<u64> = taken.iter().map(|t| t[2]).collect();
+        assert_eq!(
+            doorbells.len(),
+            300,
+            "no doorbell record is handed out twice"
+        );
+        for [sq, rq, doorbell] in taken {
+            heap.release(sq, PAGE_SIZE, PAGE_SIZE);
+            heap.release(rq, PAGE_SIZE, PAGE_SIZE);
+            heap.release(doorbell, 64, 64);
+        }
+        // The small pool keeps its 5 pages (300 records of 64 bytes), whole again.
+        assert_eq!(
+            heap.small.free.iter().map(|f| f.1).sum::<u64>(),
+            5 * PAGE_SIZE
+        );
+        assert_eq!(
+            heap.pages.free.iter().map(|f| f.1).sum::<u64>(),
+            1019 * PAGE_SIZE
+        );
+        let small_ring = heap.alloc(100, PAGE_SIZE).unwrap();
+        let next = heap.alloc(PAGE_SIZE, PAGE_SIZE).unwrap();
+        assert_eq!(
+            next,
+            small_ring + PAGE_SIZE,
+            "page-aligned small buffers take whole pages"
+        );
     }
 
     #[test]
