@@ -10,6 +10,7 @@
 mod doorbells;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fake;
+mod guest_access;
 pub mod host;
 mod poller;
 mod queues;
@@ -571,8 +572,8 @@ impl Shared {
         if limit == 0 {
             return;
         }
-        let at = vm_memory::GuestAddress(srq.doorbell + SrqDoorbell::PRODUCER);
-        let Ok(posted) = vm_memory::Bytes::load::<u32>(mem, at, Ordering::Acquire) else {
+        let at = srq.doorbell + SrqDoorbell::PRODUCER;
+        let Ok(posted) = guest_access::load::<u32>(mem, at, Ordering::Acquire) else {
             return;
         };
         let left = ring_pending(posted, srq.received.load(Ordering::Acquire));

@@ -14,6 +14,7 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
+use super::guest_access::{load, store, Slots};
 use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
 use super::wqe::{self, QpRules, SendRequest, WqeError};
 use super::{Memory, Rung, Shard, ShardObjects, Shared, BATCH, SLEEP_LIMIT_MS};
@@ -169,16 +170,8 @@ impl Poller {
             let flags = if sleeping { NOTIFY_NEED_WAKEUP } else { 0 };
             let kicks = self.shared.kicks[queue as usize].load(Ordering::Relaxed) as u32;
             // A guest that unmapped its notify area only loses its wake-ups.
-            let _ = mem.store(
-                flags,
-                GuestAddress(state + NotifyState::FLAGS),
-                Ordering::SeqCst,
-            );
-            let _ = mem.store(
-                kicks,
-                GuestAddress(state + NotifyState::KICKS),
-                Ordering::Relaxed,
-            );
+            let _ = store(&mem, flags, state + NotifyState::FLAGS, Ordering::SeqCst);
+            let _ = store(&mem, kicks, state + NotifyState::KICKS, Ordering::Relaxed);
         }
     }
 
@@ -284,7 +277,7 @@ impl Poller {
     ) -> bool {
         let mut cq_progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
         if self.cq_room(mem, cq, &mut cq_progress).unwrap_or(0) == 0
-            || !self.write_cqe(mem, cq, &mut cq_progress, cqe)
+            || !self.write_cqe(&mut Slots::new(&cq.ring, mem), cq, &mut cq_progress, cqe)
         {
             return false;
         }
@@ -302,8 +295,9 @@ impl Poller {
         if progress.failed {
             return Visit::default();
         }
-        let Ok(producer) = mem.load::<u32>(
-            GuestAddress(qp.doorbell + QpDoorbell::SQ_PRODUCER),
+        let Ok(producer) = load::<u32>(
+            mem,
+            qp.doorbell + QpDoorbell::SQ_PRODUCER,
             Ordering::Acquire,
         ) else {
             progress.failed = true;
@@ -337,16 +331,15 @@ impl Poller {
             let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
             let lookup = |lkey| mrs.get(&lkey).copied();
             let ahs = shared.ahs.read().unwrap_or_else(|e| e.into_inner());
+            let mut slots = Slots::new(&qp.sq, mem);
             for i in 0..pending.min(BATCH) {
                 let slot = &mut self.slot[..stride];
-                if mem
-                    .read_slice(slot, qp.sq.slot(progress.sq_consumer.wrapping_add(i)))
-                    .is_err()
-                {
+                let Some(source) = slots.slot(progress.sq_consumer.wrapping_add(i)) else {
                     progress.failed = true;
                     self.fail_qp(qp, &mut progress, &"SQ ring unreadable");
                     return Visit::WORKED;
-                }
+                };
+                source.copy_to(slot);
                 let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
                 match wqe::parse_send(slot, &qp.rules, &lookup, &mut self.sges) {
                     Ok(request) => {
@@ -387,9 +380,10 @@ impl Poller {
                 progress.sq_consumer = progress.sq_consumer.wrapping_add(1);
             }
         }
-        let _ = mem.store(
+        let _ = store(
+            mem,
             progress.sq_consumer,
-            GuestAddress(qp.doorbell + QpDoorbell::SQ_CONSUMER),
+            qp.doorbell + QpDoorbell::SQ_CONSUMER,
             Ordering::Release,
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
@@ -465,14 +459,13 @@ impl Poller {
         let shared = Arc::clone(&self.shared);
         let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
         let lookup = |lkey| mrs.get(&lkey).copied();
+        let mut slots = Slots::new(ring, mem);
         for i in 0..pending.min(BATCH) {
             let slot = &mut self.slot[..ring.stride()];
-            if mem
-                .read_slice(slot, ring.slot(consumer.wrapping_add(i)))
-                .is_err()
-            {
+            let Some(source) = slots.slot(consumer.wrapping_add(i)) else {
                 return Some((0, WqeError::RingUnreadable));
-            }
+            };
+            source.copy_to(slot);
             let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
             match wqe::parse_recv(slot, rules, &lookup, &mut self.sges) {
                 Ok(received) => self.recv.push(received),
@@ -514,8 +507,9 @@ impl Poller {
         if progress.failed {
             return Visit::default();
         }
-        let Ok(producer) = mem.load::<u32>(
-            GuestAddress(qp.doorbell + QpDoorbell::RQ_PRODUCER),
+        let Ok(producer) = load::<u32>(
+            mem,
+            qp.doorbell + QpDoorbell::RQ_PRODUCER,
             Ordering::Acquire,
         ) else {
             return Visit::default();
@@ -545,9 +539,10 @@ impl Poller {
                 progress.rq_consumer = progress.rq_consumer.wrapping_add(1);
             }
         }
-        let _ = mem.store(
+        let _ = store(
+            mem,
             progress.rq_consumer,
-            GuestAddress(qp.doorbell + QpDoorbell::RQ_CONSUMER),
+            qp.doorbell + QpDoorbell::RQ_CONSUMER,
             Ordering::Release,
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
@@ -565,10 +560,9 @@ impl Poller {
         if progress.failed {
             return Visit::default();
         }
-        let Ok(producer) = mem.load::<u32>(
-            GuestAddress(srq.doorbell + SrqDoorbell::PRODUCER),
-            Ordering::Acquire,
-        ) else {
+        let Ok(producer) =
+            load::<u32>(mem, srq.doorbell + SrqDoorbell::PRODUCER, Ordering::Acquire)
+        else {
             return Visit::default();
         };
         let pending = ring_pending(producer, progress.consumer);
@@ -590,9 +584,10 @@ impl Poller {
             moved = posted > 0;
             progress.consumer = progress.consumer.wrapping_add(posted as u32);
             self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
-            let _ = mem.store(
+            let _ = store(
+                mem,
                 progress.consumer,
-                GuestAddress(srq.doorbell + SrqDoorbell::CONSUMER),
+                srq.doorbell + SrqDoorbell::CONSUMER,
                 Ordering::Release,
             );
             refused.map(|(_, error)| error.to_string())
@@ -616,12 +611,12 @@ impl Poller {
         if progress.failed {
             return None;
         }
-        let consumer = mem
-            .load::<u32>(
-                GuestAddress(cq.doorbell + CqDoorbell::CONSUMER_INDEX),
-                Ordering::Acquire,
-            )
-            .ok();
+        let consumer = load::<u32>(
+            mem,
+            cq.doorbell + CqDoorbell::CONSUMER_INDEX,
+            Ordering::Acquire,
+        )
+        .ok();
         match consumer.map(|c| ring_pending(progress.producer, c)) {
             Some(used) if used <= cq.ring.depth => Some(cq.ring.depth - used),
             _ => {
@@ -638,24 +633,19 @@ impl Poller {
 
     fn write_cqe(
         &self,
-        mem: &Memory,
+        slots: &mut Slots,
         cq: &CqData,
         progress: &mut CqProgress,
         mut cqe: Cqe,
     ) -> bool {
-        let slot = cq.ring.slot(progress.producer);
         let owner = cqe_owner_for(progress.producer, cq.ring.depth);
         cqe.owner = 0;
         let body = &cqe.as_slice()[..CQE_SIZE - 1];
         // The body first, then (release) the owner byte that makes it visible.
-        let written = mem.write_slice(body, slot).is_ok()
-            && mem
-                .store(
-                    owner,
-                    GuestAddress(slot.0 + CQE_SIZE as u64 - 1),
-                    Ordering::Release,
-                )
-                .is_ok();
+        let written = slots.slot(progress.producer).is_some_and(|slot| {
+            slot.copy_from(body);
+            slot.store(owner, CQE_SIZE - 1, Ordering::Release).is_ok()
+        });
         if written {
             progress.producer = progress.producer.wrapping_add(1);
         } else {
@@ -686,6 +676,7 @@ impl Poller {
             // The event of an armed CQ fires with its next completion: arm it again.
             cq.armed.store(false, Ordering::Relaxed);
         }
+        let mut slots = Slots::new(&cq.ring, mem);
         for wc in &self.wcs[..n] {
             let cqe = Cqe {
                 wr_id: Le64::from(wc.wr_id()),
@@ -701,7 +692,7 @@ impl Poller {
                 reserved: 0,
                 owner: 0,
             };
-            if !self.write_cqe(mem, cq, &mut progress, cqe) {
+            if !self.write_cqe(&mut slots, cq, &mut progress, cqe) {
                 break;
             }
             if wc.is_recv() {
@@ -723,7 +714,7 @@ impl Poller {
         // The CQE must be visible before the arm is read, or a guest arming meanwhile and
         // this poller each read the other's old value and the event is lost.
         std::sync::atomic::fence(Ordering::SeqCst);
-        let load = |field| mem.load::<u32>(GuestAddress(cq.doorbell + field), Ordering::Acquire);
+        let load = |field| load::<u32>(mem, cq.doorbell + field, Ordering::Acquire);
         let (Ok(arm), Ok(served)) = (load(CqDoorbell::ARM), load(CqDoorbell::ARM_SERVED)) else {
             return;
         };
@@ -731,8 +722,8 @@ impl Poller {
             return;
         };
         if request.is_outstanding(served) {
-            let served_at = GuestAddress(cq.doorbell + CqDoorbell::ARM_SERVED);
-            let _ = mem.store(request.sequence, served_at, Ordering::Release);
+            let served_at = cq.doorbell + CqDoorbell::ARM_SERVED;
+            let _ = store(mem, request.sequence, served_at, Ordering::Release);
             self.post_event(event_kind::CQ_COMPLETION, cq.handle);
         }
     }

@@ -4,7 +4,6 @@
 use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::{Arc, Mutex};
 
-use vm_memory::GuestAddress;
 use vrdma_spec::codec::ring_slot;
 
 use super::host::{HostCompletionQueue, HostQueuePair, HostSharedReceiveQueue};
@@ -32,10 +31,13 @@ impl GuestRing {
         }
     }
 
-    pub(super) fn slot(&self, index: u32) -> GuestAddress {
-        let offset = u64::from(ring_slot(index, self.depth)) << self.stride_shift;
-        let page = self.pages[(offset >> self.page_shift) as usize];
-        GuestAddress(page + (offset & ((1 << self.page_shift) - 1)))
+    /// The page (index into `pages`) and the offset in it of slot `index`.
+    pub(super) fn slot_position(&self, index: u32) -> (usize, usize) {
+        let offset = (ring_slot(index, self.depth) as usize) << self.stride_shift;
+        (
+            offset >> self.page_shift,
+            offset & ((1 << self.page_shift) - 1),
+        )
     }
 
     /// Bytes of guest memory the ring spans.
