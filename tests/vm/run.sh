@@ -3,10 +3,11 @@
 # GID 192.168.77.1) and the machine's root as its root filesystem, so binaries built here run
 # there unchanged. Prints the command's output and exits with its exit code.
 #
-# usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--timeout SECONDS] [--vrdma SOCKET]
+# usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--cpus N] [--timeout SECONDS] [--vrdma SOCKET]
 #                        [--host-net ADDRESS/PREFIX,PORT,PEER_PORT] -- COMMAND [ARG...]
 #   --no-rxe        boot without loading rdma_rxe (also VRDMA_VM_NO_RXE=1): RDMA tests must
 #                   then fail
+#   --cpus N        N vCPUs (2 by default; 1 in a nested guest)
 #   --vrdma SOCKET  give the guest a vrdma PCI device served by the backend listening on
 #                   SOCKET (with the QEMU that tests/vm/qemu/build.sh builds); the guest is
 #                   then a nested one when run.sh itself runs inside a harness guest
@@ -20,11 +21,12 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 rxe=$([ "${VRDMA_VM_NO_RXE:-0}" = 1 ] && echo 0 || echo 1) mem=3072 limit=${VRDMA_VM_TIMEOUT:-1800}
-vrdma_socket= host_net=
+vrdma_socket= host_net= cpus=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-rxe) rxe=0; shift ;;
     --mem) mem=$2; shift 2 ;;
+    --cpus) cpus=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
     --vrdma) vrdma_socket=$2; shift 2 ;;
     --host-net) host_net=$2; shift 2 ;;
@@ -33,7 +35,7 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--timeout S] [--vrdma SOCKET] -- COMMAND [ARG...]" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] -- COMMAND [ARG...]" >&2; exit 2; }
 
 qemu=(qemu-system-x86_64)
 if [ -n "$vrdma_socket" ]; then
@@ -60,13 +62,17 @@ if [ -n "$host_net" ]; then
   net_arg="vrdma.net=$address"
 fi
 
-cpus=2
+case "$cpus" in
+  '') ;;
+  *[!0-9]* | 0) echo "run.sh: --cpus takes a number of vCPUs, not '$cpus'" >&2; exit 2 ;;
+esac
 if [ -n "${VRDMA_VM_RUN_DIR:-}" ]; then
   # Inside a harness guest: the machine's root is read-only here and already set up; runs
   # go below this guest's own run folder. One vCPU: emulation inside emulation.
-  cache="$repo/target/vm" cpus=1
+  cache="$repo/target/vm" cpus=${cpus:-1}
   run=$(mktemp -d "$VRDMA_VM_RUN_DIR/nested.XXXXXX")
 else
+  cpus=${cpus:-2}
   cache=$("$repo/tests/vm/setup.sh")
   mkdir -p "$cache/runs"
   run=$(mktemp -d "$cache/runs/run.XXXXXX")

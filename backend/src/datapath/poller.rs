@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryBackend, VolatileMemory};
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
@@ -70,6 +70,20 @@ fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
     }
 }
 
+/// An idle poller spins for a while after its last work, so that a busy driver's next
+/// doorbell is seen without a kick, but only while it has its CPU to itself: when a yield
+/// lets another thread run for longer than this, spinning takes the CPU from someone (most
+/// likely the very threads that ring the doorbells, on a machine with fewer CPUs than
+/// spinners), and the poller sleeps until kicked instead.
+const CONTENDED_YIELD: Duration = Duration::from_micros(200);
+
+/// Yields the CPU; true if nobody else wanted it for long.
+fn yield_uncontended() -> bool {
+    let start = Instant::now();
+    std::thread::yield_now();
+    start.elapsed() < CONTENDED_YIELD
+}
+
 impl Poller {
     pub(super) fn new(shared: Arc<Shared>, index: usize) -> Self {
         Poller {
@@ -104,9 +118,7 @@ impl Poller {
                 last_work = Instant::now();
                 continue;
             }
-            if last_work.elapsed() < self.shared.idle_spin {
-                // Stay awake for the next doorbell, but leave the CPU to whoever rings it.
-                std::thread::yield_now();
+            if last_work.elapsed() < self.shared.idle_spin && yield_uncontended() {
                 continue;
             }
             // Going to sleep: ask for kicks and completion events, then look once more so
