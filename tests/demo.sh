@@ -40,9 +40,17 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "Control-path timings compare the backend's host verbs layer with the same verbs through" \
     "guest-lib and the control queue; the scaling rows come from ctl-bench."
   echo "Backend threads: one poller per guest connection (the default), so two in the vrdma" \
-    "column's tests, on the same 2 vCPUs as both perftest ends. In write_lat and send_lat both" \
-    "ends busy-poll, so a spinning poller runs only when the scheduler preempts one of them" \
-    "(a slice, milliseconds, per message); read_lat and atomic_lat leave one end idle."
+    "column's tests, on the same 2 vCPUs as both perftest ends. That is the floor of a relay" \
+    "design here: every message needs a third thread (the poller) to run while both perftest" \
+    "ends busy-poll the only two CPUs, where native rxe needs none (its work runs in the" \
+    "kernel's softirq, which preempts them). guest-lib yields the CPU after a kick and every" \
+    "64th empty CQ poll, so in send_lat the poller runs within the polling loop; write_lat's" \
+    "ends spin on their receive buffers without any library call, so there the poller waits" \
+    "for the scheduler to preempt one (part of a slice, milliseconds, per message)." \
+    "read_lat and atomic_lat leave one end idle. A guest whose poller has a vCPU of its own" \
+    "needs a third host core: on this machine's $(nproc) cores a third busy vCPU slowed native" \
+    "rxe itself by more than an order of magnitude when tried, so that configuration is not" \
+    "measured here."
   echo
   echo "$table"
   echo
