@@ -50,6 +50,8 @@ pub enum Error {
     /// vhost-user-backend's error type implements Display but not std::error::Error.
     #[error("vhost-user daemon: {0}")]
     Daemon(vhost_user_backend::Error),
+    #[error("--poll-cpus: CPU {cpu} is not one this process may run on ({allowed})")]
+    PollCpu { cpu: usize, allowed: String },
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
@@ -71,6 +73,9 @@ pub struct Config {
     pub pollers: usize,
     /// How long a poller keeps polling after its last work before it sleeps.
     pub poll_idle: std::time::Duration,
+    /// CPUs the poller threads run on, each on one, taken in turn; empty: wherever the
+    /// scheduler puts them.
+    pub poll_cpus: Vec<usize>,
     /// The system call filter [`vhost_user::serve`] installs once it listens.
     pub seccomp: sandbox::SeccompMode,
 }
@@ -185,9 +190,45 @@ fn wait_for_gid(context: &Context, port: u8, gid: Gid) -> Result<u32, Error> {
     }
 }
 
+/// Checks that this process may run on every CPU of `--poll-cpus`.
+pub fn check_poll_cpus(cpus: &[usize]) -> Result<(), Error> {
+    use nix::sched::{sched_getaffinity, CpuSet};
+    let allowed =
+        sched_getaffinity(nix::unistd::Pid::from_raw(0)).map_err(|e| Error::Io(e.into()))?;
+    let usable = |cpu: usize| allowed.is_set(cpu).unwrap_or(false);
+    match cpus.iter().find(|&&cpu| !usable(cpu)) {
+        None => Ok(()),
+        Some(&cpu) => Err(Error::PollCpu {
+            cpu,
+            allowed: (0..CpuSet::count())
+                .filter(|&c| usable(c))
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn poll_cpus_must_be_cpus_this_process_may_use() {
+        use nix::sched::{sched_getaffinity, CpuSet};
+        let allowed = sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+        let first = (0..CpuSet::count())
+            .find(|&cpu| allowed.is_set(cpu).unwrap())
+            .unwrap();
+        assert!(check_poll_cpus(&[]).is_ok());
+        assert!(check_poll_cpus(&[first]).is_ok());
+        let message = check_poll_cpus(&[first, 100_000]).unwrap_err().to_string();
+        assert!(message.contains("CPU 100000 is not one"), "{message}");
+        assert!(
+            message.contains(&first.to_string()),
+            "names the usable CPUs: {message}"
+        );
+    }
 
     #[test]
     fn a_missing_device_is_reported_by_name_with_the_rxe_hint() {
@@ -200,6 +241,7 @@ mod tests {
             notify_queues: 1,
             pollers: 1,
             poll_idle: std::time::Duration::from_millis(2),
+            poll_cpus: Vec::new(),
             seccomp: sandbox::SeccompMode::None,
         };
         let message = HostDevice::open(&config)

@@ -37,6 +37,10 @@ struct Args {
     /// guest for a kick).
     #[arg(long, default_value_t = 2000)]
     poll_idle_us: u64,
+    /// CPUs for the poller threads (e.g. 2,3): each poller runs on one, taken in turn across
+    /// all connections; by default the scheduler places them.
+    #[arg(long, value_delimiter = ',')]
+    poll_cpus: Vec<usize>,
     /// Guests the backend is sized for: each guest's quotas are the backend's totals (16,384
     /// QPs, 8,192 CQs, 16,384 MRs, 4,096 PDs, 16,384 AHs, 1,024 SRQs, 256 MiB of rings, 64 GiB
     /// registered) divided by this; the --max-* options override single quotas.
@@ -97,6 +101,7 @@ impl From<Args> for Config {
             notify_queues: args.notify_queues,
             pollers: args.pollers as usize,
             poll_idle: std::time::Duration::from_micros(args.poll_idle_us),
+            poll_cpus: args.poll_cpus,
             seccomp: args.seccomp,
         }
     }
@@ -162,7 +167,9 @@ fn check_or_serve(
     config: &Config,
     listener: Option<vhost_user::Listener>,
 ) -> Result<(), vrdma_backend::Error> {
-    // Fail fast on an unusable device (as the user that serves), before accepting guests.
+    // Fail fast on an unusable device or CPU (as the user that serves), before accepting
+    // guests.
+    vrdma_backend::check_poll_cpus(&config.poll_cpus)?;
     let device = HostDevice::open(config)?;
     match listener {
         None => {

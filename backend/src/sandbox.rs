@@ -202,6 +202,8 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_futex,
     libc::SYS_sched_yield,
     libc::SYS_sched_getaffinity,
+    // A connection's pollers pin themselves (--poll-cpus).
+    libc::SYS_sched_setaffinity,
     libc::SYS_nanosleep,
     libc::SYS_clock_nanosleep,
     libc::SYS_clock_gettime,

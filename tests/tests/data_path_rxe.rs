@@ -839,3 +839,85 @@ fn an_srq_below_its_limit_raises_one_event() {
         "a limit must be below the depth"
     );
 }
+
+/// The threads of process `pid` whose name starts with `prefix`, with their allowed CPUs
+/// (`Cpus_allowed_list` of /proc).
+fn threads_and_cpus(pid: u32, prefix: &str) -> Vec<(String, String)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the backend's threads");
+    tasks
+        .filter_map(|task| {
+            let task = task.ok()?.path();
+            let name = std::fs::read_to_string(task.join("comm")).ok()?;
+            let status = std::fs::read_to_string(task.join("status")).ok()?;
+            let cpus = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?
+                .trim()
+                .to_string();
+            name.starts_with(prefix)
+                .then(|| (name.trim().to_string(), cpus))
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn pollers_run_on_the_cpus_given_and_an_unusable_cpu_is_refused() {
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    assert!(cpus >= 2, "the harness guest has 2 vCPUs");
+    let last = (cpus - 1).to_string();
+    let socket = std::env::temp_dir().join(format!("vrdma-pin-{}.sock", std::process::id()));
+    let mut backend = vrdma_tests::spawn_backend_process(
+        &socket,
+        &[
+            "--poll-cpus",
+            &last,
+            "--pollers",
+            "2",
+            "--notify-queues",
+            "2",
+        ],
+    );
+    let guest = Device::attach(&socket).expect("attach");
+    guest.query_device().expect("served");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let pollers = loop {
+        let pollers = threads_and_cpus(backend.id(), "vrdma-poll");
+        if pollers.len() >= 2 || Instant::now() > deadline {
+            break pollers;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        pollers.len() >= 2,
+        "the connection's two pollers: {pollers:?}"
+    );
+    for (name, allowed) in &pollers {
+        assert_eq!(allowed, &last, "{name} runs on CPU {last} only");
+    }
+    let others = threads_and_cpus(backend.id(), "vhost-user-rdma");
+    assert!(
+        others.iter().all(|(_, allowed)| allowed != &last),
+        "only the pollers are pinned: {others:?}"
+    );
+    drop(guest);
+    backend.kill().unwrap();
+    backend.wait().unwrap();
+
+    let refused = Command::new(vrdma_tests::backend_binary())
+        .args(["--socket-path", socket.to_str().unwrap()])
+        .args([
+            "--device",
+            &vrdma_tests::test_device_name(),
+            "--poll-cpus",
+            "0,4096",
+        ])
+        .output()
+        .expect("run the backend");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        stderr.contains("--poll-cpus: CPU 4096 is not one this process may run on"),
+        "{stderr}"
+    );
+}

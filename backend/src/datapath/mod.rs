@@ -23,7 +23,7 @@ pub use queues::{CqData, GuestRing, QpData, SrqData};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -47,6 +47,29 @@ type Memory = GuestMemoryMmap;
 const BATCH: u32 = 16;
 /// The longest a sleeping poller waits before looking again anyway.
 const SLEEP_LIMIT_MS: i32 = 100;
+
+/// The CPU of `poll_cpus` the next poller thread of any connection runs on.
+fn next_poll_cpu(poll_cpus: &[usize]) -> Option<usize> {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    if poll_cpus.is_empty() {
+        return None;
+    }
+    poll_cpus
+        .get(NEXT.fetch_add(1, Ordering::Relaxed) % poll_cpus.len())
+        .copied()
+}
+
+/// Pins the calling thread to `cpu` (checked usable at start-up; a poller that cannot be
+/// pinned still runs, where the scheduler puts it).
+fn pin_to(cpu: usize) {
+    let mut set = nix::sched::CpuSet::new();
+    let pinned = set
+        .set(cpu)
+        .and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set));
+    if let Err(e) = pinned {
+        log::warn!("poller not pinned to CPU {cpu}: {e}");
+    }
+}
 
 /// Where events for the guest go (the event virtqueue); `deliver` is false when the guest
 /// has no buffer posted.
@@ -189,13 +212,15 @@ pub struct DataPath {
 
 impl DataPath {
     /// Starts `pollers` threads (at least one) serving `num_notify_queues` notification queues
-    /// and a doorbell bitmap of `doorbell_bits`, and one that forwards `context`'s asynchronous
-    /// events about its objects and `host_port`.
+    /// and a doorbell bitmap of `doorbell_bits`, each pinned to the next of `poll_cpus` (if
+    /// any), and one that forwards `context`'s asynchronous events about its objects and
+    /// `host_port`.
     pub fn new(
         context: &Arc<Context>,
         pollers: usize,
         (num_notify_queues, doorbell_bits): (u32, u32),
         idle_spin: Duration,
+        poll_cpus: &[usize],
         host_port: u8,
     ) -> hostverbs::Result<DataPath> {
         let os_error = |call| move |source| hostverbs::Error::Verbs { call, source };
@@ -235,9 +260,15 @@ impl DataPath {
                     .map_err(os_error("epoll_ctl"))?;
             }
             let shared = Arc::clone(&data_path.shared);
+            let cpu = next_poll_cpu(poll_cpus);
             let thread = std::thread::Builder::new()
                 .name(format!("vrdma-poll{index}"))
-                .spawn(move || Poller::new(shared, index).run(epoll))
+                .spawn(move || {
+                    if let Some(cpu) = cpu {
+                        pin_to(cpu);
+                    }
+                    Poller::new(shared, index).run(epoll)
+                })
                 .map_err(os_error("spawn a poller thread"))?;
             data_path.threads.push(thread);
         }

@@ -136,6 +136,7 @@ impl Device {
             config.pollers,
             (advertised.num_notify_queues.to_native(), doorbell_bits),
             config.poll_idle,
+            &config.poll_cpus,
             host.port,
         )?;
         Ok(Device {
