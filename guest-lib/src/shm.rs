@@ -92,6 +92,13 @@ impl Heap {
         len < PAGE_SIZE && align < PAGE_SIZE
     }
 
+    /// What a small buffer takes: a multiple of its alignment, so that carving leaves no gap
+    /// too small for the next buffer of its kind (a 16-byte record aligned to 64 would leave
+    /// a 48-byte fragment behind each).
+    fn small_len(len: u64, align: u64) -> u64 {
+        len.next_multiple_of(align.max(1))
+    }
+
     fn alloc(&mut self, len: u64, align: u64) -> Option<u64> {
         if !Self::is_small(len, align) {
             return self.pages.alloc(
@@ -99,6 +106,7 @@ impl Heap {
                 align.max(PAGE_SIZE),
             );
         }
+        let len = Self::small_len(len, align);
         if let Some(offset) = self.small.alloc(len, align) {
             return Some(offset);
         }
@@ -110,7 +118,7 @@ impl Heap {
 
     fn release(&mut self, offset: u64, len: u64, align: u64) {
         if Self::is_small(len, align) {
-            self.small.release(offset, len);
+            self.small.release(offset, Self::small_len(len, align));
         } else {
             self.pages.release(offset, len.next_multiple_of(PAGE_SIZE));
         }
@@ -704,7 +712,8 @@ mod tests {
             .map(|_| {
                 let sq = heap.alloc(PAGE_SIZE, PAGE_SIZE).unwrap();
                 let rq = heap.alloc(PAGE_SIZE, PAGE_SIZE).unwrap();
-                let doorbell = heap.alloc(64, 64).unwrap();
+                // A QP's doorbell record: 16 bytes, aligned to 64.
+                let doorbell = heap.alloc(16, 64).unwrap();
                 [sq, rq, doorbell]
             })
             .collect();
@@ -719,7 +728,7 @@ mod tests {
         for [sq, rq, doorbell] in taken {
             heap.release(sq, PAGE_SIZE, PAGE_SIZE);
             heap.release(rq, PAGE_SIZE, PAGE_SIZE);
-            heap.release(doorbell, 64, 64);
+            heap.release(doorbell, 16, 64);
         }
         // The small pool keeps its 5 pages (300 records of 64 bytes), whole again.
         assert_eq!(
