@@ -24,13 +24,14 @@ export VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs"
 
 # perftest's TEST between two ends on DEVICE (rxe0, or vrdma0 through vrdma-run); prints the
 # COLUMN of the client's result line for SIZE. perftest gives up when its CPU clock
-# calibration is noisy ("Can't produce a report"), as full emulation sometimes makes it:
-# up to three tries.
+# calibration is noisy ("Can't produce a report", or a latency of "inf"), as full emulation
+# sometimes makes it: up to three tries.
 perftest() { # DEVICE TEST SIZE ITERS COLUMN
   local try result
   for try in 1 2 3; do
     result=$(perftest_once "$@")
-    [ -n "$result" ] && break
+    [[ "$result" =~ ^[0-9]+(\.[0-9]+)?$ ]] && break
+    result=
   done
   echo "$result"
 }
