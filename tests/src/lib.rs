@@ -249,21 +249,50 @@ pub fn spawn_backend_process(socket: &std::path::Path, args: &[&str]) -> std::pr
         .spawn()
         .expect("start the backend");
     // Ready once it says so: the socket exists before the device is opened.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let accepting = || {
-        std::fs::read_to_string(backend_log(socket)).is_ok_and(|l| l.contains("accepting guests"))
-    };
-    while !accepting() {
+    wait_for_backend_log(socket, "`accepting guests`", |log| {
         if let Some(status) = backend.try_wait().expect("poll the backend") {
-            panic!(
-                "the backend exited ({status}) before listening:\n{}",
-                std::fs::read_to_string(backend_log(socket)).unwrap_or_default()
-            );
+            panic!("the backend exited ({status}) before listening:\n{log}");
         }
-        assert!(Instant::now() < deadline, "the backend never listened");
+        log.contains("accepting guests")
+    });
+    backend
+}
+
+/// Waits up to 10 s for the log of the backend on `socket` ([`backend_log`]) to satisfy `done`,
+/// and returns it. Lines a backend logs after an event (a connection's summary after its
+/// objects are released) land a moment later, so a test never reads the log just once.
+pub fn wait_for_backend_log(
+    socket: &std::path::Path,
+    awaited: &str,
+    mut done: impl FnMut(&str) -> bool,
+) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = std::fs::read_to_string(backend_log(socket)).unwrap_or_default();
+        if done(&log) {
+            return log;
+        }
+        assert!(Instant::now() < deadline, "no {awaited} in:\n{log}");
         std::thread::sleep(Duration::from_millis(10));
     }
-    backend
+}
+
+/// Runs the backend binary on the test device with `args` added, expects it to refuse them
+/// (exit with failure before serving), and returns what it printed on stderr.
+pub fn backend_refuses(socket: &std::path::Path, args: &[&str]) -> String {
+    let refused = std::process::Command::new(backend_binary())
+        .arg("--socket-path")
+        .arg(socket)
+        .args(["--device", &test_device_name()])
+        .args(args)
+        .output()
+        .expect("run the backend");
+    let stderr = String::from_utf8_lossy(&refused.stderr).into_owned();
+    assert!(
+        !refused.status.success(),
+        "the backend accepted {args:?}:\n{stderr}"
+    );
+    stderr
 }
 
 /// The backend binary, `vhost-user-rdma`, as the workspace built it.

@@ -904,18 +904,7 @@ fn pollers_run_on_the_cpus_given_and_an_unusable_cpu_is_refused() {
     backend.kill().unwrap();
     backend.wait().unwrap();
 
-    let refused = Command::new(vrdma_tests::backend_binary())
-        .args(["--socket-path", socket.to_str().unwrap()])
-        .args([
-            "--device",
-            &vrdma_tests::test_device_name(),
-            "--poll-cpus",
-            "0,4096",
-        ])
-        .output()
-        .expect("run the backend");
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success());
+    let stderr = vrdma_tests::backend_refuses(&socket, &["--poll-cpus", "0,4096"]);
     assert!(
         stderr.contains("--poll-cpus: CPU 4096 is not one this process may run on"),
         "{stderr}"

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::Gid;
 use vrdma_guest::{access, AhAttr, Device, QpType, QueuePair, Status};
-use vrdma_tests::{backend_binary, backend_log, open_test_device, spawn_backend_process};
+use vrdma_tests::{backend_refuses, open_test_device, spawn_backend_process, wait_for_backend_log};
 
 const NETDEV: &str = "va";
 
@@ -116,13 +116,7 @@ fn a_guest_address_is_the_guests_only_gid_and_leaves_with_the_backend() {
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn an_address_the_host_holds_is_refused_and_one_a_killed_backend_left_is_taken_over() {
     // The host's own address is never a guest's.
-    let refused = Command::new(backend_binary())
-        .args(["--socket-path", socket("host").to_str().unwrap()])
-        .args(["--device", "rxe0", "--guest-ip", "192.168.77.1/24"])
-        .output()
-        .expect("run the backend");
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success());
+    let stderr = backend_refuses(&socket("host"), &["--guest-ip", "192.168.77.1/24"]);
     assert!(
         stderr.contains("192.168.77.1 is already in use on this host (va)"),
         "{stderr}"
@@ -137,8 +131,7 @@ fn an_address_the_host_holds_is_refused_and_one_a_killed_backend_left_is_taken_o
     first.wait().unwrap();
     assert!(addresses().contains(address), "{}", addresses());
     let second = spawn_backend_process(&socket, &["--guest-ip", "192.168.77.51/24"]);
-    let log = std::fs::read_to_string(backend_log(&socket)).unwrap();
-    assert!(log.contains("left by an earlier vrdma backend"), "{log}");
+    wait_for_log(&socket, "left by an earlier vrdma backend");
     let device = Device::open(socket.to_str().unwrap()).expect("open the device");
     assert_eq!(device.gid().unwrap(), (0, gid_of(address)));
     drop(device);
@@ -148,15 +141,7 @@ fn an_address_the_host_holds_is_refused_and_one_a_killed_backend_left_is_taken_o
 
 /// Waits for the log of the backend on `socket` to say `line`.
 fn wait_for_log(socket: &std::path::Path, line: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let log = std::fs::read_to_string(backend_log(socket)).unwrap();
-        if log.contains(line) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no `{line}` in:\n{log}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_backend_log(socket, &format!("`{line}`"), |log| log.contains(line));
 }
 
 /// `/proc/PID/task/*/status` lines starting with `field`, one per thread of `pid`.

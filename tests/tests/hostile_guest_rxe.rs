@@ -12,8 +12,8 @@ use vrdma_guest::{
     QpAttr, QpType, QueuePair, SendOp, SendWr, Sge, Status, WorkCompletion,
 };
 use vrdma_tests::{
-    backend_log, control_request, response_status, spawn_backend_process, start_backend,
-    start_backend_with, test_device_name,
+    control_request, response_status, spawn_backend_process, start_backend, start_backend_with,
+    test_device_name, wait_for_backend_log,
 };
 
 const PAGE: u64 = 4096;
@@ -370,15 +370,9 @@ fn refused_requests_are_counted_by_rule_and_logged_at_a_bounded_rate() {
         "failed control requests: GidIndex x{BAD_GID}, UnknownOpcode x{}",
         UNKNOWN + 1
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let log = loop {
-        let log = std::fs::read_to_string(backend_log(&socket)).unwrap();
-        if log.contains(&summary) {
-            break log;
-        }
-        assert!(Instant::now() < deadline, "no `{summary}` in:\n{log}");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let log = wait_for_backend_log(&socket, &format!("`{summary}`"), |log| {
+        log.contains(&summary)
+    });
     let logged = log.matches("control request refused").count();
     assert!(
         (1..=10 * (seconds as usize + 1)).contains(&logged),

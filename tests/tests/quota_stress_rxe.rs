@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_backend::Quotas;
 use vrdma_tests::{
-    backend_log, host_resource_counts, spawn_backend_process, wait_for_host_counts_within,
+    host_resource_counts, spawn_backend_process, wait_for_backend_log, wait_for_host_counts_within,
 };
 
 const GUESTS: usize = 64;
@@ -148,11 +148,12 @@ fn sixty_four_guests_at_every_quota_stay_within_the_documented_bounds() {
         "ByteQuota(rings)",
         "ByteQuota(registered memory)",
     ];
-    let log = std::fs::read_to_string(backend_log(&socket)).unwrap();
-    let summaries: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("failed control requests:"))
-        .collect();
+    // A connection logs them after its objects are released, so they may trail the counts.
+    let is_summary = |line: &&str| line.contains("failed control requests:");
+    let log = wait_for_backend_log(&socket, &format!("{GUESTS} refusal summaries"), |log| {
+        log.lines().filter(is_summary).count() >= GUESTS
+    });
+    let summaries: Vec<&str> = log.lines().filter(is_summary).collect();
     assert_eq!(summaries.len(), GUESTS, "{log}");
     for summary in summaries {
         for rule in rules {
