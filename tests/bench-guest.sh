@@ -76,7 +76,12 @@ failures=0
   echo "Backend CPU per WQE (write_bw, ${bw_size}-byte writes; user + system time of the backend process, busy polling included, so an upper bound): ${cpu_per_wqe:-n/a} us"
 }
 echo
+# The 2 MiB-page registrations back the guest's memory with hugetlb pages: the MR, its
+# region's slack and guest-lib's first region.
+huge_pages=$(( ${VRDMA_BENCH_MR_MIB:-1024} / 2 + 48 ))
+echo $huge_pages >/proc/sys/vm/nr_hugepages
 "$bin/ctl-bench" /tmp/vrdma.sock "$backend" || failures=$((failures + 1))
+echo 0 >/proc/sys/vm/nr_hugepages
 
 # Instructions per WQE: a second backend under callgrind that counts only inside the
 # functions taking WQEs from the rings and writing CQEs back (Poller::process_*), with busy

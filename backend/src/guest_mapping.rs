@@ -8,6 +8,7 @@
 //! process-wide [`MapBudget`], and the device holds them only while it registers an MR
 //! (registration pins the pages).
 
+use std::collections::BTreeMap;
 use std::io;
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -19,23 +20,90 @@ use std::sync::{Arc, OnceLock};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::hostverbs::PinnedMemory;
-use crate::mtt::{BackedPage, MttError};
+use crate::mtt::{MttError, PageRun};
 
-/// Calls `register` with `pages` (each `page_size` bytes) laid out contiguously in this
-/// process: inside the backend's mapping of guest RAM when they are one guest-physical run
-/// in one region, else in a [`GuestPagesMapping`] that lives for the call.
+/// Calls `register` with `runs` of pages (each `page_size` bytes) laid out contiguously in
+/// this process: inside the backend's mapping of guest RAM when they are one guest-physical
+/// run, else in a [`GuestPagesMapping`] that lives for the call. `populated` tracks what
+/// of the backend's mapping of guest RAM is in its page tables already.
 pub fn with_pages_contiguous<M: GuestMemoryBackend, T>(
     mem: &M,
-    pages: &[BackedPage],
+    runs: &[PageRun],
     page_size: u64,
+    populated: &mut PopulatedRanges,
     register: impl FnOnce(&dyn PinnedMemory) -> T,
 ) -> Result<T, MttError> {
-    if let Some(span) = RegionSpan::of(mem, pages, page_size) {
-        span.populate();
-        return Ok(register(&span));
+    if let [run] = runs {
+        if let Some(span) = RegionSpan::of(mem, run, page_size) {
+            let start = run.gpa;
+            for gap in populated.gaps(start..start + span.len as u64) {
+                if span.populate((gap.start - start) as usize..(gap.end - start) as usize) {
+                    populated.insert(gap);
+                }
+            }
+            return Ok(register(&span));
+        }
     }
-    let mapping = GuestPagesMapping::new(pages, page_size)?;
+    let mapping = GuestPagesMapping::new(runs, page_size)?;
     Ok(register(&*mapping))
+}
+
+/// Guest-physical ranges whose pages the backend's mapping of guest RAM has in its page
+/// tables, so a registration over them skips populating, which walks every page again.
+/// Only a speed-up: a range the kernel has unmapped since (reclaim, a guest's discard) is
+/// faulted in by the registration itself.
+#[derive(Debug, Default)]
+pub struct PopulatedRanges {
+    /// Start -> end (exclusive); disjoint and never adjacent.
+    ranges: BTreeMap<u64, u64>,
+}
+
+impl PopulatedRanges {
+    /// The parts of `range` not populated yet, in order.
+    pub fn gaps(&self, range: Range<u64>) -> Vec<Range<u64>> {
+        let mut gaps = Vec::new();
+        if range.is_empty() {
+            return gaps;
+        }
+        let mut at = range.start;
+        let reaching_in = self.ranges.range(..=range.start).next_back();
+        let starting_in = self.ranges.range(range.start + 1..range.end);
+        for (&start, &end) in reaching_in.into_iter().chain(starting_in) {
+            if start > at {
+                gaps.push(at..start);
+            }
+            at = at.max(end);
+            if at >= range.end {
+                return gaps;
+            }
+        }
+        gaps.push(at..range.end);
+        gaps
+    }
+
+    /// Records `range` as populated.
+    pub fn insert(&mut self, range: Range<u64>) {
+        if range.is_empty() {
+            return;
+        }
+        let (mut start, mut end) = (range.start, range.end);
+        if let Some((&before, &before_end)) = self.ranges.range(..=start).next_back() {
+            if before_end >= start {
+                start = before;
+                end = end.max(before_end);
+            }
+        }
+        let absorbed: Vec<u64> = self.ranges.range(start..=end).map(|(&s, _)| s).collect();
+        for s in absorbed {
+            end = end.max(self.ranges.remove(&s).expect("listed just now"));
+        }
+        self.ranges.insert(start, end);
+    }
+
+    /// Forgets everything: the guest's memory table changed, and with it the mappings.
+    pub fn clear(&mut self) {
+        self.ranges.clear();
+    }
 }
 
 /// A range of the backend's mapping of one guest RAM region, borrowed from the memory table
@@ -53,20 +121,15 @@ unsafe impl Send for RegionSpan<'_> {}
 unsafe impl Sync for RegionSpan<'_> {}
 
 impl<'a> RegionSpan<'a> {
-    /// The span covering `pages` if they are consecutive guest-physical pages inside one
-    /// region that the backend has mapped.
-    fn of<M: GuestMemoryBackend>(mem: &'a M, pages: &[BackedPage], page_size: u64) -> Option<Self> {
-        let first = pages.first()?.gpa;
-        let consecutive = pages
-            .windows(2)
-            .all(|w| w[0].gpa.checked_add(page_size) == Some(w[1].gpa));
-        let len = (pages.len() as u64).checked_mul(page_size)?;
-        let (region, start) = mem.to_region_addr(GuestAddress(first))?;
+    /// The span covering `run` in the region that holds it, if the backend has it mapped.
+    fn of<M: GuestMemoryBackend>(mem: &'a M, run: &PageRun, page_size: u64) -> Option<Self> {
+        let len = run.pages.checked_mul(page_size)?;
+        let (region, start) = mem.to_region_addr(GuestAddress(run.gpa))?;
         let fits = start
             .0
             .checked_add(len)
             .is_some_and(|end| end <= region.len());
-        if !consecutive || !fits {
+        if !fits {
             return None;
         }
         let base = region.get_host_address(start).ok()?;
@@ -77,18 +140,20 @@ impl<'a> RegionSpan<'a> {
         })
     }
 
-    /// Maps the span's pages into the page tables many at a time (fault-around), where
-    /// registration would fault them in one by one. Only a speed-up: on a kernel without
-    /// MADV_POPULATE_READ, registration faults them itself.
-    fn populate(&self) {
+    /// Maps the span's bytes `range` (page-aligned) into the page tables many pages at a
+    /// time (fault-around), where registration would fault them in one by one. Only a
+    /// speed-up: on a kernel without MADV_POPULATE_READ, registration faults them itself.
+    /// Returns whether the pages are in the page tables now.
+    fn populate(&self, range: Range<usize>) -> bool {
+        debug_assert!(range.end <= self.len);
         // SAFETY: the range lies inside a mapping of guest RAM that outlives `self`;
         // populating it changes no contents.
         unsafe {
             libc::madvise(
-                self.base.as_ptr().cast(),
-                self.len,
+                self.base.as_ptr().add(range.start).cast(),
+                range.len(),
                 libc::MADV_POPULATE_READ,
-            );
+            ) == 0
         }
     }
 }
@@ -122,27 +187,35 @@ unsafe impl Send for GuestPagesMapping {}
 unsafe impl Sync for GuestPagesMapping {}
 
 impl GuestPagesMapping {
-    /// Maps `pages` (each `page_size` bytes, a power of two) contiguously, with the start
-    /// aligned to `page_size` so that huge pages map as huge pages; the mappings come from
-    /// the process-wide budget.
-    pub fn new(pages: &[BackedPage], page_size: u64) -> Result<Arc<Self>, MttError> {
-        Self::new_within(MapBudget::process(), pages, page_size)
+    /// Maps `runs` of pages (each `page_size` bytes, a power of two) contiguously, with the
+    /// start aligned to `page_size` so that huge pages map as huge pages; the mappings come
+    /// from the process-wide budget.
+    pub fn new(runs: &[PageRun], page_size: u64) -> Result<Arc<Self>, MttError> {
+        Self::new_within(MapBudget::process(), runs, page_size)
     }
 
     /// As [`new`](Self::new), with mappings drawn from `budget`.
     pub fn new_within(
         budget: &'static MapBudget,
-        pages: &[BackedPage],
+        runs: &[PageRun],
         page_size: u64,
     ) -> Result<Arc<Self>, MttError> {
         let map_err = |e: io::Error| MttError::Map(e.raw_os_error().unwrap_or(libc::EIO));
         let too_large = || MttError::Map(libc::ENOMEM);
-        if pages.is_empty() || !page_size.is_power_of_two() {
+        if runs.is_empty() || !page_size.is_power_of_two() {
             return Err(MttError::Map(libc::EINVAL));
         }
-        let reservation = budget.reserve(file_runs(pages, page_size).count())?;
+        let file_runs = file_runs(runs, page_size);
+        let reservation = budget.reserve(file_runs.len())?;
+        let pages = runs
+            .iter()
+            .try_fold(0u64, |total, run| total.checked_add(run.pages))
+            .ok_or_else(too_large)?;
+        let len = pages
+            .checked_mul(page_size)
+            .and_then(|len| usize::try_from(len).ok())
+            .ok_or_else(too_large)?;
         let page_size = usize::try_from(page_size).map_err(|_| too_large())?;
-        let len = pages.len().checked_mul(page_size).ok_or_else(too_large)?;
         let reserved_len = len.checked_add(page_size).ok_or_else(too_large)?;
         // Reserve address space (no memory) with room to align the start.
         // SAFETY: an anonymous PROT_NONE mapping at a kernel-chosen address affects nothing
@@ -178,20 +251,22 @@ impl GuestPagesMapping {
             len,
             _reservation: reservation,
         };
-        for Range { start, end } in file_runs(pages, page_size as u64) {
-            let offset = libc::off_t::try_from(pages[start].offset).map_err(|_| too_large())?;
-            // SAFETY: the target range lies inside this value's reserved range (replaced in
-            // place by MAP_FIXED, so no other mapping is touched); the fd is open for the
-            // call and the kernel keeps its own reference to the file.
+        let mut at = base;
+        for run in &file_runs {
+            let offset = libc::off_t::try_from(run.offset).map_err(|_| too_large())?;
+            let run_len = run.pages as usize * page_size; // at most `len`
+                                                          // SAFETY: the target range lies inside this value's reserved range (replaced in
+                                                          // place by MAP_FIXED, so no other mapping is touched); the fd is open for the
+                                                          // call and the kernel keeps its own reference to the file.
             let mapped = unsafe {
                 libc::mmap(
-                    (base + start * page_size) as *mut libc::c_void,
-                    (end - start) * page_size,
+                    at as *mut libc::c_void,
+                    run_len,
                     libc::PROT_READ | libc::PROT_WRITE,
                     // Populating here maps the pages many at a time (fault-around);
                     // registration would otherwise fault them in one by one.
                     libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
-                    pages[start].file.as_raw_fd(),
+                    run.file.as_raw_fd(),
                     offset,
                 )
             };
@@ -199,29 +274,28 @@ impl GuestPagesMapping {
                 // `mapping` unmaps the whole range when dropped here.
                 return Err(map_err(io::Error::last_os_error()));
             }
+            at += run_len;
         }
         Ok(Arc::new(mapping))
     }
 }
 
-/// Index ranges of `pages` that are consecutive in one file: each is one mapping.
-fn file_runs(pages: &[BackedPage], page_size: u64) -> impl Iterator<Item = Range<usize>> + '_ {
-    let mut start = 0;
-    std::iter::from_fn(move || {
-        if start >= pages.len() {
-            return None;
+/// `runs` with neighbours that are adjacent in one backing file merged (guest RAM split
+/// into regions around a hole is one file): each is one mapping.
+fn file_runs(runs: &[PageRun], page_size: u64) -> Vec<PageRun> {
+    let mut merged: Vec<PageRun> = Vec::new();
+    for run in runs {
+        match merged.last_mut() {
+            Some(last)
+                if Arc::ptr_eq(&last.file, &run.file)
+                    && Some(run.offset) == last.offset.checked_add(last.pages * page_size) =>
+            {
+                last.pages += run.pages;
+            }
+            _ => merged.push(run.clone()),
         }
-        let mut end = start + 1;
-        while end < pages.len()
-            && Arc::ptr_eq(&pages[end].file, &pages[start].file)
-            && Some(pages[end].offset) == pages[end - 1].offset.checked_add(page_size)
-        {
-            end += 1;
-        }
-        let run = start..end;
-        start = end;
-        Some(run)
-    })
+    }
+    merged
 }
 
 /// Kernel mappings the backend may hold for guest pages at once, shared by all connections.
@@ -315,5 +389,35 @@ impl Drop for GuestPagesMapping {
                 io::Error::last_os_error()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // lists of ranges, some of one
+    fn populated_ranges_merge_and_leave_exactly_the_gaps() {
+        let mut populated = PopulatedRanges::default();
+        assert_eq!(populated.gaps(0..100), [0..100]);
+        populated.insert(10..20);
+        populated.insert(30..40);
+        assert_eq!(populated.gaps(0..50), [0..10, 20..30, 40..50]);
+        assert_eq!(populated.gaps(12..18), []);
+        assert_eq!(populated.gaps(15..35), [20..30]);
+        assert_eq!(populated.gaps(20..30), [20..30]);
+        assert_eq!(populated.gaps(5..5), []);
+        // Adjacent and overlapping ranges merge into one.
+        populated.insert(20..30);
+        assert_eq!(populated.ranges.len(), 1);
+        populated.insert(5..12);
+        populated.insert(38..45);
+        assert_eq!(populated.ranges, BTreeMap::from([(5, 45)]));
+        populated.insert(0..100);
+        assert_eq!(populated.ranges, BTreeMap::from([(0, 100)]));
+        assert_eq!(populated.gaps(90..u64::MAX), [100..u64::MAX]);
+        populated.clear();
+        assert_eq!(populated.gaps(0..10), [0..10]);
     }
 }

@@ -16,7 +16,9 @@ use vrdma_spec::mem::{
     PAGE_LIST_ENTRIES_PER_PAGE, PAGE_LIST_PAGE_SIZE,
 };
 
-pub use crate::guest_mapping::{with_pages_contiguous, GuestPagesMapping, MapBudget};
+pub use crate::guest_mapping::{
+    with_pages_contiguous, GuestPagesMapping, MapBudget, PopulatedRanges,
+};
 
 /// Why a page list was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -82,27 +84,73 @@ pub fn pages_needed(offset: u64, length: u64, page_shift: u8) -> Option<u64> {
     Some(end.div_ceil(page_size))
 }
 
-/// One guest page, resolved to the file and offset that back it.
+/// Pages that follow one another in guest-physical memory inside one region, resolved to
+/// the range of the file that backs them.
 #[derive(Clone, Debug)]
-pub struct BackedPage {
+pub struct PageRun {
+    /// The first page's guest-physical address.
     pub gpa: u64,
+    /// How many pages.
+    pub pages: u64,
     pub file: Arc<File>,
+    /// The first page's offset in `file`.
     pub offset: u64,
 }
 
+impl PageRun {
+    /// The guest-physical address of each page, in order.
+    pub fn gpas(&self, page_size: u64) -> impl Iterator<Item = u64> + '_ {
+        (0..self.pages).map(move |i| self.gpa + i * page_size)
+    }
+}
+
 /// Reads the page list `list` from guest memory, checks it names exactly `expected_pages`
-/// pages, and resolves every page to its backing file. Returns the pages and the page shift.
+/// pages, and resolves every page to its backing file. Returns the pages, in list order, as
+/// runs: a list over contiguous guest memory costs one region lookup, not one per page.
 pub fn resolve_page_list<M: GuestMemoryBackend>(
     mem: &M,
     list: &PageList,
     expected_pages: u64,
     rules: &PageListRules,
-) -> Result<Vec<BackedPage>, MttError> {
+) -> Result<Vec<PageRun>, MttError> {
     let gpas = read_page_list(mem, list, expected_pages, rules)?;
     let page_size = 1u64 << list.page_shift;
-    gpas.into_iter()
-        .map(|gpa| resolve_page(mem, gpa, page_size))
-        .collect()
+    let mut runs: Vec<PageRun> = Vec::new();
+    // The last address of the region holding the current run: a page after the run and
+    // not past it extends the run without looking the region up again.
+    let mut region_last = 0;
+    for gpa in gpas {
+        if !gpa.is_multiple_of(page_size) {
+            return Err(MttError::PageMisaligned { gpa, page_size });
+        }
+        if let Some(run) = runs.last_mut() {
+            let next = run.gpa.checked_add(run.pages * page_size);
+            let inside = gpa
+                .checked_add(page_size - 1)
+                .is_some_and(|last| last <= region_last);
+            if Some(gpa) == next && inside {
+                run.pages += 1;
+                continue;
+            }
+        }
+        let region = check_in_one_region(mem, gpa, page_size)?;
+        let file_offset = region.file_offset().ok_or(MttError::NotFileBacked(gpa))?;
+        let offset = file_offset
+            .start()
+            .checked_add(gpa - region.start_addr().0)
+            .ok_or(MttError::OutsideGuestMemory {
+                gpa,
+                len: page_size,
+            })?;
+        region_last = region.last_addr().0;
+        runs.push(PageRun {
+            gpa,
+            pages: 1,
+            file: Arc::clone(file_offset.arc()),
+            offset,
+        });
+    }
+    Ok(runs)
 }
 
 /// Reads and bounds-checks the page addresses of `list` (not yet the pages themselves).
@@ -199,30 +247,6 @@ fn check_in_one_region<M: GuestMemoryBackend>(
         return Err(outside());
     }
     Ok(region)
-}
-
-fn resolve_page<M: GuestMemoryBackend>(
-    mem: &M,
-    gpa: u64,
-    page_size: u64,
-) -> Result<BackedPage, MttError> {
-    if !gpa.is_multiple_of(page_size) {
-        return Err(MttError::PageMisaligned { gpa, page_size });
-    }
-    let region = check_in_one_region(mem, gpa, page_size)?;
-    let file_offset = region.file_offset().ok_or(MttError::NotFileBacked(gpa))?;
-    let offset = file_offset
-        .start()
-        .checked_add(gpa - region.start_addr().0)
-        .ok_or(MttError::OutsideGuestMemory {
-            gpa,
-            len: page_size,
-        })?;
-    Ok(BackedPage {
-        gpa,
-        file: Arc::clone(file_offset.arc()),
-        offset,
-    })
 }
 
 #[cfg(test)]
@@ -322,12 +346,17 @@ mod tests {
         write_list(&mem, 0, &run);
         let pages = resolve_page_list(&mem, &direct(0, 8), 8, &RULES).unwrap();
         let in_place = mem.get_host_address(GuestAddress(32 * PAGE)).unwrap();
-        let seen = with_pages_contiguous(&mem, &pages, PAGE, |memory| {
+        let mut populated = PopulatedRanges::default();
+        let seen = with_pages_contiguous(&mem, &pages, PAGE, &mut populated, |memory| {
             memory.write(PAGE as usize + 7, b"in place").unwrap();
             (memory.as_ptr(), memory.len())
         })
         .unwrap();
         assert_eq!(seen, (in_place, 8 * PAGE as usize));
+        assert_eq!(
+            populated.gaps(0..64 * PAGE),
+            [0..32 * PAGE, 40 * PAGE..64 * PAGE]
+        );
         let mut got = [0u8; 8];
         mem.read_slice(&mut got, GuestAddress(33 * PAGE + 7))
             .unwrap();
@@ -336,12 +365,55 @@ mod tests {
         for gpas in [[5 * PAGE, 4 * PAGE], [4 * PAGE, 4 * PAGE]] {
             write_list(&mem, 0, &gpas);
             let pages = resolve_page_list(&mem, &direct(0, 2), 2, &RULES).unwrap();
-            let address = with_pages_contiguous(&mem, &pages, PAGE, |m| m.as_ptr()).unwrap();
+            let address =
+                with_pages_contiguous(&mem, &pages, PAGE, &mut populated, |m| m.as_ptr()).unwrap();
             assert_ne!(
                 address,
                 mem.get_host_address(GuestAddress(gpas[0])).unwrap()
             );
         }
+    }
+
+    #[test]
+    fn runs_stop_at_region_ends_and_file_neighbours_share_one_mapping() {
+        static BUDGET: MapBudget = MapBudget::new(16);
+        let mem = guest_memory();
+        // The last two pages of the low region, then the first two at 4 GiB: adjacent in
+        // the file behind both regions, but two runs in guest-physical memory.
+        let low_end = (1 << 20) - 2 * PAGE;
+        let gpas = [low_end, low_end + PAGE, 4 << 30, (4 << 30) + PAGE];
+        write_list(&mem, 0, &gpas);
+        let runs = resolve_page_list(&mem, &direct(0, 4), 4, &RULES).unwrap();
+        let shape: Vec<(u64, u64, u64)> = runs.iter().map(|r| (r.gpa, r.pages, r.offset)).collect();
+        assert_eq!(
+            shape,
+            [(low_end, 2, low_end), (4 << 30, 2, 1 << 20)],
+            "one run per region"
+        );
+        let mapping = GuestPagesMapping::new_within(&BUDGET, &runs, PAGE).unwrap();
+        assert_eq!(BUDGET.in_use(), 1, "one mapping for the file's one range");
+        assert_eq!(mapping.len() as u64, 4 * PAGE);
+        // Two adjacent regions backed by different files never share a run.
+        let split = GuestMemoryMmap::from_ranges_with_files([
+            (
+                GuestAddress(0),
+                1 << 20,
+                Some(FileOffset::new(backing_file(1 << 20), 0)),
+            ),
+            (
+                GuestAddress(1 << 20),
+                1 << 20,
+                Some(FileOffset::new(backing_file(1 << 20), 0)),
+            ),
+        ])
+        .unwrap();
+        let across = [(1 << 20) - PAGE, 1 << 20];
+        write_list(&split, 0, &across);
+        let runs = resolve_page_list(&split, &direct(0, 2), 2, &RULES).unwrap();
+        assert_eq!(runs.len(), 2);
+        assert!(!Arc::ptr_eq(&runs[0].file, &runs[1].file));
+        drop(mapping);
+        assert_eq!(BUDGET.in_use(), 0);
     }
 
     #[test]
@@ -394,7 +466,8 @@ mod tests {
             ..direct(12 * PAGE, npages)
         };
         let pages = resolve_page_list(&mem, &list, npages.into(), &RULES).unwrap();
-        assert_eq!(pages.iter().map(|p| p.gpa).collect::<Vec<_>>(), gpas);
+        let resolved: Vec<u64> = pages.iter().flat_map(|run| run.gpas(PAGE)).collect();
+        assert_eq!(resolved, gpas);
     }
 
     #[test]

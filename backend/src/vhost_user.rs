@@ -278,6 +278,7 @@ impl VhostUserBackendMut for RdmaBackend {
             )));
         }
         self.last_table = Some((*mem.memory()).clone());
+        self.device.memory_changed();
         self.device.data_path().set_memory(mem.clone());
         self.mem = mem;
         Ok(())

@@ -6,7 +6,9 @@
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{
+    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+};
 use vrdma_backend::mtt::{resolve_page_list, PageListRules};
 use vrdma_spec::mem::PageList;
 use vrdma_spec::read_wire;
@@ -66,13 +68,14 @@ fuzz_target!(|input: &[u8]| {
         GuestAddress(LIST_AREA + len as u64),
     )
     .unwrap();
-    if let Ok(pages) = resolve_page_list(mem, &list, expected, &rules) {
+    if let Ok(runs) = resolve_page_list(mem, &list, expected, &rules) {
         let page_size = 1u64 << list.page_shift;
-        assert_eq!(pages.len() as u64, expected);
-        for page in pages {
-            assert_eq!(page.gpa % page_size, 0);
-            let last = GuestAddress(page.gpa + page_size - 1);
-            assert!(mem.address_in_range(GuestAddress(page.gpa)) && mem.address_in_range(last));
+        assert_eq!(runs.iter().map(|run| run.pages).sum::<u64>(), expected);
+        for run in runs {
+            assert_eq!(run.gpa % page_size, 0);
+            // Every run lies inside one region.
+            let region = mem.find_region(GuestAddress(run.gpa)).unwrap();
+            assert!(run.gpa + run.pages * page_size - 1 <= region.last_addr().0);
         }
     }
 });

@@ -49,6 +49,8 @@ pub struct Device {
     data_path: DataPath,
     /// The connection's failed commands, counted by rule.
     refusals: RefusalLog,
+    /// What of the backend's mapping of guest RAM registrations have populated.
+    populated: mtt::PopulatedRanges,
 }
 
 /// Whether `bytes` more of `kind` fit a quota of `quota` bytes with `used` in use.
@@ -150,6 +152,7 @@ impl Device {
             config: advertised,
             objects: Objects::new(),
             refusals: RefusalLog::new(),
+            populated: mtt::PopulatedRanges::default(),
         })
     }
 
@@ -167,6 +170,11 @@ impl Device {
     pub fn set_acked_features(&mut self, acked: u64) {
         // Each SET_FEATURES (a driver negotiates again after a reset) replaces the last.
         self.features = self.offered & (acked | features::VERSION_1);
+    }
+
+    /// The guest's memory table changed: the backend's mappings of guest RAM are new.
+    pub fn memory_changed(&mut self) {
+        self.populated.clear();
     }
 
     /// The data path serving this connection's rings.
@@ -412,8 +420,9 @@ impl Device {
         let bytes = u64::from(depth) << stride_shift;
         let expected =
             pages_needed(0, bytes, list.page_shift).ok_or(Refusal::Overflow("ring size"))?;
-        let pages = mtt::resolve_page_list(mem, list, expected, &self.page_rules())?;
-        let gpas: Vec<u64> = pages.into_iter().map(|p| p.gpa).collect();
+        let runs = mtt::resolve_page_list(mem, list, expected, &self.page_rules())?;
+        let page_size = 1u64 << list.page_shift;
+        let gpas: Vec<u64> = runs.iter().flat_map(|run| run.gpas(page_size)).collect();
         // One page listed many times would let a small guest buffer stand for a huge queue
         // on the host.
         let mut distinct = gpas.clone();
@@ -512,10 +521,11 @@ impl Device {
             self.quotas.max_registered_bytes,
         )?;
         let expected = pages_needed(offset, length, shift).ok_or(Refusal::Overflow("MR range"))?;
-        let pages = mtt::resolve_page_list(mem, &req.pages, expected, &self.page_rules())?;
+        let runs = mtt::resolve_page_list(mem, &req.pages, expected, &self.page_rules())?;
         // Any mapping made lives only for the registration: the MR keeps the pages pinned,
         // so the mappings a guest causes do not pile up with its MRs (SPEC.md §6).
-        let mr = mtt::with_pages_contiguous(mem, &pages, page_size, |memory| {
+        let populated = &mut self.populated;
+        let mr = mtt::with_pages_contiguous(mem, &runs, page_size, populated, |memory| {
             pd.reg_mr_pinned(memory, offset as usize, length as usize, virt_addr, access)
         })??;
         let (lkey, rkey) = (mr.lkey(), mr.rkey());

@@ -90,6 +90,21 @@ impl AnonymousMemory {
             len,
         })
     }
+
+    /// Asks the kernel to back the memory with transparent huge pages (`huge`) or with base
+    /// pages only; it applies to pages not yet touched.
+    pub fn advise_huge_pages(&self, huge: bool) -> Result<()> {
+        let advice = if huge {
+            libc::MADV_HUGEPAGE
+        } else {
+            libc::MADV_NOHUGEPAGE
+        };
+        // SAFETY: the range is this value's own mapping; the advice changes no contents.
+        if unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) } != 0 {
+            return Err(last_error("madvise"));
+        }
+        Ok(())
+    }
 }
 
 // SAFETY: the mapping lives exactly as long as the value (unmapped in Drop, never moved).

@@ -5,9 +5,11 @@
 //! Sizes: VRDMA_BENCH_QPS (16384), VRDMA_BENCH_GUESTS (64), VRDMA_BENCH_MR_MIB (1024); the test
 //! suite's smoke run makes them small.
 //!
-//! Prints markdown tables: QP create -> RTS and 1 GiB reg/dereg, natively through the backend's
-//! host verbs layer and through vrdma (guest-lib over the backend at SOCKET); then 16,384 QPs
-//! in one guest and 64 concurrent guests, with the backend's memory (from /proc/BACKEND_PID).
+//! Prints markdown tables: QP create -> RTS and 1 GiB reg/dereg over 2 MiB and over 4 KiB
+//! pages, natively through the backend's host verbs layer and through vrdma (guest-lib over
+//! the backend at SOCKET); then 16,384 QPs in one guest and 64 concurrent guests, with the
+//! backend's memory (from /proc/BACKEND_PID). The 2 MiB rows need 2 MiB huge pages reserved
+//! for the guest's memory (VRDMA_BENCH_MR_MIB of them, and some).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,8 +42,8 @@ fn main() {
     let mr_bytes = size_from_env("VRDMA_BENCH_MR_MIB", 1024) << 20;
     let mr_label = format!("{} MiB", mr_bytes >> 20);
 
-    let (native_qp, [native_reg, native_dereg, native_again]) = native_control_path(mr_bytes);
-    let (vrdma_qp, [vrdma_reg, vrdma_dereg, vrdma_again]) = vrdma_control_path(socket, mr_bytes);
+    let native_qp = native_qp_setup();
+    let vrdma_qp = vrdma_qp_setup(socket);
     println!("| control path | native rxe | vrdma | vrdma / native |");
     println!("|---|---|---|---|");
     let row = |what: &str, unit: &str, n: f64, v: f64| {
@@ -53,24 +55,26 @@ fn main() {
         per(native_qp, QPS_TIMED),
         per(vrdma_qp, QPS_TIMED),
     );
-    row(
-        &format!("reg_mr {mr_label}"),
-        "ms",
-        native_reg.as_secs_f64() * 1e3,
-        vrdma_reg.as_secs_f64() * 1e3,
-    );
-    row(
-        &format!("dereg_mr {mr_label}"),
-        "ms",
-        native_dereg.as_secs_f64() * 1e3,
-        vrdma_dereg.as_secs_f64() * 1e3,
-    );
-    row(
-        &format!("reg_mr {mr_label} again (its pages now in the backend's page tables)"),
-        "ms",
-        native_again.as_secs_f64() * 1e3,
-        vrdma_again.as_secs_f64() * 1e3,
-    );
+    for pages in [PageSize::Huge, PageSize::Base] {
+        let native = native_registration(mr_bytes, pages);
+        let vrdma = vrdma_registration(socket, mr_bytes, pages);
+        let what = [
+            format!("reg_mr {mr_label}, {}", pages.label()),
+            format!("dereg_mr {mr_label}, {}", pages.label()),
+            format!(
+                "reg_mr {mr_label} again, {} (now in the backend's page tables)",
+                pages.label()
+            ),
+        ];
+        for ((what, native), vrdma) in what.iter().zip(native).zip(vrdma) {
+            row(
+                what,
+                "ms",
+                native.as_secs_f64() * 1e3,
+                vrdma.as_secs_f64() * 1e3,
+            );
+        }
+    }
 
     // What the host provider's library allocates per QP in the process that creates it:
     // the backend pays it as native does.
@@ -206,8 +210,27 @@ impl Resident {
     }
 }
 
-/// Native: QP create -> RTS; reg_mr, dereg and reg_mr again of `mr_bytes` through host verbs.
-fn native_control_path(mr_bytes: u64) -> (Duration, [Duration; 3]) {
+/// The pages behind the memory registered: the registration's cost is per page.
+#[derive(Clone, Copy)]
+enum PageSize {
+    /// 2 MiB: transparent huge pages natively; hugetlb pages for the guest's memory, as
+    /// vhost-user deployments back guest RAM (the host must have them reserved).
+    Huge,
+    /// 4 KiB on both sides.
+    Base,
+}
+
+impl PageSize {
+    fn label(self) -> &'static str {
+        match self {
+            PageSize::Huge => "2 MiB pages",
+            PageSize::Base => "4 KiB pages",
+        }
+    }
+}
+
+/// Native: QP create -> RTS through host verbs, per QP.
+fn native_qp_setup() -> Duration {
     let context = open_test_device();
     let (gid_index, gid) = context.find_roce_v2_ipv4_gid(PORT).unwrap();
     let pd = context.alloc_pd().unwrap();
@@ -226,18 +249,28 @@ fn native_control_path(mr_bytes: u64) -> (Duration, [Duration; 3]) {
             endpoint
         })
         .collect();
-    let qps = start.elapsed();
+    let elapsed = start.elapsed();
     drop(endpoints);
+    elapsed
+}
+
+/// Native: reg_mr, dereg and reg_mr again of `mr_bytes` of anonymous memory in `pages`,
+/// touched first as a program's buffer is.
+fn native_registration(mr_bytes: u64, pages: PageSize) -> [Duration; 3] {
+    let context = open_test_device();
+    let pd = context.alloc_pd().unwrap();
     let memory = Arc::new(AnonymousMemory::new(mr_bytes as usize).unwrap());
+    memory
+        .advise_huge_pages(matches!(pages, PageSize::Huge))
+        .unwrap();
     for page in (0..mr_bytes as usize).step_by(4096) {
-        memory.write(page, &[1]).unwrap(); // fault it in, as guest RAM already is
+        memory.write(page, &[1]).unwrap();
     }
     let memory = memory as Arc<dyn PinnedMemory>;
-    let times = reg_dereg_reg(|| {
+    reg_dereg_reg(|| {
         pd.reg_mr(Arc::clone(&memory), 0x10_0000_0000, FULL_ACCESS)
             .unwrap()
-    });
-    (qps, times)
+    })
 }
 
 /// Times `register`, dropping what it registered (deregistration), and `register` again.
@@ -291,8 +324,8 @@ fn native_heap_per_qp(count: u32) -> f64 {
     heap
 }
 
-/// vrdma: the same through guest-lib and the backend.
-fn vrdma_control_path(socket: &str, mr_bytes: u64) -> (Duration, [Duration; 3]) {
+/// vrdma: QP create -> RTS through guest-lib and the backend, per QP.
+fn vrdma_qp_setup(socket: &str) -> Duration {
     let device = Device::attach(socket).unwrap();
     let (gid_index, gid) = device.gid().unwrap();
     let pd = device.alloc_pd().unwrap();
@@ -309,12 +342,29 @@ fn vrdma_control_path(socket: &str, mr_bytes: u64) -> (Duration, [Duration; 3]) 
             qp
         })
         .collect();
-    let qps_time = start.elapsed();
+    let elapsed = start.elapsed();
     drop(qps);
+    elapsed
+}
+
+/// vrdma: the registrations of [`native_registration`] over guest memory in `pages`, on a
+/// connection of their own.
+fn vrdma_registration(socket: &str, mr_bytes: u64, pages: PageSize) -> [Duration; 3] {
+    let options = DirectOptions {
+        huge_pages: matches!(pages, PageSize::Huge),
+        ..Default::default()
+    };
+    let device = Device::attach_with(socket, options).unwrap_or_else(|e| {
+        panic!(
+            "attach with {}: {e} (are huge pages reserved?)",
+            pages.label()
+        )
+    });
+    let pd = device.alloc_pd().unwrap();
     let buffer = device.alloc_buffer(mr_bytes).unwrap();
     for page in (0..mr_bytes).step_by(4096) {
         buffer.write(page, &[1]).unwrap(); // fault it in, as guest RAM already is
     }
     let all = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
-    (qps_time, reg_dereg_reg(|| pd.reg_mr(&buffer, all).unwrap()))
+    reg_dereg_reg(|| pd.reg_mr(&buffer, all).unwrap())
 }
