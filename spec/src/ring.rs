@@ -241,15 +241,14 @@ wire_struct!(
 /// True when the CQE at free-running index `index` of a ring of `depth` entries (a power of
 /// two) holds a completion the driver has not consumed yet, given its `owner` byte.
 pub fn cqe_is_valid(owner: u8, index: u32, depth: u32) -> bool {
-    debug_assert!(depth.is_power_of_two());
-    let lap = index / depth;
-    (owner & 1) as u32 == (lap & 1) ^ 1
+    owner & 1 == cqe_owner_for(index, depth)
 }
 
 /// The `owner` byte the device writes into the CQE at free-running index `index`.
 pub fn cqe_owner_for(index: u32, depth: u32) -> u8 {
     debug_assert!(depth.is_power_of_two());
-    (((index / depth) & 1) ^ 1) as u8
+    // 1 on even laps of the ring (index / depth), 0 on odd ones; depth is a power of two.
+    u8::from(index & depth == 0)
 }
 
 #[cfg(test)]

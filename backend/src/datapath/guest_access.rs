@@ -41,6 +41,27 @@ pub(super) fn store<O: AtomicAccess>(
     Ok(slice_at(mem, addr, size_of::<O>())?.store(value, 0, order)?)
 }
 
+/// Writes `entry` over the start of `slice` so that it appears whole: every word but the last
+/// with plain volatile writes, then the last with one release store, so a guest that reads
+/// the last word (where a CQE's owner byte is) with acquire also sees the rest. False if the
+/// slice is too short or misaligned.
+pub(super) fn publish_words<const N: usize>(slice: &VolatileSlice, entry: &[u64; N]) -> bool {
+    let Some((last, body)) = entry.split_last() else {
+        return true;
+    };
+    let guard = slice.ptr_guard_mut();
+    let target = guard.as_ptr();
+    if slice.len() < 8 * N || !(target as usize).is_multiple_of(8) {
+        return false;
+    }
+    for (index, word) in body.iter().enumerate() {
+        // SAFETY: the word lies inside the slice (8 * N <= slice.len(), checked above), which
+        // stays mapped while `guard` lives, and is 8-byte aligned (checked above).
+        unsafe { target.add(8 * index).cast::<u64>().write_volatile(*word) };
+    }
+    slice.store(*last, 8 * (N - 1), Ordering::Release).is_ok()
+}
+
 /// The slots of one ring through one memory snapshot, keeping the page last looked up (a
 /// visit takes consecutive slots).
 pub(super) struct Slots<'m> {
@@ -104,6 +125,25 @@ mod tests {
         assert!(load::<u32>(&mem, 0x1ffe, Ordering::Acquire).is_err());
         assert!(
             store(&mem, 1u32, 0x1002, Ordering::Release).is_err(),
+            "misaligned"
+        );
+    }
+
+    #[test]
+    fn published_words_land_whole_and_short_or_misaligned_slots_are_refused() {
+        let mem = two_regions();
+        let words = [1u64, 2, 3, u64::MAX];
+        assert!(publish_words(&slice_at(&mem, 0x200, 32).unwrap(), &words));
+        let mut seen = [0u8; 32];
+        slice_at(&mem, 0x200, 32).unwrap().copy_to(&mut seen);
+        let expected: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert_eq!(seen[..], expected[..]);
+        assert!(
+            !publish_words(&slice_at(&mem, 0x300, 24).unwrap(), &words),
+            "too short"
+        );
+        assert!(
+            !publish_words(&slice_at(&mem, 0x304, 32).unwrap(), &words),
             "misaligned"
         );
     }

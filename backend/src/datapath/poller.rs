@@ -5,7 +5,7 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryBackend, VolatileMemory};
+use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryBackend, VolatileMemory};
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vrdma_spec::codec::{ring_pending, ArmRequest};
 use vrdma_spec::ring::{
@@ -14,7 +14,7 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
-use super::guest_access::{load, store, Slots};
+use super::guest_access::{load, publish_words, store, Slots};
 use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
 use super::wqe::{self, QpRules, SendRequest, WqeError};
 use super::{Memory, Rung, Shard, ShardObjects, Shared, BATCH, SLEEP_LIMIT_MS};
@@ -650,14 +650,15 @@ impl Poller {
         progress: &mut CqProgress,
         mut cqe: Cqe,
     ) -> bool {
-        let owner = cqe_owner_for(progress.producer, cq.ring.depth);
-        cqe.owner = 0;
-        let body = &cqe.as_slice()[..CQE_SIZE - 1];
-        // The body first, then (release) the owner byte that makes it visible.
-        let written = slots.slot(progress.producer).is_some_and(|slot| {
-            slot.copy_from(body);
-            slot.store(owner, CQE_SIZE - 1, Ordering::Release).is_ok()
-        });
+        cqe.owner = cqe_owner_for(progress.producer, cq.ring.depth);
+        let mut words = [0u64; CQE_SIZE / 8];
+        for (word, bytes) in words.iter_mut().zip(cqe.as_slice().chunks_exact(8)) {
+            *word = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
+        }
+        // The owner byte is in the last word, which is stored last (release).
+        let written = slots
+            .slot(progress.producer)
+            .is_some_and(|slot| publish_words(&slot, &words));
         if written {
             progress.producer = progress.producer.wrapping_add(1);
         } else {
