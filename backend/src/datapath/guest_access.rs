@@ -12,6 +12,8 @@ use vm_memory::{
     VolatileSlice,
 };
 
+use vrdma_spec::codec::ring_slot;
+
 use super::queues::GuestRing;
 use super::Memory;
 
@@ -41,25 +43,31 @@ pub(super) fn store<O: AtomicAccess>(
     Ok(slice_at(mem, addr, size_of::<O>())?.store(value, 0, order)?)
 }
 
-/// Writes `entry` over the start of `slice` so that it appears whole: every word but the last
+/// Writes `entry` at `offset` in `slice` so that it appears whole: every word but the last
 /// with plain volatile writes, then the last with one release store, so a guest that reads
-/// the last word (where a CQE's owner byte is) with acquire also sees the rest. False if the
-/// slice is too short or misaligned.
-pub(super) fn publish_words<const N: usize>(slice: &VolatileSlice, entry: &[u64; N]) -> bool {
+/// the last word (where a CQE's owner byte is) with acquire also sees the rest. False if it
+/// does not fit in the slice or is misaligned.
+fn publish_words<const N: usize>(slice: &VolatileSlice, offset: usize, entry: &[u64; N]) -> bool {
     let Some((last, body)) = entry.split_last() else {
         return true;
     };
     let guard = slice.ptr_guard_mut();
-    let target = guard.as_ptr();
-    if slice.len() < 8 * N || !(target as usize).is_multiple_of(8) {
+    let fits = offset
+        .checked_add(8 * N)
+        .is_some_and(|end| end <= slice.len());
+    // The end is in bounds, so `offset` is too.
+    let target = guard.as_ptr().wrapping_add(offset);
+    if !fits || !(target as usize).is_multiple_of(8) {
         return false;
     }
     for (index, word) in body.iter().enumerate() {
-        // SAFETY: the word lies inside the slice (8 * N <= slice.len(), checked above), which
-        // stays mapped while `guard` lives, and is 8-byte aligned (checked above).
+        // SAFETY: the word lies inside the slice (offset + 8 * N <= slice.len(), checked
+        // above), which stays mapped while `guard` lives, and is 8-byte aligned (checked).
         unsafe { target.add(8 * index).cast::<u64>().write_volatile(*word) };
     }
-    slice.store(*last, 8 * (N - 1), Ordering::Release).is_ok()
+    slice
+        .store(*last, offset + 8 * (N - 1), Ordering::Release)
+        .is_ok()
 }
 
 /// The slots of one ring through one memory snapshot, keeping the page last looked up (a
@@ -79,9 +87,34 @@ impl<'m> Slots<'m> {
         }
     }
 
-    /// Slot `index` (any u32: the ring index wraps), `None` if guest memory no longer holds
-    /// its page.
-    pub(super) fn slot(&mut self, index: u32) -> Option<VolatileSlice<'m>> {
+    /// Writes `entry` into slot `index` as [`publish_words`] does (a CQE: its owner byte
+    /// last); false if guest memory no longer holds the page or the entry does not fit.
+    pub(super) fn publish<const N: usize>(&mut self, index: u32, entry: &[u64; N]) -> bool {
+        self.page_of(index)
+            .is_some_and(|(page, in_page)| publish_words(&page, in_page, entry))
+    }
+
+    /// Up to `max` (at least 1) consecutive slots from `index` (any u32: the ring index
+    /// wraps): as many as follow it in its
+    /// page before the ring wraps, as one slice, with their count; `None` if guest memory no
+    /// longer holds the page. A batch of WQEs is then one copy, not one per slot.
+    pub(super) fn run(&mut self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
+        let ring = self.ring;
+        let (page, in_page) = self.page_of(index)?;
+        let left_in_ring = ring.depth - ring_slot(index, ring.depth);
+        let left_in_page = (page.len() - in_page) >> ring.stride_shift;
+        let count = max
+            .max(1)
+            .min(left_in_ring)
+            .min(u32::try_from(left_in_page).unwrap_or(u32::MAX));
+        let slots = page
+            .subslice(in_page, (count as usize) << ring.stride_shift)
+            .ok()?;
+        Some((slots, count))
+    }
+
+    /// The page holding slot `index` and the slot's offset in it.
+    fn page_of(&mut self, index: u32) -> Option<(VolatileSlice<'m>, usize)> {
         let (page, in_page) = self.ring.slot_position(index);
         let slice = match self.page {
             Some((cached, slice)) if cached == page => slice,
@@ -92,7 +125,7 @@ impl<'m> Slots<'m> {
                 slice
             }
         };
-        slice.subslice(in_page, self.ring.stride()).ok()
+        Some((slice, in_page))
     }
 }
 
@@ -133,19 +166,18 @@ mod tests {
     fn published_words_land_whole_and_short_or_misaligned_slots_are_refused() {
         let mem = two_regions();
         let words = [1u64, 2, 3, u64::MAX];
-        assert!(publish_words(&slice_at(&mem, 0x200, 32).unwrap(), &words));
+        let page = slice_at(&mem, 0x200, 0x40).unwrap();
+        assert!(publish_words(&page, 0x20, &words));
         let mut seen = [0u8; 32];
-        slice_at(&mem, 0x200, 32).unwrap().copy_to(&mut seen);
+        slice_at(&mem, 0x220, 32).unwrap().copy_to(&mut seen);
         let expected: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
         assert_eq!(seen[..], expected[..]);
+        assert!(!publish_words(&page, 0x28, &words), "past the end");
         assert!(
-            !publish_words(&slice_at(&mem, 0x300, 24).unwrap(), &words),
-            "too short"
+            !publish_words(&page, usize::MAX - 8, &words),
+            "past the end"
         );
-        assert!(
-            !publish_words(&slice_at(&mem, 0x304, 32).unwrap(), &words),
-            "misaligned"
-        );
+        assert!(!publish_words(&page, 4, &words), "misaligned");
     }
 
     #[test]
@@ -154,17 +186,28 @@ mod tests {
         // Two 4 KiB pages in reverse order, 1 KiB slots: slot 5 is the second slot of page 1.
         let ring = GuestRing::new(vec![0x1000, 0], 12, 10, 8);
         let mut slots = Slots::new(&ring, &mem);
-        slots.slot(5).unwrap().copy_from(b"five");
+        slots.run(5, 1).unwrap().0.copy_from(b"five");
         let mut out = [0u8; 4];
         mem.read_slice(&mut out, GuestAddress(0x400)).unwrap();
         assert_eq!(&out, b"five");
         slots
-            .slot(5u32.wrapping_add(8 << 20))
+            .run(5u32.wrapping_add(8 << 20), 1)
             .unwrap()
+            .0
             .copy_to(&mut out);
         assert_eq!(&out, b"five", "the index wraps at the depth");
-        assert_eq!(slots.slot(1).unwrap().len(), 1024);
+        assert_eq!(slots.run(1, 1).unwrap().0.len(), 1024);
+        // Runs stop at the end of a page and where the ring wraps.
+        let (run, count) = slots.run(4, 8).unwrap();
+        assert_eq!((run.len(), count), (4 * 1024, 4));
+        let (_, count) = slots.run(6, 8).unwrap();
+        assert_eq!(count, 2, "the page ends");
+        let (_, count) = slots.run(2, 1).unwrap();
+        assert_eq!(count, 1, "no more than asked");
+        let (run, count) = slots.run(7u32.wrapping_add(8 << 20), 8).unwrap();
+        assert_eq!((run.len(), count), (1024, 1), "the ring wraps");
         let gone = GuestRing::new(vec![0x4000], 12, 10, 4);
-        assert!(Slots::new(&gone, &mem).slot(0).is_none());
+        assert!(Slots::new(&gone, &mem).run(0, 1).is_none());
+        assert!(!Slots::new(&gone, &mem).publish(0, &[1u64]));
     }
 }

@@ -14,7 +14,7 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
-use super::guest_access::{load, publish_words, store, Slots};
+use super::guest_access::{load, store, Slots};
 use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
 use super::wqe::{self, QpRules, SendRequest, WqeError};
 use super::{Memory, Rung, Shard, ShardObjects, Shared, BATCH, SLEEP_LIMIT_MS};
@@ -47,7 +47,8 @@ impl Visit {
 pub(super) struct Poller {
     shared: Arc<Shared>,
     index: usize,
-    slot: Vec<u8>,
+    /// Copies of a batch of WQEs, taken from the ring a page's worth of slots at a time.
+    slots: Vec<u8>,
     sges: Vec<Sge>,
     requests: Vec<SendRequest>,
     inline: Vec<u8>,
@@ -89,7 +90,7 @@ impl Poller {
         Poller {
             shared,
             index,
-            slot: vec![0; 1 << vrdma_spec::ring::MAX_WQE_SHIFT],
+            slots: vec![0; (BATCH as usize) << vrdma_spec::ring::MAX_WQE_SHIFT],
             sges: Vec::with_capacity(BATCH as usize * 32),
             requests: Vec::with_capacity(BATCH as usize),
             inline: Vec::with_capacity(BATCH as usize * 4096),
@@ -344,38 +345,44 @@ impl Poller {
             let lookup = |lkey| mrs.get(&lkey).copied();
             let ahs = shared.ahs.read().unwrap_or_else(|e| e.into_inner());
             let mut slots = Slots::new(&qp.sq, mem);
-            for i in 0..pending.min(BATCH) {
-                let slot = &mut self.slot[..stride];
-                let Some(source) = slots.slot(progress.sq_consumer.wrapping_add(i)) else {
+            let batch = pending.min(BATCH);
+            let mut copied = 0;
+            'slots: while copied < batch {
+                let index = progress.sq_consumer.wrapping_add(copied);
+                let Some((run, count)) = slots.run(index, batch - copied) else {
                     progress.failed = true;
                     self.fail_qp(qp, &mut progress, &"SQ ring unreadable");
                     return Visit::WORKED;
                 };
-                source.copy_to(slot);
-                let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-                match wqe::parse_send(slot, &qp.rules, &lookup, &mut self.sges) {
-                    Ok(request) => {
-                        if let Some(len) = request.inline_len {
-                            self.inline.extend_from_slice(&slot[64..64 + len]);
-                        }
-                        if let Some((ah, _, _)) = request.ud {
-                            match ahs.get(&ah) {
-                                Some((pd, handle)) if *pd == qp.rules.pd => {
-                                    self.ahs.push(Arc::clone(handle))
-                                }
-                                _ => {
-                                    let error = WqeError::UnknownAh(ah);
-                                    refused = Some((wr_id, request.op.completion_opcode(), error));
-                                    break;
+                copied += count;
+                let wqes = &mut self.slots[..count as usize * stride];
+                run.copy_to(wqes);
+                for slot in wqes.chunks_exact(stride) {
+                    let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
+                    match wqe::parse_send(slot, &qp.rules, &lookup, &mut self.sges) {
+                        Ok(request) => {
+                            if let Some(len) = request.inline_len {
+                                self.inline.extend_from_slice(&slot[64..64 + len]);
+                            }
+                            if let Some((ah, _, _)) = request.ud {
+                                match ahs.get(&ah) {
+                                    Some((pd, handle)) if *pd == qp.rules.pd => {
+                                        self.ahs.push(Arc::clone(handle))
+                                    }
+                                    _ => {
+                                        let error = WqeError::UnknownAh(ah);
+                                        let opcode = request.op.completion_opcode();
+                                        refused = Some((wr_id, opcode, error));
+                                        break 'slots;
+                                    }
                                 }
                             }
+                            self.requests.push(request);
                         }
-                        self.requests.push(request);
-                    }
-                    Err(error) => {
-                        let opcode = wc_opcode::SEND;
-                        refused = Some((wr_id, opcode, error));
-                        break;
+                        Err(error) => {
+                            refused = Some((wr_id, wc_opcode::SEND, error));
+                            break 'slots;
+                        }
                     }
                 }
             }
@@ -472,16 +479,23 @@ impl Poller {
         let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
         let lookup = |lkey| mrs.get(&lkey).copied();
         let mut slots = Slots::new(ring, mem);
-        for i in 0..pending.min(BATCH) {
-            let slot = &mut self.slot[..ring.stride()];
-            let Some(source) = slots.slot(consumer.wrapping_add(i)) else {
+        let stride = ring.stride();
+        let batch = pending.min(BATCH);
+        let mut copied = 0;
+        while copied < batch {
+            let Some((run, count)) = slots.run(consumer.wrapping_add(copied), batch - copied)
+            else {
                 return Some((0, WqeError::RingUnreadable));
             };
-            source.copy_to(slot);
-            let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-            match wqe::parse_recv(slot, rules, &lookup, &mut self.sges) {
-                Ok(received) => self.recv.push(received),
-                Err(error) => return Some((wr_id, error)),
+            copied += count;
+            let wqes = &mut self.slots[..count as usize * stride];
+            run.copy_to(wqes);
+            for slot in wqes.chunks_exact(stride) {
+                let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
+                match wqe::parse_recv(slot, rules, &lookup, &mut self.sges) {
+                    Ok(received) => self.recv.push(received),
+                    Err(error) => return Some((wr_id, error)),
+                }
             }
         }
         None
@@ -656,9 +670,7 @@ impl Poller {
             *word = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
         }
         // The owner byte is in the last word, which is stored last (release).
-        let written = slots
-            .slot(progress.producer)
-            .is_some_and(|slot| publish_words(&slot, &words));
+        let written = slots.publish(progress.producer, &words);
         if written {
             progress.producer = progress.producer.wrapping_add(1);
         } else {
