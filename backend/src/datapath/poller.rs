@@ -503,19 +503,18 @@ impl Poller {
 
     /// Posts what `read_receives` collected with `post`; returns how many the host took.
     fn post_receives(&self, post: impl Fn(&[RecvWr<'_>]) -> hostverbs::Result<()>) -> usize {
+        // A batch at most (read_receives takes no more), built on the stack.
+        let mut wrs = [RecvWr::default(); BATCH as usize];
+        let wrs = &mut wrs[..self.recv.len()];
         let mut at = 0;
-        let wrs: Vec<RecvWr<'_>> = self
-            .recv
-            .iter()
-            .map(|&(wr_id, count)| {
-                at += count;
-                RecvWr {
-                    wr_id,
-                    sges: &self.sges[at - count..at],
-                }
-            })
-            .collect();
-        match post(&wrs) {
+        for (wr, &(wr_id, count)) in wrs.iter_mut().zip(&self.recv) {
+            at += count;
+            *wr = RecvWr {
+                wr_id,
+                sges: &self.sges[at - count..at],
+            };
+        }
+        match post(wrs) {
             Ok(()) => wrs.len(),
             Err(hostverbs::Error::Post { posted, .. }) => posted,
             Err(_) => 0,

@@ -332,7 +332,7 @@ impl<'a> SendWr<'a> {
 }
 
 /// A receive work request.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct RecvWr<'a> {
     pub wr_id: u64,
     pub sges: &'a [Sge],
