@@ -254,10 +254,11 @@ impl GuestPagesMapping {
         let mut at = base;
         for run in &file_runs {
             let offset = libc::off_t::try_from(run.offset).map_err(|_| too_large())?;
-            let run_len = run.pages as usize * page_size; // at most `len`
-                                                          // SAFETY: the target range lies inside this value's reserved range (replaced in
-                                                          // place by MAP_FIXED, so no other mapping is touched); the fd is open for the
-                                                          // call and the kernel keeps its own reference to the file.
+            // The runs' pages add up to `len`, so neither this nor `at` overflows.
+            let run_len = run.pages as usize * page_size;
+            // SAFETY: the target range lies inside this value's reserved range (replaced in
+            // place by MAP_FIXED, so no other mapping is touched); the fd is open for the
+            // call and the kernel keeps its own reference to the file.
             let mapped = unsafe {
                 libc::mmap(
                     at as *mut libc::c_void,

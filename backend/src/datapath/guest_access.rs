@@ -44,20 +44,23 @@ pub(super) fn store<O: AtomicAccess>(
 }
 
 /// Writes `entry` at `offset` in `slice` so that it appears whole: every word but the last
-/// with plain volatile writes, then the last with one release store, so a guest that reads
-/// the last word (where a CQE's owner byte is) with acquire also sees the rest. False if it
-/// does not fit in the slice or is misaligned.
+/// with plain volatile writes, then the last with one release store, so a guest that sees
+/// the last word change (a CQE's owner byte is in it) with an acquire load also sees the
+/// rest. False if it does not fit in the slice or is misaligned.
 fn publish_words<const N: usize>(slice: &VolatileSlice, offset: usize, entry: &[u64; N]) -> bool {
     let Some((last, body)) = entry.split_last() else {
         return true;
     };
-    let guard = slice.ptr_guard_mut();
     let fits = offset
         .checked_add(8 * N)
         .is_some_and(|end| end <= slice.len());
-    // The end is in bounds, so `offset` is too.
-    let target = guard.as_ptr().wrapping_add(offset);
-    if !fits || !(target as usize).is_multiple_of(8) {
+    if !fits {
+        return false;
+    }
+    let guard = slice.ptr_guard_mut();
+    // SAFETY: `offset` is inside the slice (checked above).
+    let target = unsafe { guard.as_ptr().add(offset) };
+    if !(target as usize).is_multiple_of(8) {
         return false;
     }
     for (index, word) in body.iter().enumerate() {
@@ -95,9 +98,9 @@ impl<'m> Slots<'m> {
     }
 
     /// Up to `max` (at least 1) consecutive slots from `index` (any u32: the ring index
-    /// wraps): as many as follow it in its
-    /// page before the ring wraps, as one slice, with their count; `None` if guest memory no
-    /// longer holds the page. A batch of WQEs is then one copy, not one per slot.
+    /// wraps), as many as follow it in its page before the ring wraps: one slice and their
+    /// count; `None` if guest memory no longer holds the page. A batch of WQEs is then one
+    /// copy, not one per slot.
     pub(super) fn run(&mut self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
         let ring = self.ring;
         let (page, in_page) = self.page_of(index)?;
