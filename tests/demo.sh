@@ -46,7 +46,8 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "kernel's softirq, which preempts them). guest-lib yields the CPU after a kick and every" \
     "64th empty CQ poll, so in send_lat the poller runs within the polling loop; write_lat's" \
     "ends spin on their receive buffers without any library call, so there the poller waits" \
-    "for the scheduler to preempt one (part of a slice, milliseconds, per message)." \
+    "for the scheduler to preempt one (up to a time slice per message, so that ratio swings the" \
+    "most between runs)." \
     "read_lat and atomic_lat leave one end idle. A guest whose poller has a vCPU of its own" \
     "needs a third host core: on this machine's $(nproc) cores a third busy vCPU slowed native" \
     "rxe itself by more than an order of magnitude when tried, so that configuration is not" \
