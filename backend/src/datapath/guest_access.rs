@@ -97,11 +97,28 @@ impl<'m> Slots<'m> {
             .is_some_and(|(page, in_page)| publish_words(&page, in_page, entry))
     }
 
+    /// Copies `count` consecutive slots from `first` (any u32: the ring index wraps) into
+    /// `out`, back to back, one copy per run of them in a page; returns how many it copied,
+    /// fewer than `count` if guest memory no longer holds a page (the ones before it are
+    /// copied).
+    pub(super) fn copy_out(&mut self, first: u32, count: u32, out: &mut [u8]) -> u32 {
+        let stride = self.ring.stride();
+        let mut copied = 0;
+        while copied < count {
+            let Some((run, slots)) = self.run(first.wrapping_add(copied), count - copied) else {
+                break;
+            };
+            let at = copied as usize * stride;
+            run.copy_to(&mut out[at..at + slots as usize * stride]);
+            copied += slots;
+        }
+        copied
+    }
+
     /// Up to `max` (at least 1) consecutive slots from `index` (any u32: the ring index
     /// wraps), as many as follow it in its page before the ring wraps: one slice and their
-    /// count; `None` if guest memory no longer holds the page. A batch of WQEs is then one
-    /// copy, not one per slot.
-    pub(super) fn run(&mut self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
+    /// count; `None` if guest memory no longer holds the page.
+    fn run(&mut self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
         let ring = self.ring;
         let (page, in_page) = self.page_of(index)?;
         let left_in_ring = ring.depth - ring_slot(index, ring.depth);
@@ -211,6 +228,26 @@ mod tests {
         assert_eq!((run.len(), count), (1024, 1), "the ring wraps");
         let gone = GuestRing::new(vec![0x4000], 12, 10, 4);
         assert!(Slots::new(&gone, &mem).run(0, 1).is_none());
+        // Copies stop at a page guest memory no longer holds; the slots before it are copied.
+        mem.write_slice(b"three", GuestAddress(0x1c00)).unwrap();
+        mem.write_slice(b"seven", GuestAddress(0xc00)).unwrap();
+        mem.write_slice(b"zero.", GuestAddress(0x1000)).unwrap();
+        let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
+        let mut out = vec![0u8; 8 * 1024];
+        assert_eq!(Slots::new(&half_gone, &mem).copy_out(2, 4, &mut out), 2);
+        assert_eq!(
+            &out[1024..1029],
+            b"three",
+            "slot 3, the last of the first page"
+        );
+        // Slots 7, 0 and 1 of `ring`: the end of its second page, then its first.
+        assert_eq!(Slots::new(&ring, &mem).copy_out(7, 3, &mut out), 3);
+        assert_eq!(&out[..5], b"seven");
+        assert_eq!(
+            &out[1024..1029],
+            b"zero.",
+            "slot 0, at the start of the first page"
+        );
         assert!(!Slots::new(&gone, &mem).publish(0, &[1u64]));
     }
 }

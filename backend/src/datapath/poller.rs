@@ -346,45 +346,39 @@ impl Poller {
             let ahs = shared.ahs.read().unwrap_or_else(|e| e.into_inner());
             let mut slots = Slots::new(&qp.sq, mem);
             let batch = pending.min(BATCH);
-            let mut copied = 0;
-            'slots: while copied < batch {
-                let index = progress.sq_consumer.wrapping_add(copied);
-                let Some((run, count)) = slots.run(index, batch - copied) else {
-                    progress.failed = true;
-                    self.fail_qp(qp, &mut progress, &"SQ ring unreadable");
-                    return Visit::WORKED;
-                };
-                copied += count;
-                let wqes = &mut self.slots[..count as usize * stride];
-                run.copy_to(wqes);
-                for slot in wqes.chunks_exact(stride) {
-                    let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-                    match wqe::parse_send(slot, &qp.rules, &lookup, &mut self.sges) {
-                        Ok(request) => {
-                            if let Some(len) = request.inline_len {
-                                self.inline.extend_from_slice(&slot[64..64 + len]);
-                            }
-                            if let Some((ah, _, _)) = request.ud {
-                                match ahs.get(&ah) {
-                                    Some((pd, handle)) if *pd == qp.rules.pd => {
-                                        self.ahs.push(Arc::clone(handle))
-                                    }
-                                    _ => {
-                                        let error = WqeError::UnknownAh(ah);
-                                        let opcode = request.op.completion_opcode();
-                                        refused = Some((wr_id, opcode, error));
-                                        break 'slots;
-                                    }
+            let copied = slots.copy_out(progress.sq_consumer, batch, &mut self.slots);
+            for slot in self.slots[..copied as usize * stride].chunks_exact(stride) {
+                let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
+                match wqe::parse_send(slot, &qp.rules, &lookup, &mut self.sges) {
+                    Ok(request) => {
+                        if let Some(len) = request.inline_len {
+                            self.inline.extend_from_slice(&slot[64..64 + len]);
+                        }
+                        if let Some((ah, _, _)) = request.ud {
+                            match ahs.get(&ah) {
+                                Some((pd, handle)) if *pd == qp.rules.pd => {
+                                    self.ahs.push(Arc::clone(handle))
+                                }
+                                _ => {
+                                    let error = WqeError::UnknownAh(ah);
+                                    refused = Some((wr_id, request.op.completion_opcode(), error));
+                                    break;
                                 }
                             }
-                            self.requests.push(request);
                         }
-                        Err(error) => {
-                            refused = Some((wr_id, wc_opcode::SEND, error));
-                            break 'slots;
-                        }
+                        self.requests.push(request);
+                    }
+                    Err(error) => {
+                        let opcode = wc_opcode::SEND;
+                        refused = Some((wr_id, opcode, error));
+                        break;
                     }
                 }
+            }
+            if refused.is_none() && copied < batch {
+                progress.failed = true;
+                self.fail_qp(qp, &mut progress, &"SQ ring unreadable");
+                return Visit::WORKED;
             }
         }
         let posted = self.post_sends(qp);
@@ -481,24 +475,15 @@ impl Poller {
         let mut slots = Slots::new(ring, mem);
         let stride = ring.stride();
         let batch = pending.min(BATCH);
-        let mut copied = 0;
-        while copied < batch {
-            let Some((run, count)) = slots.run(consumer.wrapping_add(copied), batch - copied)
-            else {
-                return Some((0, WqeError::RingUnreadable));
-            };
-            copied += count;
-            let wqes = &mut self.slots[..count as usize * stride];
-            run.copy_to(wqes);
-            for slot in wqes.chunks_exact(stride) {
-                let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-                match wqe::parse_recv(slot, rules, &lookup, &mut self.sges) {
-                    Ok(received) => self.recv.push(received),
-                    Err(error) => return Some((wr_id, error)),
-                }
+        let copied = slots.copy_out(consumer, batch, &mut self.slots);
+        for slot in self.slots[..copied as usize * stride].chunks_exact(stride) {
+            let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
+            match wqe::parse_recv(slot, rules, &lookup, &mut self.sges) {
+                Ok(received) => self.recv.push(received),
+                Err(error) => return Some((wr_id, error)),
             }
         }
-        None
+        (copied < batch).then_some((0, WqeError::RingUnreadable))
     }
 
     /// Posts what `read_receives` collected with `post`; returns how many the host took.

@@ -9,7 +9,7 @@
 //! pages, natively through the backend's host verbs layer and through vrdma (guest-lib over
 //! the backend at SOCKET); then 16,384 QPs in one guest and 64 concurrent guests, with the
 //! backend's memory (from /proc/BACKEND_PID). The 2 MiB rows need 2 MiB huge pages reserved
-//! for the guest's memory (VRDMA_BENCH_MR_MIB of them, and some).
+//! for the guest's memory (half VRDMA_BENCH_MR_MIB of them, and some).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
