@@ -69,12 +69,12 @@ pub struct Config {
     pub guest_ip: Option<GuestIp>,
     pub quotas: Quotas,
     pub notify_queues: u32,
-    /// Data-path poller threads per connection.
-    pub pollers: usize,
+    /// Data-path poller threads, shared by all connections.
+    pub poll_threads: usize,
     /// How long a poller keeps polling after its last work before it sleeps.
     pub poll_idle: std::time::Duration,
-    /// CPUs the poller threads run on, each on one, taken in turn; empty: wherever the
-    /// scheduler puts them.
+    /// CPUs the poller threads run on: thread `i` on `poll_cpus[i % len]`; empty: wherever
+    /// the scheduler puts them.
     pub poll_cpus: Vec<usize>,
     /// The system call filter [`vhost_user::serve`] installs once it listens.
     pub seccomp: sandbox::SeccompMode,
@@ -239,7 +239,7 @@ mod tests {
             guest_ip: None,
             quotas: Quotas::default(),
             notify_queues: 1,
-            pollers: 1,
+            poll_threads: 1,
             poll_idle: std::time::Duration::from_millis(2),
             poll_cpus: Vec::new(),
             seccomp: sandbox::SeccompMode::None,

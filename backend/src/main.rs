@@ -30,15 +30,16 @@ struct Args {
     /// Notification virtqueues (doorbell kicks), 1 to 64.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     notify_queues: u32,
-    /// Data-path poller threads per guest connection.
+    /// Data-path poller threads, shared by all guest connections; each connection's rings
+    /// are spread over up to --notify-queues of them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pollers: u32,
+    poll_threads: u32,
     /// Microseconds a poller keeps polling after its last work before it sleeps (and asks the
-    /// guest for a kick).
+    /// guests for kicks).
     #[arg(long, default_value_t = 2000)]
     poll_idle_us: u64,
-    /// CPUs for the poller threads (e.g. 2,3): each poller runs on one, taken in turn across
-    /// all connections; by default the scheduler places them.
+    /// CPUs for the poller threads (e.g. 2,3): thread i runs on the i-th, round the list
+    /// again when there are more threads than CPUs; by default the scheduler places them.
     #[arg(long, value_delimiter = ',')]
     poll_cpus: Vec<usize>,
     /// Guests the backend is sized for: each guest's quotas are the backend's totals (16,384
@@ -99,7 +100,7 @@ impl From<Args> for Config {
             guest_ip: args.guest_ip,
             quotas,
             notify_queues: args.notify_queues,
-            pollers: args.pollers as usize,
+            poll_threads: args.poll_threads as usize,
             poll_idle: std::time::Duration::from_micros(args.poll_idle_us),
             poll_cpus: args.poll_cpus,
             seccomp: args.seccomp,

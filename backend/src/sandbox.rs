@@ -193,7 +193,7 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_mprotect,
     libc::SYS_madvise,
     libc::SYS_brk,
-    // threads (a worker and pollers per connection), time, signals, exit
+    // threads (a few per connection, and the poller pool), time, signals, exit
     libc::SYS_clone,
     libc::SYS_clone3,
     libc::SYS_set_robust_list,
@@ -202,7 +202,7 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_futex,
     libc::SYS_sched_yield,
     libc::SYS_sched_getaffinity,
-    // A connection's pollers pin themselves (--poll-cpus).
+    // Poller threads pin themselves (--poll-cpus).
     libc::SYS_sched_setaffinity,
     libc::SYS_nanosleep,
     libc::SYS_clock_nanosleep,

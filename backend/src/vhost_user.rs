@@ -20,7 +20,7 @@ use vrdma_spec::config::{CONTROL_QUEUE, EVENT_QUEUE, FIRST_NOTIFY_QUEUE};
 use vrdma_spec::ring::Event;
 use vrdma_spec::ByteValued;
 
-use crate::datapath::EventSink;
+use crate::datapath::{EventSink, PollerPool};
 use crate::device::Device;
 use crate::{Config, Error};
 
@@ -85,9 +85,9 @@ impl EventSink for EventQueue {
 }
 
 impl RdmaBackend {
-    pub fn new(config: &Config) -> Result<Self, Error> {
+    pub fn new(config: &Config, pool: &Arc<PollerPool>) -> Result<Self, Error> {
         Ok(RdmaBackend {
-            device: Device::new(config)?,
+            device: Device::new(config, pool)?,
             num_queues: usize::from(FIRST_NOTIFY_QUEUE) + config.notify_queues as usize,
             mem: GuestMemoryAtomic::new(GuestMemoryMmap::new()),
             event_idx: false,
@@ -331,8 +331,15 @@ impl VhostUserBackendMut for RdmaBackend {
 /// guest's host context is open before the socket exists, so a front end (or a test counting
 /// the host's objects) that sees the socket finds the backend ready.
 pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
-    let first = RdmaBackend::new(config)?;
-    serve_prepared(config, listen(socket_path)?, first)
+    let pool = start_pool(config)?;
+    let first = RdmaBackend::new(config, &pool)?;
+    serve_prepared(config, listen(socket_path)?, &pool, first)
+}
+
+/// The poller threads every connection's data path is served by.
+fn start_pool(config: &Config) -> Result<Arc<PollerPool>, Error> {
+    let pool = PollerPool::start(config.poll_threads, config.poll_idle, &config.poll_cpus)?;
+    Ok(Arc::new(pool))
 }
 
 /// The vhost-user socket at `socket_path`, listening (a file left there is replaced).
@@ -348,12 +355,15 @@ pub fn listen(socket_path: &Path) -> Result<Listener, Error> {
 pub fn serve_listener(config: &Config, listener: Listener) -> Result<(), Error> {
     // The device context for the next connection is opened before it arrives, so a front end
     // never waits for it and a bad device fails before the first guest is accepted.
-    serve_prepared(config, listener, RdmaBackend::new(config)?)
+    let pool = start_pool(config)?;
+    let first = RdmaBackend::new(config, &pool)?;
+    serve_prepared(config, listener, &pool, first)
 }
 
 fn serve_prepared(
     config: &Config,
     mut listener: Listener,
+    pool: &Arc<PollerPool>,
     first: RdmaBackend,
 ) -> Result<(), Error> {
     let mut backend = Arc::new(RwLock::new(first));
@@ -372,7 +382,7 @@ fn serve_prepared(
         // The backend was handed to the connection, or half used by a failed start: either
         // way the next connection gets a fresh one.
         backend = loop {
-            match RdmaBackend::new(config) {
+            match RdmaBackend::new(config, pool) {
                 Ok(next) => break Arc::new(RwLock::new(next)),
                 Err(e) => {
                     log::error!("cannot prepare a device for the next guest: {e}; retrying in 1 s");

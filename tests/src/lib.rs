@@ -208,7 +208,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         guest_ip: None,
         quotas,
         notify_queues: 2,
-        pollers: 1,
+        poll_threads: 1,
         poll_idle: Duration::from_millis(2),
         poll_cpus: Vec::new(),
         // The test process itself is not confined.

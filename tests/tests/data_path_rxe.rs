@@ -872,7 +872,7 @@ fn pollers_run_on_the_cpus_given_and_an_unusable_cpu_is_refused() {
         &[
             "--poll-cpus",
             &last,
-            "--pollers",
+            "--poll-threads",
             "2",
             "--notify-queues",
             "2",
@@ -880,18 +880,8 @@ fn pollers_run_on_the_cpus_given_and_an_unusable_cpu_is_refused() {
     );
     let guest = Device::attach(&socket).expect("attach");
     guest.query_device().expect("served");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let pollers = loop {
-        let pollers = threads_and_cpus(backend.id(), "vrdma-poll");
-        if pollers.len() >= 2 || Instant::now() > deadline {
-            break pollers;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(
-        pollers.len() >= 2,
-        "the connection's two pollers: {pollers:?}"
-    );
+    let pollers = threads_and_cpus(backend.id(), "vrdma-poll");
+    assert_eq!(pollers.len(), 2, "the pool's two threads: {pollers:?}");
     for (name, allowed) in &pollers {
         assert_eq!(allowed, &last, "{name} runs on CPU {last} only");
     }
@@ -900,6 +890,20 @@ fn pollers_run_on_the_cpus_given_and_an_unusable_cpu_is_refused() {
         others.iter().all(|(_, allowed)| allowed != &last),
         "only the pollers are pinned: {others:?}"
     );
+    // More guests share the pool: no poller thread per connection.
+    let more: Vec<_> = (0..3)
+        .map(|_| Device::attach(&socket).expect("attach"))
+        .collect();
+    for guest in &more {
+        guest.query_device().expect("served");
+    }
+    let pollers = threads_and_cpus(backend.id(), "vrdma-poll");
+    assert_eq!(
+        pollers.len(),
+        2,
+        "four guests, still two pollers: {pollers:?}"
+    );
+    drop(more);
     drop(guest);
     backend.kill().unwrap();
     backend.wait().unwrap();

@@ -5,7 +5,6 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -47,6 +46,24 @@ pub struct FakeQp {
     pub receives: Mutex<Vec<u64>>,
     pub room: AtomicUsize,
     pub failed: AtomicBool,
+    /// A post of sends waits while a test holds this: a pass stopped in the middle.
+    pub gate: Mutex<()>,
+    /// Posts of sends begun.
+    pub posts: AtomicUsize,
+}
+
+impl Default for FakeQp {
+    /// A QP with room for any number of sends.
+    fn default() -> Self {
+        FakeQp {
+            sends: Mutex::default(),
+            receives: Mutex::default(),
+            room: AtomicUsize::new(usize::MAX),
+            failed: AtomicBool::new(false),
+            gate: Mutex::default(),
+            posts: AtomicUsize::new(0),
+        }
+    }
 }
 
 impl HostQueuePair for FakeQp {
@@ -55,6 +72,8 @@ impl HostQueuePair for FakeQp {
     }
 
     fn post_send<'a>(&self, wrs: &mut dyn Iterator<Item = SendWr<'a>>) -> hostverbs::Result<()> {
+        self.posts.fetch_add(1, Ordering::SeqCst);
+        drop(self.gate.lock().unwrap());
         let wrs: Vec<SendWr<'a>> = wrs.collect();
         let room = self.room.load(Ordering::Relaxed);
         let taken = wrs.len().min(room);
@@ -154,7 +173,7 @@ impl Rig {
             wake: EventFd::new(EFD_NONBLOCK).unwrap(),
             channel: None,
         };
-        let shared = Arc::new(Shared::new(vec![shard], 1, DOORBELL_BITS, Duration::ZERO));
+        let shared = Arc::new(Shared::new(vec![shard], 1, DOORBELL_BITS));
         *shared.mem.write().unwrap() = Some(GuestMemoryAtomic::new(mem.clone()));
         *shared.notify_area.lock().unwrap() = Some(NotifyArea {
             states: NOTIFY_AREA,
@@ -184,12 +203,7 @@ impl Rig {
             cq_ring,
             CQ_DOORBELL,
         ));
-        let qp = Arc::new(FakeQp {
-            sends: Mutex::default(),
-            receives: Mutex::default(),
-            room: AtomicUsize::new(usize::MAX),
-            failed: AtomicBool::new(false),
-        });
+        let qp = Arc::new(FakeQp::default());
         let rules = QpRules {
             pd: PD,
             ud: false,
@@ -220,7 +234,7 @@ impl Rig {
         {
             let mut objects = shared.shards[0].objects.lock().unwrap();
             objects.insert(QP_BIT, Rung::Qp(Arc::clone(&qp_data)));
-            objects.cqs.push(cq_data);
+            objects.add_cq(cq_data);
         }
         Rig {
             mem,

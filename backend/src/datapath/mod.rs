@@ -13,20 +13,21 @@ pub mod fake;
 mod guest_access;
 pub mod host;
 mod poller;
+mod pool;
 mod queues;
 #[cfg(test)]
 mod tests;
 pub mod wqe;
 
+pub use pool::PollerPool;
 pub use queues::{CqData, GuestRing, QpData, SrqData};
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -38,7 +39,6 @@ use vrdma_spec::{Le16, Le32};
 
 use crate::hostverbs::{self, AddressHandle, AsyncEvent, CompletionChannel, Context};
 use doorbells::DoorbellBits;
-use poller::Poller;
 use wqe::MrRange;
 
 type Memory = GuestMemoryMmap;
@@ -47,29 +47,6 @@ type Memory = GuestMemoryMmap;
 const BATCH: u32 = 16;
 /// The longest a sleeping poller waits before looking again anyway.
 const SLEEP_LIMIT_MS: i32 = 100;
-
-/// The CPU of `poll_cpus` the next poller thread of any connection runs on.
-fn next_poll_cpu(poll_cpus: &[usize]) -> Option<usize> {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    if poll_cpus.is_empty() {
-        return None;
-    }
-    poll_cpus
-        .get(NEXT.fetch_add(1, Ordering::Relaxed) % poll_cpus.len())
-        .copied()
-}
-
-/// Pins the calling thread to `cpu` (checked usable at start-up; a poller that cannot be
-/// pinned still runs, where the scheduler puts it).
-fn pin_to(cpu: usize) {
-    let mut set = nix::sched::CpuSet::new();
-    let pinned = set
-        .set(cpu)
-        .and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set));
-    if let Err(e) = pinned {
-        log::warn!("poller not pinned to CPU {cpu}: {e}");
-    }
-}
 
 /// Where events for the guest go (the event virtqueue); `deliver` is false when the guest
 /// has no buffer posted.
@@ -91,6 +68,13 @@ impl Rung {
             Rung::Srq(srq) => srq.handle,
         }
     }
+
+    fn retire(&self) {
+        match self {
+            Rung::Qp(qp) => qp.retire(),
+            Rung::Srq(srq) => srq.retire(),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -103,6 +87,8 @@ struct ShardObjects {
     /// only these.
     words: BTreeMap<u64, u32>,
     cqs: Vec<Arc<CqData>>,
+    /// Changes with every CQ added or removed: pollers copy `cqs` when it does.
+    cqs_version: u64,
 }
 
 impl ShardObjects {
@@ -112,19 +98,44 @@ impl ShardObjects {
         *self.words.entry(doorbell_word(bit).0).or_default() += 1;
     }
 
-    /// Takes out the queue with `handle`; its bit, now free.
-    fn remove(&mut self, handle: u32) -> Option<u16> {
+    /// Takes out the queue with `handle`, with its bit.
+    fn remove(&mut self, handle: u32) -> Option<(u16, Rung)> {
         let bit = self.bits.remove(&handle)?;
-        if self.queues.remove(&bit).is_some() {
-            let word = doorbell_word(bit).0;
-            if let Some(count) = self.words.get_mut(&word) {
-                *count -= 1;
-                if *count == 0 {
-                    self.words.remove(&word);
-                }
+        let rung = self.queues.remove(&bit)?;
+        let word = doorbell_word(bit).0;
+        if let Some(count) = self.words.get_mut(&word) {
+            *count -= 1;
+            if *count == 0 {
+                self.words.remove(&word);
             }
         }
-        Some(bit)
+        Some((bit, rung))
+    }
+
+    fn add_cq(&mut self, cq: Arc<CqData>) {
+        self.cqs.push(cq);
+        self.cqs_version += 1;
+    }
+
+    fn remove_cq(&mut self, handle: u32) -> Option<Arc<CqData>> {
+        let at = self.cqs.iter().position(|cq| cq.handle == handle)?;
+        self.cqs_version += 1;
+        Some(self.cqs.swap_remove(at))
+    }
+
+    /// Takes out every object, retired: no pass touches their rings again.
+    fn clear(&mut self) {
+        for rung in self.queues.values() {
+            rung.retire();
+        }
+        for cq in &self.cqs {
+            cq.retire();
+        }
+        let version = self.cqs_version + 1;
+        *self = ShardObjects {
+            cqs_version: version,
+            ..ShardObjects::default()
+        };
     }
 }
 
@@ -196,100 +207,68 @@ struct Shared {
     wqes: AtomicU64,
     completions: AtomicU64,
     refused: AtomicU64,
-    idle_spin: Duration,
+    /// Tells the host event thread to end.
     stop: AtomicBool,
 }
 
-/// The data path of one connection: its shards, poller threads and the thread that forwards
-/// the host context's asynchronous events.
+/// The data path of one connection: its shards, which the backend's poller pool serves, and
+/// the thread that forwards the host context's asynchronous events.
 pub struct DataPath {
     shared: Arc<Shared>,
     /// Which doorbell bits are in use (the control path's).
     bits: Mutex<DoorbellBits>,
-    threads: Vec<JoinHandle<()>>,
+    pool: Arc<PollerPool>,
+    host_events: Option<JoinHandle<()>>,
     stop_host_events: EventFd,
 }
 
 impl DataPath {
-    /// Starts `pollers` threads (at least one) serving `num_notify_queues` notification queues
-    /// and a doorbell bitmap of `doorbell_bits`, each pinned to the next of `poll_cpus` (if
-    /// any), and one that forwards `context`'s asynchronous events about its objects and
-    /// `host_port`.
+    /// The data path of a connection with `num_notify_queues` notification queues and a
+    /// doorbell bitmap of `doorbell_bits`, in as many shards as `pool` has threads (no more
+    /// than queues), and a thread that forwards `context`'s asynchronous events about its
+    /// objects and `host_port`.
     pub fn new(
         context: &Arc<Context>,
-        pollers: usize,
+        pool: &Arc<PollerPool>,
         (num_notify_queues, doorbell_bits): (u32, u32),
-        idle_spin: Duration,
-        poll_cpus: &[usize],
         host_port: u8,
     ) -> hostverbs::Result<DataPath> {
         let os_error = |call| move |source| hostverbs::Error::Verbs { call, source };
-        let shards = (0..pollers.clamp(1, num_notify_queues as usize))
+        let shards = (0..pool.threads().clamp(1, num_notify_queues as usize))
             .map(|_| {
                 Ok(Shard {
                     objects: Mutex::default(),
-                    wake: EventFd::new(EFD_NONBLOCK).map_err(|e| hostverbs::Error::Verbs {
-                        call: "eventfd",
-                        source: e,
-                    })?,
+                    wake: EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
                     channel: Some(context.create_comp_channel()?),
                 })
             })
             .collect::<hostverbs::Result<Vec<_>>>()?;
         let bits = DoorbellBits::new(doorbell_bits, shards.len());
-        let shared = Arc::new(Shared::new(
-            shards,
-            num_notify_queues,
-            doorbell_bits,
-            idle_spin,
-        ));
-        // Threads start one by one; if one cannot, dropping `data_path` stops the others.
-        let mut data_path = DataPath {
-            shared,
-            bits: Mutex::new(bits),
-            threads: Vec::new(),
-            stop_host_events: EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
-        };
-        for index in 0..data_path.shared.shards.len() {
-            let shard = &data_path.shared.shards[index];
-            let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
-            let channel = shard.channel.as_ref().map(|c| (c.fd(), 1));
-            for (fd, id) in [(shard.wake.as_raw_fd(), 0)].into_iter().chain(channel) {
-                epoll
-                    .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, id))
-                    .map_err(os_error("epoll_ctl"))?;
-            }
-            let shared = Arc::clone(&data_path.shared);
-            let cpu = next_poll_cpu(poll_cpus);
-            let thread = std::thread::Builder::new()
-                .name(format!("vrdma-poll{index}"))
-                .spawn(move || {
-                    if let Some(cpu) = cpu {
-                        pin_to(cpu);
-                    }
-                    Poller::new(shared, index).run(epoll)
-                })
-                .map_err(os_error("spawn a poller thread"))?;
-            data_path.threads.push(thread);
-        }
+        let shared = Arc::new(Shared::new(shards, num_notify_queues, doorbell_bits));
         let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
-        let stop = data_path.stop_host_events.as_raw_fd();
-        for (fd, id) in [(stop, 0), (context.async_fd(), 1)] {
+        let stop_host_events = EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?;
+        for (fd, id) in [(stop_host_events.as_raw_fd(), 0), (context.async_fd(), 1)] {
             epoll
                 .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, id))
                 .map_err(os_error("epoll_ctl"))?;
         }
-        let (shared, context) = (Arc::clone(&data_path.shared), Arc::clone(context));
-        let thread = std::thread::Builder::new()
+        let (events_shared, context) = (Arc::clone(&shared), Arc::clone(context));
+        let host_events = std::thread::Builder::new()
             .name("vrdma-host-events".into())
-            .spawn(move || forward_host_events(&context, &shared, &epoll, host_port))
+            .spawn(move || forward_host_events(&context, &events_shared, &epoll, host_port))
             .map_err(os_error("spawn the host event thread"))?;
-        data_path.threads.push(thread);
-        Ok(data_path)
+        pool.attach(&shared);
+        Ok(DataPath {
+            shared,
+            bits: Mutex::new(bits),
+            pool: Arc::clone(pool),
+            host_events: Some(host_events),
+            stop_host_events,
+        })
     }
 
     fn shard_of_queue(&self, notify_queue: u32) -> &Shard {
-        &self.shared.shards[notify_queue as usize % self.shared.shards.len()]
+        self.shared.shard_of_queue(notify_queue)
     }
 
     /// The notification queue (and so the poller) serving a new object with `handle`.
@@ -331,10 +310,7 @@ impl DataPath {
 
     /// A kick on notification queue `queue`: wake its poller.
     pub fn kick(&self, queue: u32) {
-        if let Some(count) = self.shared.kicks.get(queue as usize) {
-            count.fetch_add(1, Ordering::Relaxed);
-            let _ = self.shard_of_queue(queue).wake.write(1);
-        }
+        self.shared.kick(queue);
     }
 
     /// The QP numbered `qp_num` takes its receives from `srq`: its receive completions count
@@ -395,19 +371,21 @@ impl DataPath {
             .objects
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .cqs
-            .push(cq);
+            .add_cq(cq);
         let _ = shard.wake.write(1);
     }
 
+    /// Takes the CQ out of its poller; once this returns, no pass writes to its ring.
     pub fn remove_cq(&self, handle: u32) {
         let shard = self.shard_of_queue(self.notify_queue_for(handle));
-        shard
+        let removed = shard
             .objects
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .cqs
-            .retain(|c| c.handle != handle);
+            .remove_cq(handle);
+        if let Some(cq) = removed {
+            cq.retire();
+        }
     }
 
     /// Serves the QP whenever its doorbell bit is rung; the bit, or `None` when its poller
@@ -416,7 +394,8 @@ impl DataPath {
         self.add_rung(qp.notify_queue, Rung::Qp(qp))
     }
 
-    /// Takes the QP out of its poller and frees its doorbell bit.
+    /// Takes the QP out of its poller and frees its doorbell bit; once this returns, no pass
+    /// reads its rings or doorbell record.
     pub fn remove_qp(&self, handle: u32) {
         self.remove_rung(handle);
     }
@@ -453,7 +432,8 @@ impl DataPath {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(handle);
-        if let Some(bit) = removed {
+        if let Some((bit, rung)) = removed {
+            rung.retire();
             self.bits
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -496,7 +476,11 @@ impl DataPath {
     /// Forgets every object (device reset).
     pub fn clear(&self) {
         for shard in &self.shared.shards {
-            *shard.objects.lock().unwrap_or_else(|e| e.into_inner()) = ShardObjects::default();
+            shard
+                .objects
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
         }
         *self.bits.lock().unwrap_or_else(|e| e.into_inner()) =
             DoorbellBits::new(self.shared.doorbell_bits, self.shared.shards.len());
@@ -536,24 +520,17 @@ impl DataPath {
 
 impl Drop for DataPath {
     fn drop(&mut self) {
+        self.pool.detach(&self.shared);
         self.shared.stop.store(true, Ordering::Release);
-        for shard in &self.shared.shards {
-            let _ = shard.wake.write(1);
-        }
         let _ = self.stop_host_events.write(1);
-        for thread in self.threads.drain(..) {
+        if let Some(thread) = self.host_events.take() {
             let _ = thread.join();
         }
     }
 }
 
 impl Shared {
-    fn new(
-        shards: Vec<Shard>,
-        num_notify_queues: u32,
-        doorbell_bits: u32,
-        idle_spin: Duration,
-    ) -> Shared {
+    fn new(shards: Vec<Shard>, num_notify_queues: u32, doorbell_bits: u32) -> Shared {
         Shared {
             doorbell_bits,
             mem: RwLock::new(None),
@@ -570,8 +547,18 @@ impl Shared {
             wqes: AtomicU64::new(0),
             completions: AtomicU64::new(0),
             refused: AtomicU64::new(0),
-            idle_spin,
             stop: AtomicBool::new(false),
+        }
+    }
+
+    fn shard_of_queue(&self, notify_queue: u32) -> &Shard {
+        &self.shards[notify_queue as usize % self.shards.len()]
+    }
+
+    fn kick(&self, queue: u32) {
+        if let Some(count) = self.kicks.get(queue as usize) {
+            count.fetch_add(1, Ordering::Relaxed);
+            let _ = self.shard_of_queue(queue).wake.write(1);
         }
     }
 

@@ -1,12 +1,10 @@
 //! A poller thread: it visits the rings of its shard, moves WQEs to the host in batches and
 //! completions back, and sleeps on kicks and host completion events when idle (SPEC.md §8.5).
 
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryBackend, VolatileMemory};
-use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vrdma_spec::codec::{ring_pending, ArmRequest};
 use vrdma_spec::ring::{
     cqe_owner_for, event_kind, wc_opcode, CqDoorbell, Cqe, NotifyState, QpDoorbell, SrqDoorbell,
@@ -17,7 +15,7 @@ use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 use super::guest_access::{load, store, Slots};
 use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
 use super::wqe::{self, QpRules, SendRequest, WqeError};
-use super::{Memory, Rung, Shard, ShardObjects, Shared, BATCH, SLEEP_LIMIT_MS};
+use super::{Memory, Rung, Shard, ShardObjects, Shared, BATCH};
 use crate::hostverbs::{self, AddressHandle, Payload, RecvWr, SendWr, Sge, UdDest, WorkCompletion};
 
 /// What visiting a queue did.
@@ -43,7 +41,8 @@ impl Visit {
     }
 }
 
-/// One poller thread's state: its shard and reusable scratch space (no allocation per WQE).
+/// What a pool thread keeps for one shard it serves: the shard, its copy of the shard's CQ
+/// list and reusable scratch space (no allocation per WQE).
 pub(super) struct Poller {
     shared: Arc<Shared>,
     index: usize,
@@ -55,10 +54,13 @@ pub(super) struct Poller {
     recv: Vec<(u64, usize)>,
     wcs: Vec<WorkCompletion>,
     ahs: Vec<Arc<AddressHandle>>,
-    /// Doorbell bits of the queues this pass visits.
-    visits: Vec<u16>,
+    /// The queues this pass visits, with their doorbell bits.
+    visits: Vec<(u16, Rung)>,
     /// Doorbell bits of the queues the last pass left WQEs in.
     carried: Vec<u16>,
+    /// The shard's CQs as of `cqs_version`.
+    cqs: Vec<Arc<CqData>>,
+    cqs_version: u64,
 }
 
 fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
@@ -69,20 +71,6 @@ fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
         opcode,
         ..Default::default()
     }
-}
-
-/// An idle poller spins for a while after its last work, so that a busy driver's next
-/// doorbell is seen without a kick, but only while it has its CPU to itself: when a yield
-/// lets another thread run for longer than this, spinning takes the CPU from someone (most
-/// likely the very threads that ring the doorbells, on a machine with fewer CPUs than
-/// spinners), and the poller sleeps until kicked instead.
-const CONTENDED_YIELD: Duration = Duration::from_micros(200);
-
-/// Yields the CPU; true if nobody else wanted it for long.
-fn yield_uncontended() -> bool {
-    let start = Instant::now();
-    std::thread::yield_now();
-    start.elapsed() < CONTENDED_YIELD
 }
 
 impl Poller {
@@ -99,49 +87,24 @@ impl Poller {
             ahs: Vec::with_capacity(BATCH as usize),
             visits: Vec::new(),
             carried: Vec::new(),
+            cqs: Vec::new(),
+            cqs_version: 0,
         }
     }
 
-    fn shard(&self) -> &Shard {
+    pub(super) fn shard(&self) -> &Shard {
         &self.shared.shards[self.index]
+    }
+
+    /// The connection this poller serves a shard of.
+    pub(super) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Notification queues this poller serves.
     fn queues(&self) -> impl Iterator<Item = u32> + '_ {
         let n = self.shared.shards.len() as u32;
         (0..self.shared.num_notify_queues).filter(move |q| q % n == self.index as u32)
-    }
-
-    pub(super) fn run(mut self, epoll: Epoll) {
-        let mut last_work = Instant::now();
-        while !self.shared.stop.load(Ordering::Acquire) {
-            if self.pass() {
-                last_work = Instant::now();
-                continue;
-            }
-            if last_work.elapsed() < self.shared.idle_spin && yield_uncontended() {
-                continue;
-            }
-            // Going to sleep: ask for kicks and completion events, then look once more so
-            // that nothing that arrived meanwhile is missed (SPEC.md §8.5).
-            self.set_need_wakeup(true);
-            self.arm_cqs();
-            fence(Ordering::SeqCst);
-            let woken = self.pass() || {
-                let mut events = [EpollEvent::default(); 2];
-                let woken = epoll.wait(SLEEP_LIMIT_MS, &mut events).is_ok_and(|n| n > 0);
-                let _ = self.shard().wake.read();
-                if let Some(channel) = &self.shard().channel {
-                    channel.drain();
-                }
-                woken
-            };
-            self.set_need_wakeup(false);
-            // Spin again only for real work; after a quiet timeout, go straight back to sleep.
-            if woken {
-                last_work = Instant::now();
-            }
-        }
     }
 
     fn memory(&self) -> Option<vm_memory::GuestMemoryLoadGuard<Memory>> {
@@ -156,12 +119,7 @@ impl Poller {
     /// Before sleeping: asks the host for a completion event on every CQ of the shard that
     /// is not armed already (a CQ stays armed until a completion arrives on it).
     pub(super) fn arm_cqs(&self) {
-        let objects = self
-            .shard()
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        for cq in &objects.cqs {
+        for cq in &self.cqs {
             if !cq.armed.swap(true, Ordering::Relaxed) && cq.host.arm().is_err() {
                 cq.armed.store(false, Ordering::Relaxed);
             }
@@ -193,38 +151,59 @@ impl Poller {
         let Some(mem) = self.memory() else {
             return false;
         };
-        let shared = Arc::clone(&self.shared);
-        let objects = shared.shards[self.index]
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
         let mut work = self.deliver_pending_events();
-        self.take_rung_bits(&mem, &objects);
+        self.take_rung_queues(&mem);
         let mut visits = std::mem::take(&mut self.visits);
-        for &bit in &visits {
-            let visit = match objects.queues.get(&bit) {
-                Some(Rung::Qp(qp)) => self.process_sq(&mem, qp).and(self.process_rq(&mem, qp)),
-                Some(Rung::Srq(srq)) => self.process_srq(&mem, srq),
-                None => Visit::default(), // destroyed since it was rung
+        // Each queue is let go of once visited: a queue the control path removed meanwhile
+        // was retired under its progress lock, so the visit found it failed and left it.
+        for (bit, rung) in visits.drain(..) {
+            let visit = match &rung {
+                Rung::Qp(qp) => self.process_sq(&mem, qp).and(self.process_rq(&mem, qp)),
+                Rung::Srq(srq) => self.process_srq(&mem, srq),
             };
             work |= visit.worked;
             if visit.more {
                 self.carried.push(bit);
             }
         }
-        visits.clear();
         self.visits = visits;
-        for cq in &objects.cqs {
+        let cqs = std::mem::take(&mut self.cqs);
+        for cq in &cqs {
             work |= self.process_cq(&mem, cq);
         }
+        self.cqs = cqs;
         work
     }
 
     /// The queues to visit this pass: those whose doorbell bits the guest set since the last
     /// pass (taken with one swap per word, SPEC.md §8.5), and those the last pass left work
-    /// in.
-    fn take_rung_bits(&mut self, mem: &Memory, objects: &ShardObjects) {
-        self.visits.append(&mut self.carried);
+    /// in; and the shard's CQs, if they changed. The shard's lock is held for this only, not
+    /// through the pass, so the control path adding or removing a queue never waits for one.
+    fn take_rung_queues(&mut self, mem: &Memory) {
+        let shared = Arc::clone(&self.shared);
+        let objects = shared.shards[self.index]
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if objects.cqs_version != self.cqs_version {
+            self.cqs.clone_from(&objects.cqs);
+            self.cqs_version = objects.cqs_version;
+        }
+        let mut bits = std::mem::take(&mut self.carried);
+        self.take_rung_bits(mem, &objects, &mut bits);
+        if bits.len() > 1 {
+            bits.sort_unstable();
+            bits.dedup();
+        }
+        // Bits of queues destroyed since they were rung have no queue: they are dropped.
+        self.visits.extend(
+            bits.drain(..)
+                .filter_map(|bit| Some((bit, objects.queues.get(&bit)?.clone()))),
+        );
+        self.carried = bits;
+    }
+
+    fn take_rung_bits(&self, mem: &Memory, objects: &ShardObjects, bits: &mut Vec<u16>) {
         let area = *self
             .shared
             .notify_area
@@ -249,12 +228,8 @@ impl Poller {
             while rung != 0 {
                 let bit = rung.trailing_zeros();
                 rung &= rung - 1;
-                self.visits.push((offset * 8) as u16 + bit as u16);
+                bits.push((offset * 8) as u16 + bit as u16);
             }
-        }
-        if self.visits.len() > 1 {
-            self.visits.sort_unstable();
-            self.visits.dedup();
         }
     }
 

@@ -52,6 +52,8 @@ impl GuestRing {
 
 pub(super) struct CqProgress {
     pub(super) producer: u32,
+    /// The device writes no more CQEs: the ring or the consumer index became unusable, or
+    /// the CQ was destroyed.
     pub(super) failed: bool,
 }
 
@@ -68,6 +70,15 @@ pub struct CqData {
 }
 
 impl CqData {
+    /// After this, no pass writes to the CQ's ring or doorbell record again, which the guest
+    /// may then reuse; waits only for a pass writing to it right now.
+    pub(super) fn retire(&self) {
+        self.progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .failed = true;
+    }
+
     /// Bytes of the guest's ring, which the ring quota counts.
     pub fn ring_bytes(&self) -> u64 {
         self.ring.bytes()
@@ -96,7 +107,8 @@ impl CqData {
 pub(super) struct QpProgress {
     pub(super) sq_consumer: u32,
     pub(super) rq_consumer: u32,
-    /// The doorbell record or a ring became unreadable: the QP is in error and left alone.
+    /// The device leaves the QP alone: its doorbell record or a ring became unreadable, or
+    /// it was destroyed.
     pub(super) failed: bool,
     /// The device moved the QP to the error state (and said so).
     pub(super) in_error: bool,
@@ -118,6 +130,14 @@ pub struct QpData {
 }
 
 impl QpData {
+    /// As [`CqData::retire`], for the QP's rings and doorbell record.
+    pub(super) fn retire(&self) {
+        self.progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .failed = true;
+    }
+
     /// Bytes of the guest's rings, which the ring quota counts.
     pub fn ring_bytes(&self) -> u64 {
         self.sq.bytes() + self.rq.as_ref().map_or(0, GuestRing::bytes)
@@ -156,6 +176,7 @@ impl QpData {
 
 pub(super) struct SrqProgress {
     pub(super) consumer: u32,
+    /// The device takes no more WQEs from the SRQ: one was refused, or it was destroyed.
     pub(super) failed: bool,
 }
 
@@ -175,6 +196,14 @@ pub struct SrqData {
 }
 
 impl SrqData {
+    /// As [`CqData::retire`], for the SRQ's ring and doorbell record.
+    pub(super) fn retire(&self) {
+        self.progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .failed = true;
+    }
+
     /// WQEs the SRQ holds.
     pub fn depth(&self) -> u32 {
         self.ring.depth

@@ -1,8 +1,8 @@
 //! The data path over plain guest memory and a fake host: what a poller pass does with the
 //! rings, doorbell records and notify area a driver laid out (SPEC.md §7-§8).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use vm_memory::{Bytes, GuestAddress};
 use vrdma_spec::codec::ArmRequest;
@@ -178,12 +178,7 @@ fn receives_reach_the_host_queue_pair() {
 fn a_pass_visits_only_the_queues_whose_doorbell_bits_are_set() {
     let mut rig = Rig::new(64);
     // 500 QPs whose doorbell records are outside guest memory: any visit would fail them.
-    let idle = Arc::new(FakeQp {
-        sends: Mutex::default(),
-        receives: Mutex::default(),
-        room: AtomicUsize::new(usize::MAX),
-        failed: AtomicBool::new(false),
-    });
+    let idle = Arc::new(FakeQp::default());
     let objects = rig.qp_data.clone();
     for bit in 1..=500u16 {
         let qp = QpData::new(
@@ -276,4 +271,103 @@ fn an_idle_cq_is_armed_once_not_before_every_sleep() {
     assert!(rig.poller.pass());
     rig.poller.arm_cqs();
     assert_eq!(rig.cq.arms.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn the_control_path_waits_for_the_visit_of_the_queue_it_removes_not_for_a_pass() {
+    let mut rig = Rig::new(64);
+    rig.write_send(1, LKEY);
+    rig.ring_sq();
+    let (shared, qp, qp_data) = (
+        Arc::clone(&rig.shared),
+        Arc::clone(&rig.qp),
+        Arc::clone(&rig.qp_data),
+    );
+    let gate = qp.gate.lock().unwrap();
+    let pass = std::thread::spawn(move || {
+        rig.poller.pass();
+        rig
+    });
+    while qp.posts.load(Ordering::SeqCst) == 0 {
+        std::thread::yield_now();
+    }
+    // The pass is stopped inside the QP's visit: the shard's table is free all the same.
+    let removed = shared.shards[0]
+        .objects
+        .lock()
+        .unwrap()
+        .remove(QP_HANDLE)
+        .map(|(bit, _)| bit);
+    assert_eq!(removed, Some(QP_BIT));
+    // Retiring the QP waits for that visit, and only for it.
+    let retired = Arc::new(AtomicBool::new(false));
+    let retiring = {
+        let retired = Arc::clone(&retired);
+        std::thread::spawn(move || {
+            qp_data.retire();
+            retired.store(true, Ordering::SeqCst);
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(
+        !retired.load(Ordering::SeqCst),
+        "the visit is still going on"
+    );
+    drop(gate);
+    retiring.join().unwrap();
+    let mut rig = pass.join().unwrap();
+    assert_eq!(rig.sent(), vec![1], "the visit under way finished");
+    // A retired QP is left alone, even by a pass that took it from the table before it was
+    // removed (as here, where it is put back).
+    let retired_qp = Rung::Qp(Arc::clone(&rig.qp_data));
+    shared.shards[0]
+        .objects
+        .lock()
+        .unwrap()
+        .insert(QP_BIT, retired_qp);
+    rig.write_send(2, LKEY);
+    rig.ring_sq();
+    rig.set_doorbell_bit(QP_BIT);
+    rig.poller.pass();
+    assert_eq!(rig.sent(), vec![1]);
+}
+
+/// Waits up to 10 s for `done`.
+fn eventually(what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn one_pool_thread_serves_every_connection_attached_sleeps_until_kicked_and_lets_go_on_detach() {
+    let (mut one, mut two) = (Rig::new(64), Rig::new(64));
+    let pool = PollerPool::start(1, std::time::Duration::ZERO, &[]).unwrap();
+    pool.attach(&one.shared);
+    pool.attach(&two.shared);
+    let asleep = |rig: &Rig| rig.load(NOTIFY_AREA + NotifyState::FLAGS) == NOTIFY_NEED_WAKEUP;
+    eventually("both connections asked for kicks", || {
+        asleep(&one) && asleep(&two)
+    });
+    for (rig, wr_id) in [(&mut one, 1), (&mut two, 2)] {
+        rig.write_send(wr_id, LKEY);
+        rig.ring_sq();
+        rig.shared.kick(0);
+        eventually("the kicked connection is served", || {
+            rig.sent() == vec![wr_id]
+        });
+    }
+    pool.detach(&one.shared);
+    one.write_send(3, LKEY);
+    one.ring_sq();
+    one.shared.kick(0);
+    two.write_send(4, LKEY);
+    two.ring_sq();
+    two.shared.kick(0);
+    eventually("the connection still attached is served", || {
+        two.sent() == vec![2, 4]
+    });
+    assert_eq!(one.sent(), vec![1], "a detached connection is left alone");
 }

@@ -23,7 +23,7 @@ use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SIZ
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::datapath::wqe::{MrRange, QpRules};
-use crate::datapath::{CqData, DataPath, GuestRing, NotifyArea, QpData, SrqData};
+use crate::datapath::{CqData, DataPath, GuestRing, NotifyArea, PollerPool, QpData, SrqData};
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpCaps, QpInit, QpType};
 use crate::mtt::{self, pages_needed, PageListRules};
 use crate::{limits, Config, HostDevice};
@@ -123,7 +123,7 @@ fn parse<T: ByteValued + Default>(payload: &[u8]) -> T {
 
 impl Device {
     /// Opens a host context of its own for one guest connection.
-    pub fn new(config: &Config) -> Result<Device, crate::Error> {
+    pub fn new(config: &Config, pool: &Arc<PollerPool>) -> Result<Device, crate::Error> {
         let host = HostDevice::open(config)?;
         let host_attr = host.context.query_device()?;
         let port = host.context.query_port(host.port)?;
@@ -135,10 +135,8 @@ impl Device {
         );
         let data_path = DataPath::new(
             &host.context,
-            config.pollers,
+            pool,
             (advertised.num_notify_queues.to_native(), doorbell_bits),
-            config.poll_idle,
-            &config.poll_cpus,
             host.port,
         )?;
         Ok(Device {
