@@ -39,8 +39,8 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "through vrdma's libibverbs.so.1 (vrdma-run), guest-lib over the vhost-user backend." \
     "Control-path timings compare the backend's host verbs layer with the same verbs through" \
     "guest-lib and the control queue; the scaling rows come from ctl-bench."
-  echo "Backend threads: one poller per guest connection (the default), so two in the vrdma" \
-    "column's tests, on the same 2 vCPUs as both perftest ends. That is the floor of a relay" \
+  echo "Backend threads: one poller (the pool's default, --poll-threads 1) serving both perftest" \
+    "ends' connections, on the same 2 vCPUs as both ends. That is the floor of a relay" \
     "design here: every message needs a third thread (the poller) to run while both perftest" \
     "ends busy-poll the only two CPUs, where native rxe needs none (its work runs in the" \
     "kernel's softirq, which preempts them). guest-lib yields the CPU after a kick and every" \

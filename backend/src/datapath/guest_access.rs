@@ -5,7 +5,7 @@
 //! region up again and splits every access into fragments through an iterator, cost the
 //! poller more than everything else it does per WQE together.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 use vm_memory::{
     AtomicAccess, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, GuestMemoryRegion,
@@ -43,34 +43,35 @@ pub(super) fn store<O: AtomicAccess>(
     Ok(slice_at(mem, addr, size_of::<O>())?.store(value, 0, order)?)
 }
 
-/// Writes `entry` at `offset` in `slice` so that it appears whole: every word but the last
-/// with plain volatile writes, then the last with one release store, so a guest that sees
-/// the last word change (a CQE's owner byte is in it) with an acquire load also sees the
-/// rest. False if it does not fit in the slice or is misaligned.
-fn publish_words<const N: usize>(slice: &VolatileSlice, offset: usize, entry: &[u64; N]) -> bool {
-    let Some((last, body)) = entry.split_last() else {
-        return true;
-    };
-    let fits = offset
-        .checked_add(8 * N)
-        .is_some_and(|end| end <= slice.len());
-    if !fits {
+/// Writes `entries` back to back over the whole of `slice` so that each appears whole:
+/// every word but the last of each with plain volatile writes, then a release fence, then the
+/// last word of each with an atomic store, so a guest that sees an entry's last word change
+/// (a CQE's owner byte is in it) with an acquire load also sees the rest of it. False if the
+/// entries do not fill the slice exactly or it is misaligned.
+fn publish_words<const N: usize>(slice: &VolatileSlice, entries: &[[u64; N]]) -> bool {
+    if N == 0 || entries.len() * 8 * N != slice.len() {
         return false;
     }
     let guard = slice.ptr_guard_mut();
-    // SAFETY: `offset` is inside the slice (checked above).
-    let target = unsafe { guard.as_ptr().add(offset) };
-    if !(target as usize).is_multiple_of(8) {
+    let base = guard.as_ptr().cast::<u64>();
+    if !base.is_aligned() {
         return false;
     }
-    for (index, word) in body.iter().enumerate() {
-        // SAFETY: the word lies inside the slice (offset + 8 * N <= slice.len(), checked
-        // above), which stays mapped while `guard` lives, and is 8-byte aligned (checked).
-        unsafe { target.add(8 * index).cast::<u64>().write_volatile(*word) };
+    for (index, entry) in entries.iter().enumerate() {
+        for (word, value) in entry[..N - 1].iter().enumerate() {
+            // SAFETY: the word lies inside the slice (the entries fill it exactly, checked
+            // above), which stays mapped while `guard` lives, and is 8-byte aligned.
+            unsafe { base.add(index * N + word).write_volatile(*value) };
+        }
     }
-    slice
-        .store(*last, offset + 8 * (N - 1), Ordering::Release)
-        .is_ok()
+    fence(Ordering::Release);
+    for (index, entry) in entries.iter().enumerate() {
+        // SAFETY: as above; the guest's side of the word is only ever accessed atomically or
+        // by volatile copies, and the mapping outlives this borrow.
+        let last = unsafe { AtomicU64::from_ptr(base.add(index * N + N - 1)) };
+        last.store(entry[N - 1], Ordering::Relaxed);
+    }
+    true
 }
 
 /// The slots of one ring through one memory snapshot, keeping the page last looked up (a
@@ -90,11 +91,23 @@ impl<'m> Slots<'m> {
         }
     }
 
-    /// Writes `entry` into slot `index` as [`publish_words`] does (a CQE: its owner byte
-    /// last); false if guest memory no longer holds the page or the entry does not fit.
-    pub(super) fn publish<const N: usize>(&mut self, index: u32, entry: &[u64; N]) -> bool {
-        self.page_of(index)
-            .is_some_and(|(page, in_page)| publish_words(&page, in_page, entry))
+    /// Writes `entries` into consecutive slots from `first` (any u32: the ring index wraps)
+    /// as [`publish_words`] does (CQEs: each one's owner byte last), run by run; returns how
+    /// many it wrote, fewer if guest memory no longer holds a page or an entry is not a slot.
+    pub(super) fn publish<const N: usize>(&mut self, first: u32, entries: &[[u64; N]]) -> u32 {
+        let mut written = 0;
+        while (written as usize) < entries.len() {
+            let left = (entries.len() - written as usize) as u32;
+            let Some((run, slots)) = self.run(first.wrapping_add(written), left) else {
+                break;
+            };
+            let at = written as usize;
+            if !publish_words(&run, &entries[at..at + slots as usize]) {
+                break;
+            }
+            written += slots;
+        }
+        written
     }
 
     /// Copies `count` consecutive slots from `first` (any u32: the ring index wraps) into
@@ -185,19 +198,22 @@ mod tests {
     #[test]
     fn published_words_land_whole_and_short_or_misaligned_slots_are_refused() {
         let mem = two_regions();
-        let words = [1u64, 2, 3, u64::MAX];
-        let page = slice_at(&mem, 0x200, 0x40).unwrap();
-        assert!(publish_words(&page, 0x20, &words));
-        let mut seen = [0u8; 32];
-        slice_at(&mem, 0x220, 32).unwrap().copy_to(&mut seen);
-        let expected: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let entries = [[1u64, 2, 3, u64::MAX], [5, 6, 7, 8]];
+        let slots = slice_at(&mem, 0x200, 0x40).unwrap();
+        assert!(publish_words(&slots, &entries));
+        let mut seen = [0u8; 64];
+        slice_at(&mem, 0x200, 64).unwrap().copy_to(&mut seen);
+        let expected: Vec<u8> = entries
+            .iter()
+            .flatten()
+            .flat_map(|w| w.to_ne_bytes())
+            .collect();
         assert_eq!(seen[..], expected[..]);
-        assert!(!publish_words(&page, 0x28, &words), "past the end");
-        assert!(
-            !publish_words(&page, usize::MAX - 8, &words),
-            "past the end"
-        );
-        assert!(!publish_words(&page, 4, &words), "misaligned");
+        assert!(!publish_words(&slots, &entries[..1]), "not the whole slice");
+        let short = slice_at(&mem, 0x200, 0x20).unwrap();
+        assert!(!publish_words(&short, &entries), "past the end");
+        let misaligned = slice_at(&mem, 0x204, 0x40).unwrap();
+        assert!(!publish_words(&misaligned, &entries), "misaligned");
     }
 
     #[test]
@@ -248,6 +264,15 @@ mod tests {
             b"zero.",
             "slot 0, at the start of the first page"
         );
-        assert!(!Slots::new(&gone, &mem).publish(0, &[1u64]));
+        assert_eq!(Slots::new(&gone, &mem).publish(0, &[[1u64; 128]]), 0);
+        // 1 KiB entries into slots 7, 0 and 1 (across the wrap); slot 2's page is gone.
+        let entry = |n: u64| [n; 128];
+        let wrapping = GuestRing::new(vec![0x1000, 0], 12, 10, 8);
+        let entries = [entry(7), entry(8), entry(9)];
+        assert_eq!(Slots::new(&wrapping, &mem).publish(7, &entries), 3);
+        let word = |gpa| mem.read_obj::<u64>(GuestAddress(gpa)).unwrap();
+        assert_eq!((word(0xc00), word(0x1000), word(0x1400)), (7, 8, 9));
+        let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
+        assert_eq!(Slots::new(&half_gone, &mem).publish(3, &entries), 1);
     }
 }

@@ -53,6 +53,8 @@ pub(super) struct Poller {
     inline: Vec<u8>,
     recv: Vec<(u64, usize)>,
     wcs: Vec<WorkCompletion>,
+    /// The words of a batch of CQEs, as they are written.
+    cqe_words: Vec<[u64; CQE_SIZE / 8]>,
     ahs: Vec<Arc<AddressHandle>>,
     /// The queues this pass visits, with their doorbell bits.
     visits: Vec<(u16, Rung)>,
@@ -84,6 +86,7 @@ impl Poller {
             inline: Vec::with_capacity(BATCH as usize * 4096),
             recv: Vec::with_capacity(BATCH as usize),
             wcs: (0..BATCH).map(|_| WorkCompletion::default()).collect(),
+            cqe_words: Vec::with_capacity(BATCH as usize),
             ahs: Vec::with_capacity(BATCH as usize),
             visits: Vec::new(),
             carried: Vec::new(),
@@ -265,7 +268,13 @@ impl Poller {
     ) -> bool {
         let mut cq_progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
         if self.cq_room(mem, cq, &mut cq_progress).unwrap_or(0) == 0
-            || !self.write_cqe(&mut Slots::new(&cq.ring, mem), cq, &mut cq_progress, cqe)
+            || self.write_cqes(
+                mem,
+                cq,
+                &mut cq_progress,
+                [cqe].into_iter(),
+                &mut Vec::new(),
+            ) == 0
         {
             return false;
         }
@@ -616,23 +625,32 @@ impl Poller {
         }
     }
 
-    fn write_cqe(
+    /// Writes `cqes` at the CQ's producer index, each with its lap's owner bit (written last);
+    /// how many it wrote: fewer if the ring is no longer in guest memory, which breaks the CQ.
+    fn write_cqes(
         &self,
-        slots: &mut Slots,
+        mem: &Memory,
         cq: &CqData,
         progress: &mut CqProgress,
-        mut cqe: Cqe,
-    ) -> bool {
-        cqe.owner = cqe_owner_for(progress.producer, cq.ring.depth);
-        let mut words = [0u64; CQE_SIZE / 8];
-        for (word, bytes) in words.iter_mut().zip(cqe.as_slice().chunks_exact(8)) {
-            *word = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
+        cqes: impl Iterator<Item = Cqe>,
+        words: &mut Vec<[u64; CQE_SIZE / 8]>,
+    ) -> u32 {
+        words.clear();
+        for (index, cqe) in cqes.enumerate() {
+            let producer = progress.producer.wrapping_add(index as u32);
+            let cqe = Cqe {
+                owner: cqe_owner_for(producer, cq.ring.depth),
+                ..cqe
+            };
+            let mut entry = [0u64; CQE_SIZE / 8];
+            for (word, bytes) in entry.iter_mut().zip(cqe.as_slice().chunks_exact(8)) {
+                *word = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
+            }
+            words.push(entry);
         }
-        // The owner byte is in the last word, which is stored last (release).
-        let written = slots.publish(progress.producer, &words);
-        if written {
-            progress.producer = progress.producer.wrapping_add(1);
-        } else {
+        let written = Slots::new(&cq.ring, mem).publish(progress.producer, words);
+        progress.producer = progress.producer.wrapping_add(written);
+        if (written as usize) < words.len() {
             progress.failed = true;
             self.post_event(event_kind::CQ_ERROR, cq.handle);
         }
@@ -644,7 +662,6 @@ impl Poller {
     #[inline(never)]
     fn process_cq(&mut self, mem: &Memory, cq: &CqData) -> bool {
         let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let mut moved = 0u32;
         let Some(room) = self.cq_room(mem, cq, &mut progress) else {
             return false;
         };
@@ -656,33 +673,30 @@ impl Poller {
                 0
             }
         };
-        if n > 0 {
-            // The event of an armed CQ fires with its next completion: arm it again.
-            cq.armed.store(false, Ordering::Relaxed);
+        if n == 0 {
+            return false;
         }
-        let mut slots = Slots::new(&cq.ring, mem);
-        for wc in &self.wcs[..n] {
-            let cqe = Cqe {
-                wr_id: Le64::from(wc.wr_id()),
-                qp_num: Le32::from(wc.qp_num()),
-                byte_len: Le32::from(wc.byte_len()),
-                imm_data: Le32::from(wc.imm_data().unwrap_or(0)),
-                src_qp: Le32::from(wc.src_qp()),
-                status: wc.status() as u8,
-                opcode: wc.opcode() as u8,
-                wc_flags: wc.wc_flags() as u8,
-                sl: wc.sl(),
-                pkey_index: Le16::from(wc.pkey_index()),
-                reserved: 0,
-                owner: 0,
-            };
-            if !self.write_cqe(&mut slots, cq, &mut progress, cqe) {
-                break;
-            }
-            if wc.is_recv() {
-                self.shared.received_on(mem, wc.qp_num());
-            }
-            moved += 1;
+        // The event of an armed CQ fires with its next completion: arm it again.
+        cq.armed.store(false, Ordering::Relaxed);
+        let cqes = self.wcs[..n].iter().map(|wc| Cqe {
+            wr_id: Le64::from(wc.wr_id()),
+            qp_num: Le32::from(wc.qp_num()),
+            byte_len: Le32::from(wc.byte_len()),
+            imm_data: Le32::from(wc.imm_data().unwrap_or(0)),
+            src_qp: Le32::from(wc.src_qp()),
+            status: wc.status() as u8,
+            opcode: wc.opcode() as u8,
+            wc_flags: wc.wc_flags() as u8,
+            sl: wc.sl(),
+            pkey_index: Le16::from(wc.pkey_index()),
+            reserved: 0,
+            owner: 0,
+        });
+        let mut words = std::mem::take(&mut self.cqe_words);
+        let moved = self.write_cqes(mem, cq, &mut progress, cqes, &mut words);
+        self.cqe_words = words;
+        for wc in self.wcs[..moved as usize].iter().filter(|wc| wc.is_recv()) {
+            self.shared.received_on(mem, wc.qp_num());
         }
         self.shared
             .completions
