@@ -4,6 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use vrdma_backend::datapath::wqe::{parse_recv, parse_send, MrRange, QpRules};
+use vrdma_backend::hostverbs::Payload;
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
 
 fuzz_target!(|input: &[u8]| {
@@ -41,10 +42,13 @@ fuzz_target!(|input: &[u8]| {
     };
     let mut list = Vec::new();
     if !receive {
-        if let Ok(request) = parse_send(&wqe, &rules, &lookup, &mut list) {
-            assert_eq!(list.len(), request.sge_count);
-            if let Some(inline_len) = request.inline_len {
-                assert!(inline_len <= rules.max_inline as usize && inline_len < stride);
+        let no_ahs = |_| None;
+        if let Ok(wr) = parse_send(&wqe, &rules, &lookup, &no_ahs, &mut list) {
+            match wr.payload {
+                Payload::Sges(sges) => assert!(sges.len() <= rules.max_send_sge as usize),
+                Payload::Inline(data) => {
+                    assert!(data.len() <= rules.max_inline as usize && data.len() < stride)
+                }
             }
         }
     } else if let Ok((_, count)) = parse_recv(&wqe, &rules, &lookup, &mut list) {

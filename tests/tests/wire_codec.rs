@@ -4,10 +4,10 @@
 
 use proptest::prelude::*;
 use vrdma_backend::datapath::wqe::{parse_recv, parse_send, MrRange, QpRules};
-use vrdma_backend::hostverbs::Sge as HostSge;
+use vrdma_backend::hostverbs::{Payload as HostPayload, Sge as HostSge};
 use vrdma_guest::verbs::{encode_recv, encode_send, QpType, SendShape};
 use vrdma_guest::{Payload, RecvWr, SendOp, SendWr, Sge};
-use vrdma_spec::codec::{recv_wqe_shift, send_wqe_shift, strategies, SEND_WQE_HEADER};
+use vrdma_spec::codec::{recv_wqe_shift, send_wqe_shift, strategies};
 
 const PD: u32 = 3;
 const MAX_SGE: u32 = 4;
@@ -133,20 +133,16 @@ proptest! {
         }).unwrap();
 
         let mut parsed_sges = Vec::new();
-        let request = parse_send(&slot, &rules(), &lookup, &mut parsed_sges).unwrap();
+        let no_ahs = |_| None;
+        let request = parse_send(&slot, &rules(), &lookup, &no_ahs, &mut parsed_sges).unwrap();
         prop_assert_eq!(request.wr_id, wr_id);
         prop_assert_eq!(request.op, op);
         prop_assert_eq!((request.signaled, request.solicited, request.fence), (signaled, solicited, fence));
-        prop_assert_eq!(request.ud, None);
-        match inline {
-            Some(data) => {
-                prop_assert_eq!(request.inline_len, Some(data.len()));
-                prop_assert_eq!(&slot[SEND_WQE_HEADER..SEND_WQE_HEADER + data.len()], &data[..]);
-            }
-            None => {
-                prop_assert_eq!(request.sge_count, sges.len());
-                prop_assert_eq!(parsed_sges, host_sges(&sges));
-            }
+        prop_assert!(request.ud.is_none());
+        match (inline, request.payload) {
+            (Some(data), HostPayload::Inline(parsed)) => prop_assert_eq!(parsed, &data[..]),
+            (None, HostPayload::Sges(parsed)) => prop_assert_eq!(parsed, &host_sges(&sges)[..]),
+            (sent, parsed) => prop_assert!(false, "sent {:?}, parsed {:?}", sent, parsed),
         }
     }
 

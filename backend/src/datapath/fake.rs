@@ -19,7 +19,7 @@ use super::host::{HostCompletionQueue, HostQueuePair};
 use super::poller::Poller;
 use super::wqe::{MrRange, QpRules};
 use super::*;
-use crate::hostverbs::{self, ObjectId, RecvWr, SendWr, WorkCompletion};
+use crate::hostverbs::{self, ObjectId, RecvWr, SendBatch, WorkCompletion};
 
 pub const PAGE: u64 = 4096;
 pub const SQ_RING: u64 = 0x10000;
@@ -71,16 +71,15 @@ impl HostQueuePair for FakeQp {
         QP_NUM
     }
 
-    fn post_send<'a>(&self, wrs: &mut dyn Iterator<Item = SendWr<'a>>) -> hostverbs::Result<()> {
+    fn post_send(&self, batch: &mut SendBatch) -> hostverbs::Result<()> {
         self.posts.fetch_add(1, Ordering::SeqCst);
         drop(self.gate.lock().unwrap());
-        let wrs: Vec<SendWr<'a>> = wrs.collect();
         let room = self.room.load(Ordering::Relaxed);
-        let taken = wrs.len().min(room);
+        let taken = batch.len().min(room);
         self.room.fetch_sub(taken, Ordering::Relaxed);
         let mut sends = self.sends.lock().unwrap();
-        sends.extend(wrs[..taken].iter().map(|wr| (wr.wr_id, wr.op)));
-        if taken < wrs.len() {
+        sends.extend(batch.requests().take(taken));
+        if taken < batch.len() {
             return Err(hostverbs::Error::Post {
                 call: "fake post_send",
                 posted: taken,

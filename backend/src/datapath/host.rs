@@ -3,14 +3,14 @@
 //! plain memory.
 
 use crate::hostverbs::{
-    self, qp_attr_mask, CompletionQueue, ObjectId, QpAttr, QpState, QueuePair, RecvWr, SendWr,
+    self, qp_attr_mask, CompletionQueue, ObjectId, QpAttr, QpState, QueuePair, RecvWr, SendBatch,
     SharedReceiveQueue, WorkCompletion,
 };
 
 pub trait HostQueuePair: Send + Sync {
     fn qp_num(&self) -> u32;
-    /// Posts in order; on a partial post, `Error::Post` says how many were taken.
-    fn post_send<'a>(&self, wrs: &mut dyn Iterator<Item = SendWr<'a>>) -> hostverbs::Result<()>;
+    /// Posts the batch in order; on a partial post, `Error::Post` says how many were taken.
+    fn post_send(&self, batch: &mut SendBatch) -> hostverbs::Result<()>;
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> hostverbs::Result<()>;
     /// Moves the QP to the error state: the host flushes what is outstanding.
     fn set_error(&self) -> hostverbs::Result<()>;
@@ -35,8 +35,8 @@ impl HostQueuePair for QueuePair {
         QueuePair::qp_num(self)
     }
 
-    fn post_send<'a>(&self, wrs: &mut dyn Iterator<Item = SendWr<'a>>) -> hostverbs::Result<()> {
-        QueuePair::post_sends(self, wrs)
+    fn post_send(&self, batch: &mut SendBatch) -> hostverbs::Result<()> {
+        batch.post(self)
     }
 
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> hostverbs::Result<()> {

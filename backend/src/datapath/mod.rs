@@ -170,6 +170,9 @@ impl Hasher for KeyHasher {
     }
 }
 
+/// The guest's MRs by host lkey.
+type MrTable = HashMap<u32, MrRange, BuildHasherDefault<KeyHasher>>;
+
 struct Shard {
     objects: Mutex<ShardObjects>,
     wake: EventFd,
@@ -190,7 +193,7 @@ pub struct Stats {
 
 struct Shared {
     mem: RwLock<Option<GuestMemoryAtomic<Memory>>>,
-    mrs: RwLock<HashMap<u32, MrRange, BuildHasherDefault<KeyHasher>>>,
+    mrs: RwLock<MrTable>,
     ahs: RwLock<HashMap<u32, (u32, Arc<AddressHandle>)>>,
     shards: Vec<Shard>,
     num_notify_queues: u32,

@@ -1,11 +1,12 @@
 //! A poller thread: it visits the rings of its shard, moves WQEs to the host in batches and
 //! completions back, and sleeps on kicks and host completion events when idle (SPEC.md §8.5).
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryBackend, VolatileMemory};
-use vrdma_spec::codec::{ring_pending, ArmRequest};
+use vrdma_spec::codec::{ring_pending, ArmRequest, MAX_SEND_INLINE, MAX_SEND_SGE};
 use vrdma_spec::ring::{
     cqe_owner_for, event_kind, wc_opcode, CqDoorbell, Cqe, NotifyState, QpDoorbell, SrqDoorbell,
     CQE_SIZE, NOTIFY_NEED_WAKEUP,
@@ -14,9 +15,9 @@ use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use super::guest_access::{load, store, Slots};
 use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
-use super::wqe::{self, QpRules, SendRequest, WqeError};
-use super::{Memory, Rung, Shard, ShardObjects, Shared, BATCH};
-use crate::hostverbs::{self, AddressHandle, Payload, RecvWr, SendWr, Sge, UdDest, WorkCompletion};
+use super::wqe::{self, MrRange, QpRules, WqeError};
+use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
+use crate::hostverbs::{self, RecvWr, SendBatch, Sge, WorkCompletion};
 
 /// What visiting a queue did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,14 +49,14 @@ pub(super) struct Poller {
     index: usize,
     /// Copies of a batch of WQEs, taken from the ring a page's worth of slots at a time.
     slots: Vec<u8>,
+    /// The SGEs of one WQE as it is parsed, and of a batch of receives.
     sges: Vec<Sge>,
-    requests: Vec<SendRequest>,
-    inline: Vec<u8>,
+    /// A batch of sends, built in place in the host's layout.
+    batch: SendBatch,
     recv: Vec<(u64, usize)>,
     wcs: Vec<WorkCompletion>,
     /// The words of a batch of CQEs, as they are written.
     cqe_words: Vec<[u64; CQE_SIZE / 8]>,
-    ahs: Vec<Arc<AddressHandle>>,
     /// The queues this pass visits, with their doorbell bits.
     visits: Vec<(u16, Rung)>,
     /// Doorbell bits of the queues the last pass left WQEs in.
@@ -63,6 +64,22 @@ pub(super) struct Poller {
     /// The shard's CQs as of `cqs_version`.
     cqs: Vec<Arc<CqData>>,
     cqs_version: u64,
+}
+
+/// Looks lkeys up in `mrs`, remembering the last one found: the WQEs of a batch mostly name
+/// the same MR, and the table cannot change while its read lock is held for the batch.
+fn mr_lookup(mrs: &MrTable) -> impl Fn(u32) -> Option<MrRange> + '_ {
+    let last = Cell::new(None::<(u32, MrRange)>);
+    move |lkey| match last.get() {
+        Some((key, range)) if key == lkey => Some(range),
+        _ => {
+            let range = mrs.get(&lkey).copied();
+            if let Some(range) = range {
+                last.set(Some((lkey, range)));
+            }
+            range
+        }
+    }
 }
 
 fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
@@ -82,12 +99,14 @@ impl Poller {
             index,
             slots: vec![0; (BATCH as usize) << vrdma_spec::ring::MAX_WQE_SHIFT],
             sges: Vec::with_capacity(BATCH as usize * 32),
-            requests: Vec::with_capacity(BATCH as usize),
-            inline: Vec::with_capacity(BATCH as usize * 4096),
+            batch: SendBatch::with_capacity(
+                BATCH as usize,
+                BATCH as usize * (MAX_SEND_SGE as usize + 1),
+                BATCH as usize * MAX_SEND_INLINE as usize,
+            ),
             recv: Vec::with_capacity(BATCH as usize),
             wcs: (0..BATCH).map(|_| WorkCompletion::default()).collect(),
             cqe_words: Vec::with_capacity(BATCH as usize),
-            ahs: Vec::with_capacity(BATCH as usize),
             visits: Vec::new(),
             carried: Vec::new(),
             cqs: Vec::new(),
@@ -317,47 +336,33 @@ impl Poller {
             );
             return Visit::WORKED;
         }
-        self.sges.clear();
-        self.requests.clear();
-        self.inline.clear();
-        self.ahs.clear();
-        let mut refused: Option<(u64, u8, WqeError)> = None;
+        self.batch.clear();
+        let mut refused: Option<(u64, WqeError)> = None;
         let stride = qp.sq.stride();
         {
             let shared = Arc::clone(&self.shared);
             let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
-            let lookup = |lkey| mrs.get(&lkey).copied();
+            let mr_of = mr_lookup(&mrs);
             let ahs = shared.ahs.read().unwrap_or_else(|e| e.into_inner());
+            let ah_of = |handle| ahs.get(&handle).map(|(pd, ah)| (*pd, ah));
             let mut slots = Slots::new(&qp.sq, mem);
             let batch = pending.min(BATCH);
             let copied = slots.copy_out(progress.sq_consumer, batch, &mut self.slots);
             for slot in self.slots[..copied as usize * stride].chunks_exact(stride) {
+                let error = match wqe::parse_send(slot, &qp.rules, &mr_of, &ah_of, &mut self.sges) {
+                    Ok(wr) => match self.batch.push(&wr) {
+                        Ok(()) => continue,
+                        // The batch has room for a full batch of the largest slots.
+                        Err(e) => {
+                            log::error!("QP {:#x}: {e}", qp.handle);
+                            WqeError::Unpostable
+                        }
+                    },
+                    Err(error) => error,
+                };
                 let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-                match wqe::parse_send(slot, &qp.rules, &lookup, &mut self.sges) {
-                    Ok(request) => {
-                        if let Some(len) = request.inline_len {
-                            self.inline.extend_from_slice(&slot[64..64 + len]);
-                        }
-                        if let Some((ah, _, _)) = request.ud {
-                            match ahs.get(&ah) {
-                                Some((pd, handle)) if *pd == qp.rules.pd => {
-                                    self.ahs.push(Arc::clone(handle))
-                                }
-                                _ => {
-                                    let error = WqeError::UnknownAh(ah);
-                                    refused = Some((wr_id, request.op.completion_opcode(), error));
-                                    break;
-                                }
-                            }
-                        }
-                        self.requests.push(request);
-                    }
-                    Err(error) => {
-                        let opcode = wc_opcode::SEND;
-                        refused = Some((wr_id, opcode, error));
-                        break;
-                    }
-                }
+                refused = Some((wr_id, error));
+                break;
             }
             if refused.is_none() && copied < batch {
                 progress.failed = true;
@@ -367,10 +372,11 @@ impl Poller {
         }
         let posted = self.post_sends(qp);
         progress.sq_consumer = progress.sq_consumer.wrapping_add(posted as u32);
-        let all_posted = posted == self.requests.len();
+        let all_posted = posted == self.batch.len();
         let mut refused_one = false;
-        if let (true, Some((wr_id, opcode, error))) = (all_posted, refused) {
-            let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status(), opcode);
+        if let (true, Some((wr_id, error))) = (all_posted, refused) {
+            // Refused before reaching the host: its completion says what it was, or SEND.
+            let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status(), wc_opcode::SEND);
             let refusal = (cqe, &error);
             refused_one = self.refuse_wqe(mem, qp, &mut progress, &qp.send_cq, refusal);
             if refused_one {
@@ -390,44 +396,14 @@ impl Poller {
         }
     }
 
-    /// Posts the batch in `requests`; returns how many the host took (it refuses the rest when
-    /// its queue is full; they stay in the guest ring for the next pass).
-    fn post_sends(&self, qp: &QpData) -> usize {
-        if self.requests.is_empty() {
+    /// Posts the batch; returns how many the host took (it refuses the rest when its queue
+    /// is full; they stay in the guest ring for the next pass).
+    fn post_sends(&mut self, qp: &QpData) -> usize {
+        if self.batch.is_empty() {
             return 0;
         }
-        let (mut sge_at, mut inline_at, mut ah_at) = (0, 0, 0);
-        let mut wrs = self.requests.iter().map(|request| {
-            let payload = match request.inline_len {
-                Some(len) => {
-                    inline_at += len;
-                    Payload::Inline(&self.inline[inline_at - len..inline_at])
-                }
-                None => {
-                    sge_at += request.sge_count;
-                    Payload::Sges(&self.sges[sge_at - request.sge_count..sge_at])
-                }
-            };
-            let ud = request.ud.map(|(_, remote_qpn, remote_qkey)| {
-                ah_at += 1;
-                UdDest {
-                    ah: &self.ahs[ah_at - 1],
-                    remote_qpn,
-                    remote_qkey,
-                }
-            });
-            SendWr {
-                wr_id: request.wr_id,
-                op: request.op,
-                payload,
-                signaled: request.signaled,
-                solicited: request.solicited,
-                fence: request.fence,
-                ud,
-            }
-        });
-        match qp.qp.post_send(&mut wrs) {
-            Ok(()) => self.requests.len(),
+        match qp.qp.post_send(&mut self.batch) {
+            Ok(()) => self.batch.len(),
             Err(hostverbs::Error::Post { posted, source, .. }) => {
                 if source.raw_os_error() != Some(libc::ENOMEM) {
                     log::warn!("QP {:#x}: host refused a send: {source}", qp.handle);
@@ -455,7 +431,7 @@ impl Poller {
         self.recv.clear();
         let shared = Arc::clone(&self.shared);
         let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
-        let lookup = |lkey| mrs.get(&lkey).copied();
+        let lookup = mr_lookup(&mrs);
         let mut slots = Slots::new(ring, mem);
         let stride = ring.stride();
         let batch = pending.min(BATCH);

@@ -5,7 +5,9 @@ use vrdma_spec::codec::{sge_offset, WqeFormatError, WqePayload, RECV_WQE_HEADER,
 use vrdma_spec::ring::{wc_status, RecvWqe, SendWqe, Sge as WireSge};
 use vrdma_spec::ByteValued;
 
-use crate::hostverbs::{SendOp, Sge};
+use std::sync::Arc;
+
+use crate::hostverbs::{AddressHandle, Payload, SendOp, SendWr, Sge, UdDest};
 
 /// Why a WQE was refused: one variant per rule (SPEC.md §7), each with the completion
 /// status that reports it.
@@ -43,6 +45,8 @@ pub enum WqeError {
     UnknownAh(u32),
     #[error("the ring is unreadable")]
     RingUnreadable,
+    #[error("the host cannot take it")]
+    Unpostable,
 }
 
 impl WqeError {
@@ -79,27 +83,15 @@ pub struct QpRules {
     pub rq_stride: usize,
 }
 
-/// A validated send WQE; its SGEs were appended to the caller's list, its inline payload (if
-/// any) is `slot[64..64 + inline_len]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SendRequest {
-    pub wr_id: u64,
-    pub op: SendOp,
-    pub signaled: bool,
-    pub solicited: bool,
-    pub fence: bool,
-    pub inline_len: Option<usize>,
-    pub sge_count: usize,
-    /// UD: (AH handle, remote QPN, remote Q_Key).
-    pub ud: Option<(u32, u32, u32)>,
-}
-
 /// A wire struct from a slot, which callers size to hold it.
 fn read<T: ByteValued + Default>(bytes: &[u8]) -> T {
     vrdma_spec::read_wire(bytes).expect("a slot holds its header and SGEs")
 }
 
 /// Checks `count` SGEs at `bytes` against the MR table and appends them to `out`.
+// Inlined, as is parse_send, into the poller's loop: called per WQE, returning by value, they
+// cost more in moving their results than in checking.
+#[inline(always)]
 fn check_sges(
     bytes: &[u8],
     count: usize,
@@ -134,13 +126,17 @@ fn check_sges(
     Ok(())
 }
 
-/// Parses and validates the send WQE in `slot` (one SQ slot, copied out of guest memory).
-pub fn parse_send(
-    slot: &[u8],
+/// Parses and validates the send WQE in `slot` (one SQ slot, copied out of guest memory)
+/// into the host's request: its SGEs go to `sges` (cleared first), its inline payload stays
+/// in `slot`, a UD destination is looked up with `ahs` (an AH's PD and the host AH).
+#[inline(always)]
+pub fn parse_send<'w, 'h: 'w>(
+    slot: &'w [u8],
     rules: &QpRules,
-    lookup: &impl Fn(u32) -> Option<MrRange>,
-    sges: &mut Vec<Sge>,
-) -> Result<SendRequest, WqeError> {
+    mrs: &impl Fn(u32) -> Option<MrRange>,
+    ahs: &impl Fn(u32) -> Option<(u32, &'h Arc<AddressHandle>)>,
+    sges: &'w mut Vec<Sge>,
+) -> Result<SendWr<'w>, WqeError> {
     let wqe: SendWqe = read(slot);
     let header = wqe.decode()?;
     let op = header.op;
@@ -150,7 +146,8 @@ pub fn parse_send(
     if op.is_atomic() && !rules.atomics {
         return Err(WqeError::AtomicsNotNegotiated);
     }
-    let (inline_len, sge_count) = match header.payload {
+    sges.clear();
+    let payload = match header.payload {
         WqePayload::Inline(len) => {
             let len = len as usize;
             if !op.may_be_inline() {
@@ -159,7 +156,7 @@ pub fn parse_send(
             if len > rules.max_inline as usize || SEND_WQE_HEADER + len > rules.sq_stride {
                 return Err(WqeError::InlineTooLong(len as u32));
             }
-            (Some(len), 0)
+            Payload::Inline(&slot[SEND_WQE_HEADER..SEND_WQE_HEADER + len])
         }
         WqePayload::Sges(count) => {
             let count = usize::from(count);
@@ -168,37 +165,44 @@ pub fn parse_send(
             {
                 return Err(WqeError::TooManySges(count));
             }
-            let first = sges.len();
-            check_sges(&slot[SEND_WQE_HEADER..], count, rules, lookup, sges)?;
+            check_sges(&slot[SEND_WQE_HEADER..], count, rules, mrs, sges)?;
             if let SendOp::CompareAndSwap { remote_addr, .. }
             | SendOp::FetchAndAdd { remote_addr, .. } = op
             {
-                if count != 1 || sges[first].length != 8 {
+                if count != 1 || sges[0].length != 8 {
                     return Err(WqeError::AtomicSge);
                 }
                 if !remote_addr.is_multiple_of(8) {
                     return Err(WqeError::AtomicAlignment(remote_addr));
                 }
             }
-            (None, count)
+            Payload::Sges(sges)
         }
     };
-    let ud = rules
-        .ud
-        .then_some((header.ud.ah, header.ud.remote_qpn, header.ud.remote_qkey));
-    if let Some((_, qpn, _)) = ud {
-        if qpn >= 1 << 24 {
-            return Err(WqeError::RemoteQpn(qpn));
+    let ud = if rules.ud {
+        let address = header.ud;
+        if address.remote_qpn >= 1 << 24 {
+            return Err(WqeError::RemoteQpn(address.remote_qpn));
         }
-    }
-    Ok(SendRequest {
+        let ah = match ahs(address.ah) {
+            Some((pd, ah)) if pd == rules.pd => ah,
+            _ => return Err(WqeError::UnknownAh(address.ah)),
+        };
+        Some(UdDest {
+            ah,
+            remote_qpn: address.remote_qpn,
+            remote_qkey: address.remote_qkey,
+        })
+    } else {
+        None
+    };
+    Ok(SendWr {
         wr_id: header.wr_id,
         op,
+        payload,
         signaled: header.signaled,
         solicited: header.solicited,
         fence: header.fence,
-        inline_len,
-        sge_count,
         ud,
     })
 }
@@ -275,24 +279,51 @@ mod tests {
         }
     }
 
-    fn send(bytes: &[u8], rules: &QpRules) -> Result<(SendRequest, Vec<Sge>), WqeError> {
+    /// What a parsed request says, owned.
+    #[derive(Debug)]
+    struct Parsed {
+        wr_id: u64,
+        op: SendOp,
+        signaled: bool,
+        fence: bool,
+        /// The SGEs, or the length of the inline payload.
+        payload: Result<Vec<Sge>, usize>,
+    }
+
+    fn send(bytes: &[u8], rules: &QpRules) -> Result<Parsed, WqeError> {
         let mut sges = Vec::new();
-        parse_send(bytes, rules, &lookup, &mut sges).map(|r| (r, sges))
+        let no_ahs = |_| None;
+        let wr = parse_send(bytes, rules, &lookup, &no_ahs, &mut sges)?;
+        Ok(Parsed {
+            wr_id: wr.wr_id,
+            op: wr.op,
+            signaled: wr.signaled,
+            fence: wr.fence,
+            payload: match wr.payload {
+                Payload::Sges(sges) => Ok(sges.to_vec()),
+                Payload::Inline(data) => Err(data.len()),
+            },
+        })
     }
 
     #[test]
     fn a_valid_write_becomes_a_host_request() {
-        let (request, sges) =
-            send(&slot(write(2), &[(0x1000, 16, 1), (0x1ff0, 16, 1)]), &RULES).unwrap();
+        let parsed = send(&slot(write(2), &[(0x1000, 16, 1), (0x1ff0, 16, 1)]), &RULES).unwrap();
         assert_eq!(
-            request.op,
+            parsed.op,
             SendOp::RdmaWrite {
                 remote_addr: 0x9000,
                 rkey: 5
             }
         );
-        assert!(request.signaled && !request.fence);
-        assert_eq!((request.wr_id, request.sge_count, sges.len()), (42, 2, 2));
+        assert!(parsed.signaled && !parsed.fence);
+        let sge = |addr| Sge {
+            addr,
+            length: 16,
+            lkey: 1,
+        };
+        let expected = Ok(vec![sge(0x1000), sge(0x1ff0)]);
+        assert_eq!((parsed.wr_id, parsed.payload), (42, expected));
     }
 
     #[test]
@@ -403,11 +434,7 @@ mod tests {
             inline_len: Le32::from(64),
             ..write(0)
         };
-        let (request, sges) = send(&slot(wqe, &[]), &RULES).unwrap();
-        assert_eq!(
-            (request.inline_len, request.sge_count, sges.len()),
-            (Some(64), 0, 0)
-        );
+        assert_eq!(send(&slot(wqe, &[]), &RULES).unwrap().payload, Err(64));
     }
 
     #[test]

@@ -298,7 +298,7 @@ pub enum Payload<'a> {
 /// Destination of a UD send.
 #[derive(Clone, Copy, Debug)]
 pub struct UdDest<'a> {
-    pub ah: &'a AddressHandle,
+    pub ah: &'a Arc<AddressHandle>,
     pub remote_qpn: u32,
     pub remote_qkey: u32,
 }
@@ -340,6 +340,243 @@ pub struct RecvWr<'a> {
 
 /// Work requests chained into one post call; bounds the stack space a batch needs.
 const POST_BATCH: usize = 16;
+
+/// Send work requests in the host's own layout, filled in place one by one and posted as one
+/// chain: whoever builds them (the data path, per WQE) keeps no request of its own between.
+/// Every pointer in a request points into the batch's own buffers, which are allocated once
+/// at their full size and never grow, or at an address handle the batch holds.
+pub struct SendBatch {
+    wrs: Vec<ibv_send_wr>,
+    sges: Vec<ibv_sge>,
+    inline: Vec<u8>,
+    /// The address handles UD requests name, kept alive until the batch is cleared.
+    ahs: Vec<Arc<AddressHandle>>,
+}
+
+// SAFETY: the raw pointers in `wrs` point into the batch's own heap buffers or at address
+// handles it holds (thread-safe verbs objects); moving the batch moves them along.
+unsafe impl Send for SendBatch {}
+
+impl SendBatch {
+    /// Room for `wrs` requests with `sges` SGEs and `inline` bytes of inline payload among
+    /// them (an inline request takes one SGE as well).
+    pub fn with_capacity(wrs: usize, sges: usize, inline: usize) -> SendBatch {
+        SendBatch {
+            wrs: Vec::with_capacity(wrs),
+            sges: Vec::with_capacity(sges),
+            inline: Vec::with_capacity(inline),
+            ahs: Vec::with_capacity(wrs),
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.wrs.clear();
+        self.sges.clear();
+        self.inline.clear();
+        self.ahs.clear();
+    }
+
+    pub fn len(&self) -> usize {
+        self.wrs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.wrs.is_empty()
+    }
+
+    /// Adds `wr` at the end; refused when it does not fit the room the batch was made with.
+    #[inline]
+    pub fn push(&mut self, wr: &SendWr<'_>) -> Result<()> {
+        let no_room = || Error::InvalidArgument("the send batch is full".into());
+        if self.wrs.len() == self.wrs.capacity() {
+            return Err(no_room());
+        }
+        let mut flags = 0;
+        if wr.signaled {
+            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        if wr.solicited {
+            flags |= ibv_send_flags::IBV_SEND_SOLICITED.0;
+        }
+        if wr.fence {
+            flags |= ibv_send_flags::IBV_SEND_FENCE.0;
+        }
+        let first_sge = self.sges.len();
+        let sge_count = match wr.payload {
+            Payload::Sges(sges) => {
+                if sges.len() > self.sges.capacity() - first_sge {
+                    return Err(no_room());
+                }
+                self.sges.extend(sges.iter().map(|sge| ibv_sge {
+                    addr: sge.addr,
+                    length: sge.length,
+                    lkey: sge.lkey,
+                }));
+                sges.len()
+            }
+            Payload::Inline(data) => {
+                let first_byte = self.inline.len();
+                let fits = data.len() <= self.inline.capacity() - first_byte
+                    && first_sge < self.sges.capacity();
+                if !fits {
+                    return Err(no_room());
+                }
+                self.inline.extend_from_slice(data);
+                self.sges.push(ibv_sge {
+                    addr: self.inline[first_byte..].as_ptr() as u64,
+                    length: data.len() as u32, // at most the inline capacity, checked
+                    lkey: 0,
+                });
+                flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+                1
+            }
+        };
+        let sg_list = self.sges[first_sge..].as_mut_ptr();
+        // Filled where it lies in the batch, not built elsewhere and copied in.
+        // SAFETY: all-zero is a valid ibv_send_wr (integers, null pointers, unions of those).
+        self.wrs.push(unsafe { std::mem::zeroed() });
+        let raw = self.wrs.last_mut().expect("just pushed");
+        raw.wr_id = wr.wr_id;
+        if sge_count > 0 {
+            raw.sg_list = sg_list;
+            raw.num_sge = sge_count as c_int; // at most the batch's SGE capacity
+        }
+        raw.send_flags = flags;
+        let (opcode, imm) = match wr.op {
+            SendOp::Send => (ibv_wr_opcode::IBV_WR_SEND, None),
+            SendOp::SendWithImm { imm } => (ibv_wr_opcode::IBV_WR_SEND_WITH_IMM, Some(imm)),
+            SendOp::RdmaWrite { remote_addr, rkey } => {
+                raw.wr.rdma = rdma_t { remote_addr, rkey };
+                (ibv_wr_opcode::IBV_WR_RDMA_WRITE, None)
+            }
+            SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            } => {
+                raw.wr.rdma = rdma_t { remote_addr, rkey };
+                (ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm))
+            }
+            SendOp::RdmaRead { remote_addr, rkey } => {
+                raw.wr.rdma = rdma_t { remote_addr, rkey };
+                (ibv_wr_opcode::IBV_WR_RDMA_READ, None)
+            }
+            SendOp::CompareAndSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => {
+                raw.wr.atomic = atomic_t {
+                    remote_addr,
+                    compare_add: compare,
+                    swap,
+                    rkey,
+                };
+                (ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP, None)
+            }
+            SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => {
+                raw.wr.atomic = atomic_t {
+                    remote_addr,
+                    compare_add: add,
+                    swap: 0,
+                    rkey,
+                };
+                (ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD, None)
+            }
+        };
+        raw.opcode = opcode;
+        if let Some(imm) = imm {
+            raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+        }
+        if let Some(dest) = wr.ud {
+            raw.wr.ud = ud_t {
+                ah: dest.ah.raw.as_ptr(),
+                remote_qpn: dest.remote_qpn,
+                remote_qkey: dest.remote_qkey,
+            };
+            self.ahs.push(Arc::clone(dest.ah));
+        }
+        Ok(())
+    }
+
+    /// The requests' ids and operations, in order (what a fake host records).
+    pub fn requests(&self) -> impl Iterator<Item = (u64, SendOp)> + '_ {
+        self.wrs.iter().map(|raw| {
+            // SAFETY: the unions hold plain integers and pointers, valid for any bits; `push`
+            // wrote the member each opcode reads.
+            let (rdma, atomic, imm) = unsafe {
+                (
+                    raw.wr.rdma,
+                    raw.wr.atomic,
+                    u32::from_be(raw.imm_data_invalidated_rkey_union.imm_data),
+                )
+            };
+            let (remote_addr, rkey) = (rdma.remote_addr, rdma.rkey);
+            let op = match raw.opcode {
+                ibv_wr_opcode::IBV_WR_SEND_WITH_IMM => SendOp::SendWithImm { imm },
+                ibv_wr_opcode::IBV_WR_RDMA_WRITE => SendOp::RdmaWrite { remote_addr, rkey },
+                ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM => SendOp::RdmaWriteWithImm {
+                    remote_addr,
+                    rkey,
+                    imm,
+                },
+                ibv_wr_opcode::IBV_WR_RDMA_READ => SendOp::RdmaRead { remote_addr, rkey },
+                ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP => SendOp::CompareAndSwap {
+                    remote_addr: atomic.remote_addr,
+                    rkey: atomic.rkey,
+                    compare: atomic.compare_add,
+                    swap: atomic.swap,
+                },
+                ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD => SendOp::FetchAndAdd {
+                    remote_addr: atomic.remote_addr,
+                    rkey: atomic.rkey,
+                    add: atomic.compare_add,
+                },
+                _ => SendOp::Send,
+            };
+            (raw.wr_id, op)
+        })
+    }
+
+    /// Posts the batch on `qp` as one chain; on failure the error says how many requests
+    /// the provider took before the one it refused.
+    pub fn post(&mut self, qp: &QueuePair) -> Result<()> {
+        if self.wrs.is_empty() {
+            return Ok(());
+        }
+        if qp.qp_type == QpType::Ud && self.ahs.len() != self.wrs.len() {
+            return Err(Error::InvalidArgument(
+                "UD send without a destination".into(),
+            ));
+        }
+        let base = self.wrs.as_mut_ptr();
+        let last = self.wrs.len() - 1;
+        for (index, raw) in self.wrs[..last].iter_mut().enumerate() {
+            raw.next = base.wrapping_add(index + 1);
+        }
+        self.wrs[last].next = std::ptr::null_mut();
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; the chain covers exactly `wrs`, and every SGE list and
+        // inline payload and AH it points to is the batch's own (see `SendBatch`), alive and
+        // unmoved for the call; the provider copies what it keeps.
+        let ret = unsafe { ibv_post_send(qp.raw.as_ptr(), base, &mut bad) };
+        if ret == 0 {
+            return Ok(());
+        }
+        let accepted = if bad.is_null() {
+            0
+        } else {
+            // SAFETY: `bad` points into `wrs`, per the verbs contract.
+            unsafe { bad.offset_from(base) as usize }
+        };
+        Err(post_error("ibv_post_send", accepted, ret))
+    }
+}
 
 fn post_error(call: &'static str, posted: usize, ret: c_int) -> Error {
     Error::Post {
@@ -425,159 +662,22 @@ impl QueuePair {
         })
     }
 
-    /// Posts `wrs` in order, chained in batches. On failure the error says how many were
-    /// posted before the one the provider refused.
+    /// Posts `wrs` in order, as one chain. On failure the error says how many were posted
+    /// before the one the provider refused.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
-        self.post_sends(&mut wrs.iter().copied())
-    }
-
-    /// As [`post_send`](Self::post_send), taking the requests as they are made, so that a
-    /// caller builds none in memory of its own.
-    pub fn post_sends<'a>(&self, wrs: &mut dyn Iterator<Item = SendWr<'a>>) -> Result<()> {
-        let mut posted = 0;
-        loop {
-            // Only the entries a chunk uses are initialised (a full batch is 2 KiB to zero).
-            let mut raw = [const { MaybeUninit::<ibv_send_wr>::uninit() }; POST_BATCH];
-            let mut inline_sges = [const { MaybeUninit::<ibv_sge>::uninit() }; POST_BATCH];
-            let mut len = 0;
-            for wr in (&mut *wrs).take(POST_BATCH) {
-                // SAFETY: all-zero is a valid ibv_send_wr / ibv_sge (integers, null pointers,
-                // unions of those).
-                let (raw, inline_sge) = unsafe {
-                    (
-                        raw[len].write(std::mem::zeroed()),
-                        inline_sges[len].write(std::mem::zeroed()),
-                    )
-                };
-                self.fill_send_wr(&wr, raw, inline_sge)?;
-                len += 1;
-            }
-            if len == 0 {
-                return Ok(());
-            }
-            // The chain below covers exactly the initialised entries.
-            let base = raw.as_mut_ptr().cast::<ibv_send_wr>();
-            for i in 1..len {
-                // SAFETY: both indexes are inside the initialised part of the array.
-                unsafe { (*base.add(i - 1)).next = base.add(i) };
-            }
-            let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-            // SAFETY: the QP is alive; the chain and every SGE list it points to (the
-            // requests' slices, `inline_sges`) live until the call returns; the provider
-            // copies what it keeps, and reads inline data during the call.
-            let ret = unsafe { ibv_post_send(self.raw.as_ptr(), base, &mut bad) };
-            if ret != 0 {
-                let accepted = if bad.is_null() {
-                    0
-                } else {
-                    // SAFETY: `bad` points into `raw`, per the verbs contract.
-                    unsafe { bad.offset_from(base) as usize }
-                };
-                return Err(post_error("ibv_post_send", posted + accepted, ret));
-            }
-            posted += len;
-            if len < POST_BATCH {
-                return Ok(());
-            }
+        let sges = wrs.iter().map(|wr| match wr.payload {
+            Payload::Sges(sges) => sges.len(),
+            Payload::Inline(_) => 1,
+        });
+        let inline = wrs.iter().map(|wr| match wr.payload {
+            Payload::Sges(_) => 0,
+            Payload::Inline(data) => data.len(),
+        });
+        let mut batch = SendBatch::with_capacity(wrs.len(), sges.sum(), inline.sum());
+        for wr in wrs {
+            batch.push(wr)?;
         }
-    }
-
-    fn fill_send_wr(
-        &self,
-        wr: &SendWr<'_>,
-        raw: &mut ibv_send_wr,
-        inline_sge: &mut ibv_sge,
-    ) -> Result<()> {
-        use ibv_wr_opcode::*;
-        raw.wr_id = wr.wr_id;
-        let mut flags = 0;
-        if wr.signaled {
-            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
-        }
-        if wr.solicited {
-            flags |= ibv_send_flags::IBV_SEND_SOLICITED.0;
-        }
-        if wr.fence {
-            flags |= ibv_send_flags::IBV_SEND_FENCE.0;
-        }
-        match wr.payload {
-            Payload::Sges(sges) => {
-                raw.sg_list = sges.as_ptr() as *mut ibv_sge;
-                raw.num_sge = c_int::try_from(sges.len())
-                    .map_err(|_| Error::InvalidArgument("too many SGEs".into()))?;
-            }
-            Payload::Inline(data) => {
-                inline_sge.addr = data.as_ptr() as u64;
-                inline_sge.length = u32::try_from(data.len())
-                    .map_err(|_| Error::InvalidArgument("inline payload too large".into()))?;
-                raw.sg_list = inline_sge;
-                raw.num_sge = 1;
-                flags |= ibv_send_flags::IBV_SEND_INLINE.0;
-            }
-        }
-        raw.send_flags = flags;
-        let (opcode, imm) = match wr.op {
-            SendOp::Send => (IBV_WR_SEND, None),
-            SendOp::SendWithImm { imm } => (IBV_WR_SEND_WITH_IMM, Some(imm)),
-            SendOp::RdmaWrite { remote_addr, rkey } => {
-                raw.wr.rdma = rdma_t { remote_addr, rkey };
-                (IBV_WR_RDMA_WRITE, None)
-            }
-            SendOp::RdmaWriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            } => {
-                raw.wr.rdma = rdma_t { remote_addr, rkey };
-                (IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm))
-            }
-            SendOp::RdmaRead { remote_addr, rkey } => {
-                raw.wr.rdma = rdma_t { remote_addr, rkey };
-                (IBV_WR_RDMA_READ, None)
-            }
-            SendOp::CompareAndSwap {
-                remote_addr,
-                rkey,
-                compare,
-                swap,
-            } => {
-                raw.wr.atomic = atomic_t {
-                    remote_addr,
-                    compare_add: compare,
-                    swap,
-                    rkey,
-                };
-                (IBV_WR_ATOMIC_CMP_AND_SWP, None)
-            }
-            SendOp::FetchAndAdd {
-                remote_addr,
-                rkey,
-                add,
-            } => {
-                raw.wr.atomic = atomic_t {
-                    remote_addr,
-                    compare_add: add,
-                    swap: 0,
-                    rkey,
-                };
-                (IBV_WR_ATOMIC_FETCH_AND_ADD, None)
-            }
-        };
-        raw.opcode = opcode;
-        if let Some(imm) = imm {
-            raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-        }
-        if self.qp_type == QpType::Ud {
-            let dest = wr
-                .ud
-                .ok_or_else(|| Error::InvalidArgument("UD send without a destination".into()))?;
-            raw.wr.ud = ud_t {
-                ah: dest.ah.raw.as_ptr(),
-                remote_qpn: dest.remote_qpn,
-                remote_qkey: dest.remote_qkey,
-            };
-        }
-        Ok(())
+        batch.post(self)
     }
 
     /// Posts receive work requests in order, chained in batches.
