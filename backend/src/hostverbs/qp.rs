@@ -832,3 +832,71 @@ impl Drop for AddressHandle {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sge(addr: u64) -> Sge {
+        Sge {
+            addr,
+            length: 8,
+            lkey: 3,
+        }
+    }
+
+    #[test]
+    fn a_send_batch_holds_requests_in_the_hosts_layout_and_refuses_what_does_not_fit() {
+        let mut batch = SendBatch::with_capacity(3, 4, 4);
+        let sges = [sge(0x1000), sge(0x2000)];
+        let write = SendOp::RdmaWrite {
+            remote_addr: 0x9000,
+            rkey: 5,
+        };
+        let fetch_add = SendOp::FetchAndAdd {
+            remote_addr: 0x8000,
+            rkey: 6,
+            add: 7,
+        };
+        batch
+            .push(&SendWr::new(1, write, Payload::Sges(&sges)))
+            .unwrap();
+        let mut inline = SendWr::new(2, SendOp::SendWithImm { imm: 9 }, Payload::Inline(b"abcd"));
+        inline.signaled = false;
+        batch.push(&inline).unwrap();
+        let too_many = SendWr::new(3, fetch_add, Payload::Sges(&sges));
+        assert!(batch.push(&too_many).is_err(), "one SGE left");
+        let too_long = SendWr::new(3, SendOp::Send, Payload::Inline(b"e"));
+        assert!(batch.push(&too_long).is_err(), "no inline byte left");
+        batch
+            .push(&SendWr::new(3, fetch_add, Payload::Sges(&sges[..1])))
+            .unwrap();
+        assert!(batch
+            .push(&SendWr::new(4, SendOp::Send, Payload::Sges(&[])))
+            .is_err());
+        assert_eq!(
+            batch.requests().collect::<Vec<_>>(),
+            vec![
+                (1, write),
+                (2, SendOp::SendWithImm { imm: 9 }),
+                (3, fetch_add)
+            ]
+        );
+        let raw = &batch.wrs;
+        let list = |wr: &ibv_send_wr| {
+            // SAFETY: the lists point into the batch's own SGEs, which `push` filled.
+            unsafe { std::slice::from_raw_parts(wr.sg_list, wr.num_sge as usize).to_vec() }
+        };
+        let addrs = |wr| list(wr).iter().map(|s| s.addr).collect::<Vec<_>>();
+        assert_eq!(addrs(&raw[0]), vec![0x1000, 0x2000]);
+        assert_eq!(addrs(&raw[2]), vec![0x1000]);
+        let inline_sge = list(&raw[1])[0];
+        assert_eq!(inline_sge.addr, batch.inline.as_ptr() as u64);
+        assert_eq!((inline_sge.length, &batch.inline[..]), (4, &b"abcd"[..]));
+        let flags = |wr: &ibv_send_wr| wr.send_flags;
+        assert_eq!(flags(&raw[0]), ibv_send_flags::IBV_SEND_SIGNALED.0);
+        assert_eq!(flags(&raw[1]), ibv_send_flags::IBV_SEND_INLINE.0);
+        batch.clear();
+        assert!(batch.is_empty() && batch.requests().next().is_none());
+    }
+}
