@@ -42,7 +42,7 @@ pub const QP_NUM: u32 = 0x11;
 
 /// A host QP that records what it is given and takes at most `room` sends per post.
 pub struct FakeQp {
-    pub sends: Mutex<Vec<(u64, SendOp)>>,
+    pub sends: Mutex<Vec<u64>>,
     pub receives: Mutex<Vec<u64>>,
     pub room: AtomicUsize,
     pub failed: AtomicBool,
@@ -78,7 +78,7 @@ impl HostQueuePair for FakeQp {
         let taken = batch.len().min(room);
         self.room.fetch_sub(taken, Ordering::Relaxed);
         let mut sends = self.sends.lock().unwrap();
-        sends.extend(batch.requests().take(taken));
+        sends.extend(batch.wr_ids().take(taken));
         if taken < batch.len() {
             return Err(hostverbs::Error::Post {
                 call: "fake post_send",
@@ -298,7 +298,7 @@ impl Rig {
     }
 
     pub fn sent(&self) -> Vec<u64> {
-        self.qp.sends.lock().unwrap().iter().map(|s| s.0).collect()
+        self.qp.sends.lock().unwrap().clone()
     }
 
     pub fn cqe(&self, index: u32) -> Cqe {

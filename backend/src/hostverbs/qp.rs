@@ -504,43 +504,9 @@ impl SendBatch {
         Ok(())
     }
 
-    /// The requests' ids and operations, in order (what a fake host records).
-    pub fn requests(&self) -> impl Iterator<Item = (u64, SendOp)> + '_ {
-        self.wrs.iter().map(|raw| {
-            // SAFETY: the unions hold plain integers and pointers, valid for any bits; `push`
-            // wrote the member each opcode reads.
-            let (rdma, atomic, imm) = unsafe {
-                (
-                    raw.wr.rdma,
-                    raw.wr.atomic,
-                    u32::from_be(raw.imm_data_invalidated_rkey_union.imm_data),
-                )
-            };
-            let (remote_addr, rkey) = (rdma.remote_addr, rdma.rkey);
-            let op = match raw.opcode {
-                ibv_wr_opcode::IBV_WR_SEND_WITH_IMM => SendOp::SendWithImm { imm },
-                ibv_wr_opcode::IBV_WR_RDMA_WRITE => SendOp::RdmaWrite { remote_addr, rkey },
-                ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM => SendOp::RdmaWriteWithImm {
-                    remote_addr,
-                    rkey,
-                    imm,
-                },
-                ibv_wr_opcode::IBV_WR_RDMA_READ => SendOp::RdmaRead { remote_addr, rkey },
-                ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP => SendOp::CompareAndSwap {
-                    remote_addr: atomic.remote_addr,
-                    rkey: atomic.rkey,
-                    compare: atomic.compare_add,
-                    swap: atomic.swap,
-                },
-                ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD => SendOp::FetchAndAdd {
-                    remote_addr: atomic.remote_addr,
-                    rkey: atomic.rkey,
-                    add: atomic.compare_add,
-                },
-                _ => SendOp::Send,
-            };
-            (raw.wr_id, op)
-        })
+    /// The requests' ids, in order (what a fake host records).
+    pub fn wr_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.wrs.iter().map(|raw| raw.wr_id)
     }
 
     /// Posts the batch on `qp` as one chain; on failure the error says how many requests
@@ -874,15 +840,30 @@ mod tests {
         assert!(batch
             .push(&SendWr::new(4, SendOp::Send, Payload::Sges(&[])))
             .is_err());
-        assert_eq!(
-            batch.requests().collect::<Vec<_>>(),
-            vec![
-                (1, write),
-                (2, SendOp::SendWithImm { imm: 9 }),
-                (3, fetch_add)
-            ]
-        );
+        assert_eq!(batch.wr_ids().collect::<Vec<_>>(), vec![1, 2, 3]);
         let raw = &batch.wrs;
+        let opcodes = raw.iter().map(|wr| wr.opcode).collect::<Vec<_>>();
+        use ibv_wr_opcode::*;
+        let expected = [
+            IBV_WR_RDMA_WRITE,
+            IBV_WR_SEND_WITH_IMM,
+            IBV_WR_ATOMIC_FETCH_AND_ADD,
+        ];
+        assert_eq!(opcodes, expected);
+        // SAFETY: the unions hold plain integers; `push` wrote these members.
+        let (rdma, imm, atomic) = unsafe {
+            (
+                raw[0].wr.rdma,
+                raw[1].imm_data_invalidated_rkey_union.imm_data,
+                raw[2].wr.atomic,
+            )
+        };
+        assert_eq!((rdma.remote_addr, rdma.rkey), (0x9000, 5));
+        assert_eq!(u32::from_be(imm), 9);
+        assert_eq!(
+            (atomic.remote_addr, atomic.rkey, atomic.compare_add),
+            (0x8000, 6, 7)
+        );
         let list = |wr: &ibv_send_wr| {
             // SAFETY: the lists point into the batch's own SGEs, which `push` filled.
             unsafe { std::slice::from_raw_parts(wr.sg_list, wr.num_sge as usize).to_vec() }
@@ -897,6 +878,6 @@ mod tests {
         assert_eq!(flags(&raw[0]), ibv_send_flags::IBV_SEND_SIGNALED.0);
         assert_eq!(flags(&raw[1]), ibv_send_flags::IBV_SEND_INLINE.0);
         batch.clear();
-        assert!(batch.is_empty() && batch.requests().next().is_none());
+        assert!(batch.is_empty() && batch.wr_ids().next().is_none());
     }
 }
