@@ -375,7 +375,7 @@ impl Poller {
         let all_posted = posted == self.batch.len();
         let mut refused_one = false;
         if let (true, Some((wr_id, error))) = (all_posted, refused) {
-            // Refused before reaching the host: its completion says what it was, or SEND.
+            // A refused send completes as a SEND, whatever its opcode said (SPEC.md §7.5).
             let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status(), wc_opcode::SEND);
             let refusal = (cqe, &error);
             refused_one = self.refuse_wqe(mem, qp, &mut progress, &qp.send_cq, refusal);
