@@ -207,8 +207,9 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         gid_index: None,
         guest_ip: None,
         quotas,
+        // Each connection's two shards on both pool threads: every test crosses them.
         notify_queues: 2,
-        poll_threads: 1,
+        poll_threads: 2,
         poll_idle: Duration::from_millis(2),
         poll_cpus: Vec::new(),
         // The test process itself is not confined.
