@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use vrdma_backend::datapath::wqe::{parse_recv, parse_send, MrRange, QpRules};
-use vrdma_backend::hostverbs::Payload;
+use vrdma_backend::hostverbs::{Payload, Sge};
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
 
 fuzz_target!(|input: &[u8]| {
@@ -43,9 +43,13 @@ fuzz_target!(|input: &[u8]| {
     let mut list = Vec::new();
     if !receive {
         let no_ahs = |_| None;
-        if let Ok(wr) = parse_send(&wqe, &rules, &lookup, &no_ahs, &mut list) {
+        let mut sges = [Sge::default(); 32];
+        if let Ok(wr) = parse_send(&wqe, &rules, &lookup, &no_ahs, &mut sges) {
             match wr.payload {
-                Payload::Sges(sges) => assert!(sges.len() <= rules.max_send_sge as usize),
+                Payload::Sges(sges) => {
+                    assert!(sges.len() <= rules.max_send_sge as usize);
+                    list.extend_from_slice(sges);
+                }
                 Payload::Inline(data) => {
                     assert!(data.len() <= rules.max_inline as usize && data.len() < stride)
                 }

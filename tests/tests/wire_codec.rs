@@ -132,7 +132,7 @@ proptest! {
             Ok(())
         }).unwrap();
 
-        let mut parsed_sges = Vec::new();
+        let mut parsed_sges = [HostSge::default(); MAX_SGE as usize];
         let no_ahs = |_| None;
         let request = parse_send(&slot, &rules(), &lookup, &no_ahs, &mut parsed_sges).unwrap();
         prop_assert_eq!(request.wr_id, wr_id);

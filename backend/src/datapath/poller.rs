@@ -49,7 +49,9 @@ pub(super) struct Poller {
     index: usize,
     /// Copies of a batch of WQEs, taken from the ring a page's worth of slots at a time.
     slots: Vec<u8>,
-    /// The SGEs of one WQE as it is parsed, and of a batch of receives.
+    /// The SGEs of one send WQE as it is parsed (room for the most a WQE may have).
+    send_sges: Box<[Sge]>,
+    /// The SGEs of a batch of receive WQEs.
     sges: Vec<Sge>,
     /// A batch of sends, built in place in the host's layout.
     batch: SendBatch,
@@ -98,6 +100,7 @@ impl Poller {
             shared,
             index,
             slots: vec![0; (BATCH as usize) << vrdma_spec::ring::MAX_WQE_SHIFT],
+            send_sges: vec![Sge::default(); MAX_SEND_SGE as usize].into_boxed_slice(),
             sges: Vec::with_capacity(BATCH as usize * 32),
             batch: SendBatch::with_capacity(
                 BATCH as usize,
@@ -349,17 +352,18 @@ impl Poller {
             let batch = pending.min(BATCH);
             let copied = slots.copy_out(progress.sq_consumer, batch, &mut self.slots);
             for slot in self.slots[..copied as usize * stride].chunks_exact(stride) {
-                let error = match wqe::parse_send(slot, &qp.rules, &mr_of, &ah_of, &mut self.sges) {
-                    Ok(wr) => match self.batch.push(&wr) {
-                        Ok(()) => continue,
-                        // The batch has room for a full batch of the largest slots.
-                        Err(e) => {
-                            log::error!("QP {:#x}: {e}", qp.handle);
-                            WqeError::Unpostable
-                        }
-                    },
-                    Err(error) => error,
-                };
+                let error =
+                    match wqe::parse_send(slot, &qp.rules, &mr_of, &ah_of, &mut self.send_sges) {
+                        Ok(wr) => match self.batch.push(&wr) {
+                            Ok(()) => continue,
+                            // The batch has room for a full batch of the largest slots.
+                            Err(e) => {
+                                log::error!("QP {:#x}: {e}", qp.handle);
+                                WqeError::Unpostable
+                            }
+                        },
+                        Err(error) => error,
+                    };
                 let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
                 refused = Some((wr_id, error));
                 break;

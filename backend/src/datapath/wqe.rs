@@ -88,18 +88,17 @@ fn read<T: ByteValued + Default>(bytes: &[u8]) -> T {
     vrdma_spec::read_wire(bytes).expect("a slot holds its header and SGEs")
 }
 
-/// Checks `count` SGEs at `bytes` against the MR table and appends them to `out`.
+/// Checks the SGEs at `bytes`, as many as `out` holds, against the MR table into `out`.
 // Inlined, as is parse_send, into the poller's loop: called per WQE, returning by value, they
 // cost more in moving their results than in checking.
 #[inline(always)]
 fn check_sges(
     bytes: &[u8],
-    count: usize,
     rules: &QpRules,
     lookup: &impl Fn(u32) -> Option<MrRange>,
-    out: &mut Vec<Sge>,
+    out: &mut [Sge],
 ) -> Result<(), WqeError> {
-    for i in 0..count {
+    for (i, out) in out.iter_mut().enumerate() {
         let sge: WireSge = read(&bytes[sge_offset(0, i)..]);
         let (addr, length, lkey) = (
             sge.addr.to_native(),
@@ -121,13 +120,13 @@ fn check_sges(
                 length,
             });
         }
-        out.push(Sge { addr, length, lkey });
+        *out = Sge { addr, length, lkey };
     }
     Ok(())
 }
 
 /// Parses and validates the send WQE in `slot` (one SQ slot, copied out of guest memory)
-/// into the host's request: its SGEs go to `sges` (cleared first), its inline payload stays
+/// into the host's request: its SGEs go to the start of `sges`, its inline payload stays
 /// in `slot`, a UD destination is looked up with `ahs` (an AH's PD and the host AH).
 #[inline(always)]
 pub fn parse_send<'w, 'h: 'w>(
@@ -135,7 +134,7 @@ pub fn parse_send<'w, 'h: 'w>(
     rules: &QpRules,
     mrs: &impl Fn(u32) -> Option<MrRange>,
     ahs: &impl Fn(u32) -> Option<(u32, &'h Arc<AddressHandle>)>,
-    sges: &'w mut Vec<Sge>,
+    sges: &'w mut [Sge],
 ) -> Result<SendWr<'w>, WqeError> {
     let wqe: SendWqe = read(slot);
     let header = wqe.decode()?;
@@ -146,7 +145,6 @@ pub fn parse_send<'w, 'h: 'w>(
     if op.is_atomic() && !rules.atomics {
         return Err(WqeError::AtomicsNotNegotiated);
     }
-    sges.clear();
     let payload = match header.payload {
         WqePayload::Inline(len) => {
             let len = len as usize;
@@ -161,11 +159,13 @@ pub fn parse_send<'w, 'h: 'w>(
         WqePayload::Sges(count) => {
             let count = usize::from(count);
             if count > rules.max_send_sge as usize
+                || count > sges.len()
                 || sge_offset(SEND_WQE_HEADER, count) > rules.sq_stride
             {
                 return Err(WqeError::TooManySges(count));
             }
-            check_sges(&slot[SEND_WQE_HEADER..], count, rules, mrs, sges)?;
+            let sges = &mut sges[..count];
+            check_sges(&slot[SEND_WQE_HEADER..], rules, mrs, sges)?;
             if let SendOp::CompareAndSwap { remote_addr, .. }
             | SendOp::FetchAndAdd { remote_addr, .. } = op
             {
@@ -219,7 +219,12 @@ pub fn parse_recv(
     if count > rules.max_recv_sge as usize || sge_offset(RECV_WQE_HEADER, count) > rules.rq_stride {
         return Err(WqeError::TooManySges(count));
     }
-    check_sges(&slot[RECV_WQE_HEADER..], count, rules, lookup, sges)?;
+    let first = sges.len();
+    sges.resize(first + count, Sge::default());
+    if let Err(error) = check_sges(&slot[RECV_WQE_HEADER..], rules, lookup, &mut sges[first..]) {
+        sges.truncate(first);
+        return Err(error);
+    }
     Ok((wqe.wr_id.to_native(), count))
 }
 
@@ -291,7 +296,7 @@ mod tests {
     }
 
     fn send(bytes: &[u8], rules: &QpRules) -> Result<Parsed, WqeError> {
-        let mut sges = Vec::new();
+        let mut sges = [Sge::default(); 4];
         let no_ahs = |_| None;
         let wr = parse_send(bytes, rules, &lookup, &no_ahs, &mut sges)?;
         Ok(Parsed {

@@ -347,7 +347,8 @@ const POST_BATCH: usize = 16;
 /// at their full size and never grow, or at an address handle the batch holds.
 pub struct SendBatch {
     wrs: Vec<ibv_send_wr>,
-    sges: Vec<ibv_sge>,
+    /// In the layout of `ibv_sge` (asserted where `Sge` is defined).
+    sges: Vec<Sge>,
     inline: Vec<u8>,
     /// The address handles UD requests name, kept alive until the batch is cleared.
     ahs: Vec<Arc<AddressHandle>>,
@@ -409,11 +410,7 @@ impl SendBatch {
                 if sges.len() > self.sges.capacity() - first_sge {
                     return Err(no_room());
                 }
-                self.sges.extend(sges.iter().map(|sge| ibv_sge {
-                    addr: sge.addr,
-                    length: sge.length,
-                    lkey: sge.lkey,
-                }));
+                self.sges.extend_from_slice(sges);
                 sges.len()
             }
             Payload::Inline(data) => {
@@ -424,7 +421,7 @@ impl SendBatch {
                     return Err(no_room());
                 }
                 self.inline.extend_from_slice(data);
-                self.sges.push(ibv_sge {
+                self.sges.push(Sge {
                     addr: self.inline[first_byte..].as_ptr() as u64,
                     length: data.len() as u32, // at most the inline capacity, checked
                     lkey: 0,
@@ -433,7 +430,7 @@ impl SendBatch {
                 1
             }
         };
-        let sg_list = self.sges[first_sge..].as_mut_ptr();
+        let sg_list = self.sges[first_sge..].as_mut_ptr().cast::<ibv_sge>();
         // Filled where it lies in the batch, not built elsewhere and copied in.
         // SAFETY: all-zero is a valid ibv_send_wr (integers, null pointers, unions of those).
         self.wrs.push(unsafe { std::mem::zeroed() });
