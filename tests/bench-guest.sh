@@ -97,7 +97,7 @@ instructions_per_wqe() {
     --toggle-collect='*Poller*process_*' \
     "$bin/vhost-user-rdma" --device rxe0 --socket-path "$socket" --poll-idle-us 0 --seccomp none \
     2>/tmp/callgrind.log &
-  local traced=$! instructions= provider=
+  local traced=$! instructions= provider= sends= posts= completions= polls=
   for _ in $(seq 600); do [ -S "$socket" ] && break; sleep 0.1; done
   local args=(--socket "$socket" -s 64 -n "$writes")
   "$bin/examples/vrdma-perf" write_bw "${args[@]}" >/tmp/server.log 2>&1 &
@@ -109,6 +109,14 @@ instructions_per_wqe() {
     # inline calls): native pays them too.
     provider=$(for f in "$out".*; do callgrind_annotate --inclusive=no --threshold=100 "$f"; done 2>/dev/null |
       awk '/\[.*libibverbs/ { gsub(",", "", $1); n += $1 } END { print n + 0 }')
+    # Where they go: the visits that take send WQEs and post them, and those that write
+    # CQEs, each with the host call under it.
+    inclusive() {
+      for f in "$out".*; do callgrind_annotate --inclusive=yes --threshold=100 "$f"; done 2>/dev/null |
+        awk -v name="$1 [" 'index($0, name) { gsub(",", "", $1); n += $1 } END { print n + 0 }'
+    }
+    sends=$(inclusive Poller::process_sq) posts=$(inclusive SendBatch::post)
+    completions=$(inclusive Poller::process_cq) polls=$(inclusive 'HostCompletionQueue>::poll')
   fi
   kill -9 "$traced" "$server" 2>/dev/null
   wait "$traced" "$server" 2>/dev/null
@@ -116,7 +124,7 @@ instructions_per_wqe() {
     echo "bench: callgrind measured nothing (see /tmp/callgrind.log)" >&2
     return 1
   fi
-  echo "Backend instructions per WQE (callgrind; write_bw of $writes 64-byte writes taken in batches of up to 16 per pass; counted in WQE and CQE processing only, busy polling off): $((instructions / writes)), of which the host provider's post and poll (rxe's library; native pays them too) $((provider / writes)) and vrdma's own $(((instructions - provider) / writes))"
+  echo "Backend instructions per WQE (callgrind; write_bw of $writes 64-byte writes taken in batches of up to 16 per pass; counted in WQE and CQE processing only, busy polling off): $((instructions / writes)), of which the host provider's post and poll (rxe's library; native pays them too) $((provider / writes)) and vrdma's own $(((instructions - provider) / writes)). Where they go: taking send WQEs from the ring and posting them $((sends / writes)), of which the host's post $((posts / writes)); writing their CQEs $((completions / writes)), of which the host's poll $((polls / writes)); the rest on receive queues."
 }
 instructions_per_wqe || failures=$((failures + 1))
 if [ "$failures" -gt 0 ]; then
