@@ -30,8 +30,8 @@ struct Args {
     /// Notification virtqueues (doorbell kicks), 1 to 64.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     notify_queues: u32,
-    /// Data-path poller threads, shared by all guest connections; each connection's rings
-    /// are spread over up to --notify-queues of them.
+    /// Data-path poller threads, shared by all guest connections; each connection is served
+    /// by one of them, connections taken in turn.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     poll_threads: u32,
     /// Microseconds a poller keeps polling after its last work before it sleeps (and asks the

@@ -207,7 +207,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         gid_index: None,
         guest_ip: None,
         quotas,
-        // Each connection's two shards on both pool threads: every test crosses them.
+        // Two pool threads: a test's connections are spread over both.
         notify_queues: 2,
         poll_threads: 2,
         poll_idle: Duration::from_millis(2),

@@ -227,9 +227,8 @@ pub struct DataPath {
 
 impl DataPath {
     /// The data path of a connection with `num_notify_queues` notification queues and a
-    /// doorbell bitmap of `doorbell_bits`, in as many shards as `pool` has threads (no more
-    /// than queues), and a thread that forwards `context`'s asynchronous events about its
-    /// objects and `host_port`.
+    /// doorbell bitmap of `doorbell_bits`, served by one thread of `pool`, and a thread that
+    /// forwards `context`'s asynchronous events about its objects and `host_port`.
     pub fn new(
         context: &Arc<Context>,
         pool: &Arc<PollerPool>,
@@ -237,15 +236,16 @@ impl DataPath {
         host_port: u8,
     ) -> hostverbs::Result<DataPath> {
         let os_error = |call| move |source| hostverbs::Error::Verbs { call, source };
-        let shards = (0..pool.threads().clamp(1, num_notify_queues as usize))
-            .map(|_| {
-                Ok(Shard {
-                    objects: Mutex::default(),
-                    wake: EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
-                    channel: Some(context.create_comp_channel()?),
-                })
-            })
-            .collect::<hostverbs::Result<Vec<_>>>()?;
+        // One shard, so one pool thread, per connection: connections, not queues, are spread
+        // over the pool. A QP's consumer index must be published before its completions
+        // reach the guest (SPEC.md §8.1), and the CQ they land on may be any of the
+        // connection's: a thread that posts a batch and stores the index first, and only
+        // then polls the CQs, gives that order; two threads would race for it.
+        let shards = vec![Shard {
+            objects: Mutex::default(),
+            wake: EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
+            channel: Some(context.create_comp_channel()?),
+        }];
         let bits = DoorbellBits::new(doorbell_bits, shards.len());
         let shared = Arc::new(Shared::new(shards, num_notify_queues, doorbell_bits));
         let epoll = Epoll::new().map_err(os_error("epoll_create"))?;

@@ -300,6 +300,7 @@ impl PoolWorker {
             id,
             poller: Poller::new(shared, index),
         });
+        log::debug!("poller: serving {} shards", self.shards.len());
     }
 
     fn detach(&mut self, shared: &Arc<Shared>) {
@@ -315,5 +316,6 @@ impl PoolWorker {
             }
             keep
         });
+        log::debug!("poller: serving {} shards", self.shards.len());
     }
 }
