@@ -1,35 +1,29 @@
-//! Which doorbell bit each QP and SRQ of a connection has (SPEC.md §8.5). A poller owns
-//! whole 64-bit words of the bitmap, word `w` belonging to shard `w % shards`, so it can
-//! take a word's rung bits with one atomic swap that no other poller races.
+//! Which doorbell bit each QP and SRQ of a connection has (SPEC.md §8.5). Bits are handed out
+//! lowest first, so a connection's queues fill few words of the bitmap and a pass reads only
+//! those.
 
 use vrdma_spec::codec::MAX_DOORBELL_BITS;
 
 pub struct DoorbellBits {
     /// One bit per doorbell bit in use.
     used: Vec<u64>,
-    shards: usize,
 }
 
 impl DoorbellBits {
-    /// `bits` doorbell bits (a multiple of 64, at most [`MAX_DOORBELL_BITS`]) shared by
-    /// `shards` pollers.
-    pub fn new(bits: u32, shards: usize) -> DoorbellBits {
+    /// `bits` doorbell bits (a multiple of 64, at most [`MAX_DOORBELL_BITS`]).
+    pub fn new(bits: u32) -> DoorbellBits {
         debug_assert!(bits <= MAX_DOORBELL_BITS && bits.is_multiple_of(64));
         DoorbellBits {
             used: vec![0; (bits / 64) as usize],
-            shards: shards.max(1),
         }
     }
 
-    /// A free bit in a word of `shard`, now in use; `None` when the shard's words are full.
-    pub fn alloc(&mut self, shard: usize) -> Option<u16> {
-        let shards = self.shards;
+    /// The lowest free bit, now in use; `None` when all are.
+    pub fn alloc(&mut self) -> Option<u16> {
         let (word, used) = self
             .used
             .iter_mut()
             .enumerate()
-            .skip(shard % shards)
-            .step_by(shards)
             .find(|(_, used)| **used != u64::MAX)?;
         let free = used.trailing_ones();
         *used |= 1 << free;
@@ -48,33 +42,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_shard_allocates_in_its_own_words_and_reuses_freed_bits() {
-        let mut bits = DoorbellBits::new(256, 2);
-        let first: Vec<u16> = (0..64).map(|_| bits.alloc(0).unwrap()).collect();
-        assert_eq!(first, (0..64).collect::<Vec<_>>());
-        assert_eq!(bits.alloc(0), Some(128), "word 1 belongs to shard 1");
-        assert_eq!(bits.alloc(1), Some(64));
+    fn bits_are_handed_out_lowest_first_and_freed_ones_reused() {
+        let mut bits = DoorbellBits::new(128);
+        let first: Vec<u16> = (0..65).map(|_| bits.alloc().unwrap()).collect();
+        assert_eq!(first, (0..65).collect::<Vec<_>>());
         bits.free(5);
-        assert_eq!(bits.alloc(0), Some(5));
-    }
-
-    #[test]
-    fn a_full_shard_has_no_bit_left() {
-        let mut bits = DoorbellBits::new(128, 2);
-        for _ in 0..64 {
-            bits.alloc(1).unwrap();
+        assert_eq!(bits.alloc(), Some(5));
+        for _ in 65..128 {
+            bits.alloc().unwrap();
         }
-        assert_eq!(bits.alloc(1), None);
-        assert!(bits.alloc(0).is_some(), "the other shard is not affected");
+        assert_eq!(bits.alloc(), None, "all in use");
     }
 
     #[test]
     fn the_last_bit_of_the_largest_bitmap_is_usable() {
-        let mut bits = DoorbellBits::new(MAX_DOORBELL_BITS, 1);
+        let mut bits = DoorbellBits::new(MAX_DOORBELL_BITS);
         for _ in 0..MAX_DOORBELL_BITS - 1 {
-            bits.alloc(0).unwrap();
+            bits.alloc().unwrap();
         }
-        assert_eq!(bits.alloc(0), Some(u16::MAX));
-        assert_eq!(bits.alloc(0), None);
+        assert_eq!(bits.alloc(), Some(u16::MAX));
+        assert_eq!(bits.alloc(), None);
     }
 }

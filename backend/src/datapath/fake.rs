@@ -172,7 +172,7 @@ impl Rig {
             wake: EventFd::new(EFD_NONBLOCK).unwrap(),
             channel: None,
         };
-        let shared = Arc::new(Shared::new(vec![shard], 1, DOORBELL_BITS));
+        let shared = Arc::new(Shared::new(shard, 1, DOORBELL_BITS));
         *shared.mem.write().unwrap() = Some(GuestMemoryAtomic::new(mem.clone()));
         *shared.notify_area.lock().unwrap() = Some(NotifyArea {
             states: NOTIFY_AREA,
@@ -231,14 +231,14 @@ impl Rig {
             Arc::clone(&cq_data),
         ));
         {
-            let mut objects = shared.shards[0].objects.lock().unwrap();
+            let mut objects = shared.shard.objects.lock().unwrap();
             objects.insert(QP_BIT, Rung::Qp(Arc::clone(&qp_data)));
             objects.add_cq(cq_data);
         }
         Rig {
             mem,
             shared: Arc::clone(&shared),
-            poller: Poller::new(shared, 0),
+            poller: Poller::new(shared),
             qp,
             cq,
             qp_data,

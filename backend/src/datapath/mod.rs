@@ -173,11 +173,12 @@ impl Hasher for KeyHasher {
 /// The guest's MRs by host lkey.
 type MrTable = HashMap<u32, MrRange, BuildHasherDefault<KeyHasher>>;
 
+/// A connection's queues as the pool thread serving it sees them: one per connection.
 struct Shard {
     objects: Mutex<ShardObjects>,
     wake: EventFd,
-    /// Host completion events of the shard's CQs; `None` in unit tests, which drive passes
-    /// by hand.
+    /// Host completion events of the connection's CQs; `None` in unit tests, which drive
+    /// passes by hand.
     channel: Option<Arc<CompletionChannel>>,
 }
 
@@ -195,7 +196,7 @@ struct Shared {
     mem: RwLock<Option<GuestMemoryAtomic<Memory>>>,
     mrs: RwLock<MrTable>,
     ahs: RwLock<HashMap<u32, (u32, Arc<AddressHandle>)>>,
-    shards: Vec<Shard>,
+    shard: Shard,
     num_notify_queues: u32,
     notify_area: Mutex<Option<NotifyArea>>,
     /// The SRQ each QP that receives through one takes its receives from, by QP number.
@@ -214,7 +215,8 @@ struct Shared {
     stop: AtomicBool,
 }
 
-/// The data path of one connection: its shards, which the backend's poller pool serves, and
+/// The data path of one connection: its shard, which a thread of the backend's poller pool
+/// serves, and
 /// the thread that forwards the host context's asynchronous events.
 pub struct DataPath {
     shared: Arc<Shared>,
@@ -241,13 +243,13 @@ impl DataPath {
         // reach the guest (SPEC.md §8.1), and the CQ they land on may be any of the
         // connection's: a thread that posts a batch and stores the index first, and only
         // then polls the CQs, gives that order; two threads would race for it.
-        let shards = vec![Shard {
+        let shard = Shard {
             objects: Mutex::default(),
             wake: EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
             channel: Some(context.create_comp_channel()?),
-        }];
-        let bits = DoorbellBits::new(doorbell_bits, shards.len());
-        let shared = Arc::new(Shared::new(shards, num_notify_queues, doorbell_bits));
+        };
+        let bits = DoorbellBits::new(doorbell_bits);
+        let shared = Arc::new(Shared::new(shard, num_notify_queues, doorbell_bits));
         let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
         let stop_host_events = EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?;
         for (fd, id) in [(stop_host_events.as_raw_fd(), 0), (context.async_fd(), 1)] {
@@ -270,20 +272,14 @@ impl DataPath {
         })
     }
 
-    fn shard_of_queue(&self, notify_queue: u32) -> &Shard {
-        self.shared.shard_of_queue(notify_queue)
-    }
-
     /// The notification queue (and so the poller) serving a new object with `handle`.
     pub fn notify_queue_for(&self, handle: u32) -> u32 {
         handle % self.shared.num_notify_queues
     }
 
-    /// The completion channel a CQ with `handle` must be created on.
-    pub fn channel_for_cq(&self, handle: u32) -> Option<&Arc<CompletionChannel>> {
-        self.shard_of_queue(self.notify_queue_for(handle))
-            .channel
-            .as_ref()
+    /// The completion channel the connection's CQs are created on.
+    pub fn completion_channel(&self) -> Option<&Arc<CompletionChannel>> {
+        self.shared.shard.channel.as_ref()
     }
 
     pub fn set_memory(&self, mem: GuestMemoryAtomic<Memory>) {
@@ -360,16 +356,16 @@ impl DataPath {
     /// Tells the guest the device needs a reset (SPEC.md §8.4).
     pub fn device_fatal(&self) {
         self.shared.post_event(event_kind::DEVICE_FATAL, 0);
-        let _ = self.shared.shards[0].wake.write(1);
+        let _ = self.shared.shard.wake.write(1);
     }
 
     /// The guest posted event buffers: let a poller retry undelivered events.
     pub fn events_available(&self) {
-        let _ = self.shared.shards[0].wake.write(1);
+        let _ = self.shared.shard.wake.write(1);
     }
 
     pub fn add_cq(&self, cq: Arc<CqData>) {
-        let shard = self.shard_of_queue(self.notify_queue_for(cq.handle));
+        let shard = &self.shared.shard;
         shard
             .objects
             .lock()
@@ -380,7 +376,7 @@ impl DataPath {
 
     /// Takes the CQ out of its poller; once this returns, no pass writes to its ring.
     pub fn remove_cq(&self, handle: u32) {
-        let shard = self.shard_of_queue(self.notify_queue_for(handle));
+        let shard = &self.shared.shard;
         let removed = shard
             .objects
             .lock()
@@ -394,7 +390,7 @@ impl DataPath {
     /// Serves the QP whenever its doorbell bit is rung; the bit, or `None` when its poller
     /// has none left.
     pub fn add_qp(&self, qp: Arc<QpData>) -> Option<u16> {
-        self.add_rung(qp.notify_queue, Rung::Qp(qp))
+        self.add_rung(Rung::Qp(qp))
     }
 
     /// Takes the QP out of its poller and frees its doorbell bit; once this returns, no pass
@@ -405,22 +401,21 @@ impl DataPath {
 
     /// As [`DataPath::add_qp`], for an SRQ.
     pub fn add_srq(&self, srq: Arc<SrqData>) -> Option<u16> {
-        self.add_rung(srq.notify_queue, Rung::Srq(srq))
+        self.add_rung(Rung::Srq(srq))
     }
 
     pub fn remove_srq(&self, handle: u32) {
         self.remove_rung(handle);
     }
 
-    fn add_rung(&self, notify_queue: u32, rung: Rung) -> Option<u16> {
-        let shard_index = notify_queue as usize % self.shared.shards.len();
+    fn add_rung(&self, rung: Rung) -> Option<u16> {
         let bit = self
             .bits
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .alloc(shard_index)?;
-        let shard = &self.shared.shards[shard_index];
-        shard
+            .alloc()?;
+        self.shared
+            .shard
             .objects
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -429,7 +424,7 @@ impl DataPath {
     }
 
     fn remove_rung(&self, handle: u32) {
-        let shard = self.shard_of_queue(self.notify_queue_for(handle));
+        let shard = &self.shared.shard;
         let removed = shard
             .objects
             .lock()
@@ -478,15 +473,14 @@ impl DataPath {
 
     /// Forgets every object (device reset).
     pub fn clear(&self) {
-        for shard in &self.shared.shards {
-            shard
-                .objects
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clear();
-        }
+        self.shared
+            .shard
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         *self.bits.lock().unwrap_or_else(|e| e.into_inner()) =
-            DoorbellBits::new(self.shared.doorbell_bits, self.shared.shards.len());
+            DoorbellBits::new(self.shared.doorbell_bits);
         self.shared
             .mrs
             .write()
@@ -533,13 +527,13 @@ impl Drop for DataPath {
 }
 
 impl Shared {
-    fn new(shards: Vec<Shard>, num_notify_queues: u32, doorbell_bits: u32) -> Shared {
+    fn new(shard: Shard, num_notify_queues: u32, doorbell_bits: u32) -> Shared {
         Shared {
             doorbell_bits,
             mem: RwLock::new(None),
             mrs: RwLock::default(),
             ahs: RwLock::default(),
-            shards,
+            shard,
             num_notify_queues,
             notify_area: Mutex::new(None),
             srq_receivers: RwLock::default(),
@@ -554,14 +548,10 @@ impl Shared {
         }
     }
 
-    fn shard_of_queue(&self, notify_queue: u32) -> &Shard {
-        &self.shards[notify_queue as usize % self.shards.len()]
-    }
-
     fn kick(&self, queue: u32) {
         if let Some(count) = self.kicks.get(queue as usize) {
             count.fetch_add(1, Ordering::Relaxed);
-            let _ = self.shard_of_queue(queue).wake.write(1);
+            let _ = self.shard.wake.write(1);
         }
     }
 
@@ -600,7 +590,7 @@ impl Shared {
         let left = ring_pending(posted, srq.received.load(Ordering::Acquire));
         if left < limit && srq.limit.swap(0, Ordering::AcqRel) != 0 {
             self.post_event(event_kind::SRQ_LIMIT_REACHED, srq.handle);
-            let _ = self.shards[0].wake.write(1);
+            let _ = self.shard.wake.write(1);
         }
     }
 
@@ -619,9 +609,7 @@ impl Shared {
 
     /// The guest handle of the first object `pick` finds in any shard.
     fn find_handle(&self, pick: impl Fn(&ShardObjects) -> Option<u32>) -> Option<u32> {
-        self.shards
-            .iter()
-            .find_map(|shard| pick(&shard.objects.lock().unwrap_or_else(|e| e.into_inner())))
+        pick(&self.shard.objects.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Turns a host asynchronous event into the guest's event (SPEC.md §8.4), if it concerns
@@ -665,7 +653,7 @@ impl Shared {
                 log::info!("host event {event:?}: guest event {kind} for {handle:#x}");
                 self.post_event(kind, handle);
                 // A sleeping poller delivers what the event queue had no buffer for.
-                let _ = self.shards[0].wake.write(1);
+                let _ = self.shard.wake.write(1);
             }
             None => log::debug!("host event {event:?} not forwarded"),
         }

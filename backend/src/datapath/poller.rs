@@ -1,5 +1,6 @@
-//! A poller thread: it visits the rings of its shard, moves WQEs to the host in batches and
-//! completions back, and sleeps on kicks and host completion events when idle (SPEC.md §8.5).
+//! A pool thread's work on one connection: each pass visits the rung rings, moves WQEs to the
+//! host in batches and completions back; before the thread sleeps it asks for kicks and arms
+//! the CQs (SPEC.md §8.5).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,11 +43,10 @@ impl Visit {
     }
 }
 
-/// What a pool thread keeps for one shard it serves: the shard, its copy of the shard's CQ
+/// What a pool thread keeps for one connection it serves: the connection, its copy of the CQ
 /// list and reusable scratch space (no allocation per WQE).
 pub(super) struct Poller {
     shared: Arc<Shared>,
-    index: usize,
     /// Copies of a batch of WQEs, taken from the ring a page's worth of slots at a time.
     slots: Vec<u8>,
     /// The SGEs of one send WQE as it is parsed (room for the most a WQE may have).
@@ -63,7 +63,7 @@ pub(super) struct Poller {
     visits: Vec<(u16, Rung)>,
     /// Doorbell bits of the queues the last pass left WQEs in.
     carried: Vec<u16>,
-    /// The shard's CQs as of `cqs_version`.
+    /// The connection's CQs as of `cqs_version`.
     cqs: Vec<Arc<CqData>>,
     cqs_version: u64,
 }
@@ -95,10 +95,9 @@ fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
 }
 
 impl Poller {
-    pub(super) fn new(shared: Arc<Shared>, index: usize) -> Self {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
         Poller {
             shared,
-            index,
             slots: vec![0; (BATCH as usize) << vrdma_spec::ring::MAX_WQE_SHIFT],
             send_sges: vec![Sge::default(); MAX_SEND_SGE as usize].into_boxed_slice(),
             sges: Vec::with_capacity(BATCH as usize * 32),
@@ -118,18 +117,12 @@ impl Poller {
     }
 
     pub(super) fn shard(&self) -> &Shard {
-        &self.shared.shards[self.index]
+        &self.shared.shard
     }
 
     /// The connection this poller serves a shard of.
     pub(super) fn shared(&self) -> &Arc<Shared> {
         &self.shared
-    }
-
-    /// Notification queues this poller serves.
-    fn queues(&self) -> impl Iterator<Item = u32> + '_ {
-        let n = self.shared.shards.len() as u32;
-        (0..self.shared.num_notify_queues).filter(move |q| q % n == self.index as u32)
     }
 
     fn memory(&self) -> Option<vm_memory::GuestMemoryLoadGuard<Memory>> {
@@ -161,7 +154,7 @@ impl Poller {
             return;
         };
         let Some(mem) = self.memory() else { return };
-        for queue in self.queues() {
+        for queue in 0..self.shared.num_notify_queues {
             let state = area.states + u64::from(queue) * std::mem::size_of::<NotifyState>() as u64;
             let flags = if sleeping { NOTIFY_NEED_WAKEUP } else { 0 };
             let kicks = self.shared.kicks[queue as usize].load(Ordering::Relaxed) as u32;
@@ -202,11 +195,13 @@ impl Poller {
 
     /// The queues to visit this pass: those whose doorbell bits the guest set since the last
     /// pass (taken with one swap per word, SPEC.md §8.5), and those the last pass left work
-    /// in; and the shard's CQs, if they changed. The shard's lock is held for this only, not
-    /// through the pass, so the control path adding or removing a queue never waits for one.
+    /// in; and the connection's CQs, if they changed. The queue table's lock is held for this
+    /// only, not through the pass, so the control path adding or removing a queue never waits
+    /// for one.
     fn take_rung_queues(&mut self, mem: &Memory) {
         let shared = Arc::clone(&self.shared);
-        let objects = shared.shards[self.index]
+        let objects = shared
+            .shard
             .objects
             .lock()
             .unwrap_or_else(|e| e.into_inner());

@@ -1,7 +1,7 @@
 //! The backend's poller threads, shared by every guest connection (SPEC.md §8.5). Each
-//! connection's shards are spread over the pool; a pool thread passes over all the shards it
-//! serves in turn, spins while any of them has work, and sleeps on all their kicks and host
-//! completion events at once when none has.
+//! connection is served by one of them, connections taken in turn; a pool thread passes over
+//! all the connections it serves, spins while any of them has work, and sleeps on all their
+//! kicks and host completion events at once when none has.
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{fence, AtomicUsize, Ordering};
@@ -27,7 +27,7 @@ const CONTENDED_YIELD: Duration = Duration::from_micros(200);
 /// Ready descriptors taken per wake-up; more wait for the next `epoll_wait`.
 const EVENTS_PER_WAIT: usize = 64;
 
-/// The epoll key of a pool thread's own command eventfd; shards use `id << 1 | kind`.
+/// The epoll key of a pool thread's own command eventfd; connections use `id << 1 | kind`.
 const COMMAND_KEY: u64 = u64::MAX;
 
 /// Yields the CPU; true if nobody else wanted it for long.
@@ -50,9 +50,9 @@ fn pin_to(cpu: usize) {
 }
 
 enum Command {
-    /// Serve shard `index` of a connection.
-    Attach(Arc<Shared>, usize),
-    /// Stop serving the connection's shards; the sender hears when no pass uses them.
+    /// Serve a connection.
+    Attach(Arc<Shared>),
+    /// Stop serving the connection; the sender hears when no pass uses it.
     Detach(Arc<Shared>, Sender<()>),
     Stop,
 }
@@ -75,7 +75,7 @@ impl PoolThread {
 /// The poller threads of a backend.
 pub struct PollerPool {
     threads: Vec<PoolThread>,
-    /// Where the next connection's first shard goes.
+    /// The thread the next connection goes to.
     next: AtomicUsize,
 }
 
@@ -107,7 +107,7 @@ impl PollerPool {
                 wake: Arc::clone(&wake),
                 epoll,
                 idle_spin,
-                shards: Vec::new(),
+                connections: Vec::new(),
                 next_id: 0,
             };
             let handle = std::thread::Builder::new()
@@ -133,17 +133,13 @@ impl PollerPool {
         self.threads.len()
     }
 
-    /// Serves the shards of a new connection, each on its own thread while there are enough,
-    /// starting where the last connection's ended so that connections spread evenly.
+    /// Serves a new connection, on the thread after the last connection's.
     pub(super) fn attach(&self, shared: &Arc<Shared>) {
-        let first = self.next.fetch_add(shared.shards.len(), Ordering::Relaxed);
-        for index in 0..shared.shards.len() {
-            let thread = &self.threads[(first + index) % self.threads.len()];
-            thread.send(Command::Attach(Arc::clone(shared), index));
-        }
+        let thread = self.next.fetch_add(1, Ordering::Relaxed) % self.threads.len();
+        self.threads[thread].send(Command::Attach(Arc::clone(shared)));
     }
 
-    /// Stops serving a connection; returns once no pass uses its shards.
+    /// Stops serving a connection; returns once no pass uses it.
     pub(super) fn detach(&self, shared: &Arc<Shared>) {
         let acknowledged: Vec<_> = self
             .threads
@@ -174,7 +170,7 @@ impl Drop for PollerPool {
     }
 }
 
-/// A shard a pool thread serves, with the key its descriptors have in the thread's epoll.
+/// A connection a pool thread serves, with the key its descriptors have in the thread's epoll.
 struct Served {
     id: u64,
     poller: Poller,
@@ -186,7 +182,7 @@ struct PoolWorker {
     wake: Arc<EventFd>,
     epoll: Epoll,
     idle_spin: Duration,
-    shards: Vec<Served>,
+    connections: Vec<Served>,
     next_id: u64,
 }
 
@@ -203,13 +199,13 @@ impl PoolWorker {
             }
             // Going to sleep: ask for kicks and completion events, then look once more so
             // that nothing that arrived meanwhile is missed (SPEC.md §8.5).
-            for served in &self.shards {
+            for served in &self.connections {
                 served.poller.set_need_wakeup(true);
                 served.poller.arm_cqs();
             }
             fence(Ordering::SeqCst);
             let woken = self.pass() || self.sleep();
-            for served in &self.shards {
+            for served in &self.connections {
                 served.poller.set_need_wakeup(false);
             }
             // Spin again only for real work; after a quiet timeout, go straight back to sleep.
@@ -222,17 +218,17 @@ impl PoolWorker {
     /// One pass over every shard served; true if anything moved.
     fn pass(&mut self) -> bool {
         let mut work = false;
-        for served in &mut self.shards {
+        for served in &mut self.connections {
             work |= served.poller.pass();
         }
         work
     }
 
     /// Waits for a kick, a host completion event or a command; true if one came. With
-    /// shards to serve, it looks again after a while anyway.
+    /// connections to serve, it looks again after a while anyway.
     fn sleep(&mut self) -> bool {
         let mut events = [EpollEvent::default(); EVENTS_PER_WAIT];
-        let timeout = if self.shards.is_empty() {
+        let timeout = if self.connections.is_empty() {
             -1
         } else {
             SLEEP_LIMIT_MS
@@ -252,7 +248,7 @@ impl PoolWorker {
                 let _ = self.wake.read();
                 continue;
             }
-            let Some(served) = self.shards.iter().find(|s| s.id == key >> 1) else {
+            let Some(served) = self.connections.iter().find(|s| s.id == key >> 1) else {
                 continue; // detached since
             };
             let shard = served.poller.shard();
@@ -273,7 +269,7 @@ impl PoolWorker {
     fn take_commands(&mut self) -> bool {
         while let Ok(command) = self.inbox.try_recv() {
             match command {
-                Command::Attach(shared, index) => self.attach(shared, index),
+                Command::Attach(shared) => self.attach(shared),
                 Command::Detach(shared, done) => {
                     self.detach(&shared);
                     let _ = done.send(());
@@ -284,10 +280,10 @@ impl PoolWorker {
         true
     }
 
-    fn attach(&mut self, shared: Arc<Shared>, index: usize) {
+    fn attach(&mut self, shared: Arc<Shared>) {
         let id = self.next_id;
         self.next_id += 1;
-        let shard = &shared.shards[index];
+        let shard = &shared.shard;
         let channel = shard.channel.as_ref().map(|c| (c.fd(), 1));
         for (fd, kind) in [(shard.wake.as_raw_fd(), 0)].into_iter().chain(channel) {
             let event = EpollEvent::new(EventSet::IN, id << 1 | kind);
@@ -296,16 +292,16 @@ impl PoolWorker {
                 log::error!("poller: cannot wait on a connection's events: {e}");
             }
         }
-        self.shards.push(Served {
+        self.connections.push(Served {
             id,
-            poller: Poller::new(shared, index),
+            poller: Poller::new(shared),
         });
-        log::debug!("poller: serving {} shards", self.shards.len());
+        log::debug!("poller: serving {} connections", self.connections.len());
     }
 
     fn detach(&mut self, shared: &Arc<Shared>) {
         let epoll = &self.epoll;
-        self.shards.retain(|served| {
+        self.connections.retain(|served| {
             let keep = !Arc::ptr_eq(served.poller.shared(), shared);
             if !keep {
                 let shard = served.poller.shard();
@@ -316,6 +312,6 @@ impl PoolWorker {
             }
             keep
         });
-        log::debug!("poller: serving {} shards", self.shards.len());
+        log::debug!("poller: serving {} connections", self.connections.len());
     }
 }

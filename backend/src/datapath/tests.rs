@@ -191,7 +191,8 @@ fn a_pass_visits_only_the_queues_whose_doorbell_bits_are_set() {
             Arc::clone(&objects.send_cq),
             Arc::clone(&objects.recv_cq),
         );
-        rig.shared.shards[0]
+        rig.shared
+            .shard
             .objects
             .lock()
             .unwrap()
@@ -291,8 +292,9 @@ fn the_control_path_waits_for_the_visit_of_the_queue_it_removes_not_for_a_pass()
     while qp.posts.load(Ordering::SeqCst) == 0 {
         std::thread::yield_now();
     }
-    // The pass is stopped inside the QP's visit: the shard's table is free all the same.
-    let removed = shared.shards[0]
+    // The pass is stopped inside the QP's visit: the queue table is free all the same.
+    let removed = shared
+        .shard
         .objects
         .lock()
         .unwrap()
@@ -320,7 +322,8 @@ fn the_control_path_waits_for_the_visit_of_the_queue_it_removes_not_for_a_pass()
     // A retired QP is left alone, even by a pass that took it from the table before it was
     // removed (as here, where it is put back).
     let retired_qp = Rung::Qp(Arc::clone(&rig.qp_data));
-    shared.shards[0]
+    shared
+        .shard
         .objects
         .lock()
         .unwrap()

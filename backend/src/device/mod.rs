@@ -460,7 +460,7 @@ impl Device {
         self.check_ring_quota(u64::from(depth) * CQE_SIZE as u64)?;
         let ring = self.ring(mem, &req.ring, depth, CQE_SIZE.trailing_zeros() as u8)?;
         let handle = self.objects.new_handle();
-        let channel = self.data_path.channel_for_cq(handle);
+        let channel = self.data_path.completion_channel();
         let cq = self.host.context.create_cq(depth, channel)?;
         let data = Arc::new(CqData::new(handle, Arc::clone(&cq) as _, ring, doorbell));
         let entry = CqEntry {
