@@ -223,7 +223,6 @@ impl Rig {
         let qp_data = Arc::new(QpData::new(
             QP_HANDLE,
             Arc::clone(&qp) as _,
-            0,
             rules,
             (sq, Some(rq)),
             QP_DOORBELL,

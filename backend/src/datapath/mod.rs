@@ -216,8 +216,7 @@ struct Shared {
 }
 
 /// The data path of one connection: its shard, which a thread of the backend's poller pool
-/// serves, and
-/// the thread that forwards the host context's asynchronous events.
+/// serves, and the thread that forwards the host context's asynchronous events.
 pub struct DataPath {
     shared: Arc<Shared>,
     /// Which doorbell bits are in use (the control path's).
@@ -272,7 +271,7 @@ impl DataPath {
         })
     }
 
-    /// The notification queue (and so the poller) serving a new object with `handle`.
+    /// The notification queue a new object with `handle` is kicked through.
     pub fn notify_queue_for(&self, handle: u32) -> u32 {
         handle % self.shared.num_notify_queues
     }

@@ -118,7 +118,6 @@ pub(super) struct QpProgress {
 pub struct QpData {
     pub handle: u32,
     pub qp: Arc<dyn HostQueuePair>,
-    pub notify_queue: u32,
     pub(super) rules: QpRules,
     pub(super) sq: GuestRing,
     /// None for a QP that receives from an SRQ.
@@ -143,11 +142,9 @@ impl QpData {
         self.sq.bytes() + self.rq.as_ref().map_or(0, GuestRing::bytes)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         handle: u32,
         qp: Arc<dyn HostQueuePair>,
-        notify_queue: u32,
         rules: QpRules,
         (sq, rq): (GuestRing, Option<GuestRing>),
         doorbell: u64,
@@ -157,7 +154,6 @@ impl QpData {
         QpData {
             handle,
             qp,
-            notify_queue,
             rules,
             sq,
             rq,
@@ -184,7 +180,6 @@ pub(super) struct SrqProgress {
 pub struct SrqData {
     pub handle: u32,
     pub srq: Arc<dyn HostSharedReceiveQueue>,
-    pub notify_queue: u32,
     pub(super) rules: QpRules,
     pub(super) ring: GuestRing,
     pub(super) doorbell: u64,
@@ -217,7 +212,6 @@ impl SrqData {
     pub fn new(
         handle: u32,
         srq: Arc<dyn HostSharedReceiveQueue>,
-        notify_queue: u32,
         rules: QpRules,
         ring: GuestRing,
         doorbell: u64,
@@ -231,7 +225,6 @@ impl SrqData {
             received: AtomicU32::new(0),
             handle,
             srq,
-            notify_queue,
             rules,
             ring,
             doorbell,

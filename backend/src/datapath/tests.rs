@@ -184,7 +184,6 @@ fn a_pass_visits_only_the_queues_whose_doorbell_bits_are_set() {
         let qp = QpData::new(
             0x1000 + u32::from(bit),
             Arc::clone(&idle) as _,
-            0,
             objects.rules,
             (objects.sq.clone(), None),
             0xf000_0000,

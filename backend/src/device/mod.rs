@@ -609,7 +609,6 @@ impl Device {
         let data = Arc::new(QpData::new(
             handle,
             Arc::clone(&qp) as _,
-            notify_queue,
             rules,
             rings,
             doorbell,
@@ -674,7 +673,6 @@ impl Device {
         let data = Arc::new(SrqData::new(
             handle,
             Arc::clone(&srq) as _,
-            notify_queue,
             rules,
             ring,
             doorbell,
