@@ -222,6 +222,8 @@ pub struct DataPath {
     /// Which doorbell bits are in use (the control path's).
     bits: Mutex<DoorbellBits>,
     pool: Arc<PollerPool>,
+    /// The pool thread serving the connection.
+    pool_thread: usize,
     host_events: Option<JoinHandle<()>>,
     stop_host_events: EventFd,
 }
@@ -261,11 +263,12 @@ impl DataPath {
             .name("vrdma-host-events".into())
             .spawn(move || forward_host_events(&context, &events_shared, &epoll, host_port))
             .map_err(os_error("spawn the host event thread"))?;
-        pool.attach(&shared);
+        let pool_thread = pool.attach(&shared);
         Ok(DataPath {
             shared,
             bits: Mutex::new(bits),
             pool: Arc::clone(pool),
+            pool_thread,
             host_events: Some(host_events),
             stop_host_events,
         })
@@ -516,7 +519,7 @@ impl DataPath {
 
 impl Drop for DataPath {
     fn drop(&mut self) {
-        self.pool.detach(&self.shared);
+        self.pool.detach(self.pool_thread, &self.shared);
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.stop_host_events.write(1);
         if let Some(thread) = self.host_events.take() {

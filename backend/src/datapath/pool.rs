@@ -133,27 +133,21 @@ impl PollerPool {
         self.threads.len()
     }
 
-    /// Serves a new connection, on the thread after the last connection's.
-    pub(super) fn attach(&self, shared: &Arc<Shared>) {
+    /// Serves a new connection, on the thread after the last connection's; that thread's
+    /// index, for [`PollerPool::detach`].
+    pub(super) fn attach(&self, shared: &Arc<Shared>) -> usize {
         let thread = self.next.fetch_add(1, Ordering::Relaxed) % self.threads.len();
         self.threads[thread].send(Command::Attach(Arc::clone(shared)));
+        thread
     }
 
-    /// Stops serving a connection; returns once no pass uses it.
-    pub(super) fn detach(&self, shared: &Arc<Shared>) {
-        let acknowledged: Vec<_> = self
-            .threads
-            .iter()
-            .map(|thread| {
-                let (done, acknowledged) = mpsc::channel();
-                thread.send(Command::Detach(Arc::clone(shared), done));
-                acknowledged
-            })
-            .collect();
-        for acknowledged in acknowledged {
-            // An error is a thread that is gone, and with it its references.
-            let _ = acknowledged.recv();
-        }
+    /// Stops serving a connection that `attach` gave to `thread`; returns once no pass uses
+    /// it.
+    pub(super) fn detach(&self, thread: usize, shared: &Arc<Shared>) {
+        let (done, acknowledged) = mpsc::channel();
+        self.threads[thread].send(Command::Detach(Arc::clone(shared), done));
+        // An error is a thread that is gone, and with it its references.
+        let _ = acknowledged.recv();
     }
 }
 

@@ -347,8 +347,8 @@ fn eventually(what: &str, done: impl Fn() -> bool) {
 fn one_pool_thread_serves_every_connection_attached_sleeps_until_kicked_and_lets_go_on_detach() {
     let (mut one, mut two) = (Rig::new(64), Rig::new(64));
     let pool = PollerPool::start(1, std::time::Duration::ZERO, &[]).unwrap();
-    pool.attach(&one.shared);
-    pool.attach(&two.shared);
+    let thread = pool.attach(&one.shared);
+    assert_eq!(pool.attach(&two.shared), thread, "one thread to serve both");
     let asleep = |rig: &Rig| rig.load(NOTIFY_AREA + NotifyState::FLAGS) == NOTIFY_NEED_WAKEUP;
     eventually("both connections asked for kicks", || {
         asleep(&one) && asleep(&two)
@@ -361,7 +361,7 @@ fn one_pool_thread_serves_every_connection_attached_sleeps_until_kicked_and_lets
             rig.sent() == vec![wr_id]
         });
     }
-    pool.detach(&one.shared);
+    pool.detach(thread, &one.shared);
     one.write_send(3, LKEY);
     one.ring_sq();
     one.shared.kick(0);
