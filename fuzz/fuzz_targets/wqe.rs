@@ -43,8 +43,8 @@ fuzz_target!(|input: &[u8]| {
     let mut list = Vec::new();
     if !receive {
         let no_ahs = |_| None;
-        let mut sges = [Sge::default(); 32];
-        if let Ok(wr) = parse_send(&wqe, &rules, &lookup, &no_ahs, &mut sges) {
+        let (mut sges, mut inline) = ([Sge::default(); 32], [0; 4096]);
+        if let Ok(wr) = parse_send(&wqe[..], &rules, &lookup, &no_ahs, &mut sges, &mut inline) {
             match wr.payload {
                 Payload::Sges(sges) => {
                     assert!(sges.len() <= rules.max_send_sge as usize);
@@ -55,7 +55,7 @@ fuzz_target!(|input: &[u8]| {
                 }
             }
         }
-    } else if let Ok((_, count)) = parse_recv(&wqe, &rules, &lookup, &mut list) {
+    } else if let Ok((_, count)) = parse_recv(&wqe[..], &rules, &lookup, &mut list) {
         assert_eq!(list.len(), count);
         assert!(count <= rules.max_recv_sge as usize);
     }

@@ -96,39 +96,96 @@ pub enum SendOp {
     },
 }
 
-impl SendOp {
+/// A send WQE's operation without its operands: what its opcode names (§7.2).
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendOpcode {
+    RdmaWrite = wr_opcode::RDMA_WRITE,
+    RdmaWriteWithImm = wr_opcode::RDMA_WRITE_WITH_IMM,
+    Send = wr_opcode::SEND,
+    SendWithImm = wr_opcode::SEND_WITH_IMM,
+    RdmaRead = wr_opcode::RDMA_READ,
+    CompareAndSwap = wr_opcode::ATOMIC_CMP_AND_SWP,
+    FetchAndAdd = wr_opcode::ATOMIC_FETCH_AND_ADD,
+}
+
+impl SendOpcode {
+    /// The operation a [`wr_opcode`] value names.
+    pub fn from_wire(opcode: u8) -> Option<SendOpcode> {
+        Some(match opcode {
+            wr_opcode::RDMA_WRITE => SendOpcode::RdmaWrite,
+            wr_opcode::RDMA_WRITE_WITH_IMM => SendOpcode::RdmaWriteWithImm,
+            wr_opcode::SEND => SendOpcode::Send,
+            wr_opcode::SEND_WITH_IMM => SendOpcode::SendWithImm,
+            wr_opcode::RDMA_READ => SendOpcode::RdmaRead,
+            wr_opcode::ATOMIC_CMP_AND_SWP => SendOpcode::CompareAndSwap,
+            wr_opcode::ATOMIC_FETCH_AND_ADD => SendOpcode::FetchAndAdd,
+            _ => return None,
+        })
+    }
+
     /// The CQE opcode (§7.5) of this operation's completion.
-    pub fn completion_opcode(&self) -> u8 {
+    pub fn completion_opcode(self) -> u8 {
         match self {
-            SendOp::Send | SendOp::SendWithImm { .. } => wc_opcode::SEND,
-            SendOp::RdmaWrite { .. } | SendOp::RdmaWriteWithImm { .. } => wc_opcode::RDMA_WRITE,
-            SendOp::RdmaRead { .. } => wc_opcode::RDMA_READ,
-            SendOp::CompareAndSwap { .. } => wc_opcode::COMP_SWAP,
-            SendOp::FetchAndAdd { .. } => wc_opcode::FETCH_ADD,
+            SendOpcode::Send | SendOpcode::SendWithImm => wc_opcode::SEND,
+            SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => wc_opcode::RDMA_WRITE,
+            SendOpcode::RdmaRead => wc_opcode::RDMA_READ,
+            SendOpcode::CompareAndSwap => wc_opcode::COMP_SWAP,
+            SendOpcode::FetchAndAdd => wc_opcode::FETCH_ADD,
         }
     }
 
-    pub fn is_atomic(&self) -> bool {
+    pub fn is_atomic(self) -> bool {
+        matches!(self, SendOpcode::CompareAndSwap | SendOpcode::FetchAndAdd)
+    }
+
+    /// SEND and SEND_WITH_IMM: the only operations of a UD QP.
+    pub fn is_send(self) -> bool {
+        matches!(self, SendOpcode::Send | SendOpcode::SendWithImm)
+    }
+
+    /// Operations that may carry their payload inline.
+    pub fn may_be_inline(self) -> bool {
         matches!(
             self,
-            SendOp::CompareAndSwap { .. } | SendOp::FetchAndAdd { .. }
+            SendOpcode::Send
+                | SendOpcode::SendWithImm
+                | SendOpcode::RdmaWrite
+                | SendOpcode::RdmaWriteWithImm
         )
+    }
+}
+
+impl SendOp {
+    pub fn opcode(&self) -> SendOpcode {
+        match self {
+            SendOp::Send => SendOpcode::Send,
+            SendOp::SendWithImm { .. } => SendOpcode::SendWithImm,
+            SendOp::RdmaWrite { .. } => SendOpcode::RdmaWrite,
+            SendOp::RdmaWriteWithImm { .. } => SendOpcode::RdmaWriteWithImm,
+            SendOp::RdmaRead { .. } => SendOpcode::RdmaRead,
+            SendOp::CompareAndSwap { .. } => SendOpcode::CompareAndSwap,
+            SendOp::FetchAndAdd { .. } => SendOpcode::FetchAndAdd,
+        }
+    }
+
+    /// The CQE opcode (§7.5) of this operation's completion.
+    pub fn completion_opcode(&self) -> u8 {
+        self.opcode().completion_opcode()
+    }
+
+    pub fn is_atomic(&self) -> bool {
+        self.opcode().is_atomic()
     }
 
     /// SEND and SEND_WITH_IMM: the only operations of a UD QP.
     pub fn is_send(&self) -> bool {
-        matches!(self, SendOp::Send | SendOp::SendWithImm { .. })
+        self.opcode().is_send()
     }
 
     /// Operations that may carry their payload inline.
     pub fn may_be_inline(&self) -> bool {
-        matches!(
-            self,
-            SendOp::Send
-                | SendOp::SendWithImm { .. }
-                | SendOp::RdmaWrite { .. }
-                | SendOp::RdmaWriteWithImm { .. }
-        )
+        self.opcode().may_be_inline()
     }
 }
 
@@ -162,6 +219,14 @@ pub struct SendHeader {
     pub ud: UdAddress,
 }
 
+/// A well-formed send WQE header's operation and payload (§7.2): a device takes the
+/// operands straight from the header's fields, as the operation names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendForm {
+    pub opcode: SendOpcode,
+    pub payload: WqePayload,
+}
+
 /// Why a send WQE header is not a well-formed one (§7.2), before any QP's limits apply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum WqeFormatError {
@@ -180,22 +245,23 @@ impl SendWqe {
             wr_id: Le64::from(header.wr_id),
             ..Default::default()
         };
-        let (opcode, remote_addr, rkey) = match header.op {
-            SendOp::Send => (wr_opcode::SEND, 0, 0),
+        let (remote_addr, rkey) = match header.op {
+            SendOp::Send => (0, 0),
             SendOp::SendWithImm { imm } => {
                 wqe.imm_data = Le32::from(imm);
-                (wr_opcode::SEND_WITH_IMM, 0, 0)
+                (0, 0)
             }
-            SendOp::RdmaWrite { remote_addr, rkey } => (wr_opcode::RDMA_WRITE, remote_addr, rkey),
+            SendOp::RdmaWrite { remote_addr, rkey } | SendOp::RdmaRead { remote_addr, rkey } => {
+                (remote_addr, rkey)
+            }
             SendOp::RdmaWriteWithImm {
                 remote_addr,
                 rkey,
                 imm,
             } => {
                 wqe.imm_data = Le32::from(imm);
-                (wr_opcode::RDMA_WRITE_WITH_IMM, remote_addr, rkey)
+                (remote_addr, rkey)
             }
-            SendOp::RdmaRead { remote_addr, rkey } => (wr_opcode::RDMA_READ, remote_addr, rkey),
             SendOp::CompareAndSwap {
                 remote_addr,
                 rkey,
@@ -204,7 +270,7 @@ impl SendWqe {
             } => {
                 wqe.compare_add = Le64::from(compare);
                 wqe.swap = Le64::from(swap);
-                (wr_opcode::ATOMIC_CMP_AND_SWP, remote_addr, rkey)
+                (remote_addr, rkey)
             }
             SendOp::FetchAndAdd {
                 remote_addr,
@@ -212,10 +278,10 @@ impl SendWqe {
                 add,
             } => {
                 wqe.compare_add = Le64::from(add);
-                (wr_opcode::ATOMIC_FETCH_AND_ADD, remote_addr, rkey)
+                (remote_addr, rkey)
             }
         };
-        wqe.opcode = opcode;
+        wqe.opcode = header.op.opcode() as u8;
         wqe.remote_addr = Le64::from(remote_addr);
         wqe.rkey = Le32::from(rkey);
         for (set, flag) in [
@@ -240,38 +306,16 @@ impl SendWqe {
         wqe
     }
 
-    /// The header a device reads. Fields an operation does not use are ignored.
-    pub fn decode(&self) -> Result<SendHeader, WqeFormatError> {
+    /// Checks the header's form: a known opcode and flags, and INLINE without SGEs.
+    // Inlined into the device's loop over a batch of WQEs.
+    #[inline(always)]
+    pub fn form(&self) -> Result<SendForm, WqeFormatError> {
         let flags = self.flags;
         if flags & !wqe_flags::ALL != 0 {
             return Err(WqeFormatError::UnknownFlags(flags));
         }
-        let remote_addr = self.remote_addr.to_native();
-        let rkey = self.rkey.to_native();
-        let imm = self.imm_data.to_native();
-        let op = match self.opcode {
-            wr_opcode::SEND => SendOp::Send,
-            wr_opcode::SEND_WITH_IMM => SendOp::SendWithImm { imm },
-            wr_opcode::RDMA_WRITE => SendOp::RdmaWrite { remote_addr, rkey },
-            wr_opcode::RDMA_WRITE_WITH_IMM => SendOp::RdmaWriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            },
-            wr_opcode::RDMA_READ => SendOp::RdmaRead { remote_addr, rkey },
-            wr_opcode::ATOMIC_CMP_AND_SWP => SendOp::CompareAndSwap {
-                remote_addr,
-                rkey,
-                compare: self.compare_add.to_native(),
-                swap: self.swap.to_native(),
-            },
-            wr_opcode::ATOMIC_FETCH_AND_ADD => SendOp::FetchAndAdd {
-                remote_addr,
-                rkey,
-                add: self.compare_add.to_native(),
-            },
-            other => return Err(WqeFormatError::UnknownOpcode(other)),
-        };
+        let opcode =
+            SendOpcode::from_wire(self.opcode).ok_or(WqeFormatError::UnknownOpcode(self.opcode))?;
         let payload = if flags & wqe_flags::INLINE != 0 {
             if self.num_sge != 0 {
                 return Err(WqeFormatError::InlineWithSges(self.num_sge));
@@ -280,12 +324,55 @@ impl SendWqe {
         } else {
             WqePayload::Sges(self.num_sge)
         };
+        Ok(SendForm { opcode, payload })
+    }
+
+    pub fn signaled(&self) -> bool {
+        self.flags & wqe_flags::SIGNALED != 0
+    }
+
+    pub fn solicited(&self) -> bool {
+        self.flags & wqe_flags::SOLICITED != 0
+    }
+
+    pub fn fence(&self) -> bool {
+        self.flags & wqe_flags::FENCE != 0
+    }
+
+    /// The header a device reads. Fields an operation does not use are ignored.
+    pub fn decode(&self) -> Result<SendHeader, WqeFormatError> {
+        let SendForm { opcode, payload } = self.form()?;
+        let remote_addr = self.remote_addr.to_native();
+        let rkey = self.rkey.to_native();
+        let imm = self.imm_data.to_native();
+        let op = match opcode {
+            SendOpcode::Send => SendOp::Send,
+            SendOpcode::SendWithImm => SendOp::SendWithImm { imm },
+            SendOpcode::RdmaWrite => SendOp::RdmaWrite { remote_addr, rkey },
+            SendOpcode::RdmaWriteWithImm => SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            },
+            SendOpcode::RdmaRead => SendOp::RdmaRead { remote_addr, rkey },
+            SendOpcode::CompareAndSwap => SendOp::CompareAndSwap {
+                remote_addr,
+                rkey,
+                compare: self.compare_add.to_native(),
+                swap: self.swap.to_native(),
+            },
+            SendOpcode::FetchAndAdd => SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add: self.compare_add.to_native(),
+            },
+        };
         Ok(SendHeader {
             wr_id: self.wr_id.to_native(),
             op,
-            signaled: flags & wqe_flags::SIGNALED != 0,
-            solicited: flags & wqe_flags::SOLICITED != 0,
-            fence: flags & wqe_flags::FENCE != 0,
+            signaled: self.signaled(),
+            solicited: self.solicited(),
+            fence: self.fence(),
             payload,
             ud: UdAddress {
                 ah: self.ah.to_native(),
@@ -484,6 +571,15 @@ mod tests {
                 ud,
             },
         )
+    }
+
+    #[test]
+    fn send_opcodes_are_their_wire_values() {
+        let known: Vec<_> = (0..=u8::MAX).filter_map(SendOpcode::from_wire).collect();
+        assert_eq!(known.len(), 7);
+        for opcode in known {
+            assert_eq!(SendOpcode::from_wire(opcode as u8), Some(opcode));
+        }
     }
 
     proptest! {

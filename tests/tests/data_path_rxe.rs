@@ -461,15 +461,8 @@ fn a_guest_and_a_native_ibverbs_program_exchange_data_both_ways() {
         }])
         .unwrap();
     memory.write(0, b"from a native ibverbs program").unwrap();
-    let send = hostverbs::SendWr {
-        wr_id: 2,
-        op: hostverbs::SendOp::Send,
-        payload: hostverbs::Payload::Sges(&[native_sge(0, 29)]),
-        signaled: true,
-        solicited: false,
-        fence: false,
-        ud: None,
-    };
+    let sges = [native_sge(0, 29)];
+    let send = hostverbs::SendWr::new(2, hostverbs::SendOp::Send, hostverbs::Payload::Sges(&sges));
     native.qp.post_send(&[send]).unwrap();
     assert!(wait_for_completions(&native.cq, 1)[0].is_success());
     let got = wait_for_guest_completions(&guest.cq, 1);

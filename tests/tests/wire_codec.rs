@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 use vrdma_backend::datapath::wqe::{parse_recv, parse_send, MrRange, QpRules};
-use vrdma_backend::hostverbs::{Payload as HostPayload, Sge as HostSge};
+use vrdma_backend::hostverbs::{Payload as HostPayload, SendWr as HostSendWr, Sge as HostSge};
 use vrdma_guest::verbs::{encode_recv, encode_send, QpType, SendShape};
 use vrdma_guest::{Payload, RecvWr, SendOp, SendWr, Sge};
 use vrdma_spec::codec::{recv_wqe_shift, send_wqe_shift, strategies};
@@ -133,10 +133,17 @@ proptest! {
         }).unwrap();
 
         let mut parsed_sges = [HostSge::default(); MAX_SGE as usize];
+        let mut parsed_inline = [0; MAX_INLINE as usize];
         let no_ahs = |_| None;
-        let request = parse_send(&slot, &rules(), &lookup, &no_ahs, &mut parsed_sges).unwrap();
+        let request = parse_send(
+            &slot[..], &rules(), &lookup, &no_ahs, &mut parsed_sges, &mut parsed_inline,
+        ).unwrap();
         prop_assert_eq!(request.wr_id, wr_id);
-        prop_assert_eq!(request.op, op);
+        let operands = |wr: &HostSendWr| {
+            (wr.opcode, wr.imm, wr.remote_addr, wr.rkey, wr.compare_add, wr.swap)
+        };
+        let expected = HostSendWr::new(wr_id, op, HostPayload::Sges(&[]));
+        prop_assert_eq!(operands(&request), operands(&expected));
         prop_assert_eq!((request.signaled, request.solicited, request.fence), (signaled, solicited, fence));
         prop_assert!(request.ud.is_none());
         match (inline, request.payload) {
@@ -157,7 +164,7 @@ proptest! {
             Ok(())
         }).unwrap();
         let mut parsed_sges = Vec::new();
-        let parsed = parse_recv(&slot, &rules(), &lookup, &mut parsed_sges).unwrap();
+        let parsed = parse_recv(&slot[..], &rules(), &lookup, &mut parsed_sges).unwrap();
         prop_assert_eq!(parsed, (wr_id, sges.len()));
         prop_assert_eq!(parsed_sges, host_sges(&sges));
     }

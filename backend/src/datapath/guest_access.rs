@@ -8,13 +8,14 @@
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 use vm_memory::{
-    AtomicAccess, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, GuestMemoryRegion,
-    VolatileSlice,
+    AtomicAccess, ByteValued, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError,
+    GuestMemoryRegion, VolatileSlice,
 };
 
 use vrdma_spec::codec::ring_slot;
 
 use super::queues::GuestRing;
+use super::wqe::Slot;
 use super::Memory;
 
 type Result<T> = std::result::Result<T, GuestMemoryError>;
@@ -74,6 +75,55 @@ fn publish_words<const N: usize>(slice: &VolatileSlice, entries: &[[u64; N]]) ->
     true
 }
 
+/// A slot in guest memory, read in place: a wire struct whose size is a multiple of 8 bytes
+/// at an 8-byte aligned offset (every field of a WQE is) is read with one volatile load per
+/// word, anything else copied through vm-memory.
+impl Slot for VolatileSlice<'_> {
+    #[inline(always)]
+    fn field<T: ByteValued + Default>(&self, offset: usize) -> Option<T> {
+        let size = size_of::<T>();
+        let mut value = T::default();
+        if offset.checked_add(size)? > self.len() {
+            return None;
+        }
+        let guard = self.ptr_guard();
+        let at = guard.as_ptr().wrapping_add(offset);
+        if !size.is_multiple_of(8) || !at.cast::<u64>().is_aligned() {
+            self.subslice(offset, size)
+                .ok()?
+                .copy_to(value.as_mut_slice());
+            return Some(value);
+        }
+        for (index, word) in value.as_mut_slice().chunks_exact_mut(8).enumerate() {
+            // SAFETY: the word lies inside the slice (checked above), which stays mapped
+            // while `guard` lives, and is 8-byte aligned; the guest may write it meanwhile,
+            // which a volatile load of a plain integer tolerates.
+            let loaded = unsafe { at.cast::<u64>().add(index).read_volatile() };
+            word.copy_from_slice(&loaded.to_ne_bytes());
+        }
+        Some(value)
+    }
+
+    fn copy_bytes(&self, offset: usize, out: &mut [u8]) -> bool {
+        match self.subslice(offset, out.len()) {
+            Ok(bytes) => {
+                bytes.copy_to(out);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// The `count` slots of `stride` bytes each that `run` (from [`Slots::run`]) holds, in order.
+pub(super) fn slots_of<'m>(
+    run: VolatileSlice<'m>,
+    stride: usize,
+    count: u32,
+) -> impl Iterator<Item = VolatileSlice<'m>> {
+    (0..count as usize).map_while(move |slot| run.subslice(slot * stride, stride).ok())
+}
+
 /// The slots of one ring through one memory snapshot, keeping the page last looked up (a
 /// visit takes consecutive slots).
 pub(super) struct Slots<'m> {
@@ -110,28 +160,10 @@ impl<'m> Slots<'m> {
         written
     }
 
-    /// Copies `count` consecutive slots from `first` (any u32: the ring index wraps) into
-    /// `out`, back to back, one copy per run of them in a page; returns how many it copied,
-    /// fewer than `count` if guest memory no longer holds a page (the ones before it are
-    /// copied).
-    pub(super) fn copy_out(&mut self, first: u32, count: u32, out: &mut [u8]) -> u32 {
-        let stride = self.ring.stride();
-        let mut copied = 0;
-        while copied < count {
-            let Some((run, slots)) = self.run(first.wrapping_add(copied), count - copied) else {
-                break;
-            };
-            let at = copied as usize * stride;
-            run.copy_to(&mut out[at..at + slots as usize * stride]);
-            copied += slots;
-        }
-        copied
-    }
-
     /// Up to `max` (at least 1) consecutive slots from `index` (any u32: the ring index
     /// wraps), as many as follow it in its page before the ring wraps: one slice and their
     /// count; `None` if guest memory no longer holds the page.
-    fn run(&mut self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
+    pub(super) fn run(&mut self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
         let ring = self.ring;
         let (page, in_page) = self.page_of(index)?;
         let left_in_ring = ring.depth - ring_slot(index, ring.depth);
@@ -244,26 +276,34 @@ mod tests {
         assert_eq!((run.len(), count), (1024, 1), "the ring wraps");
         let gone = GuestRing::new(vec![0x4000], 12, 10, 4);
         assert!(Slots::new(&gone, &mem).run(0, 1).is_none());
-        // Copies stop at a page guest memory no longer holds; the slots before it are copied.
+        // A run's slots, read in place; a page guest memory no longer holds has none.
         mem.write_slice(b"three", GuestAddress(0x1c00)).unwrap();
         mem.write_slice(b"seven", GuestAddress(0xc00)).unwrap();
         mem.write_slice(b"zero.", GuestAddress(0x1000)).unwrap();
         let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
-        let mut out = vec![0u8; 8 * 1024];
-        assert_eq!(Slots::new(&half_gone, &mem).copy_out(2, 4, &mut out), 2);
-        assert_eq!(
-            &out[1024..1029],
-            b"three",
-            "slot 3, the last of the first page"
-        );
+        let mut half = Slots::new(&half_gone, &mem);
+        let (run, count) = half.run(2, 4).unwrap();
+        let starts: Vec<[u8; 5]> = slots_of(run, 1024, count)
+            .map(|slot| {
+                let mut start = [0; 5];
+                assert!(slot.copy_bytes(0, &mut start));
+                start
+            })
+            .collect();
+        assert_eq!(starts.len(), 2, "slots 2 and 3, the rest of the first page");
+        assert_eq!(&starts[1], b"three");
+        assert!(half.run(4, 4).is_none());
         // Slots 7, 0 and 1 of `ring`: the end of its second page, then its first.
-        assert_eq!(Slots::new(&ring, &mem).copy_out(7, 3, &mut out), 3);
-        assert_eq!(&out[..5], b"seven");
-        assert_eq!(
-            &out[1024..1029],
-            b"zero.",
-            "slot 0, at the start of the first page"
-        );
+        let (run, count) = slots.run(7, 3).unwrap();
+        let slot = slots_of(run, 1024, count).next().unwrap();
+        assert_eq!(slot.field::<[u8; 5]>(0), Some(*b"seven"), "copied: 5 bytes");
+        assert_eq!(slot.field::<u64>(1016), Some(0), "one word, in place");
+        assert_eq!(slot.field::<u64>(1020), None, "past the slot");
+        assert!(!slot.copy_bytes(1020, &mut [0; 8]));
+        let (run, _) = slots.run(8, 2).unwrap();
+        let mut first = slots_of(run, 1024, 2);
+        assert_eq!(first.next().unwrap().field::<[u8; 5]>(0), Some(*b"zero."));
+        assert_eq!(first.count(), 1);
         assert_eq!(Slots::new(&gone, &mem).publish(0, &[[1u64; 128]]), 0);
         // 1 KiB entries into slots 7, 0 and 1 (across the wrap); slot 2's page is gone.
         let entry = |n: u64| [n; 128];

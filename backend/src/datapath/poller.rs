@@ -14,9 +14,9 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
-use super::guest_access::{load, store, Slots};
+use super::guest_access::{load, slots_of, store, Slots};
 use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
-use super::wqe::{self, MrRange, QpRules, WqeError};
+use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
 use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
 use crate::hostverbs::{self, RecvWr, SendBatch, Sge, WorkCompletion};
 
@@ -47,10 +47,10 @@ impl Visit {
 /// list and reusable scratch space (no allocation per WQE).
 pub(super) struct Poller {
     shared: Arc<Shared>,
-    /// Copies of a batch of WQEs, taken from the ring a page's worth of slots at a time.
-    slots: Vec<u8>,
     /// The SGEs of one send WQE as it is parsed (room for the most a WQE may have).
     send_sges: Box<[Sge]>,
+    /// The inline payload of one send WQE as it is parsed.
+    inline: Box<[u8]>,
     /// The SGEs of a batch of receive WQEs.
     sges: Vec<Sge>,
     /// A batch of sends, built in place in the host's layout.
@@ -84,6 +84,12 @@ fn mr_lookup(mrs: &MrTable) -> impl Fn(u32) -> Option<MrRange> + '_ {
     }
 }
 
+/// The wr_id of a refused WQE (the first field of both kinds). The guest may have rewritten
+/// the slot since it was parsed: what its error CQE then says is its own business.
+fn wr_id_of(slot: &impl Slot) -> u64 {
+    slot.field::<Le64>(0).map_or(0, Le64::to_native)
+}
+
 fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
     Cqe {
         wr_id: Le64::from(wr_id),
@@ -98,7 +104,7 @@ impl Poller {
     pub(super) fn new(shared: Arc<Shared>) -> Self {
         Poller {
             shared,
-            slots: vec![0; (BATCH as usize) << vrdma_spec::ring::MAX_WQE_SHIFT],
+            inline: vec![0; MAX_SEND_INLINE as usize].into_boxed_slice(),
             send_sges: vec![Sge::default(); MAX_SEND_SGE as usize].into_boxed_slice(),
             sges: Vec::with_capacity(BATCH as usize * 32),
             batch: SendBatch::with_capacity(
@@ -336,7 +342,6 @@ impl Poller {
         }
         self.batch.clear();
         let mut refused: Option<(u64, WqeError)> = None;
-        let stride = qp.sq.stride();
         {
             let shared = Arc::clone(&self.shared);
             let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
@@ -345,12 +350,27 @@ impl Poller {
             let ah_of = |handle| ahs.get(&handle).map(|(pd, ah)| (*pd, ah));
             let mut slots = Slots::new(&qp.sq, mem);
             let batch = pending.min(BATCH);
-            let copied = slots.copy_out(progress.sq_consumer, batch, &mut self.slots);
-            for slot in self.slots[..copied as usize * stride].chunks_exact(stride) {
-                let error =
-                    match wqe::parse_send(slot, &qp.rules, &mr_of, &ah_of, &mut self.send_sges) {
+            let mut taken = 0;
+            'runs: while taken < batch {
+                let first = progress.sq_consumer.wrapping_add(taken);
+                let Some((run, count)) = slots.run(first, batch - taken) else {
+                    break;
+                };
+                let end_of_run = taken + count;
+                for slot in slots_of(run, qp.sq.stride(), count) {
+                    let error = match wqe::parse_send(
+                        &slot,
+                        &qp.rules,
+                        &mr_of,
+                        &ah_of,
+                        &mut self.send_sges,
+                        &mut self.inline,
+                    ) {
                         Ok(wr) => match self.batch.push(&wr) {
-                            Ok(()) => continue,
+                            Ok(()) => {
+                                taken += 1;
+                                continue;
+                            }
                             // The batch has room for a full batch of the largest slots.
                             Err(e) => {
                                 log::error!("QP {:#x}: {e}", qp.handle);
@@ -359,11 +379,14 @@ impl Poller {
                         },
                         Err(error) => error,
                     };
-                let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-                refused = Some((wr_id, error));
-                break;
+                    refused = Some((wr_id_of(&slot), error));
+                    break 'runs;
+                }
+                if taken < end_of_run {
+                    break;
+                }
             }
-            if refused.is_none() && copied < batch {
+            if refused.is_none() && taken < batch {
                 progress.failed = true;
                 self.fail_qp(qp, &mut progress, &"SQ ring unreadable");
                 return Visit::WORKED;
@@ -432,17 +455,25 @@ impl Poller {
         let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
         let lookup = mr_lookup(&mrs);
         let mut slots = Slots::new(ring, mem);
-        let stride = ring.stride();
         let batch = pending.min(BATCH);
-        let copied = slots.copy_out(consumer, batch, &mut self.slots);
-        for slot in self.slots[..copied as usize * stride].chunks_exact(stride) {
-            let wr_id = u64::from_le_bytes(slot[..8].try_into().expect("8 bytes"));
-            match wqe::parse_recv(slot, rules, &lookup, &mut self.sges) {
-                Ok(received) => self.recv.push(received),
-                Err(error) => return Some((wr_id, error)),
+        let mut taken = 0;
+        while taken < batch {
+            let Some((run, count)) = slots.run(consumer.wrapping_add(taken), batch - taken) else {
+                return Some((0, WqeError::RingUnreadable));
+            };
+            let end_of_run = taken + count;
+            for slot in slots_of(run, ring.stride(), count) {
+                match wqe::parse_recv(&slot, rules, &lookup, &mut self.sges) {
+                    Ok(received) => self.recv.push(received),
+                    Err(error) => return Some((wr_id_of(&slot), error)),
+                }
+                taken += 1;
+            }
+            if taken < end_of_run {
+                return Some((0, WqeError::RingUnreadable));
             }
         }
-        (copied < batch).then_some((0, WqeError::RingUnreadable))
+        None
     }
 
     /// Posts what `read_receives` collected with `post`; returns how many the host took.

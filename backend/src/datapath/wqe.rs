@@ -1,13 +1,15 @@
-//! Work queue entries copied out of a guest ring, checked against SPEC.md §7 and turned into
-//! host work requests. Pure: the caller supplies the MR table; nothing here touches memory.
+//! Work queue entries read from a guest ring, checked against SPEC.md §7 and turned into host
+//! work requests. Pure: the caller supplies the slot's bytes (see [`Slot`]) and the MR table.
 
-use vrdma_spec::codec::{sge_offset, WqeFormatError, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER};
+use vrdma_spec::codec::{
+    sge_offset, SendForm, WqeFormatError, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
+};
 use vrdma_spec::ring::{wc_status, RecvWqe, SendWqe, Sge as WireSge};
 use vrdma_spec::ByteValued;
 
 use std::sync::Arc;
 
-use crate::hostverbs::{AddressHandle, Payload, SendOp, SendWr, Sge, UdDest};
+use crate::hostverbs::{AddressHandle, Payload, SendWr, Sge, UdDest};
 
 /// Why a WQE was refused: one variant per rule (SPEC.md §7), each with the completion
 /// status that reports it.
@@ -83,23 +85,54 @@ pub struct QpRules {
     pub rq_stride: usize,
 }
 
-/// A wire struct from a slot, which callers size to hold it.
-fn read<T: ByteValued + Default>(bytes: &[u8]) -> T {
-    vrdma_spec::read_wire(bytes).expect("a slot holds its header and SGEs")
+/// The bytes of one ring slot, wherever they are: guest memory (the data path) or a copy
+/// (tests, fuzzing). A parser reads each field once, so a guest rewriting its slot meanwhile
+/// changes nothing about what was checked.
+pub trait Slot {
+    /// The wire struct at `offset`, read whole; `None` past the slot's end.
+    fn field<T: ByteValued + Default>(&self, offset: usize) -> Option<T>;
+    /// Fills `out` from `offset`; false past the slot's end.
+    fn copy_bytes(&self, offset: usize, out: &mut [u8]) -> bool;
 }
 
-/// Checks the SGEs at `bytes`, as many as `out` holds, against the MR table into `out`.
+impl Slot for [u8] {
+    fn field<T: ByteValued + Default>(&self, offset: usize) -> Option<T> {
+        vrdma_spec::read_wire(self.get(offset..)?)
+    }
+
+    fn copy_bytes(&self, offset: usize, out: &mut [u8]) -> bool {
+        let Some(bytes) = offset
+            .checked_add(out.len())
+            .and_then(|end| self.get(offset..end))
+        else {
+            return false;
+        };
+        out.copy_from_slice(bytes);
+        true
+    }
+}
+
+/// A wire struct from a slot, which callers size to hold it.
+#[inline(always)]
+fn read<T: ByteValued + Default>(slot: &(impl Slot + ?Sized), offset: usize) -> T {
+    slot.field(offset)
+        .expect("a slot holds its header and SGEs")
+}
+
+/// Checks the SGEs from `offset` in `slot`, as many as `out` holds, against the MR table into
+/// `out`.
 // Inlined, as is parse_send, into the poller's loop: called per WQE, returning by value, they
 // cost more in moving their results than in checking.
 #[inline(always)]
 fn check_sges(
-    bytes: &[u8],
+    slot: &(impl Slot + ?Sized),
+    offset: usize,
     rules: &QpRules,
     lookup: &impl Fn(u32) -> Option<MrRange>,
     out: &mut [Sge],
 ) -> Result<(), WqeError> {
     for (i, out) in out.iter_mut().enumerate() {
-        let sge: WireSge = read(&bytes[sge_offset(0, i)..]);
+        let sge: WireSge = read(slot, sge_offset(offset, i));
         let (addr, length, lkey) = (
             sge.addr.to_native(),
             sge.length.to_native(),
@@ -125,36 +158,44 @@ fn check_sges(
     Ok(())
 }
 
-/// Parses and validates the send WQE in `slot` (one SQ slot, copied out of guest memory)
-/// into the host's request: its SGEs go to the start of `sges`, its inline payload stays
-/// in `slot`, a UD destination is looked up with `ahs` (an AH's PD and the host AH).
+/// Parses and validates the send WQE in `slot` (one SQ slot) into the host's request: its
+/// SGEs go to the start of `sges`, its inline payload to the start of `inline`, a UD
+/// destination is looked up with `ahs` (an AH's PD and the host AH).
 #[inline(always)]
 pub fn parse_send<'w, 'h: 'w>(
-    slot: &'w [u8],
+    slot: &(impl Slot + ?Sized),
     rules: &QpRules,
     mrs: &impl Fn(u32) -> Option<MrRange>,
     ahs: &impl Fn(u32) -> Option<(u32, &'h Arc<AddressHandle>)>,
     sges: &'w mut [Sge],
+    inline: &'w mut [u8],
 ) -> Result<SendWr<'w>, WqeError> {
-    let wqe: SendWqe = read(slot);
-    let header = wqe.decode()?;
-    let op = header.op;
-    if rules.ud && !op.is_send() {
+    let wqe: SendWqe = read(slot, 0);
+    let SendForm { opcode, payload } = wqe.form()?;
+    if rules.ud && !opcode.is_send() {
         return Err(WqeError::UdNotSend);
     }
-    if op.is_atomic() && !rules.atomics {
+    if opcode.is_atomic() && !rules.atomics {
         return Err(WqeError::AtomicsNotNegotiated);
     }
-    let payload = match header.payload {
+    let remote_addr = wqe.remote_addr.to_native();
+    let payload = match payload {
         WqePayload::Inline(len) => {
             let len = len as usize;
-            if !op.may_be_inline() {
+            if !opcode.may_be_inline() {
                 return Err(WqeError::InlineOperation);
             }
-            if len > rules.max_inline as usize || SEND_WQE_HEADER + len > rules.sq_stride {
+            if len > rules.max_inline as usize
+                || SEND_WQE_HEADER + len > rules.sq_stride
+                || len > inline.len()
+            {
                 return Err(WqeError::InlineTooLong(len as u32));
             }
-            Payload::Inline(&slot[SEND_WQE_HEADER..SEND_WQE_HEADER + len])
+            let inline = &mut inline[..len];
+            if !slot.copy_bytes(SEND_WQE_HEADER, inline) {
+                return Err(WqeError::InlineTooLong(len as u32));
+            }
+            Payload::Inline(inline)
         }
         WqePayload::Sges(count) => {
             let count = usize::from(count);
@@ -165,10 +206,8 @@ pub fn parse_send<'w, 'h: 'w>(
                 return Err(WqeError::TooManySges(count));
             }
             let sges = &mut sges[..count];
-            check_sges(&slot[SEND_WQE_HEADER..], rules, mrs, sges)?;
-            if let SendOp::CompareAndSwap { remote_addr, .. }
-            | SendOp::FetchAndAdd { remote_addr, .. } = op
-            {
+            check_sges(slot, SEND_WQE_HEADER, rules, mrs, sges)?;
+            if opcode.is_atomic() {
                 if count != 1 || sges[0].length != 8 {
                     return Err(WqeError::AtomicSge);
                 }
@@ -180,48 +219,54 @@ pub fn parse_send<'w, 'h: 'w>(
         }
     };
     let ud = if rules.ud {
-        let address = header.ud;
-        if address.remote_qpn >= 1 << 24 {
-            return Err(WqeError::RemoteQpn(address.remote_qpn));
+        let remote_qpn = wqe.remote_qpn.to_native();
+        if remote_qpn >= 1 << 24 {
+            return Err(WqeError::RemoteQpn(remote_qpn));
         }
-        let ah = match ahs(address.ah) {
+        let handle = wqe.ah.to_native();
+        let ah = match ahs(handle) {
             Some((pd, ah)) if pd == rules.pd => ah,
-            _ => return Err(WqeError::UnknownAh(address.ah)),
+            _ => return Err(WqeError::UnknownAh(handle)),
         };
         Some(UdDest {
             ah,
-            remote_qpn: address.remote_qpn,
-            remote_qkey: address.remote_qkey,
+            remote_qpn,
+            remote_qkey: wqe.remote_qkey.to_native(),
         })
     } else {
         None
     };
     Ok(SendWr {
-        wr_id: header.wr_id,
-        op,
+        wr_id: wqe.wr_id.to_native(),
+        opcode,
+        signaled: wqe.signaled(),
+        solicited: wqe.solicited(),
+        fence: wqe.fence(),
+        imm: wqe.imm_data.to_native(),
+        remote_addr,
+        rkey: wqe.rkey.to_native(),
+        compare_add: wqe.compare_add.to_native(),
+        swap: wqe.swap.to_native(),
         payload,
-        signaled: header.signaled,
-        solicited: header.solicited,
-        fence: header.fence,
         ud,
     })
 }
 
 /// Parses and validates the receive WQE in `slot`; appends its SGEs; returns its wr_id.
 pub fn parse_recv(
-    slot: &[u8],
+    slot: &(impl Slot + ?Sized),
     rules: &QpRules,
     lookup: &impl Fn(u32) -> Option<MrRange>,
     sges: &mut Vec<Sge>,
 ) -> Result<(u64, usize), WqeError> {
-    let wqe: RecvWqe = read(slot);
+    let wqe: RecvWqe = read(slot, 0);
     let count = wqe.num_sge.to_native() as usize;
     if count > rules.max_recv_sge as usize || sge_offset(RECV_WQE_HEADER, count) > rules.rq_stride {
         return Err(WqeError::TooManySges(count));
     }
     let first = sges.len();
     sges.resize(first + count, Sge::default());
-    if let Err(error) = check_sges(&slot[RECV_WQE_HEADER..], rules, lookup, &mut sges[first..]) {
+    if let Err(error) = check_sges(slot, RECV_WQE_HEADER, rules, lookup, &mut sges[first..]) {
         sges.truncate(first);
         return Err(error);
     }
@@ -231,6 +276,7 @@ pub fn parse_recv(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vrdma_spec::codec::SendOpcode;
     use vrdma_spec::ring::{wqe_flags, wr_opcode};
     use vrdma_spec::{Le32, Le64};
 
@@ -288,7 +334,8 @@ mod tests {
     #[derive(Debug)]
     struct Parsed {
         wr_id: u64,
-        op: SendOp,
+        opcode: SendOpcode,
+        remote: (u64, u32),
         signaled: bool,
         fence: bool,
         /// The SGEs, or the length of the inline payload.
@@ -296,12 +343,13 @@ mod tests {
     }
 
     fn send(bytes: &[u8], rules: &QpRules) -> Result<Parsed, WqeError> {
-        let mut sges = [Sge::default(); 4];
+        let (mut sges, mut inline) = ([Sge::default(); 4], [0; 64]);
         let no_ahs = |_| None;
-        let wr = parse_send(bytes, rules, &lookup, &no_ahs, &mut sges)?;
+        let wr = parse_send(bytes, rules, &lookup, &no_ahs, &mut sges, &mut inline)?;
         Ok(Parsed {
             wr_id: wr.wr_id,
-            op: wr.op,
+            opcode: wr.opcode,
+            remote: (wr.remote_addr, wr.rkey),
             signaled: wr.signaled,
             fence: wr.fence,
             payload: match wr.payload {
@@ -315,11 +363,8 @@ mod tests {
     fn a_valid_write_becomes_a_host_request() {
         let parsed = send(&slot(write(2), &[(0x1000, 16, 1), (0x1ff0, 16, 1)]), &RULES).unwrap();
         assert_eq!(
-            parsed.op,
-            SendOp::RdmaWrite {
-                remote_addr: 0x9000,
-                rkey: 5
-            }
+            (parsed.opcode, parsed.remote),
+            (SendOpcode::RdmaWrite, (0x9000, 5))
         );
         assert!(parsed.signaled && !parsed.fence);
         let sge = |addr| Sge {
@@ -462,12 +507,12 @@ mod tests {
         bytes.resize(RULES.rq_stride, 0);
         let mut sges = Vec::new();
         assert_eq!(
-            parse_recv(&bytes, &RULES, &lookup, &mut sges).unwrap(),
+            parse_recv(&bytes[..], &RULES, &lookup, &mut sges).unwrap(),
             (3, 1)
         );
         bytes[8] = 3; // num_sge beyond max_recv_sge
         assert_eq!(
-            parse_recv(&bytes, &RULES, &lookup, &mut sges).unwrap_err(),
+            parse_recv(&bytes[..], &RULES, &lookup, &mut sges).unwrap_err(),
             WqeError::TooManySges(3)
         );
     }

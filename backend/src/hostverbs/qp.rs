@@ -269,7 +269,7 @@ impl ProtectionDomain {
     }
 }
 
-pub use vrdma_spec::codec::SendOp;
+pub use vrdma_spec::codec::{SendOp, SendOpcode};
 
 /// A scatter/gather entry: `length` bytes at `addr` in the MR's address space (its IOVA).
 #[repr(C)]
@@ -303,31 +303,72 @@ pub struct UdDest<'a> {
     pub remote_qkey: u32,
 }
 
-/// A send work request.
+/// A send work request, flat as the host takes it: the operands are those the opcode names,
+/// the others ignored.
 #[derive(Clone, Copy, Debug)]
 pub struct SendWr<'a> {
     pub wr_id: u64,
-    pub op: SendOp,
-    pub payload: Payload<'a>,
+    pub opcode: SendOpcode,
     pub signaled: bool,
     pub solicited: bool,
     pub fence: bool,
+    /// *_WITH_IMM: the immediate data, as a host value.
+    pub imm: u32,
+    /// RDMA and atomics: the remote address and key.
+    pub remote_addr: u64,
+    pub rkey: u32,
+    /// Atomics: the compare value or the addend, and the swap value.
+    pub compare_add: u64,
+    pub swap: u64,
+    pub payload: Payload<'a>,
     /// Required on UD QPs, ignored on RC.
     pub ud: Option<UdDest<'a>>,
 }
 
 impl<'a> SendWr<'a> {
-    /// A signaled request with no other flags (and no UD destination).
+    /// A signaled request of `op` with no other flags (and no UD destination).
     pub fn new(wr_id: u64, op: SendOp, payload: Payload<'a>) -> Self {
-        SendWr {
+        let mut wr = SendWr {
             wr_id,
-            op,
-            payload,
+            opcode: op.opcode(),
             signaled: true,
             solicited: false,
             fence: false,
+            imm: 0,
+            remote_addr: 0,
+            rkey: 0,
+            compare_add: 0,
+            swap: 0,
+            payload,
             ud: None,
+        };
+        match op {
+            SendOp::Send => {}
+            SendOp::SendWithImm { imm } => wr.imm = imm,
+            SendOp::RdmaWrite { remote_addr, rkey } | SendOp::RdmaRead { remote_addr, rkey } => {
+                (wr.remote_addr, wr.rkey) = (remote_addr, rkey);
+            }
+            SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            } => (wr.remote_addr, wr.rkey, wr.imm) = (remote_addr, rkey, imm),
+            SendOp::CompareAndSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => {
+                (wr.remote_addr, wr.rkey) = (remote_addr, rkey);
+                (wr.compare_add, wr.swap) = (compare, swap);
+            }
+            SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => (wr.remote_addr, wr.rkey, wr.compare_add) = (remote_addr, rkey, add),
         }
+        wr
     }
 }
 
@@ -344,12 +385,16 @@ const POST_BATCH: usize = 16;
 /// Send work requests in the host's own layout, filled in place one by one and posted as one
 /// chain: whoever builds them (the data path, per WQE) keeps no request of its own between.
 /// Every pointer in a request points into the batch's own buffers, which are allocated once
-/// at their full size and never grow, or at an address handle the batch holds.
+/// at their full size, or at an address handle the batch holds.
 pub struct SendBatch {
-    wrs: Vec<ibv_send_wr>,
+    /// All zero when made: a request writes only the fields its opcode uses.
+    wrs: Box<[ibv_send_wr]>,
+    len: usize,
     /// In the layout of `ibv_sge` (asserted where `Sge` is defined).
-    sges: Vec<Sge>,
-    inline: Vec<u8>,
+    sges: Box<[Sge]>,
+    sges_used: usize,
+    inline: Box<[u8]>,
+    inline_used: usize,
     /// The address handles UD requests name, kept alive until the batch is cleared.
     ahs: Vec<Arc<AddressHandle>>,
 }
@@ -363,26 +408,31 @@ impl SendBatch {
     /// them (an inline request takes one SGE as well).
     pub fn with_capacity(wrs: usize, sges: usize, inline: usize) -> SendBatch {
         SendBatch {
-            wrs: Vec::with_capacity(wrs),
-            sges: Vec::with_capacity(sges),
-            inline: Vec::with_capacity(inline),
+            // SAFETY: all-zero is a valid ibv_send_wr (integers, null pointers, unions of
+            // those).
+            wrs: (0..wrs).map(|_| unsafe { std::mem::zeroed() }).collect(),
+            len: 0,
+            sges: vec![Sge::default(); sges].into_boxed_slice(),
+            sges_used: 0,
+            inline: vec![0; inline].into_boxed_slice(),
+            inline_used: 0,
             ahs: Vec::with_capacity(wrs),
         }
     }
 
     pub fn clear(&mut self) {
-        self.wrs.clear();
-        self.sges.clear();
-        self.inline.clear();
+        self.len = 0;
+        self.sges_used = 0;
+        self.inline_used = 0;
         self.ahs.clear();
     }
 
     pub fn len(&self) -> usize {
-        self.wrs.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.wrs.is_empty()
+        self.len == 0
     }
 
     /// Adds `wr` at the end; refused when it does not fit the room the batch was made with.
@@ -391,7 +441,7 @@ impl SendBatch {
     #[inline(always)]
     pub fn push(&mut self, wr: &SendWr<'_>) -> Result<()> {
         let no_room = || Error::InvalidArgument("the send batch is full".into());
-        if self.wrs.len() == self.wrs.capacity() {
+        if self.len == self.wrs.len() {
             return Err(no_room());
         }
         let mut flags = 0;
@@ -404,129 +454,93 @@ impl SendBatch {
         if wr.fence {
             flags |= ibv_send_flags::IBV_SEND_FENCE.0;
         }
-        let first_sge = self.sges.len();
+        let first_sge = self.sges_used;
         let sge_count = match wr.payload {
             Payload::Sges(sges) => {
-                if sges.len() > self.sges.capacity() - first_sge {
-                    return Err(no_room());
+                let room = self.sges.get_mut(first_sge..first_sge + sges.len());
+                match (room.ok_or_else(no_room)?, sges) {
+                    // Most WQEs have one SGE: no call to memcpy for it.
+                    ([to], [from]) => *to = *from,
+                    (room, sges) => room.copy_from_slice(sges),
                 }
-                self.sges.extend_from_slice(sges);
                 sges.len()
             }
             Payload::Inline(data) => {
-                let first_byte = self.inline.len();
-                let fits = data.len() <= self.inline.capacity() - first_byte
-                    && first_sge < self.sges.capacity();
-                if !fits {
+                let first_byte = self.inline_used;
+                let room = self.inline.get_mut(first_byte..first_byte + data.len());
+                let (Some(room), Some(sge)) = (room, self.sges.get_mut(first_sge)) else {
                     return Err(no_room());
-                }
-                self.inline.extend_from_slice(data);
-                self.sges.push(Sge {
-                    addr: self.inline[first_byte..].as_ptr() as u64,
+                };
+                room.copy_from_slice(data);
+                *sge = Sge {
+                    addr: room.as_ptr() as u64,
                     length: data.len() as u32, // at most the inline capacity, checked
                     lkey: 0,
-                });
+                };
+                self.inline_used += data.len();
                 flags |= ibv_send_flags::IBV_SEND_INLINE.0;
                 1
             }
         };
         let sg_list = self.sges[first_sge..].as_mut_ptr().cast::<ibv_sge>();
-        // Filled where it lies in the batch, not built elsewhere and copied in.
-        // SAFETY: all-zero is a valid ibv_send_wr (integers, null pointers, unions of those).
-        self.wrs.push(unsafe { std::mem::zeroed() });
-        let raw = self.wrs.last_mut().expect("just pushed");
+        self.sges_used += sge_count;
+        if let Some(dest) = wr.ud {
+            self.ahs.push(Arc::clone(dest.ah));
+        }
+        let raw = &mut self.wrs[self.len];
+        self.len += 1;
         raw.wr_id = wr.wr_id;
-        if sge_count > 0 {
-            raw.sg_list = sg_list;
-            raw.num_sge = sge_count as c_int; // at most the batch's SGE capacity
-        }
+        raw.sg_list = sg_list;
+        raw.num_sge = sge_count as c_int; // at most the batch's SGE capacity
         raw.send_flags = flags;
-        let (opcode, imm) = match wr.op {
-            SendOp::Send => (ibv_wr_opcode::IBV_WR_SEND, None),
-            SendOp::SendWithImm { imm } => (ibv_wr_opcode::IBV_WR_SEND_WITH_IMM, Some(imm)),
-            SendOp::RdmaWrite { remote_addr, rkey } => {
-                raw.wr.rdma = rdma_t { remote_addr, rkey };
-                (ibv_wr_opcode::IBV_WR_RDMA_WRITE, None)
-            }
-            SendOp::RdmaWriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            } => {
-                raw.wr.rdma = rdma_t { remote_addr, rkey };
-                (ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm))
-            }
-            SendOp::RdmaRead { remote_addr, rkey } => {
-                raw.wr.rdma = rdma_t { remote_addr, rkey };
-                (ibv_wr_opcode::IBV_WR_RDMA_READ, None)
-            }
-            SendOp::CompareAndSwap {
-                remote_addr,
-                rkey,
-                compare,
-                swap,
-            } => {
-                raw.wr.atomic = atomic_t {
-                    remote_addr,
-                    compare_add: compare,
-                    swap,
-                    rkey,
-                };
-                (ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP, None)
-            }
-            SendOp::FetchAndAdd {
-                remote_addr,
-                rkey,
-                add,
-            } => {
-                raw.wr.atomic = atomic_t {
-                    remote_addr,
-                    compare_add: add,
-                    swap: 0,
-                    rkey,
-                };
-                (ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD, None)
-            }
-        };
-        raw.opcode = opcode;
-        if let Some(imm) = imm {
-            raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-        }
+        raw.opcode = host_opcode(wr.opcode);
+        raw.imm_data_invalidated_rkey_union.imm_data = wr.imm.to_be();
         if let Some(dest) = wr.ud {
             raw.wr.ud = ud_t {
                 ah: dest.ah.raw.as_ptr(),
                 remote_qpn: dest.remote_qpn,
                 remote_qkey: dest.remote_qkey,
             };
-            self.ahs.push(Arc::clone(dest.ah));
+        } else if wr.opcode.is_atomic() {
+            raw.wr.atomic = atomic_t {
+                remote_addr: wr.remote_addr,
+                compare_add: wr.compare_add,
+                swap: wr.swap,
+                rkey: wr.rkey,
+            };
+        } else {
+            raw.wr.rdma = rdma_t {
+                remote_addr: wr.remote_addr,
+                rkey: wr.rkey,
+            };
         }
         Ok(())
     }
 
     /// The requests' ids, in order (what a fake host records).
     pub fn wr_ids(&self) -> impl Iterator<Item = u64> + '_ {
-        self.wrs.iter().map(|raw| raw.wr_id)
+        self.wrs[..self.len].iter().map(|raw| raw.wr_id)
     }
 
     /// Posts the batch on `qp` as one chain; on failure the error says how many requests
     /// the provider took before the one it refused.
     pub fn post(&mut self, qp: &QueuePair) -> Result<()> {
-        if self.wrs.is_empty() {
+        if self.len == 0 {
             return Ok(());
         }
-        if qp.qp_type == QpType::Ud && self.ahs.len() != self.wrs.len() {
+        if qp.qp_type == QpType::Ud && self.ahs.len() != self.len {
             return Err(Error::InvalidArgument(
                 "UD send without a destination".into(),
             ));
         }
         let base = self.wrs.as_mut_ptr();
-        let last = self.wrs.len() - 1;
+        let last = self.len - 1;
         for (index, raw) in self.wrs[..last].iter_mut().enumerate() {
             raw.next = base.wrapping_add(index + 1);
         }
         self.wrs[last].next = std::ptr::null_mut();
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive; the chain covers exactly `wrs`, and every SGE list and
+        // SAFETY: the QP is alive; the chain covers exactly the batch's requests, and every SGE list and
         // inline payload and AH it points to is the batch's own (see `SendBatch`), alive and
         // unmoved for the call; the provider copies what it keeps.
         let ret = unsafe { ibv_post_send(qp.raw.as_ptr(), base, &mut bad) };
@@ -540,6 +554,18 @@ impl SendBatch {
             unsafe { bad.offset_from(base) as usize }
         };
         Err(post_error("ibv_post_send", accepted, ret))
+    }
+}
+
+fn host_opcode(opcode: SendOpcode) -> ibv_wr_opcode::Type {
+    match opcode {
+        SendOpcode::RdmaWrite => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        SendOpcode::RdmaWriteWithImm => ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+        SendOpcode::Send => ibv_wr_opcode::IBV_WR_SEND,
+        SendOpcode::SendWithImm => ibv_wr_opcode::IBV_WR_SEND_WITH_IMM,
+        SendOpcode::RdmaRead => ibv_wr_opcode::IBV_WR_RDMA_READ,
+        SendOpcode::CompareAndSwap => ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP,
+        SendOpcode::FetchAndAdd => ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD,
     }
 }
 
