@@ -75,33 +75,27 @@ fn publish_words<const N: usize>(slice: &VolatileSlice, entries: &[[u64; N]]) ->
     true
 }
 
-/// A slot in guest memory, read in place: a wire struct whose size is a multiple of 8 bytes
-/// at an 8-byte aligned offset (every field of a WQE is) is read with one volatile load per
-/// word, anything else copied through vm-memory.
+/// A slot in guest memory, read in place: a wire struct at an offset aligned for it (every
+/// field of a WQE is) with one volatile read, anything else copied through vm-memory.
 impl Slot for VolatileSlice<'_> {
     #[inline(always)]
     fn field<T: ByteValued + Default>(&self, offset: usize) -> Option<T> {
-        let size = size_of::<T>();
-        let mut value = T::default();
-        if offset.checked_add(size)? > self.len() {
+        if offset.checked_add(size_of::<T>())? > self.len() {
             return None;
         }
         let guard = self.ptr_guard();
-        let at = guard.as_ptr().wrapping_add(offset);
-        if !size.is_multiple_of(8) || !at.cast::<u64>().is_aligned() {
-            self.subslice(offset, size)
+        let at = guard.as_ptr().wrapping_add(offset).cast::<T>();
+        if !at.is_aligned() {
+            let mut value = T::default();
+            self.subslice(offset, size_of::<T>())
                 .ok()?
                 .copy_to(value.as_mut_slice());
             return Some(value);
         }
-        for (index, word) in value.as_mut_slice().chunks_exact_mut(8).enumerate() {
-            // SAFETY: the word lies inside the slice (checked above), which stays mapped
-            // while `guard` lives, and is 8-byte aligned; the guest may write it meanwhile,
-            // which a volatile load of a plain integer tolerates.
-            let loaded = unsafe { at.cast::<u64>().add(index).read_volatile() };
-            word.copy_from_slice(&loaded.to_ne_bytes());
-        }
-        Some(value)
+        // SAFETY: `T` lies inside the slice (checked above), which stays mapped while `guard`
+        // lives, and is aligned; it is plain data, valid for any bytes, so a guest writing
+        // it meanwhile only changes which value is read.
+        Some(unsafe { at.read_volatile() })
     }
 
     fn copy_bytes(&self, offset: usize, out: &mut [u8]) -> bool {
@@ -115,13 +109,44 @@ impl Slot for VolatileSlice<'_> {
     }
 }
 
-/// The `count` slots of `stride` bytes each that `run` (from [`Slots::run`]) holds, in order.
-pub(super) fn slots_of<'m>(
-    run: VolatileSlice<'m>,
+/// One slot of a run of them (see [`slots_of`]): its fields are read straight from the run.
+#[derive(Clone, Copy)]
+pub(super) struct RunSlot<'a, 'm> {
+    run: &'a VolatileSlice<'m>,
+    start: usize,
+    len: usize,
+}
+
+impl Slot for RunSlot<'_, '_> {
+    #[inline(always)]
+    fn field<T: ByteValued + Default>(&self, offset: usize) -> Option<T> {
+        if offset.checked_add(size_of::<T>())? > self.len {
+            return None;
+        }
+        self.run.field(self.start + offset)
+    }
+
+    fn copy_bytes(&self, offset: usize, out: &mut [u8]) -> bool {
+        offset
+            .checked_add(out.len())
+            .is_some_and(|end| end <= self.len)
+            && self.run.copy_bytes(self.start + offset, out)
+    }
+}
+
+/// The slots of `stride` bytes each that `run` (from [`Slots::run`]) holds, `count` at most,
+/// in order.
+pub(super) fn slots_of<'a, 'm>(
+    run: &'a VolatileSlice<'m>,
     stride: usize,
     count: u32,
-) -> impl Iterator<Item = VolatileSlice<'m>> {
-    (0..count as usize).map_while(move |slot| run.subslice(slot * stride, stride).ok())
+) -> impl Iterator<Item = RunSlot<'a, 'm>> {
+    let count = (count as usize).min(run.len() / stride.max(1));
+    (0..count).map(move |slot| RunSlot {
+        run,
+        start: slot * stride,
+        len: stride,
+    })
 }
 
 /// The slots of one ring through one memory snapshot, keeping the page last looked up (a
@@ -283,7 +308,7 @@ mod tests {
         let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
         let mut half = Slots::new(&half_gone, &mem);
         let (run, count) = half.run(2, 4).unwrap();
-        let starts: Vec<[u8; 5]> = slots_of(run, 1024, count)
+        let starts: Vec<[u8; 5]> = slots_of(&run, 1024, count)
             .map(|slot| {
                 let mut start = [0; 5];
                 assert!(slot.copy_bytes(0, &mut start));
@@ -295,13 +320,13 @@ mod tests {
         assert!(half.run(4, 4).is_none());
         // Slots 7, 0 and 1 of `ring`: the end of its second page, then its first.
         let (run, count) = slots.run(7, 3).unwrap();
-        let slot = slots_of(run, 1024, count).next().unwrap();
+        let slot = slots_of(&run, 1024, count).next().unwrap();
         assert_eq!(slot.field::<[u8; 5]>(0), Some(*b"seven"), "copied: 5 bytes");
         assert_eq!(slot.field::<u64>(1016), Some(0), "one word, in place");
         assert_eq!(slot.field::<u64>(1020), None, "past the slot");
         assert!(!slot.copy_bytes(1020, &mut [0; 8]));
         let (run, _) = slots.run(8, 2).unwrap();
-        let mut first = slots_of(run, 1024, 2);
+        let mut first = slots_of(&run, 1024, 2);
         assert_eq!(first.next().unwrap().field::<[u8; 5]>(0), Some(*b"zero."));
         assert_eq!(first.count(), 1);
         assert_eq!(Slots::new(&gone, &mem).publish(0, &[[1u64; 128]]), 0);

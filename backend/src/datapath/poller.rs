@@ -349,6 +349,8 @@ impl Poller {
             let ahs = shared.ahs.read().unwrap_or_else(|e| e.into_inner());
             let ah_of = |handle| ahs.get(&handle).map(|(pd, ah)| (*pd, ah));
             let mut slots = Slots::new(&qp.sq, mem);
+            let (send_sges, inline, send_batch) =
+                (&mut *self.send_sges, &mut *self.inline, &mut self.batch);
             let batch = pending.min(BATCH);
             let mut taken = 0;
             'runs: while taken < batch {
@@ -357,16 +359,11 @@ impl Poller {
                     break;
                 };
                 let end_of_run = taken + count;
-                for slot in slots_of(run, qp.sq.stride(), count) {
+                for slot in slots_of(&run, qp.sq.stride(), count) {
                     let error = match wqe::parse_send(
-                        &slot,
-                        &qp.rules,
-                        &mr_of,
-                        &ah_of,
-                        &mut self.send_sges,
-                        &mut self.inline,
+                        &slot, &qp.rules, &mr_of, &ah_of, send_sges, inline,
                     ) {
-                        Ok(wr) => match self.batch.push(&wr) {
+                        Ok(wr) => match send_batch.push(&wr) {
                             Ok(()) => {
                                 taken += 1;
                                 continue;
@@ -462,7 +459,7 @@ impl Poller {
                 return Some((0, WqeError::RingUnreadable));
             };
             let end_of_run = taken + count;
-            for slot in slots_of(run, ring.stride(), count) {
+            for slot in slots_of(&run, ring.stride(), count) {
                 match wqe::parse_recv(&slot, rules, &lookup, &mut self.sges) {
                     Ok(received) => self.recv.push(received),
                     Err(error) => return Some((wr_id_of(&slot), error)),
