@@ -112,11 +112,14 @@ impl Slot for [u8] {
     }
 }
 
-/// A wire struct from a slot, which callers size to hold it.
+/// A wire struct from a slot. Callers check that the slot's stride holds what they read, so
+/// a shorter slot is a ring that cannot be read, not a reason to panic.
 #[inline(always)]
-fn read<T: ByteValued + Default>(slot: &(impl Slot + ?Sized), offset: usize) -> T {
-    slot.field(offset)
-        .expect("a slot holds its header and SGEs")
+fn read<T: ByteValued + Default>(
+    slot: &(impl Slot + ?Sized),
+    offset: usize,
+) -> Result<T, WqeError> {
+    slot.field(offset).ok_or(WqeError::RingUnreadable)
 }
 
 /// Checks the SGEs from `offset` in `slot`, as many as `out` holds, against the MR table into
@@ -132,7 +135,7 @@ fn check_sges(
     out: &mut [Sge],
 ) -> Result<(), WqeError> {
     for (i, out) in out.iter_mut().enumerate() {
-        let sge: WireSge = read(slot, sge_offset(offset, i));
+        let sge: WireSge = read(slot, sge_offset(offset, i))?;
         let (addr, length, lkey) = (
             sge.addr.to_native(),
             sge.length.to_native(),
@@ -170,7 +173,7 @@ pub fn parse_send<'w, 'h: 'w>(
     sges: &'w mut [Sge],
     inline: &'w mut [u8],
 ) -> Result<SendWr<'w>, WqeError> {
-    let wqe: SendWqe = read(slot, 0);
+    let wqe: SendWqe = read(slot, 0)?;
     let SendForm { opcode, payload } = wqe.form()?;
     if rules.ud && !opcode.is_send() {
         return Err(WqeError::UdNotSend);
@@ -259,7 +262,7 @@ pub fn parse_recv(
     lookup: &impl Fn(u32) -> Option<MrRange>,
     sges: &mut Vec<Sge>,
 ) -> Result<(u64, usize), WqeError> {
-    let wqe: RecvWqe = read(slot, 0);
+    let wqe: RecvWqe = read(slot, 0)?;
     let count = wqe.num_sge.to_native() as usize;
     if count > rules.max_recv_sge as usize || sge_offset(RECV_WQE_HEADER, count) > rules.rq_stride {
         return Err(WqeError::TooManySges(count));
@@ -473,6 +476,23 @@ mod tests {
         assert_eq!(
             send(&slot(write(0), &[]), &ud).unwrap_err(),
             WqeError::UdNotSend
+        );
+    }
+
+    #[test]
+    fn a_slot_shorter_than_its_stride_is_unreadable_not_a_panic() {
+        let whole = slot(write(1), &[(0x1000, 16, 1)]);
+        assert!(send(&whole, &RULES).is_ok());
+        let short = &whole[..SEND_WQE_HEADER + 8];
+        assert_eq!(send(short, &RULES).unwrap_err(), WqeError::RingUnreadable);
+        assert_eq!(
+            send(&whole[..8], &RULES).unwrap_err(),
+            WqeError::RingUnreadable
+        );
+        let mut sges = Vec::new();
+        assert_eq!(
+            parse_recv(&whole[..8], &RULES, &lookup, &mut sges).unwrap_err(),
+            WqeError::RingUnreadable
         );
     }
 
