@@ -290,7 +290,7 @@ impl Poller {
         (cqe, reason): (Cqe, &WqeError),
     ) -> bool {
         let mut cq_progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
-        if self.cq_room(mem, cq, &mut cq_progress).unwrap_or(0) == 0
+        if self.cq_room(mem, cq, &mut cq_progress, 1).unwrap_or(0) == 0
             || self.write_cqes(
                 mem,
                 cq,
@@ -603,10 +603,20 @@ impl Poller {
         }
     }
 
-    /// Free CQE slots, from the guest's published consumer index; `None` if the CQ is broken.
-    fn cq_room(&self, mem: &Memory, cq: &CqData, progress: &mut CqProgress) -> Option<u32> {
+    /// Free CQE slots, at least `wanted` if there are as many; `None` if the CQ is broken. The
+    /// guest's consumer index is read only when fewer than `wanted` are known to be free.
+    fn cq_room(
+        &self,
+        mem: &Memory,
+        cq: &CqData,
+        progress: &mut CqProgress,
+        wanted: u32,
+    ) -> Option<u32> {
         if progress.failed {
             return None;
+        }
+        if progress.room >= wanted {
+            return Some(progress.room);
         }
         let consumer = load::<u32>(
             mem,
@@ -615,7 +625,10 @@ impl Poller {
         )
         .ok();
         match consumer.map(|c| ring_pending(progress.producer, c)) {
-            Some(used) if used <= cq.ring.depth => Some(cq.ring.depth - used),
+            Some(used) if used <= cq.ring.depth => {
+                progress.room = cq.ring.depth - used;
+                Some(progress.room)
+            }
             _ => {
                 log::warn!(
                     "CQ {:#x}: consumer index unreadable or inconsistent",
@@ -653,6 +666,7 @@ impl Poller {
         }
         let written = Slots::new(&cq.ring, mem).publish(progress.producer, words);
         progress.producer = progress.producer.wrapping_add(written);
+        progress.room = progress.room.saturating_sub(written);
         if (written as usize) < words.len() {
             progress.failed = true;
             self.post_event(event_kind::CQ_ERROR, cq.handle);
@@ -665,7 +679,7 @@ impl Poller {
     #[inline(never)]
     fn process_cq(&mut self, mem: &Memory, cq: &CqData) -> bool {
         let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(room) = self.cq_room(mem, cq, &mut progress) else {
+        let Some(room) = self.cq_room(mem, cq, &mut progress, BATCH) else {
             return false;
         };
         let want = room.min(BATCH) as usize;

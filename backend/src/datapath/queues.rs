@@ -52,6 +52,9 @@ impl GuestRing {
 
 pub(super) struct CqProgress {
     pub(super) producer: u32,
+    /// Free slots as of the consumer index last read, less the CQEs written since. The driver
+    /// only ever frees more, so up to this many can be written without reading it again.
+    pub(super) room: u32,
     /// The device writes no more CQEs: the ring or the consumer index became unusable, or
     /// the CQ was destroyed.
     pub(super) failed: bool,
@@ -97,6 +100,7 @@ impl CqData {
             doorbell,
             progress: Mutex::new(CqProgress {
                 producer: 0,
+                room: 0,
                 failed: false,
             }),
             armed: AtomicBool::new(false),

@@ -123,6 +123,26 @@ fn completions_carry_the_phase_bit_of_their_lap_and_wait_while_the_ring_is_full(
 }
 
 #[test]
+fn the_consumer_index_is_read_when_the_known_room_runs_out_and_a_bogus_one_breaks_the_cq() {
+    let mut rig = Rig::new(64);
+    rig.cq.ready.lock().unwrap().extend(0..72);
+    assert!(rig.poller.pass(), "room read: 64 free; 16 written");
+    // A consumer index the guest never reached: while the device knows of room for a batch
+    // it does not look again, and once it looks the CQ breaks.
+    rig.store(CQ_DOORBELL + CqDoorbell::CONSUMER_INDEX, 1000);
+    for known_free in [48, 32, 16] {
+        assert!(
+            rig.poller.pass(),
+            "{known_free} known free: 16 more written"
+        );
+    }
+    assert!(rig.events().is_empty());
+    assert!(!rig.poller.pass(), "none known free: read, and refused");
+    assert_eq!(rig.events(), vec![(event_kind::CQ_ERROR, CQ_HANDLE)]);
+    assert_eq!(rig.cq.ready.lock().unwrap().len(), 8);
+}
+
+#[test]
 fn an_armed_cq_raises_one_event_per_arm_request() {
     let mut rig = Rig::new(16);
     let arm = |sequence| ArmRequest {
