@@ -719,24 +719,25 @@ impl Poller {
             .completions
             .fetch_add(u64::from(moved), Ordering::Relaxed);
         if moved > 0 {
-            self.serve_arm_request(mem, cq);
+            self.serve_arm_request(mem, cq, &mut progress);
         }
         moved > 0
     }
 
     /// A new CQE was written: if the guest armed the CQ, tell it (SPEC.md §8.2).
-    fn serve_arm_request(&self, mem: &Memory, cq: &CqData) {
+    fn serve_arm_request(&self, mem: &Memory, cq: &CqData, progress: &mut CqProgress) {
         // The CQE must be visible before the arm is read, or a guest arming meanwhile and
         // this poller each read the other's old value and the event is lost.
         std::sync::atomic::fence(Ordering::SeqCst);
-        let load = |field| load::<u32>(mem, cq.doorbell + field, Ordering::Acquire);
-        let (Ok(arm), Ok(served)) = (load(CqDoorbell::ARM), load(CqDoorbell::ARM_SERVED)) else {
+        let Ok(arm) = load::<u32>(mem, cq.doorbell + CqDoorbell::ARM, Ordering::Acquire) else {
             return;
         };
         let Some(request) = ArmRequest::decode(arm) else {
             return;
         };
-        if request.is_outstanding(served) {
+        // `arm_served` is the device's to write: its own copy is the one that counts.
+        if request.is_outstanding(progress.arm_served) {
+            progress.arm_served = request.sequence;
             let served_at = cq.doorbell + CqDoorbell::ARM_SERVED;
             let _ = store(mem, request.sequence, served_at, Ordering::Release);
             self.post_event(event_kind::CQ_COMPLETION, cq.handle);

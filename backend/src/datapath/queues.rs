@@ -55,6 +55,9 @@ pub(super) struct CqProgress {
     /// Free slots as of the consumer index last read, less the CQEs written since. The driver
     /// only ever frees more, so up to this many can be written without reading it again.
     pub(super) room: u32,
+    /// The last arm request served, as stored in the doorbell record's `arm_served` (which
+    /// the driver zeroes before CREATE_CQ and never writes).
+    pub(super) arm_served: u32,
     /// The device writes no more CQEs: the ring or the consumer index became unusable, or
     /// the CQ was destroyed.
     pub(super) failed: bool,
@@ -101,6 +104,7 @@ impl CqData {
             progress: Mutex::new(CqProgress {
                 producer: 0,
                 room: 0,
+                arm_served: 0,
                 failed: false,
             }),
             armed: AtomicBool::new(false),
