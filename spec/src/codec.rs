@@ -189,6 +189,99 @@ impl SendOp {
     }
 }
 
+/// A send operation's operands, flat: those the operation does not use are zero.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendOperands {
+    /// *_WITH_IMM: the immediate data, as a host value.
+    pub imm: u32,
+    /// RDMA and atomics: the remote address and key.
+    pub remote_addr: u64,
+    pub rkey: u32,
+    /// ATOMIC_CMP_AND_SWP: the compare value; ATOMIC_FETCH_AND_ADD: the addend.
+    pub compare_add: u64,
+    /// ATOMIC_CMP_AND_SWP: the swap value.
+    pub swap: u64,
+}
+
+impl SendOp {
+    pub fn operands(&self) -> SendOperands {
+        let remote = |remote_addr, rkey| SendOperands {
+            remote_addr,
+            rkey,
+            ..Default::default()
+        };
+        match *self {
+            SendOp::Send => SendOperands::default(),
+            SendOp::SendWithImm { imm } => SendOperands {
+                imm,
+                ..Default::default()
+            },
+            SendOp::RdmaWrite { remote_addr, rkey } | SendOp::RdmaRead { remote_addr, rkey } => {
+                remote(remote_addr, rkey)
+            }
+            SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            } => SendOperands {
+                imm,
+                ..remote(remote_addr, rkey)
+            },
+            SendOp::CompareAndSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => SendOperands {
+                compare_add: compare,
+                swap,
+                ..remote(remote_addr, rkey)
+            },
+            SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => SendOperands {
+                compare_add: add,
+                ..remote(remote_addr, rkey)
+            },
+        }
+    }
+
+    /// The operation `opcode` names, with the operands it uses from `operands`.
+    pub fn from_parts(opcode: SendOpcode, operands: &SendOperands) -> SendOp {
+        let SendOperands {
+            imm,
+            remote_addr,
+            rkey,
+            compare_add,
+            swap,
+        } = *operands;
+        match opcode {
+            SendOpcode::Send => SendOp::Send,
+            SendOpcode::SendWithImm => SendOp::SendWithImm { imm },
+            SendOpcode::RdmaWrite => SendOp::RdmaWrite { remote_addr, rkey },
+            SendOpcode::RdmaWriteWithImm => SendOp::RdmaWriteWithImm {
+                remote_addr,
+                rkey,
+                imm,
+            },
+            SendOpcode::RdmaRead => SendOp::RdmaRead { remote_addr, rkey },
+            SendOpcode::CompareAndSwap => SendOp::CompareAndSwap {
+                remote_addr,
+                rkey,
+                compare: compare_add,
+                swap,
+            },
+            SendOpcode::FetchAndAdd => SendOp::FetchAndAdd {
+                remote_addr,
+                rkey,
+                add: compare_add,
+            },
+        }
+    }
+}
+
 /// Where a send WQE's payload is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WqePayload {
@@ -245,45 +338,13 @@ impl SendWqe {
             wr_id: Le64::from(header.wr_id),
             ..Default::default()
         };
-        let (remote_addr, rkey) = match header.op {
-            SendOp::Send => (0, 0),
-            SendOp::SendWithImm { imm } => {
-                wqe.imm_data = Le32::from(imm);
-                (0, 0)
-            }
-            SendOp::RdmaWrite { remote_addr, rkey } | SendOp::RdmaRead { remote_addr, rkey } => {
-                (remote_addr, rkey)
-            }
-            SendOp::RdmaWriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            } => {
-                wqe.imm_data = Le32::from(imm);
-                (remote_addr, rkey)
-            }
-            SendOp::CompareAndSwap {
-                remote_addr,
-                rkey,
-                compare,
-                swap,
-            } => {
-                wqe.compare_add = Le64::from(compare);
-                wqe.swap = Le64::from(swap);
-                (remote_addr, rkey)
-            }
-            SendOp::FetchAndAdd {
-                remote_addr,
-                rkey,
-                add,
-            } => {
-                wqe.compare_add = Le64::from(add);
-                (remote_addr, rkey)
-            }
-        };
+        let operands = header.op.operands();
+        wqe.imm_data = Le32::from(operands.imm);
+        wqe.remote_addr = Le64::from(operands.remote_addr);
+        wqe.rkey = Le32::from(operands.rkey);
+        wqe.compare_add = Le64::from(operands.compare_add);
+        wqe.swap = Le64::from(operands.swap);
         wqe.opcode = header.op.opcode() as u8;
-        wqe.remote_addr = Le64::from(remote_addr);
-        wqe.rkey = Le32::from(rkey);
         for (set, flag) in [
             (header.signaled, wqe_flags::SIGNALED),
             (header.solicited, wqe_flags::SOLICITED),
@@ -327,6 +388,17 @@ impl SendWqe {
         Ok(SendForm { opcode, payload })
     }
 
+    /// The operands as the header carries them, whichever the operation uses.
+    pub fn operands(&self) -> SendOperands {
+        SendOperands {
+            imm: self.imm_data.to_native(),
+            remote_addr: self.remote_addr.to_native(),
+            rkey: self.rkey.to_native(),
+            compare_add: self.compare_add.to_native(),
+            swap: self.swap.to_native(),
+        }
+    }
+
     pub fn signaled(&self) -> bool {
         self.flags & wqe_flags::SIGNALED != 0
     }
@@ -342,31 +414,7 @@ impl SendWqe {
     /// The header a device reads. Fields an operation does not use are ignored.
     pub fn decode(&self) -> Result<SendHeader, WqeFormatError> {
         let SendForm { opcode, payload } = self.form()?;
-        let remote_addr = self.remote_addr.to_native();
-        let rkey = self.rkey.to_native();
-        let imm = self.imm_data.to_native();
-        let op = match opcode {
-            SendOpcode::Send => SendOp::Send,
-            SendOpcode::SendWithImm => SendOp::SendWithImm { imm },
-            SendOpcode::RdmaWrite => SendOp::RdmaWrite { remote_addr, rkey },
-            SendOpcode::RdmaWriteWithImm => SendOp::RdmaWriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            },
-            SendOpcode::RdmaRead => SendOp::RdmaRead { remote_addr, rkey },
-            SendOpcode::CompareAndSwap => SendOp::CompareAndSwap {
-                remote_addr,
-                rkey,
-                compare: self.compare_add.to_native(),
-                swap: self.swap.to_native(),
-            },
-            SendOpcode::FetchAndAdd => SendOp::FetchAndAdd {
-                remote_addr,
-                rkey,
-                add: self.compare_add.to_native(),
-            },
-        };
+        let op = SendOp::from_parts(opcode, &self.operands());
         Ok(SendHeader {
             wr_id: self.wr_id.to_native(),
             op,

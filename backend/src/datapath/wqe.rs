@@ -245,11 +245,7 @@ pub fn parse_send<'w, 'h: 'w>(
         signaled: wqe.signaled(),
         solicited: wqe.solicited(),
         fence: wqe.fence(),
-        imm: wqe.imm_data.to_native(),
-        remote_addr,
-        rkey: wqe.rkey.to_native(),
-        compare_add: wqe.compare_add.to_native(),
-        swap: wqe.swap.to_native(),
+        operands: wqe.operands(),
         payload,
         ud,
     })
@@ -352,7 +348,7 @@ mod tests {
         Ok(Parsed {
             wr_id: wr.wr_id,
             opcode: wr.opcode,
-            remote: (wr.remote_addr, wr.rkey),
+            remote: (wr.operands.remote_addr, wr.operands.rkey),
             signaled: wr.signaled,
             fence: wr.fence,
             payload: match wr.payload {

@@ -269,7 +269,7 @@ impl ProtectionDomain {
     }
 }
 
-pub use vrdma_spec::codec::{SendOp, SendOpcode};
+pub use vrdma_spec::codec::{SendOp, SendOpcode, SendOperands};
 
 /// A scatter/gather entry: `length` bytes at `addr` in the MR's address space (its IOVA).
 #[repr(C)]
@@ -303,8 +303,8 @@ pub struct UdDest<'a> {
     pub remote_qkey: u32,
 }
 
-/// A send work request, flat as the host takes it: the operands are those the opcode names,
-/// the others ignored.
+/// A send work request, flat as the host takes it: of the operands, those the opcode names
+/// count, the others are ignored.
 #[derive(Clone, Copy, Debug)]
 pub struct SendWr<'a> {
     pub wr_id: u64,
@@ -312,14 +312,7 @@ pub struct SendWr<'a> {
     pub signaled: bool,
     pub solicited: bool,
     pub fence: bool,
-    /// *_WITH_IMM: the immediate data, as a host value.
-    pub imm: u32,
-    /// RDMA and atomics: the remote address and key.
-    pub remote_addr: u64,
-    pub rkey: u32,
-    /// Atomics: the compare value or the addend, and the swap value.
-    pub compare_add: u64,
-    pub swap: u64,
+    pub operands: SendOperands,
     pub payload: Payload<'a>,
     /// Required on UD QPs, ignored on RC.
     pub ud: Option<UdDest<'a>>,
@@ -328,47 +321,16 @@ pub struct SendWr<'a> {
 impl<'a> SendWr<'a> {
     /// A signaled request of `op` with no other flags (and no UD destination).
     pub fn new(wr_id: u64, op: SendOp, payload: Payload<'a>) -> Self {
-        let mut wr = SendWr {
+        SendWr {
             wr_id,
             opcode: op.opcode(),
             signaled: true,
             solicited: false,
             fence: false,
-            imm: 0,
-            remote_addr: 0,
-            rkey: 0,
-            compare_add: 0,
-            swap: 0,
+            operands: op.operands(),
             payload,
             ud: None,
-        };
-        match op {
-            SendOp::Send => {}
-            SendOp::SendWithImm { imm } => wr.imm = imm,
-            SendOp::RdmaWrite { remote_addr, rkey } | SendOp::RdmaRead { remote_addr, rkey } => {
-                (wr.remote_addr, wr.rkey) = (remote_addr, rkey);
-            }
-            SendOp::RdmaWriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            } => (wr.remote_addr, wr.rkey, wr.imm) = (remote_addr, rkey, imm),
-            SendOp::CompareAndSwap {
-                remote_addr,
-                rkey,
-                compare,
-                swap,
-            } => {
-                (wr.remote_addr, wr.rkey) = (remote_addr, rkey);
-                (wr.compare_add, wr.swap) = (compare, swap);
-            }
-            SendOp::FetchAndAdd {
-                remote_addr,
-                rkey,
-                add,
-            } => (wr.remote_addr, wr.rkey, wr.compare_add) = (remote_addr, rkey, add),
         }
-        wr
     }
 }
 
@@ -494,7 +456,7 @@ impl SendBatch {
         raw.num_sge = sge_count as c_int; // at most the batch's SGE capacity
         raw.send_flags = flags;
         raw.opcode = host_opcode(wr.opcode);
-        raw.imm_data_invalidated_rkey_union.imm_data = wr.imm.to_be();
+        raw.imm_data_invalidated_rkey_union.imm_data = wr.operands.imm.to_be();
         if let Some(dest) = wr.ud {
             raw.wr.ud = ud_t {
                 ah: dest.ah.raw.as_ptr(),
@@ -503,15 +465,15 @@ impl SendBatch {
             };
         } else if wr.opcode.is_atomic() {
             raw.wr.atomic = atomic_t {
-                remote_addr: wr.remote_addr,
-                compare_add: wr.compare_add,
-                swap: wr.swap,
-                rkey: wr.rkey,
+                remote_addr: wr.operands.remote_addr,
+                compare_add: wr.operands.compare_add,
+                swap: wr.operands.swap,
+                rkey: wr.operands.rkey,
             };
         } else {
             raw.wr.rdma = rdma_t {
-                remote_addr: wr.remote_addr,
-                rkey: wr.rkey,
+                remote_addr: wr.operands.remote_addr,
+                rkey: wr.operands.rkey,
             };
         }
         Ok(())
