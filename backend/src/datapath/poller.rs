@@ -343,11 +343,18 @@ impl Poller {
         self.batch.clear();
         let mut refused: Option<(u64, WqeError)> = None;
         {
-            let shared = Arc::clone(&self.shared);
+            let shared = &*self.shared;
             let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
             let mr_of = mr_lookup(&mrs);
-            let ahs = shared.ahs.read().unwrap_or_else(|e| e.into_inner());
-            let ah_of = |handle| ahs.get(&handle).map(|(pd, ah)| (*pd, ah));
+            // Only UD sends name AHs.
+            let ahs = qp
+                .rules
+                .ud
+                .then(|| shared.ahs.read().unwrap_or_else(|e| e.into_inner()));
+            let ah_of = |handle| {
+                let (pd, ah) = ahs.as_ref()?.get(&handle)?;
+                Some((*pd, ah))
+            };
             let mut slots = Slots::new(&qp.sq, mem);
             let (send_sges, inline, send_batch) =
                 (&mut *self.send_sges, &mut *self.inline, &mut self.batch);
@@ -436,7 +443,7 @@ impl Poller {
         }
     }
 
-    /// Copies and validates up to a batch of receive WQEs from `ring` (between `consumer` and
+    /// Reads and validates up to a batch of receive WQEs from `ring` (between `consumer` and
     /// `producer`) into `self.recv`/`self.sges`; returns the first refused one, if any.
     fn read_receives(
         &mut self,
@@ -448,8 +455,7 @@ impl Poller {
     ) -> Option<(u64, WqeError)> {
         self.sges.clear();
         self.recv.clear();
-        let shared = Arc::clone(&self.shared);
-        let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
+        let mrs = self.shared.mrs.read().unwrap_or_else(|e| e.into_inner());
         let lookup = mr_lookup(&mrs);
         let mut slots = Slots::new(ring, mem);
         let batch = pending.min(BATCH);
