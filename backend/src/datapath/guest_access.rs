@@ -134,9 +134,8 @@ impl Slot for RunSlot<'_, '_> {
     }
 }
 
-/// The slots of `stride` bytes each that `run` (from [`Slots::run`]) holds, `count` at most,
-/// in order.
-pub(super) fn slots_of<'a, 'm>(
+/// The slots of `stride` bytes each that `run` holds, `count` at most, in order.
+fn slots_of<'a, 'm>(
     run: &'a VolatileSlice<'m>,
     stride: usize,
     count: u32,
@@ -185,10 +184,40 @@ impl<'m> Slots<'m> {
         written
     }
 
+    /// Hands `take` the `count` consecutive slots from `first` (any u32: the ring index
+    /// wraps), read in place, in order, until it returns false; returns how many it took.
+    /// Fewer than `count` also when guest memory no longer holds a page.
+    #[inline(always)]
+    pub(super) fn take(
+        &mut self,
+        first: u32,
+        count: u32,
+        mut take: impl FnMut(RunSlot<'_, 'm>) -> bool,
+    ) -> u32 {
+        let stride = self.ring.stride();
+        let mut taken = 0;
+        while taken < count {
+            let Some((run, slots)) = self.run(first.wrapping_add(taken), count - taken) else {
+                break;
+            };
+            let end_of_run = taken + slots;
+            for slot in slots_of(&run, stride, slots) {
+                if !take(slot) {
+                    return taken;
+                }
+                taken += 1;
+            }
+            if taken < end_of_run {
+                break;
+            }
+        }
+        taken
+    }
+
     /// Up to `max` (at least 1) consecutive slots from `index` (any u32: the ring index
     /// wraps), as many as follow it in its page before the ring wraps: one slice and their
     /// count; `None` if guest memory no longer holds the page.
-    pub(super) fn run(&mut self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
+    fn run(&mut self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
         let ring = self.ring;
         let (page, in_page) = self.page_of(index)?;
         let left_in_ring = ring.depth - ring_slot(index, ring.depth);
@@ -329,6 +358,15 @@ mod tests {
         let mut first = slots_of(&run, 1024, 2);
         assert_eq!(first.next().unwrap().field::<[u8; 5]>(0), Some(*b"zero."));
         assert_eq!(first.count(), 1);
+        // Slots taken in order across the wrap, until told to stop or a page is missing.
+        let mut seen = Vec::new();
+        let taken = Slots::new(&ring, &mem).take(7, 3, |slot| {
+            seen.push(slot.field::<[u8; 5]>(0).unwrap());
+            true
+        });
+        assert_eq!((taken, &seen[..]), (3, &[*b"seven", *b"zero.", [0; 5]][..]));
+        assert_eq!(Slots::new(&ring, &mem).take(7, 3, |_| false), 0);
+        assert_eq!(Slots::new(&half_gone, &mem).take(2, 4, |_| true), 2);
         assert_eq!(Slots::new(&gone, &mem).publish(0, &[[1u64; 128]]), 0);
         // 1 KiB entries into slots 7, 0 and 1 (across the wrap); slot 2's page is gone.
         let entry = |n: u64| [n; 128];

@@ -14,7 +14,7 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
-use super::guest_access::{load, slots_of, store, Slots};
+use super::guest_access::{load, store, Slots};
 use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
 use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
@@ -359,37 +359,22 @@ impl Poller {
             let (send_sges, inline, send_batch) =
                 (&mut *self.send_sges, &mut *self.inline, &mut self.batch);
             let batch = pending.min(BATCH);
-            let mut taken = 0;
-            'runs: while taken < batch {
-                let first = progress.sq_consumer.wrapping_add(taken);
-                let Some((run, count)) = slots.run(first, batch - taken) else {
-                    break;
+            let taken = slots.take(progress.sq_consumer, batch, |slot| {
+                let parsed = wqe::parse_send(&slot, &qp.rules, &mr_of, &ah_of, send_sges, inline);
+                let error = match parsed {
+                    Ok(wr) => match send_batch.push(&wr) {
+                        Ok(()) => return true,
+                        // The batch has room for a full batch of the largest slots.
+                        Err(e) => {
+                            log::error!("QP {:#x}: {e}", qp.handle);
+                            WqeError::Unpostable
+                        }
+                    },
+                    Err(error) => error,
                 };
-                let end_of_run = taken + count;
-                for slot in slots_of(&run, qp.sq.stride(), count) {
-                    let error = match wqe::parse_send(
-                        &slot, &qp.rules, &mr_of, &ah_of, send_sges, inline,
-                    ) {
-                        Ok(wr) => match send_batch.push(&wr) {
-                            Ok(()) => {
-                                taken += 1;
-                                continue;
-                            }
-                            // The batch has room for a full batch of the largest slots.
-                            Err(e) => {
-                                log::error!("QP {:#x}: {e}", qp.handle);
-                                WqeError::Unpostable
-                            }
-                        },
-                        Err(error) => error,
-                    };
-                    refused = Some((wr_id_of(&slot), error));
-                    break 'runs;
-                }
-                if taken < end_of_run {
-                    break;
-                }
-            }
+                refused = Some((wr_id_of(&slot), error));
+                false
+            });
             if refused.is_none() && taken < batch {
                 progress.failed = true;
                 self.fail_qp(qp, &mut progress, &"SQ ring unreadable");
@@ -457,26 +442,17 @@ impl Poller {
         self.recv.clear();
         let mrs = self.shared.mrs.read().unwrap_or_else(|e| e.into_inner());
         let lookup = mr_lookup(&mrs);
-        let mut slots = Slots::new(ring, mem);
+        let (recv, sges) = (&mut self.recv, &mut self.sges);
         let batch = pending.min(BATCH);
-        let mut taken = 0;
-        while taken < batch {
-            let Some((run, count)) = slots.run(consumer.wrapping_add(taken), batch - taken) else {
-                return Some((0, WqeError::RingUnreadable));
-            };
-            let end_of_run = taken + count;
-            for slot in slots_of(&run, ring.stride(), count) {
-                match wqe::parse_recv(&slot, rules, &lookup, &mut self.sges) {
-                    Ok(received) => self.recv.push(received),
-                    Err(error) => return Some((wr_id_of(&slot), error)),
-                }
-                taken += 1;
+        let mut refused = None;
+        let taken = Slots::new(ring, mem).take(consumer, batch, |slot| {
+            match wqe::parse_recv(&slot, rules, &lookup, sges) {
+                Ok(received) => recv.push(received),
+                Err(error) => refused = Some((wr_id_of(&slot), error)),
             }
-            if taken < end_of_run {
-                return Some((0, WqeError::RingUnreadable));
-            }
-        }
-        None
+            refused.is_none()
+        });
+        refused.or((taken < batch).then_some((0, WqeError::RingUnreadable)))
     }
 
     /// Posts what `read_receives` collected with `post`; returns how many the host took.
