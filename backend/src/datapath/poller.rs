@@ -126,7 +126,7 @@ impl Poller {
         &self.shared.shard
     }
 
-    /// The connection this poller serves a shard of.
+    /// The connection this poller serves.
     pub(super) fn shared(&self) -> &Arc<Shared> {
         &self.shared
     }
@@ -140,8 +140,8 @@ impl Poller {
             .map(|m| m.memory())
     }
 
-    /// Before sleeping: asks the host for a completion event on every CQ of the shard that
-    /// is not armed already (a CQ stays armed until a completion arrives on it).
+    /// Before sleeping: asks the host for a completion event on every CQ of the connection
+    /// that is not armed already (a CQ stays armed until a completion arrives on it).
     pub(super) fn arm_cqs(&self) {
         for cq in &self.cqs {
             if !cq.armed.swap(true, Ordering::Relaxed) && cq.host.arm().is_err() {
@@ -170,7 +170,7 @@ impl Poller {
         }
     }
 
-    /// One look at the rung rings of the shard and at its CQs; true if anything moved.
+    /// One look at the connection's rung rings and at its CQs; true if anything moved.
     pub(super) fn pass(&mut self) -> bool {
         let Some(mem) = self.memory() else {
             return false;
