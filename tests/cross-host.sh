@@ -24,6 +24,8 @@
 # usage: tests/cross-host.sh BIN_DIR RDMA_CHECK   (BIN_DIR holds vhost-user-rdma and
 #                                    vrdma-ibverbs/; RDMA_CHECK is tests/c/rdma_check.c built)
 set -uo pipefail
+# Checks grep a command's captured output: `cmd | grep -q` fails under pipefail whenever grep
+# stops reading at its match before cmd has written everything (SIGPIPE).
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 bin=$(cd "$1" && pwd)
@@ -135,9 +137,9 @@ traffic() {
 # guest sees exactly one GID, its own.
 guest_address_in_place() {
   local guest=$1 address=$2 devinfo
-  ip -4 -o addr show dev eth0 | grep -q "inet $address/24 .* eth0:vrdma" ||
+  grep -q "inet $address/24 .* eth0:vrdma" <<<"$(ip -4 -o addr show dev eth0)" ||
     { echo "cross-host: $address is not on eth0 as eth0:vrdma:" >&2; ip -4 addr show dev eth0 >&2; return 1; }
-  ibv_devinfo -v -d rxe0 | grep -q "::ffff:$address" ||
+  grep -q "::ffff:$address" <<<"$(ibv_devinfo -v -d rxe0)" ||
     { echo "cross-host: $address has no GID on rxe0" >&2; return 1; }
   devinfo=$("$vrdma_run" --device "$(socket "$guest")" -- ibv_devinfo -v) || return 1
   if [ "$(grep -c 'GID\[' <<<"$devinfo")" != 1 ] || ! grep -q "GID\[  0\]:.*::ffff:$address," <<<"$devinfo"; then
@@ -207,11 +209,11 @@ backends_stop() {
     read -r name address <<<"$guest"
     kill -TERM "${backend[$name]}"
     wait "${backend[$name]}" || { echo "cross-host: backend $name exited with $?" >&2; status=1; }
-    if ip -4 -o addr show dev eth0 | grep -q "inet $address/"; then
+    if grep -q "inet $address/" <<<"$(ip -4 -o addr show dev eth0)"; then
       echo "cross-host: $address is still on eth0" >&2
       status=1
     fi
-    for _ in $(seq 20); do ibv_devinfo -v -d rxe0 | grep -q "::ffff:$address" || continue 2; sleep 0.25; done
+    for _ in $(seq 20); do grep -q "::ffff:$address" <<<"$(ibv_devinfo -v -d rxe0)" || continue 2; sleep 0.25; done
     echo "cross-host: $address is still in rxe0's GID table" >&2
     status=1
   done
