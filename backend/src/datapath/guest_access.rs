@@ -5,7 +5,7 @@
 //! region up again and splits every access into fragments through an iterator, cost the
 //! poller more than everything else it does per WQE together.
 
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use vm_memory::{
     AtomicAccess, ByteValued, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError,
@@ -44,13 +44,18 @@ pub(super) fn store<O: AtomicAccess>(
     Ok(slice_at(mem, addr, size_of::<O>())?.store(value, 0, order)?)
 }
 
-/// Writes `entries` back to back over the whole of `slice` so that each appears whole:
-/// every word but the last of each with plain volatile writes, then a release fence, then the
-/// last word of each with an atomic store, so a guest that sees an entry's last word change
-/// (a CQE's owner byte is in it) with an acquire load also sees the rest of it. False if the
-/// entries do not fill the slice exactly or it is misaligned.
-fn publish_words<const N: usize>(slice: &VolatileSlice, entries: &[[u64; N]]) -> bool {
-    if N == 0 || entries.len() * 8 * N != slice.len() {
+/// Writes `count` entries made by `entry` (given their index among the `count`) back to back
+/// over the whole of `slice` so that each appears whole: all its words but the last with
+/// volatile writes, then the last with a release store, so a guest that sees an entry's last
+/// word change (a CQE's owner byte is in it) with an acquire load also sees the rest of it.
+/// False, writing nothing, if the entries do not fill the slice exactly or it is misaligned.
+#[inline(always)]
+fn publish_words<const N: usize>(
+    slice: &VolatileSlice,
+    count: usize,
+    mut entry: impl FnMut(usize) -> [u64; N],
+) -> bool {
+    if N == 0 || count * 8 * N != slice.len() {
         return false;
     }
     let guard = slice.ptr_guard_mut();
@@ -58,19 +63,18 @@ fn publish_words<const N: usize>(slice: &VolatileSlice, entries: &[[u64; N]]) ->
     if !base.is_aligned() {
         return false;
     }
-    for (index, entry) in entries.iter().enumerate() {
-        for (word, value) in entry[..N - 1].iter().enumerate() {
+    for index in 0..count {
+        let words = entry(index);
+        let at = base.wrapping_add(index * N);
+        for (word, value) in words[..N - 1].iter().enumerate() {
             // SAFETY: the word lies inside the slice (the entries fill it exactly, checked
             // above), which stays mapped while `guard` lives, and is 8-byte aligned.
-            unsafe { base.add(index * N + word).write_volatile(*value) };
+            unsafe { at.add(word).write_volatile(*value) };
         }
-    }
-    fence(Ordering::Release);
-    for (index, entry) in entries.iter().enumerate() {
         // SAFETY: as above; the guest's side of the word is only ever accessed atomically or
         // by volatile copies, and the mapping outlives this borrow.
-        let last = unsafe { AtomicU64::from_ptr(base.add(index * N + N - 1)) };
-        last.store(entry[N - 1], Ordering::Relaxed);
+        let last = unsafe { AtomicU64::from_ptr(at.add(N - 1)) };
+        last.store(words[N - 1], Ordering::Release);
     }
     true
 }
@@ -165,18 +169,24 @@ impl<'m> Slots<'m> {
         }
     }
 
-    /// Writes `entries` into consecutive slots from `first` (any u32: the ring index wraps)
-    /// as [`publish_words`] does (CQEs: each one's owner byte last), run by run; returns how
-    /// many it wrote, fewer if guest memory no longer holds a page or an entry is not a slot.
-    pub(super) fn publish<const N: usize>(&mut self, first: u32, entries: &[[u64; N]]) -> u32 {
+    /// Writes `count` entries made by `entry` (given their index among them) into consecutive
+    /// slots from `first` (any u32: the ring index wraps) as [`publish_words`] does (CQEs:
+    /// each one's owner byte last), run by run; returns how many it wrote, fewer if guest
+    /// memory no longer holds a page or an entry is not a slot.
+    #[inline(always)]
+    pub(super) fn publish<const N: usize>(
+        &mut self,
+        first: u32,
+        count: u32,
+        mut entry: impl FnMut(u32) -> [u64; N],
+    ) -> u32 {
         let mut written = 0;
-        while (written as usize) < entries.len() {
-            let left = (entries.len() - written as usize) as u32;
-            let Some((run, slots)) = self.run(first.wrapping_add(written), left) else {
+        while written < count {
+            let Some((run, slots)) = self.run(first.wrapping_add(written), count - written) else {
                 break;
             };
-            let at = written as usize;
-            if !publish_words(&run, &entries[at..at + slots as usize]) {
+            let at = written;
+            if !publish_words(&run, slots as usize, |index| entry(at + index as u32)) {
                 break;
             }
             written += slots;
@@ -285,8 +295,9 @@ mod tests {
     fn published_words_land_whole_and_short_or_misaligned_slots_are_refused() {
         let mem = two_regions();
         let entries = [[1u64, 2, 3, u64::MAX], [5, 6, 7, 8]];
+        let made = |index: usize| entries[index];
         let slots = slice_at(&mem, 0x200, 0x40).unwrap();
-        assert!(publish_words(&slots, &entries));
+        assert!(publish_words(&slots, 2, made));
         let mut seen = [0u8; 64];
         slice_at(&mem, 0x200, 64).unwrap().copy_to(&mut seen);
         let expected: Vec<u8> = entries
@@ -295,11 +306,11 @@ mod tests {
             .flat_map(|w| w.to_ne_bytes())
             .collect();
         assert_eq!(seen[..], expected[..]);
-        assert!(!publish_words(&slots, &entries[..1]), "not the whole slice");
+        assert!(!publish_words(&slots, 1, made), "not the whole slice");
         let short = slice_at(&mem, 0x200, 0x20).unwrap();
-        assert!(!publish_words(&short, &entries), "past the end");
+        assert!(!publish_words(&short, 2, made), "past the end");
         let misaligned = slice_at(&mem, 0x204, 0x40).unwrap();
-        assert!(!publish_words(&misaligned, &entries), "misaligned");
+        assert!(!publish_words(&misaligned, 2, made), "misaligned");
     }
 
     #[test]
@@ -367,15 +378,15 @@ mod tests {
         assert_eq!((taken, &seen[..]), (3, &[*b"seven", *b"zero.", [0; 5]][..]));
         assert_eq!(Slots::new(&ring, &mem).take(7, 3, |_| false), 0);
         assert_eq!(Slots::new(&half_gone, &mem).take(2, 4, |_| true), 2);
-        assert_eq!(Slots::new(&gone, &mem).publish(0, &[[1u64; 128]]), 0);
+        assert_eq!(Slots::new(&gone, &mem).publish(0, 1, |_| [1u64; 128]), 0);
         // 1 KiB entries into slots 7, 0 and 1 (across the wrap); slot 2's page is gone.
         let entry = |n: u64| [n; 128];
         let wrapping = GuestRing::new(vec![0x1000, 0], 12, 10, 8);
-        let entries = [entry(7), entry(8), entry(9)];
-        assert_eq!(Slots::new(&wrapping, &mem).publish(7, &entries), 3);
+        let entries = |index: u32| entry(7 + u64::from(index));
+        assert_eq!(Slots::new(&wrapping, &mem).publish(7, 3, entries), 3);
         let word = |gpa| mem.read_obj::<u64>(GuestAddress(gpa)).unwrap();
         assert_eq!((word(0xc00), word(0x1000), word(0x1400)), (7, 8, 9));
         let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
-        assert_eq!(Slots::new(&half_gone, &mem).publish(3, &entries), 1);
+        assert_eq!(Slots::new(&half_gone, &mem).publish(3, 3, entries), 1);
     }
 }

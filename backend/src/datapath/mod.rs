@@ -596,16 +596,18 @@ impl Shared {
         }
     }
 
-    /// A receive completion of QP `qp_num` was taken: count it against its SRQ, if any.
-    fn received_on(&self, mem: &Memory, qp_num: u32) {
-        // No lock on the completion path of connections without SRQs.
+    /// Receive completions of these QPs were taken: count them against their SRQs, if any.
+    fn received_on(&self, mem: &Memory, qp_nums: impl Iterator<Item = u32>) {
+        // No lock, and no look at the completions, on the path of connections without SRQs.
         if !self.any_srq_receivers.load(Ordering::Acquire) {
             return;
         }
         let receivers = self.srq_receivers.read().unwrap_or_else(|e| e.into_inner());
-        if let Some(srq) = receivers.get(&qp_num) {
-            srq.received.fetch_add(1, Ordering::AcqRel);
-            self.check_srq_limit(mem, srq);
+        for qp_num in qp_nums {
+            if let Some(srq) = receivers.get(&qp_num) {
+                srq.received.fetch_add(1, Ordering::AcqRel);
+                self.check_srq_limit(mem, srq);
+            }
         }
     }
 

@@ -57,8 +57,6 @@ pub(super) struct Poller {
     batch: SendBatch,
     recv: Vec<(u64, usize)>,
     wcs: Vec<WorkCompletion>,
-    /// The words of a batch of CQEs, as they are written.
-    cqe_words: Vec<[u64; CQE_SIZE / 8]>,
     /// The queues this pass visits, with their doorbell bits.
     visits: Vec<(u16, Rung)>,
     /// Doorbell bits of the queues the last pass left WQEs in.
@@ -90,6 +88,17 @@ fn wr_id_of(slot: &impl Slot) -> u64 {
     slot.field::<Le64>(0).map_or(0, Le64::to_native)
 }
 
+/// A CQE as the words it is written with; its owner byte is in the last (see
+/// [`Slots::publish`]).
+fn cqe_words(cqe: &Cqe) -> [u64; CQE_SIZE / 8] {
+    const _: () = assert!(std::mem::offset_of!(Cqe, owner) >= CQE_SIZE - 8);
+    let mut words = [0u64; CQE_SIZE / 8];
+    for (word, bytes) in words.iter_mut().zip(cqe.as_slice().chunks_exact(8)) {
+        *word = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
+    }
+    words
+}
+
 fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
     Cqe {
         wr_id: Le64::from(wr_id),
@@ -114,7 +123,6 @@ impl Poller {
             ),
             recv: Vec::with_capacity(BATCH as usize),
             wcs: (0..BATCH).map(|_| WorkCompletion::default()).collect(),
-            cqe_words: Vec::with_capacity(BATCH as usize),
             visits: Vec::new(),
             carried: Vec::new(),
             cqs: Vec::new(),
@@ -291,13 +299,7 @@ impl Poller {
     ) -> bool {
         let mut cq_progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
         if self.cq_room(mem, cq, &mut cq_progress, 1).unwrap_or(0) == 0
-            || self.write_cqes(
-                mem,
-                cq,
-                &mut cq_progress,
-                [cqe].into_iter(),
-                &mut Vec::new(),
-            ) == 0
+            || self.write_cqes(mem, cq, &mut cq_progress, 1, |_| cqe) == 0
         {
             return false;
         }
@@ -623,33 +625,29 @@ impl Poller {
         }
     }
 
-    /// Writes `cqes` at the CQ's producer index, each with its lap's owner bit (written last);
-    /// how many it wrote: fewer if the ring is no longer in guest memory, which breaks the CQ.
+    /// Writes `count` CQEs, the `index`th made by `cqe`, at the CQ's producer index, each with
+    /// its lap's owner bit (written last); how many it wrote: fewer if the ring is no longer in
+    /// guest memory, which breaks the CQ.
+    #[inline(always)]
     fn write_cqes(
         &self,
         mem: &Memory,
         cq: &CqData,
         progress: &mut CqProgress,
-        cqes: impl Iterator<Item = Cqe>,
-        words: &mut Vec<[u64; CQE_SIZE / 8]>,
+        count: u32,
+        cqe: impl Fn(usize) -> Cqe,
     ) -> u32 {
-        words.clear();
-        for (index, cqe) in cqes.enumerate() {
-            let producer = progress.producer.wrapping_add(index as u32);
-            let cqe = Cqe {
-                owner: cqe_owner_for(producer, cq.ring.depth),
-                ..cqe
-            };
-            let mut entry = [0u64; CQE_SIZE / 8];
-            for (word, bytes) in entry.iter_mut().zip(cqe.as_slice().chunks_exact(8)) {
-                *word = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
-            }
-            words.push(entry);
-        }
-        let written = Slots::new(&cq.ring, mem).publish(progress.producer, words);
+        let (first, depth) = (progress.producer, cq.ring.depth);
+        let written = Slots::new(&cq.ring, mem).publish(first, count, |index| {
+            let owner = cqe_owner_for(first.wrapping_add(index), depth);
+            cqe_words(&Cqe {
+                owner,
+                ..cqe(index as usize)
+            })
+        });
         progress.producer = progress.producer.wrapping_add(written);
         progress.room = progress.room.saturating_sub(written);
-        if (written as usize) < words.len() {
+        if written < count {
             progress.failed = true;
             self.post_event(event_kind::CQ_ERROR, cq.handle);
         }
@@ -677,26 +675,27 @@ impl Poller {
         }
         // The event of an armed CQ fires with its next completion: arm it again.
         cq.armed.store(false, Ordering::Relaxed);
-        let cqes = self.wcs[..n].iter().map(|wc| Cqe {
-            wr_id: Le64::from(wc.wr_id()),
-            qp_num: Le32::from(wc.qp_num()),
-            byte_len: Le32::from(wc.byte_len()),
-            imm_data: Le32::from(wc.imm_data().unwrap_or(0)),
-            src_qp: Le32::from(wc.src_qp()),
-            status: wc.status() as u8,
-            opcode: wc.opcode() as u8,
-            wc_flags: wc.wc_flags() as u8,
-            sl: wc.sl(),
-            pkey_index: Le16::from(wc.pkey_index()),
-            reserved: 0,
-            owner: 0,
+        let wcs = &self.wcs[..n];
+        let moved = self.write_cqes(mem, cq, &mut progress, n as u32, |index| {
+            let wc = &wcs[index];
+            Cqe {
+                wr_id: Le64::from(wc.wr_id()),
+                qp_num: Le32::from(wc.qp_num()),
+                byte_len: Le32::from(wc.byte_len()),
+                imm_data: Le32::from(wc.imm_data().unwrap_or(0)),
+                src_qp: Le32::from(wc.src_qp()),
+                status: wc.status() as u8,
+                opcode: wc.opcode() as u8,
+                wc_flags: wc.wc_flags() as u8,
+                sl: wc.sl(),
+                pkey_index: Le16::from(wc.pkey_index()),
+                reserved: 0,
+                owner: 0,
+            }
         });
-        let mut words = std::mem::take(&mut self.cqe_words);
-        let moved = self.write_cqes(mem, cq, &mut progress, cqes, &mut words);
-        self.cqe_words = words;
-        for wc in self.wcs[..moved as usize].iter().filter(|wc| wc.is_recv()) {
-            self.shared.received_on(mem, wc.qp_num());
-        }
+        let received = self.wcs[..moved as usize].iter().filter(|wc| wc.is_recv());
+        self.shared
+            .received_on(mem, received.map(WorkCompletion::qp_num));
         self.shared
             .completions
             .fetch_add(u64::from(moved), Ordering::Relaxed);
