@@ -1,11 +1,14 @@
 //! The data path's accesses to guest memory. Each lies within one memory region (ring pages
 //! and records were checked against the memory table when the guest created them), so it
-//! goes through that region's own bounds-checked slice: one region lookup per record or ring
-//! page per visit, and one copy per slot. vm-memory's generic `Bytes` path, which looks the
-//! region up again and splits every access into fragments through an iterator, cost the
-//! poller more than everything else it does per WQE together.
+//! goes through that region's own bounds-checked slice. A queue's record and ring pages are
+//! looked up once per memory snapshot ([`Resolved`]), not once per visit: vm-memory's region
+//! lookup cost more than a WQE's checks, and its generic `Bytes` path, which looks the
+//! region up again and splits every access into fragments, more than everything else the
+//! poller does per WQE together.
 
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use vm_memory::{
     AtomicAccess, ByteValued, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError,
@@ -152,21 +155,119 @@ fn slots_of<'a, 'm>(
     })
 }
 
-/// The slots of one ring through one memory snapshot, keeping the page last looked up (a
-/// visit takes consecutive slots).
+/// Where a queue's spans of guest memory (its doorbell record, its rings' pages) are in this
+/// process, as last resolved: while the memory snapshot they were resolved through is the
+/// current one, a visit looks none of them up. It keeps a `Weak` of that snapshot: no mapping
+/// stays alive for it, but no later snapshot can take its address, so the same address is the
+/// same snapshot.
+#[derive(Default)]
+pub(super) struct Resolved {
+    snapshot: Weak<Memory>,
+    /// Host address and length of each span; (0, 0) where guest memory holds none of it.
+    spans: Box<[(usize, usize)]>,
+}
+
+impl Resolved {
+    /// The spans `spans` lists (the same ones, in the same order, on every call) through
+    /// `mem`, resolved again only if `mem` is not the snapshot they were last resolved
+    /// through.
+    #[inline(always)]
+    pub(super) fn through<'m, I>(
+        &'m mut self,
+        mem: &'m Arc<Memory>,
+        spans: impl FnOnce() -> I,
+    ) -> Mapped<'m>
+    where
+        I: Iterator<Item = (u64, usize)>,
+    {
+        if !std::ptr::eq(self.snapshot.as_ptr(), Arc::as_ptr(mem)) {
+            self.resolve(mem, spans());
+        }
+        Mapped {
+            spans: &self.spans,
+            _snapshot: PhantomData,
+        }
+    }
+
+    #[cold]
+    fn resolve(&mut self, mem: &Arc<Memory>, spans: impl Iterator<Item = (u64, usize)>) {
+        self.spans = spans
+            .map(|(gpa, len)| match slice_at(mem, gpa, len) {
+                Ok(slice) => (slice.ptr_guard_mut().as_ptr() as usize, len),
+                Err(_) => (0, 0),
+            })
+            .collect();
+        self.snapshot = Arc::downgrade(mem);
+    }
+}
+
+/// A queue's spans through the snapshot `'m` borrows (see [`Resolved::through`]).
+#[derive(Clone, Copy)]
+pub(super) struct Mapped<'m> {
+    spans: &'m [(usize, usize)],
+    _snapshot: PhantomData<&'m Memory>,
+}
+
+impl<'m> Mapped<'m> {
+    /// Span `index`; `None` where guest memory holds none of it.
+    #[inline(always)]
+    pub(super) fn span(&self, index: usize) -> Option<VolatileSlice<'m>> {
+        match self.spans.get(index) {
+            Some(&(host, len)) if host != 0 => {
+                // SAFETY: `host` and `len` are a slice of a region of the snapshot `'m`
+                // borrows (`through` made sure they were resolved through it), whose regions
+                // stay mapped while it lives (vm-memory's mmap backend without Xen: a
+                // region's host address is valid for the region's life).
+                Some(unsafe { VolatileSlice::new(host as *mut u8, len) })
+            }
+            _ => None,
+        }
+    }
+
+    /// The spans from `first` on (a ring's pages).
+    pub(super) fn from(&self, first: usize) -> Mapped<'m> {
+        Mapped {
+            spans: self.spans.get(first..).unwrap_or_default(),
+            _snapshot: PhantomData,
+        }
+    }
+
+    /// An atomic load of the naturally aligned `O` at `offset` in span `index`.
+    #[inline(always)]
+    pub(super) fn load<O: AtomicAccess>(
+        &self,
+        index: usize,
+        offset: u64,
+        order: Ordering,
+    ) -> Option<O> {
+        self.span(index)?.load(offset as usize, order).ok()
+    }
+
+    /// An atomic store of the naturally aligned `O` at `offset` in span `index`; false where
+    /// there is none.
+    #[inline(always)]
+    pub(super) fn store<O: AtomicAccess>(
+        &self,
+        index: usize,
+        value: O,
+        offset: u64,
+        order: Ordering,
+    ) -> bool {
+        self.span(index)
+            .is_some_and(|span| span.store(value, offset as usize, order).is_ok())
+    }
+}
+
+/// The slots of one ring, its pages resolved.
 pub(super) struct Slots<'m> {
     ring: &'m GuestRing,
-    mem: &'m Memory,
-    page: Option<(usize, VolatileSlice<'m>)>,
+    pages: Mapped<'m>,
 }
 
 impl<'m> Slots<'m> {
-    pub(super) fn new(ring: &'m GuestRing, mem: &'m Memory) -> Self {
-        Slots {
-            ring,
-            mem,
-            page: None,
-        }
+    /// `pages` are the ring's pages, in its order.
+    pub(super) fn new(ring: &'m GuestRing, pages: Mapped<'m>) -> Self {
+        Slots { ring, pages }
     }
 
     /// Writes `count` entries made by `entry` (given their index among them) into consecutive
@@ -175,7 +276,7 @@ impl<'m> Slots<'m> {
     /// memory no longer holds a page or an entry is not a slot.
     #[inline(always)]
     pub(super) fn publish<const N: usize>(
-        &mut self,
+        &self,
         first: u32,
         count: u32,
         mut entry: impl FnMut(u32) -> [u64; N],
@@ -199,7 +300,7 @@ impl<'m> Slots<'m> {
     /// Fewer than `count` also when guest memory no longer holds a page.
     #[inline(always)]
     pub(super) fn take(
-        &mut self,
+        &self,
         first: u32,
         count: u32,
         mut take: impl FnMut(RunSlot<'_, 'm>) -> bool,
@@ -227,7 +328,7 @@ impl<'m> Slots<'m> {
     /// Up to `max` (at least 1) consecutive slots from `index` (any u32: the ring index
     /// wraps), as many as follow it in its page before the ring wraps: one slice and their
     /// count; `None` if guest memory no longer holds the page.
-    fn run(&mut self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
+    fn run(&self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
         let ring = self.ring;
         let (page, in_page) = self.page_of(index)?;
         let left_in_ring = ring.depth - ring_slot(index, ring.depth);
@@ -243,18 +344,9 @@ impl<'m> Slots<'m> {
     }
 
     /// The page holding slot `index` and the slot's offset in it.
-    fn page_of(&mut self, index: u32) -> Option<(VolatileSlice<'m>, usize)> {
+    fn page_of(&self, index: u32) -> Option<(VolatileSlice<'m>, usize)> {
         let (page, in_page) = self.ring.slot_position(index);
-        let slice = match self.page {
-            Some((cached, slice)) if cached == page => slice,
-            _ => {
-                let gpa = *self.ring.pages.get(page)?;
-                let slice = slice_at(self.mem, gpa, 1 << self.ring.page_shift).ok()?;
-                self.page = Some((page, slice));
-                slice
-            }
-        };
-        Some((slice, in_page))
+        Some((self.pages.span(page)?, in_page))
     }
 }
 
@@ -262,8 +354,21 @@ impl<'m> Slots<'m> {
 mod tests {
     use super::*;
 
-    fn two_regions() -> Memory {
-        Memory::from_ranges(&[(GuestAddress(0), 0x1000), (GuestAddress(0x1000), 0x1000)]).unwrap()
+    fn two_regions() -> Arc<Memory> {
+        Arc::new(
+            Memory::from_ranges(&[(GuestAddress(0), 0x1000), (GuestAddress(0x1000), 0x1000)])
+                .unwrap(),
+        )
+    }
+
+    /// `ring`'s slots through `mem`, its pages resolved into `resolved`.
+    fn slots_through<'m>(
+        ring: &'m GuestRing,
+        mem: &'m Arc<Memory>,
+        resolved: &'m mut Resolved,
+    ) -> Slots<'m> {
+        let pages = || ring.pages.iter().map(|&gpa| (gpa, 1 << ring.page_shift));
+        Slots::new(ring, resolved.through(mem, pages))
     }
 
     #[test]
@@ -314,11 +419,49 @@ mod tests {
     }
 
     #[test]
+    fn spans_are_resolved_once_per_snapshot() {
+        let first = two_regions();
+        let mut resolved = Resolved::default();
+        let lookups = std::cell::Cell::new(0);
+        let spans = || {
+            lookups.set(lookups.get() + 1);
+            [(0x1008, 8), (0x3000, 8), (0xffc, 8)].into_iter()
+        };
+        let mapped = resolved.through(&first, spans);
+        assert!(mapped.store(0, 7u32, 4, Ordering::Release));
+        assert_eq!(first.read_obj::<u32>(GuestAddress(0x100c)).unwrap(), 7);
+        assert_eq!(mapped.load::<u32>(0, 4, Ordering::Acquire), Some(7));
+        assert_eq!(
+            mapped.load::<u32>(0, 6, Ordering::Acquire),
+            None,
+            "misaligned"
+        );
+        assert_eq!(
+            mapped.load::<u64>(0, 4, Ordering::Acquire),
+            None,
+            "past the span"
+        );
+        assert!(mapped.span(1).is_none(), "outside guest memory");
+        assert!(mapped.span(2).is_none(), "straddles two regions");
+        assert!(mapped.span(3).is_none(), "no such span");
+        assert!(!mapped.store(1, 1u32, 0, Ordering::Release));
+        assert_eq!(mapped.from(1).span(0).map(|s| s.len()), None);
+        resolved.through(&first, spans);
+        assert_eq!(lookups.get(), 1, "the same snapshot");
+        // A new table without the first region: the record is gone from it.
+        let second = Arc::new(Memory::from_ranges(&[(GuestAddress(0x2000), 0x1000)]).unwrap());
+        drop(first);
+        assert!(resolved.through(&second, spans).span(0).is_none());
+        assert_eq!(lookups.get(), 2, "a new snapshot");
+    }
+
+    #[test]
     fn slots_follow_the_ring_pages_and_wrap() {
         let mem = two_regions();
         // Two 4 KiB pages in reverse order, 1 KiB slots: slot 5 is the second slot of page 1.
         let ring = GuestRing::new(vec![0x1000, 0], 12, 10, 8);
-        let mut slots = Slots::new(&ring, &mem);
+        let mut resolved = Resolved::default();
+        let slots = slots_through(&ring, &mem, &mut resolved);
         slots.run(5, 1).unwrap().0.copy_from(b"five");
         let mut out = [0u8; 4];
         mem.read_slice(&mut out, GuestAddress(0x400)).unwrap();
@@ -340,13 +483,16 @@ mod tests {
         let (run, count) = slots.run(7u32.wrapping_add(8 << 20), 8).unwrap();
         assert_eq!((run.len(), count), (1024, 1), "the ring wraps");
         let gone = GuestRing::new(vec![0x4000], 12, 10, 4);
-        assert!(Slots::new(&gone, &mem).run(0, 1).is_none());
+        assert!(slots_through(&gone, &mem, &mut Resolved::default())
+            .run(0, 1)
+            .is_none());
         // A run's slots, read in place; a page guest memory no longer holds has none.
         mem.write_slice(b"three", GuestAddress(0x1c00)).unwrap();
         mem.write_slice(b"seven", GuestAddress(0xc00)).unwrap();
         mem.write_slice(b"zero.", GuestAddress(0x1000)).unwrap();
         let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
-        let mut half = Slots::new(&half_gone, &mem);
+        let mut half_resolved = Resolved::default();
+        let half = slots_through(&half_gone, &mem, &mut half_resolved);
         let (run, count) = half.run(2, 4).unwrap();
         let starts: Vec<[u8; 5]> = slots_of(&run, 1024, count)
             .map(|slot| {
@@ -371,22 +517,37 @@ mod tests {
         assert_eq!(first.count(), 1);
         // Slots taken in order across the wrap, until told to stop or a page is missing.
         let mut seen = Vec::new();
-        let taken = Slots::new(&ring, &mem).take(7, 3, |slot| {
+        let taken = slots_through(&ring, &mem, &mut Resolved::default()).take(7, 3, |slot| {
             seen.push(slot.field::<[u8; 5]>(0).unwrap());
             true
         });
         assert_eq!((taken, &seen[..]), (3, &[*b"seven", *b"zero.", [0; 5]][..]));
-        assert_eq!(Slots::new(&ring, &mem).take(7, 3, |_| false), 0);
-        assert_eq!(Slots::new(&half_gone, &mem).take(2, 4, |_| true), 2);
-        assert_eq!(Slots::new(&gone, &mem).publish(0, 1, |_| [1u64; 128]), 0);
+        assert_eq!(
+            slots_through(&ring, &mem, &mut Resolved::default()).take(7, 3, |_| false),
+            0
+        );
+        assert_eq!(
+            slots_through(&half_gone, &mem, &mut Resolved::default()).take(2, 4, |_| true),
+            2
+        );
+        assert_eq!(
+            slots_through(&gone, &mem, &mut Resolved::default()).publish(0, 1, |_| [1u64; 128]),
+            0
+        );
         // 1 KiB entries into slots 7, 0 and 1 (across the wrap); slot 2's page is gone.
         let entry = |n: u64| [n; 128];
         let wrapping = GuestRing::new(vec![0x1000, 0], 12, 10, 8);
         let entries = |index: u32| entry(7 + u64::from(index));
-        assert_eq!(Slots::new(&wrapping, &mem).publish(7, 3, entries), 3);
+        assert_eq!(
+            slots_through(&wrapping, &mem, &mut Resolved::default()).publish(7, 3, entries),
+            3
+        );
         let word = |gpa| mem.read_obj::<u64>(GuestAddress(gpa)).unwrap();
         assert_eq!((word(0xc00), word(0x1000), word(0x1400)), (7, 8, 9));
         let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
-        assert_eq!(Slots::new(&half_gone, &mem).publish(3, 3, entries), 1);
+        assert_eq!(
+            slots_through(&half_gone, &mem, &mut Resolved::default()).publish(3, 3, entries),
+            1
+        );
     }
 }

@@ -14,8 +14,8 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
-use super::guest_access::{load, store, Slots};
-use super::queues::{CqData, CqProgress, GuestRing, QpData, QpProgress, SrqData};
+use super::guest_access::{store, Slots};
+use super::queues::{CqData, CqProgress, QpData, SrqData, FIRST_PAGE, RECORD};
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
 use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
 use crate::hostverbs::{self, RecvWr, SendBatch, Sge, WorkCompletion};
@@ -139,13 +139,14 @@ impl Poller {
         &self.shared
     }
 
-    fn memory(&self) -> Option<vm_memory::GuestMemoryLoadGuard<Memory>> {
+    /// The current memory snapshot.
+    fn memory(&self) -> Option<Arc<Memory>> {
         self.shared
             .mem
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
-            .map(|m| m.memory())
+            .map(|m| m.memory().into_inner())
     }
 
     /// Before sleeping: asks the host for a completion event on every CQ of the connection
@@ -270,12 +271,12 @@ impl Poller {
     /// Moves the QP to the error state after a WQE or record it cannot use: the host then
     /// flushes everything outstanding, as hardware would. Said (log line, QP_FATAL) once per
     /// QP, however often a guest repeats the mistake.
-    fn fail_qp(&self, qp: &QpData, progress: &mut QpProgress, reason: &dyn std::fmt::Display) {
-        if progress.in_error {
+    fn fail_qp(&self, qp: &QpData, in_error: &mut bool, reason: &dyn std::fmt::Display) {
+        if *in_error {
             log::debug!("QP {:#x}: {reason}", qp.handle);
             return;
         }
-        progress.in_error = true;
+        *in_error = true;
         log::warn!(
             "QP {:#x}: {reason}; moving it to the error state",
             qp.handle
@@ -291,9 +292,9 @@ impl Poller {
     /// the backend keeps nothing for it.
     fn refuse_wqe(
         &self,
-        mem: &Memory,
+        mem: &Arc<Memory>,
         qp: &QpData,
-        progress: &mut QpProgress,
+        in_error: &mut bool,
         cq: &CqData,
         (cqe, reason): (Cqe, &WqeError),
     ) -> bool {
@@ -305,25 +306,24 @@ impl Poller {
         }
         drop(cq_progress);
         self.shared.refused.fetch_add(1, Ordering::Relaxed);
-        self.fail_qp(qp, progress, reason);
+        self.fail_qp(qp, in_error, reason);
         true
     }
 
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
-    fn process_sq(&mut self, mem: &Memory, qp: &QpData) -> Visit {
-        let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
+    fn process_sq(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
+        let mut guard = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let progress = &mut *guard;
         if progress.failed {
             return Visit::default();
         }
-        let Ok(producer) = load::<u32>(
-            mem,
-            qp.doorbell + QpDoorbell::SQ_PRODUCER,
-            Ordering::Acquire,
-        ) else {
+        let mapped = progress.resolved.through(mem, || qp.spans());
+        let Some(producer) = mapped.load::<u32>(RECORD, QpDoorbell::SQ_PRODUCER, Ordering::Acquire)
+        else {
             progress.failed = true;
-            self.fail_qp(qp, &mut progress, &"doorbell record unreadable");
+            self.fail_qp(qp, &mut progress.in_error, &"doorbell record unreadable");
             return Visit::WORKED;
         };
         let pending = ring_pending(producer, progress.sq_consumer);
@@ -334,7 +334,7 @@ impl Poller {
             progress.failed = true;
             self.fail_qp(
                 qp,
-                &mut progress,
+                &mut progress.in_error,
                 &format!(
                     "SQ producer {producer} runs {pending} ahead of a {}-deep ring",
                     qp.sq.depth
@@ -357,7 +357,7 @@ impl Poller {
                 let (pd, ah) = ahs.as_ref()?.get(&handle)?;
                 Some((*pd, ah))
             };
-            let mut slots = Slots::new(&qp.sq, mem);
+            let slots = Slots::new(&qp.sq, mapped.from(FIRST_PAGE));
             let (send_sges, inline, send_batch) =
                 (&mut *self.send_sges, &mut *self.inline, &mut self.batch);
             let batch = pending.min(BATCH);
@@ -379,7 +379,7 @@ impl Poller {
             });
             if refused.is_none() && taken < batch {
                 progress.failed = true;
-                self.fail_qp(qp, &mut progress, &"SQ ring unreadable");
+                self.fail_qp(qp, &mut progress.in_error, &"SQ ring unreadable");
                 return Visit::WORKED;
             }
         }
@@ -391,15 +391,15 @@ impl Poller {
             // A refused send completes as a SEND, whatever its opcode said (SPEC.md §7.5).
             let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status(), wc_opcode::SEND);
             let refusal = (cqe, &error);
-            refused_one = self.refuse_wqe(mem, qp, &mut progress, &qp.send_cq, refusal);
+            refused_one = self.refuse_wqe(mem, qp, &mut progress.in_error, &qp.send_cq, refusal);
             if refused_one {
                 progress.sq_consumer = progress.sq_consumer.wrapping_add(1);
             }
         }
-        let _ = store(
-            mem,
+        mapped.store(
+            RECORD,
             progress.sq_consumer,
-            qp.doorbell + QpDoorbell::SQ_CONSUMER,
+            QpDoorbell::SQ_CONSUMER,
             Ordering::Release,
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
@@ -434,8 +434,7 @@ impl Poller {
     /// `producer`) into `self.recv`/`self.sges`; returns the first refused one, if any.
     fn read_receives(
         &mut self,
-        mem: &Memory,
-        ring: &GuestRing,
+        slots: Slots<'_>,
         rules: &QpRules,
         consumer: u32,
         pending: u32,
@@ -447,7 +446,7 @@ impl Poller {
         let (recv, sges) = (&mut self.recv, &mut self.sges);
         let batch = pending.min(BATCH);
         let mut refused = None;
-        let taken = Slots::new(ring, mem).take(consumer, batch, |slot| {
+        let taken = slots.take(consumer, batch, |slot| {
             match wqe::parse_recv(&slot, rules, &lookup, sges) {
                 Ok(received) => recv.push(received),
                 Err(error) => refused = Some((wr_id_of(&slot), error)),
@@ -480,19 +479,18 @@ impl Poller {
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
-    fn process_rq(&mut self, mem: &Memory, qp: &QpData) -> Visit {
+    fn process_rq(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
         let Some(rq) = &qp.rq else {
             return Visit::default();
         };
-        let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let progress = &mut *guard;
         if progress.failed {
             return Visit::default();
         }
-        let Ok(producer) = load::<u32>(
-            mem,
-            qp.doorbell + QpDoorbell::RQ_PRODUCER,
-            Ordering::Acquire,
-        ) else {
+        let mapped = progress.resolved.through(mem, || qp.spans());
+        let Some(producer) = mapped.load::<u32>(RECORD, QpDoorbell::RQ_PRODUCER, Ordering::Acquire)
+        else {
             return Visit::default();
         };
         let pending = ring_pending(producer, progress.rq_consumer);
@@ -505,25 +503,26 @@ impl Poller {
                 "RQ producer {producer} runs {pending} ahead of a {}-deep ring",
                 rq.depth
             );
-            self.fail_qp(qp, &mut progress, &reason);
+            self.fail_qp(qp, &mut progress.in_error, &reason);
             return Visit::WORKED;
         }
-        let refused = self.read_receives(mem, rq, &qp.rules, progress.rq_consumer, pending);
+        let slots = Slots::new(rq, mapped.from(qp.rq_first_page()));
+        let refused = self.read_receives(slots, &qp.rules, progress.rq_consumer, pending);
         let posted = self.post_receives(|wrs| qp.qp.post_recv(wrs));
         progress.rq_consumer = progress.rq_consumer.wrapping_add(posted as u32);
         let mut refused_one = false;
         if let (true, Some((wr_id, error))) = (posted == self.recv.len(), refused) {
             let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status(), wc_opcode::RECV);
             let refusal = (cqe, &error);
-            refused_one = self.refuse_wqe(mem, qp, &mut progress, &qp.recv_cq, refusal);
+            refused_one = self.refuse_wqe(mem, qp, &mut progress.in_error, &qp.recv_cq, refusal);
             if refused_one {
                 progress.rq_consumer = progress.rq_consumer.wrapping_add(1);
             }
         }
-        let _ = store(
-            mem,
+        mapped.store(
+            RECORD,
             progress.rq_consumer,
-            qp.doorbell + QpDoorbell::RQ_CONSUMER,
+            QpDoorbell::RQ_CONSUMER,
             Ordering::Release,
         );
         self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
@@ -536,13 +535,14 @@ impl Poller {
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
-    fn process_srq(&mut self, mem: &Memory, srq: &SrqData) -> Visit {
-        let mut progress = srq.progress.lock().unwrap_or_else(|e| e.into_inner());
+    fn process_srq(&mut self, mem: &Arc<Memory>, srq: &SrqData) -> Visit {
+        let mut guard = srq.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let progress = &mut *guard;
         if progress.failed {
             return Visit::default();
         }
-        let Ok(producer) =
-            load::<u32>(mem, srq.doorbell + SrqDoorbell::PRODUCER, Ordering::Acquire)
+        let mapped = progress.resolved.through(mem, || srq.spans());
+        let Some(producer) = mapped.load::<u32>(RECORD, SrqDoorbell::PRODUCER, Ordering::Acquire)
         else {
             return Visit::default();
         };
@@ -559,16 +559,16 @@ impl Poller {
                 srq.ring.depth
             ))
         } else {
-            let refused =
-                self.read_receives(mem, &srq.ring, &srq.rules, progress.consumer, pending);
+            let slots = Slots::new(&srq.ring, mapped.from(FIRST_PAGE));
+            let refused = self.read_receives(slots, &srq.rules, progress.consumer, pending);
             let posted = self.post_receives(|wrs| srq.srq.post_recv(wrs));
             moved = posted > 0;
             progress.consumer = progress.consumer.wrapping_add(posted as u32);
             self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
-            let _ = store(
-                mem,
+            mapped.store(
+                RECORD,
                 progress.consumer,
-                srq.doorbell + SrqDoorbell::CONSUMER,
+                SrqDoorbell::CONSUMER,
                 Ordering::Release,
             );
             refused.map(|(_, error)| error.to_string())
@@ -591,7 +591,7 @@ impl Poller {
     /// guest's consumer index is read only when fewer than `wanted` are known to be free.
     fn cq_room(
         &self,
-        mem: &Memory,
+        mem: &Arc<Memory>,
         cq: &CqData,
         progress: &mut CqProgress,
         wanted: u32,
@@ -602,12 +602,11 @@ impl Poller {
         if progress.room >= wanted {
             return Some(progress.room);
         }
-        let consumer = load::<u32>(
-            mem,
-            cq.doorbell + CqDoorbell::CONSUMER_INDEX,
+        let consumer = progress.resolved.through(mem, || cq.spans()).load::<u32>(
+            RECORD,
+            CqDoorbell::CONSUMER_INDEX,
             Ordering::Acquire,
-        )
-        .ok();
+        );
         match consumer.map(|c| ring_pending(progress.producer, c)) {
             Some(used) if used <= cq.ring.depth => {
                 progress.room = cq.ring.depth - used;
@@ -631,14 +630,18 @@ impl Poller {
     #[inline(always)]
     fn write_cqes(
         &self,
-        mem: &Memory,
+        mem: &Arc<Memory>,
         cq: &CqData,
         progress: &mut CqProgress,
         count: u32,
         cqe: impl Fn(usize) -> Cqe,
     ) -> u32 {
         let (first, depth) = (progress.producer, cq.ring.depth);
-        let written = Slots::new(&cq.ring, mem).publish(first, count, |index| {
+        let pages = progress
+            .resolved
+            .through(mem, || cq.spans())
+            .from(FIRST_PAGE);
+        let written = Slots::new(&cq.ring, pages).publish(first, count, |index| {
             let owner = cqe_owner_for(first.wrapping_add(index), depth);
             cqe_words(&Cqe {
                 owner,
@@ -657,7 +660,7 @@ impl Poller {
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
-    fn process_cq(&mut self, mem: &Memory, cq: &CqData) -> bool {
+    fn process_cq(&mut self, mem: &Arc<Memory>, cq: &CqData) -> bool {
         let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
         let Some(room) = self.cq_room(mem, cq, &mut progress, BATCH) else {
             return false;
@@ -706,11 +709,12 @@ impl Poller {
     }
 
     /// A new CQE was written: if the guest armed the CQ, tell it (SPEC.md §8.2).
-    fn serve_arm_request(&self, mem: &Memory, cq: &CqData, progress: &mut CqProgress) {
+    fn serve_arm_request(&self, mem: &Arc<Memory>, cq: &CqData, progress: &mut CqProgress) {
         // The CQE must be visible before the arm is read, or a guest arming meanwhile and
         // this poller each read the other's old value and the event is lost.
         std::sync::atomic::fence(Ordering::SeqCst);
-        let Ok(arm) = load::<u32>(mem, cq.doorbell + CqDoorbell::ARM, Ordering::Acquire) else {
+        let record = progress.resolved.through(mem, || cq.spans());
+        let Some(arm) = record.load::<u32>(RECORD, CqDoorbell::ARM, Ordering::Acquire) else {
             return;
         };
         let Some(request) = ArmRequest::decode(arm) else {
@@ -718,9 +722,13 @@ impl Poller {
         };
         // `arm_served` is the device's to write: its own copy is the one that counts.
         if request.is_outstanding(progress.arm_served) {
+            record.store(
+                RECORD,
+                request.sequence,
+                CqDoorbell::ARM_SERVED,
+                Ordering::Release,
+            );
             progress.arm_served = request.sequence;
-            let served_at = cq.doorbell + CqDoorbell::ARM_SERVED;
-            let _ = store(mem, request.sequence, served_at, Ordering::Release);
             self.post_event(event_kind::CQ_COMPLETION, cq.handle);
         }
     }

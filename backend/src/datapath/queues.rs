@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::{Arc, Mutex};
 
 use vrdma_spec::codec::ring_slot;
+use vrdma_spec::ring::{CqDoorbell, QpDoorbell, SrqDoorbell};
 
+use super::guest_access::Resolved;
 use super::host::{HostCompletionQueue, HostQueuePair, HostSharedReceiveQueue};
 use super::wqe::QpRules;
 
@@ -48,6 +50,24 @@ impl GuestRing {
     pub(super) fn stride(&self) -> usize {
         1 << self.stride_shift
     }
+
+    fn page_spans(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        self.pages.iter().map(|&gpa| (gpa, 1 << self.page_shift))
+    }
+}
+
+/// Among a queue's spans of guest memory (see [`Resolved`]), its doorbell record's; its
+/// ring's pages follow (for a QP, the SQ's, then the RQ's).
+pub(super) const RECORD: usize = 0;
+/// A queue's first ring page among its spans.
+pub(super) const FIRST_PAGE: usize = RECORD + 1;
+
+/// A queue's doorbell record of `R` at `gpa`, then its rings' pages, as spans.
+fn spans_of<'a, R>(
+    gpa: u64,
+    rings: impl Iterator<Item = &'a GuestRing> + 'a,
+) -> impl Iterator<Item = (u64, usize)> + 'a {
+    std::iter::once((gpa, size_of::<R>())).chain(rings.flat_map(GuestRing::page_spans))
 }
 
 pub(super) struct CqProgress {
@@ -61,6 +81,7 @@ pub(super) struct CqProgress {
     /// The device writes no more CQEs: the ring or the consumer index became unusable, or
     /// the CQ was destroyed.
     pub(super) failed: bool,
+    pub(super) resolved: Resolved,
 }
 
 /// The data-path half of a CQ.
@@ -90,6 +111,10 @@ impl CqData {
         self.ring.bytes()
     }
 
+    pub(super) fn spans(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        spans_of::<CqDoorbell>(self.doorbell, std::iter::once(&self.ring))
+    }
+
     pub fn new(
         handle: u32,
         host: Arc<dyn HostCompletionQueue>,
@@ -106,6 +131,7 @@ impl CqData {
                 room: 0,
                 arm_served: 0,
                 failed: false,
+                resolved: Resolved::default(),
             }),
             armed: AtomicBool::new(false),
         }
@@ -120,6 +146,7 @@ pub(super) struct QpProgress {
     pub(super) failed: bool,
     /// The device moved the QP to the error state (and said so).
     pub(super) in_error: bool,
+    pub(super) resolved: Resolved,
 }
 
 /// The data-path half of a QP.
@@ -150,6 +177,15 @@ impl QpData {
         self.sq.bytes() + self.rq.as_ref().map_or(0, GuestRing::bytes)
     }
 
+    pub(super) fn spans(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        spans_of::<QpDoorbell>(self.doorbell, std::iter::once(&self.sq).chain(&self.rq))
+    }
+
+    /// The RQ's first page among the QP's spans.
+    pub(super) fn rq_first_page(&self) -> usize {
+        FIRST_PAGE + self.sq.pages.len()
+    }
+
     pub fn new(
         handle: u32,
         qp: Arc<dyn HostQueuePair>,
@@ -173,6 +209,7 @@ impl QpData {
                 rq_consumer: 0,
                 failed: false,
                 in_error: false,
+                resolved: Resolved::default(),
             }),
         }
     }
@@ -182,6 +219,7 @@ pub(super) struct SrqProgress {
     pub(super) consumer: u32,
     /// The device takes no more WQEs from the SRQ: one was refused, or it was destroyed.
     pub(super) failed: bool,
+    pub(super) resolved: Resolved,
 }
 
 /// The data-path half of an SRQ.
@@ -207,6 +245,10 @@ impl SrqData {
             .failed = true;
     }
 
+    pub(super) fn spans(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        spans_of::<SrqDoorbell>(self.doorbell, std::iter::once(&self.ring))
+    }
+
     /// WQEs the SRQ holds.
     pub fn depth(&self) -> u32 {
         self.ring.depth
@@ -227,6 +269,7 @@ impl SrqData {
         let progress = Mutex::new(SrqProgress {
             consumer: 0,
             failed: false,
+            resolved: Resolved::default(),
         });
         SrqData {
             limit: AtomicU32::new(0),
