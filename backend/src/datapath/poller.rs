@@ -18,7 +18,7 @@ use super::guest_access::{store, Slots};
 use super::queues::{CqData, CqProgress, QpData, SrqData, FIRST_PAGE, RECORD};
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
 use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
-use crate::hostverbs::{self, RecvWr, SendBatch, Sge, WorkCompletion};
+use crate::hostverbs::{self, PushError, RecvWr, SendBatch, Sge, WorkCompletion};
 
 /// What visiting a queue did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -47,10 +47,6 @@ impl Visit {
 /// list and reusable scratch space (no allocation per WQE).
 pub(super) struct Poller {
     shared: Arc<Shared>,
-    /// The SGEs of one send WQE as it is parsed (room for the most a WQE may have).
-    send_sges: Box<[Sge]>,
-    /// The inline payload of one send WQE as it is parsed.
-    inline: Box<[u8]>,
     /// The SGEs of a batch of receive WQEs.
     sges: Vec<Sge>,
     /// A batch of sends, built in place in the host's layout.
@@ -113,12 +109,11 @@ impl Poller {
     pub(super) fn new(shared: Arc<Shared>) -> Self {
         Poller {
             shared,
-            inline: vec![0; MAX_SEND_INLINE as usize].into_boxed_slice(),
-            send_sges: vec![Sge::default(); MAX_SEND_SGE as usize].into_boxed_slice(),
             sges: Vec::with_capacity(BATCH as usize * 32),
+            // Room for a batch of the largest WQEs: a WQE is never refused for the room left.
             batch: SendBatch::with_capacity(
                 BATCH as usize,
-                BATCH as usize * (MAX_SEND_SGE as usize + 1),
+                BATCH as usize * MAX_SEND_SGE as usize,
                 BATCH as usize * MAX_SEND_INLINE as usize,
             ),
             recv: Vec::with_capacity(BATCH as usize),
@@ -358,21 +353,22 @@ impl Poller {
                 Some((*pd, ah))
             };
             let slots = Slots::new(&qp.sq, mapped.from(FIRST_PAGE));
-            let (send_sges, inline, send_batch) =
-                (&mut *self.send_sges, &mut *self.inline, &mut self.batch);
+            let send_batch = &mut self.batch;
             let batch = pending.min(BATCH);
             let taken = slots.take(progress.sq_consumer, batch, |slot| {
-                let parsed = wqe::parse_send(&slot, &qp.rules, &mr_of, &ah_of, send_sges, inline);
-                let error = match parsed {
-                    Ok(wr) => match send_batch.push(&wr) {
-                        Ok(()) => return true,
-                        // The batch has room for a full batch of the largest slots.
-                        Err(e) => {
-                            log::error!("QP {:#x}: {e}", qp.handle);
-                            WqeError::Unpostable
-                        }
-                    },
-                    Err(error) => error,
+                // Checked straight into the batch: its SGEs and inline payload in place.
+                let pushed = send_batch.push_with(|sges, inline| {
+                    wqe::parse_send(&slot, &qp.rules, &mr_of, &ah_of, sges, inline)
+                        .map_err(PushError::Made)
+                });
+                let error = match pushed {
+                    Ok(()) => return true,
+                    Err(PushError::Made(error)) => error,
+                    // Not with the room the batch has (see `new`).
+                    Err(PushError::Full) => {
+                        log::error!("QP {:#x}: the send batch is full", qp.handle);
+                        WqeError::Unpostable
+                    }
                 };
                 refused = Some((wr_id_of(&slot), error));
                 false

@@ -341,6 +341,15 @@ pub struct RecvWr<'a> {
     pub sges: &'a [Sge],
 }
 
+/// Why [`SendBatch::push_with`] added nothing.
+#[derive(Debug)]
+pub enum PushError<E> {
+    /// No room for the request or its payload, or its payload not in the room.
+    Full,
+    /// The request could not be made.
+    Made(E),
+}
+
 /// Work requests chained into one post call; bounds the stack space a batch needs.
 const POST_BATCH: usize = 16;
 
@@ -352,11 +361,14 @@ pub struct SendBatch {
     /// All zero when made: a request writes only the fields its opcode uses.
     wrs: Box<[ibv_send_wr]>,
     len: usize,
-    /// In the layout of `ibv_sge` (asserted where `Sge` is defined).
+    /// The requests' gathered SGEs, in the layout of `ibv_sge` (asserted where `Sge` is
+    /// defined).
     sges: Box<[Sge]>,
     sges_used: usize,
     inline: Box<[u8]>,
     inline_used: usize,
+    /// The SGE of each inline request, which names its payload in `inline`.
+    inline_sges: Box<[Sge]>,
     /// The address handles UD requests name, kept alive until the batch is cleared.
     ahs: Vec<Arc<AddressHandle>>,
 }
@@ -366,8 +378,8 @@ pub struct SendBatch {
 unsafe impl Send for SendBatch {}
 
 impl SendBatch {
-    /// Room for `wrs` requests with `sges` SGEs and `inline` bytes of inline payload among
-    /// them (an inline request takes one SGE as well).
+    /// Room for `wrs` requests with `sges` gathered SGEs and `inline` bytes of inline payload
+    /// among them.
     pub fn with_capacity(wrs: usize, sges: usize, inline: usize) -> SendBatch {
         SendBatch {
             // SAFETY: all-zero is a valid ibv_send_wr (integers, null pointers, unions of
@@ -378,6 +390,7 @@ impl SendBatch {
             sges_used: 0,
             inline: vec![0; inline].into_boxed_slice(),
             inline_used: 0,
+            inline_sges: vec![Sge::default(); wrs].into_boxed_slice(),
             ahs: Vec::with_capacity(wrs),
         }
     }
@@ -397,15 +410,45 @@ impl SendBatch {
         self.len == 0
     }
 
-    /// Adds `wr` at the end; refused when it does not fit the room the batch was made with.
-    // Inlined into the data path's loop, where `wr` is built from a WQE: the request is then
-    // never materialised, only its fields written here.
-    #[inline(always)]
+    /// Adds `wr` at the end, its payload copied in; refused when it does not fit the room the
+    /// batch was made with.
     pub fn push(&mut self, wr: &SendWr<'_>) -> Result<()> {
-        let no_room = || Error::InvalidArgument("the send batch is full".into());
+        let pushed = self.push_with::<()>(|sge_room, inline_room| {
+            let payload = match wr.payload {
+                Payload::Sges(from) => {
+                    let to = sge_room.get_mut(..from.len()).ok_or(PushError::Full)?;
+                    to.copy_from_slice(from);
+                    Payload::Sges(to)
+                }
+                Payload::Inline(from) => {
+                    let to = inline_room.get_mut(..from.len()).ok_or(PushError::Full)?;
+                    to.copy_from_slice(from);
+                    Payload::Inline(to)
+                }
+            };
+            Ok(SendWr { payload, ..*wr })
+        });
+        pushed.map_err(|_| Error::InvalidArgument("the send batch is full".into()))
+    }
+
+    /// Adds the request `make` makes at the end. `make` gets the batch's free SGE and
+    /// inline-payload room and writes the request's payload there, from the start: it is
+    /// used in place. Refused, `make` not called, when the batch has no room for another
+    /// request; refused when the payload is not where it should be.
+    // Inlined into the data path's loop, where the request is made from a WQE: it is then
+    // never materialised, only its fields written here, and its SGEs are checked in place.
+    #[inline(always)]
+    pub fn push_with<'r, E>(
+        &'r mut self,
+        make: impl FnOnce(&'r mut [Sge], &'r mut [u8]) -> std::result::Result<SendWr<'r>, PushError<E>>,
+    ) -> std::result::Result<(), PushError<E>> {
         if self.len == self.wrs.len() {
-            return Err(no_room());
+            return Err(PushError::Full);
         }
+        let sge_room = &mut self.sges[self.sges_used..];
+        let inline_room = &mut self.inline[self.inline_used..];
+        let (gathered_at, inline_at) = (sge_room.as_mut_ptr(), inline_room.as_mut_ptr());
+        let wr = make(sge_room, inline_room)?;
         let mut flags = 0;
         if wr.signaled {
             flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
@@ -416,64 +459,55 @@ impl SendBatch {
         if wr.fence {
             flags |= ibv_send_flags::IBV_SEND_FENCE.0;
         }
-        let first_sge = self.sges_used;
-        let sge_count = match wr.payload {
-            Payload::Sges(sges) => {
-                let room = self.sges.get_mut(first_sge..first_sge + sges.len());
-                match (room.ok_or_else(no_room)?, sges) {
-                    // Most WQEs have one SGE: no call to memcpy for it.
-                    ([to], [from]) => *to = *from,
-                    (room, sges) => room.copy_from_slice(sges),
-                }
-                sges.len()
+        let (sg_list, sge_count) = match wr.payload {
+            Payload::Sges(sges) if std::ptr::eq(sges.as_ptr(), gathered_at) => {
+                self.sges_used += sges.len();
+                (gathered_at, sges.len())
             }
-            Payload::Inline(data) => {
-                let first_byte = self.inline_used;
-                let room = self.inline.get_mut(first_byte..first_byte + data.len());
-                let (Some(room), Some(sge)) = (room, self.sges.get_mut(first_sge)) else {
-                    return Err(no_room());
-                };
-                room.copy_from_slice(data);
+            Payload::Inline(data) if std::ptr::eq(data.as_ptr(), inline_at) => {
+                // An SGE of its own: `self.sges` stays lent to `make` for `'r`.
+                let sge = &mut self.inline_sges[self.len];
                 *sge = Sge {
-                    addr: room.as_ptr() as u64,
-                    length: data.len() as u32, // at most the inline capacity, checked
+                    addr: inline_at as u64,
+                    length: data.len() as u32, // at most the inline capacity
                     lkey: 0,
                 };
                 self.inline_used += data.len();
                 flags |= ibv_send_flags::IBV_SEND_INLINE.0;
-                1
+                (std::ptr::from_mut(sge), 1)
             }
+            _ => return Err(PushError::Full),
         };
-        let sg_list = self.sges[first_sge..].as_mut_ptr().cast::<ibv_sge>();
-        self.sges_used += sge_count;
-        if let Some(dest) = wr.ud {
+        let ud = wr.ud.map(|dest| {
             self.ahs.push(Arc::clone(dest.ah));
-        }
-        let raw = &mut self.wrs[self.len];
-        self.len += 1;
-        raw.wr_id = wr.wr_id;
-        raw.sg_list = sg_list;
-        raw.num_sge = sge_count as c_int; // at most the batch's SGE capacity
-        raw.send_flags = flags;
-        raw.opcode = host_opcode(wr.opcode);
-        raw.imm_data_invalidated_rkey_union.imm_data = wr.operands.imm.to_be();
-        if let Some(dest) = wr.ud {
-            raw.wr.ud = ud_t {
+            ud_t {
                 ah: dest.ah.raw.as_ptr(),
                 remote_qpn: dest.remote_qpn,
                 remote_qkey: dest.remote_qkey,
-            };
-        } else if wr.opcode.is_atomic() {
+            }
+        });
+        let (wr_id, opcode, operands) = (wr.wr_id, wr.opcode, wr.operands);
+        let raw = &mut self.wrs[self.len];
+        self.len += 1;
+        raw.wr_id = wr_id;
+        raw.sg_list = sg_list.cast::<ibv_sge>();
+        raw.num_sge = sge_count as c_int; // at most the batch's SGE capacity
+        raw.send_flags = flags;
+        raw.opcode = host_opcode(opcode);
+        raw.imm_data_invalidated_rkey_union.imm_data = operands.imm.to_be();
+        if let Some(ud) = ud {
+            raw.wr.ud = ud;
+        } else if opcode.is_atomic() {
             raw.wr.atomic = atomic_t {
-                remote_addr: wr.operands.remote_addr,
-                compare_add: wr.operands.compare_add,
-                swap: wr.operands.swap,
-                rkey: wr.operands.rkey,
+                remote_addr: operands.remote_addr,
+                compare_add: operands.compare_add,
+                swap: operands.swap,
+                rkey: operands.rkey,
             };
         } else {
             raw.wr.rdma = rdma_t {
-                remote_addr: wr.operands.remote_addr,
-                rkey: wr.operands.rkey,
+                remote_addr: operands.remote_addr,
+                rkey: operands.rkey,
             };
         }
         Ok(())
@@ -800,7 +834,7 @@ mod tests {
 
     #[test]
     fn a_send_batch_holds_requests_in_the_hosts_layout_and_refuses_what_does_not_fit() {
-        let mut batch = SendBatch::with_capacity(3, 4, 4);
+        let mut batch = SendBatch::with_capacity(3, 3, 4);
         let sges = [sge(0x1000), sge(0x2000)];
         let write = SendOp::RdmaWrite {
             remote_addr: 0x9000,
@@ -866,5 +900,23 @@ mod tests {
         assert_eq!(flags(&raw[1]), ibv_send_flags::IBV_SEND_INLINE.0);
         batch.clear();
         assert!(batch.is_empty() && batch.wr_ids().next().is_none());
+    }
+
+    #[test]
+    fn a_payload_made_in_the_batchs_room_is_used_in_place_and_one_elsewhere_refused() {
+        let mut batch = SendBatch::with_capacity(2, 2, 0);
+        let sges = [sge(0x1000), sge(0x2000)];
+        let send = SendOp::Send;
+        let elsewhere =
+            batch.push_with::<()>(|_, _| Ok(SendWr::new(1, send, Payload::Sges(&sges))));
+        assert!(matches!(elsewhere, Err(PushError::Full)));
+        let in_place = batch.push_with::<()>(|room, _| {
+            room[..2].copy_from_slice(&sges);
+            Ok(SendWr::new(2, send, Payload::Sges(&room[..2])))
+        });
+        assert!(in_place.is_ok());
+        let wr = &batch.wrs[0];
+        assert_eq!((wr.wr_id, wr.num_sge), (2, 2));
+        assert_eq!(wr.sg_list, batch.sges.as_ptr().cast_mut().cast());
     }
 }
