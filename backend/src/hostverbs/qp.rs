@@ -358,7 +358,7 @@ const POST_BATCH: usize = 16;
 /// Every pointer in a request points into the batch's own buffers, which are allocated once
 /// at their full size, or at an address handle the batch holds.
 pub struct SendBatch {
-    /// All zero when made: a request writes only the fields its opcode uses.
+    /// All zero when made but for the chain: a request writes only the fields its opcode uses.
     wrs: Box<[ibv_send_wr]>,
     len: usize,
     /// The requests' gathered SGEs, in the layout of `ibv_sge` (asserted where `Sge` is
@@ -378,20 +378,28 @@ pub struct SendBatch {
 unsafe impl Send for SendBatch {}
 
 impl SendBatch {
-    /// Room for `wrs` requests with `sges` gathered SGEs and `inline` bytes of inline payload
+    /// Room for `requests` requests with `sges` gathered SGEs and `inline` bytes of inline payload
     /// among them.
-    pub fn with_capacity(wrs: usize, sges: usize, inline: usize) -> SendBatch {
+    pub fn with_capacity(requests: usize, sges: usize, inline: usize) -> SendBatch {
+        // SAFETY: all-zero is a valid ibv_send_wr (integers, null pointers, unions of those).
+        let mut wrs: Box<[ibv_send_wr]> = (0..requests)
+            .map(|_| unsafe { std::mem::zeroed() })
+            .collect();
+        // Chained once (the boxed requests never move): a post cuts the chain after its last
+        // request, and mends it after.
+        let base = wrs.as_mut_ptr();
+        for index in 1..wrs.len() {
+            wrs[index - 1].next = base.wrapping_add(index);
+        }
         SendBatch {
-            // SAFETY: all-zero is a valid ibv_send_wr (integers, null pointers, unions of
-            // those).
-            wrs: (0..wrs).map(|_| unsafe { std::mem::zeroed() }).collect(),
+            wrs,
             len: 0,
             sges: vec![Sge::default(); sges].into_boxed_slice(),
             sges_used: 0,
             inline: vec![0; inline].into_boxed_slice(),
             inline_used: 0,
-            inline_sges: vec![Sge::default(); wrs].into_boxed_slice(),
-            ahs: Vec::with_capacity(wrs),
+            inline_sges: vec![Sge::default(); requests].into_boxed_slice(),
+            ahs: Vec::with_capacity(requests),
         }
     }
 
@@ -531,15 +539,13 @@ impl SendBatch {
         }
         let base = self.wrs.as_mut_ptr();
         let last = self.len - 1;
-        for (index, raw) in self.wrs[..last].iter_mut().enumerate() {
-            raw.next = base.wrapping_add(index + 1);
-        }
-        self.wrs[last].next = std::ptr::null_mut();
+        let after_last = std::mem::replace(&mut self.wrs[last].next, std::ptr::null_mut());
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive; the chain covers exactly the batch's requests, and every SGE list and
-        // inline payload and AH it points to is the batch's own (see `SendBatch`), alive and
-        // unmoved for the call; the provider copies what it keeps.
+        // SAFETY: the QP is alive; the chain covers exactly the batch's requests, and every SGE
+        // list and inline payload and AH it points to is the batch's own (see `SendBatch`),
+        // alive and unmoved for the call; the provider copies what it keeps.
         let ret = unsafe { ibv_post_send(qp.raw.as_ptr(), base, &mut bad) };
+        self.wrs[last].next = after_last;
         if ret == 0 {
             return Ok(());
         }
