@@ -115,10 +115,15 @@ verify_setup() {
     "apt-get install -t bookworm-backports ${backports_packages[*]}"
   [ "$major" -ge 10 ] || fail "qemu-system-x86_64 is version $major; the harness needs QEMU 10 or newer" \
     "apt-get install -t bookworm-backports ${backports_packages[*]}"
-  qemu-system-x86_64 -object help 2>/dev/null | grep -q memory-backend-memfd ||
+  # Captured, not piped into `grep -q`: grep stops at its match, and under pipefail the
+  # writer's SIGPIPE would fail the check.
+  local objects devices
+  objects=$(qemu-system-x86_64 -object help 2>/dev/null || true)
+  devices=$(qemu-system-x86_64 -device help 2>/dev/null || true)
+  [[ $objects == *memory-backend-memfd* ]] ||
     fail "this QEMU cannot share guest RAM with vhost-user backends (no memory-backend-memfd)" \
       "install Debian's qemu-system-x86 from bookworm-backports"
-  qemu-system-x86_64 -device help 2>/dev/null | grep -q vhost-user ||
+  [[ $devices == *vhost-user* ]] ||
     fail "this QEMU has no vhost-user devices" "install Debian's qemu-system-x86 from bookworm-backports"
   local tool
   for tool in rdma:iproute2 ibv_devinfo:ibverbs-utils ib_write_bw:perftest busybox:busybox-static \
