@@ -127,9 +127,10 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
     visits="$(visits process_sq) SQ visits and $(visits process_cq) CQ visits"
     # Where they go: the visits that take send WQEs and post them, and those that write
     # CQEs, each with the host call under it.
+    # (A function's own line in the call tree: "N  *  file:function [object]".)
     inclusive() {
-      for f in "$out".*; do callgrind_annotate --inclusive=yes --threshold=100 "$f"; done 2>/dev/null |
-        awk -v name="$1 [" 'index($0, name) { gsub(",", "", $1); n += $1 } END { print n + 0 }'
+      awk -v name="$1 [" 'index($0, name) { gsub(",", "", $1); n += $1 } END { print n + 0 }' \
+        <<<"$calls"
     }
     sends=$(inclusive Poller::process_sq) posts=$(inclusive SendBatch::post)
     completions=$(inclusive Poller::process_cq) polls=$(inclusive 'HostCompletionQueue>::poll')
