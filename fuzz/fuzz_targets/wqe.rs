@@ -1,9 +1,12 @@
 //! Send and receive WQEs as the backend reads them from a guest's rings: decoding
-//! (vrdma-spec's codec) and validation against a QP's rules and the guest's MRs.
+//! (vrdma-spec's codec) and validation against a QP's rules and the guest's MRs, and the
+//! common send path against the general one.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vrdma_backend::datapath::wqe::{parse_recv, parse_send, MrRange, QpRules};
+use vrdma_backend::datapath::wqe::{
+    parse_common_send, parse_recv, parse_send, MrRange, QpRules,
+};
 use vrdma_backend::hostverbs::{Payload, Sge};
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
 
@@ -44,7 +47,21 @@ fuzz_target!(|input: &[u8]| {
     if !receive {
         let no_ahs = |_| None;
         let (mut sges, mut inline) = ([Sge::default(); 32], [0; 4096]);
-        if let Ok(wr) = parse_send(&wqe[..], &rules, &lookup, &no_ahs, &mut sges, &mut inline) {
+        let parsed = parse_send(&wqe[..], &rules, &lookup, &no_ahs, &mut sges, &mut inline);
+        // The common path takes only what parse_send takes, into the same request.
+        if let Some(common) = parse_common_send(&wqe[..], &rules, &lookup) {
+            if rules.takes_common_sends() {
+                let wr = parsed.as_ref().expect("parse_send takes what the common path takes");
+                assert!(matches!(wr.payload, Payload::Sges(&[sge]) if sge == common.sge));
+                assert!(!wr.opcode.is_atomic() && wr.ud.is_none());
+                let header = (wr.wr_id, wr.opcode, wr.signaled, wr.solicited, wr.fence);
+                let c = common;
+                assert_eq!(header, (c.wr_id, c.opcode, c.signaled, c.solicited, c.fence));
+                let (o, co) = (wr.operands, common.operands);
+                assert_eq!((o.imm, o.remote_addr, o.rkey), (co.imm, co.remote_addr, co.rkey));
+            }
+        }
+        if let Ok(wr) = parsed {
             match wr.payload {
                 Payload::Sges(sges) => {
                     assert!(sges.len() <= rules.max_send_sge as usize);

@@ -103,11 +103,13 @@ impl HostQueuePair for FakeQp {
     }
 }
 
-/// A host CQ that hands out the completions a test queued, and counts its arm requests.
+/// A host CQ that hands out the completions a test queued, and counts its polls and arm
+/// requests.
 #[derive(Default)]
 pub struct FakeCq {
     pub ready: Mutex<VecDeque<u64>>,
     pub arms: AtomicUsize,
+    pub polls: AtomicUsize,
 }
 
 impl HostCompletionQueue for FakeCq {
@@ -116,6 +118,7 @@ impl HostCompletionQueue for FakeCq {
     }
 
     fn poll(&self, out: &mut [WorkCompletion]) -> hostverbs::Result<usize> {
+        self.polls.fetch_add(1, Ordering::Relaxed);
         let mut ready = self.ready.lock().unwrap();
         let n = out.len().min(ready.len());
         for slot in &mut out[..n] {
@@ -155,7 +158,6 @@ pub struct Rig {
     pub(super) poller: Poller,
     pub qp: Arc<FakeQp>,
     pub cq: Arc<FakeCq>,
-    #[cfg_attr(not(test), allow(dead_code))]
     pub(super) qp_data: Arc<QpData>,
     pub events: Arc<FakeEventQueue>,
     pub cq_depth: u32,
@@ -164,6 +166,14 @@ pub struct Rig {
 }
 
 impl Rig {
+    /// Completes the WQEs `wr_ids` on the host CQ, as the host would those it was given.
+    pub fn complete(&self, wr_ids: impl IntoIterator<Item = u64>) {
+        let mut ready = self.cq.ready.lock().unwrap();
+        let before = ready.len();
+        ready.extend(wr_ids);
+        self.qp_data.send_cq.expect(ready.len() - before);
+    }
+
     /// A rig whose CQ has `cq_depth` entries (a power of two).
     pub fn new(cq_depth: u32) -> Rig {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();

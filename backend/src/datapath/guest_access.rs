@@ -105,6 +105,31 @@ impl Slot for VolatileSlice<'_> {
         Some(unsafe { at.read_volatile() })
     }
 
+    #[inline(always)]
+    fn field_head<T: ByteValued + Default>(&self, offset: usize, len: usize) -> Option<T> {
+        if len > size_of::<T>() || !len.is_multiple_of(8) || offset.checked_add(len)? > self.len() {
+            return None;
+        }
+        let guard = self.ptr_guard();
+        let at = guard.as_ptr().wrapping_add(offset).cast::<u64>();
+        if !at.is_aligned() {
+            let mut value = T::default();
+            self.subslice(offset, len)
+                .ok()?
+                .copy_to(&mut value.as_mut_slice()[..len]);
+            return Some(value);
+        }
+        let mut value = T::default();
+        for (index, word) in value.as_mut_slice()[..len].chunks_exact_mut(8).enumerate() {
+            // SAFETY: the word lies inside the slice (checked above), which stays mapped while
+            // `guard` lives, and is aligned; a guest writing it meanwhile only changes which
+            // value is read.
+            let read = unsafe { at.add(index).read_volatile() };
+            word.copy_from_slice(&read.to_ne_bytes());
+        }
+        Some(value)
+    }
+
     fn copy_bytes(&self, offset: usize, out: &mut [u8]) -> bool {
         match self.subslice(offset, out.len()) {
             Ok(bytes) => {
@@ -116,42 +141,17 @@ impl Slot for VolatileSlice<'_> {
     }
 }
 
-/// One slot of a run of them (see [`slots_of`]): its fields are read straight from the run.
-#[derive(Clone, Copy)]
-pub(super) struct RunSlot<'a, 'm> {
-    run: &'a VolatileSlice<'m>,
-    start: usize,
-    len: usize,
-}
-
-impl Slot for RunSlot<'_, '_> {
-    #[inline(always)]
-    fn field<T: ByteValued + Default>(&self, offset: usize) -> Option<T> {
-        if offset.checked_add(size_of::<T>())? > self.len {
-            return None;
-        }
-        self.run.field(self.start + offset)
-    }
-
-    fn copy_bytes(&self, offset: usize, out: &mut [u8]) -> bool {
-        offset
-            .checked_add(out.len())
-            .is_some_and(|end| end <= self.len)
-            && self.run.copy_bytes(self.start + offset, out)
-    }
-}
-
 /// The slots of `stride` bytes each that `run` holds, `count` at most, in order.
-fn slots_of<'a, 'm>(
-    run: &'a VolatileSlice<'m>,
+fn slots_of<'m>(
+    run: VolatileSlice<'m>,
     stride: usize,
     count: u32,
-) -> impl Iterator<Item = RunSlot<'a, 'm>> {
+) -> impl Iterator<Item = VolatileSlice<'m>> {
     let count = (count as usize).min(run.len() / stride.max(1));
-    (0..count).map(move |slot| RunSlot {
-        run,
-        start: slot * stride,
-        len: stride,
+    (0..count).map(move |slot| {
+        // SAFETY: slot `slot` of `run` lies inside it (`count` slots fit, checked above),
+        // and `run`, a slice of a region of the snapshot `'m` borrows, stays mapped for `'m`.
+        unsafe { VolatileSlice::new(run.ptr_guard_mut().as_ptr().add(slot * stride), stride) }
     })
 }
 
@@ -303,7 +303,7 @@ impl<'m> Slots<'m> {
         &self,
         first: u32,
         count: u32,
-        mut take: impl FnMut(RunSlot<'_, 'm>) -> bool,
+        mut take: impl FnMut(VolatileSlice<'m>) -> bool,
     ) -> u32 {
         let stride = self.ring.stride();
         let mut taken = 0;
@@ -312,7 +312,7 @@ impl<'m> Slots<'m> {
                 break;
             };
             let end_of_run = taken + slots;
-            for slot in slots_of(&run, stride, slots) {
+            for slot in slots_of(run, stride, slots) {
                 if !take(slot) {
                     return taken;
                 }
@@ -494,7 +494,7 @@ mod tests {
         let mut half_resolved = Resolved::default();
         let half = slots_through(&half_gone, &mem, &mut half_resolved);
         let (run, count) = half.run(2, 4).unwrap();
-        let starts: Vec<[u8; 5]> = slots_of(&run, 1024, count)
+        let starts: Vec<[u8; 5]> = slots_of(run, 1024, count)
             .map(|slot| {
                 let mut start = [0; 5];
                 assert!(slot.copy_bytes(0, &mut start));
@@ -506,13 +506,25 @@ mod tests {
         assert!(half.run(4, 4).is_none());
         // Slots 7, 0 and 1 of `ring`: the end of its second page, then its first.
         let (run, count) = slots.run(7, 3).unwrap();
-        let slot = slots_of(&run, 1024, count).next().unwrap();
+        let slot = slots_of(run, 1024, count).next().unwrap();
         assert_eq!(slot.field::<[u8; 5]>(0), Some(*b"seven"), "copied: 5 bytes");
         assert_eq!(slot.field::<u64>(1016), Some(0), "one word, in place");
         assert_eq!(slot.field::<u64>(1020), None, "past the slot");
         assert!(!slot.copy_bytes(1020, &mut [0; 8]));
+        // The head of a struct: its first words read, the rest left default.
+        mem.write_obj(0x0102_0304_0506_0708u64, GuestAddress(0xc00 + 1000))
+            .unwrap();
+        let head = slot.field_head::<[u64; 2]>(1000, 8);
+        assert_eq!(head, Some([0x0102_0304_0506_0708, 0]));
+        assert_eq!(slot.field_head::<[u64; 2]>(1016, 16), None, "past the slot");
+        assert_eq!(
+            slot.field_head::<[u64; 2]>(1000, 24),
+            None,
+            "more than the struct"
+        );
+        assert_eq!(slot.field_head::<[u64; 2]>(1000, 4), None, "not words");
         let (run, _) = slots.run(8, 2).unwrap();
-        let mut first = slots_of(&run, 1024, 2);
+        let mut first = slots_of(run, 1024, 2);
         assert_eq!(first.next().unwrap().field::<[u8; 5]>(0), Some(*b"zero."));
         assert_eq!(first.count(), 1);
         // Slots taken in order across the wrap, until told to stop or a page is missing.

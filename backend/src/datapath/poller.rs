@@ -18,7 +18,7 @@ use super::guest_access::{store, Slots};
 use super::queues::{CqData, CqProgress, QpData, SrqData, FIRST_PAGE, RECORD};
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
 use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
-use crate::hostverbs::{self, PushError, RecvWr, SendBatch, Sge, WorkCompletion};
+use crate::hostverbs::{self, AddressHandle, PushError, RecvWr, SendBatch, Sge, WorkCompletion};
 
 /// What visiting a queue did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -65,16 +65,23 @@ pub(super) struct Poller {
 /// Looks lkeys up in `mrs`, remembering the last one found: the WQEs of a batch mostly name
 /// the same MR, and the table cannot change while its read lock is held for the batch.
 fn mr_lookup(mrs: &MrTable) -> impl Fn(u32) -> Option<MrRange> + '_ {
-    let last = Cell::new(None::<(u32, MrRange)>);
-    move |lkey| match last.get() {
-        Some((key, range)) if key == lkey => Some(range),
-        _ => {
-            let range = mrs.get(&lkey).copied();
-            if let Some(range) = range {
-                last.set(Some((lkey, range)));
-            }
-            range
+    // Field by field, each a word the compiler keeps as such, and the key widened so that
+    // "none yet" is a value no lkey has: a hit is one comparison.
+    let last_key = Cell::new(u64::MAX);
+    let (pd, start, len) = (Cell::new(0), Cell::new(0), Cell::new(0));
+    move |lkey| {
+        if last_key.get() != u64::from(lkey) {
+            let range = mrs.get(&lkey)?;
+            last_key.set(u64::from(lkey));
+            pd.set(range.pd);
+            start.set(range.start);
+            len.set(range.len);
         }
+        Some(MrRange {
+            pd: pd.get(),
+            start: start.get(),
+            len: len.get(),
+        })
     }
 }
 
@@ -93,6 +100,31 @@ fn cqe_words(cqe: &Cqe) -> [u64; CQE_SIZE / 8] {
         *word = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
     }
     words
+}
+
+/// Checks the send WQE in `slot` straight into `batch`, its SGEs and inline payload in place:
+/// every WQE the common path (`wqe::parse_common_send`) does not take.
+// Out of the loop, so that the common path's few values stay in registers.
+#[inline(never)]
+fn push_send<'h>(
+    batch: &mut SendBatch,
+    slot: &impl Slot,
+    qp: &QpData,
+    mrs: &impl Fn(u32) -> Option<MrRange>,
+    ahs: &impl Fn(u32) -> Option<(u32, &'h Arc<AddressHandle>)>,
+) -> Result<(), WqeError> {
+    let pushed = batch.push_with(|sges, inline| {
+        wqe::parse_send(slot, &qp.rules, mrs, ahs, sges, inline).map_err(PushError::Made)
+    });
+    match pushed {
+        Ok(()) => Ok(()),
+        Err(PushError::Made(error)) => Err(error),
+        // Not with the room the batch has (see `Poller::new`).
+        Err(PushError::Full) => {
+            log::error!("QP {:#x}: the send batch is full", qp.handle);
+            Err(WqeError::Unpostable)
+        }
+    }
 }
 
 fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
@@ -355,23 +387,22 @@ impl Poller {
             let slots = Slots::new(&qp.sq, mapped.from(FIRST_PAGE));
             let send_batch = &mut self.batch;
             let batch = pending.min(BATCH);
+            let common = qp.rules.takes_common_sends();
             let taken = slots.take(progress.sq_consumer, batch, |slot| {
-                // Checked straight into the batch: its SGEs and inline payload in place.
-                let pushed = send_batch.push_with(|sges, inline| {
-                    wqe::parse_send(&slot, &qp.rules, &mr_of, &ah_of, sges, inline)
-                        .map_err(PushError::Made)
-                });
-                let error = match pushed {
-                    Ok(()) => return true,
-                    Err(PushError::Made(error)) => error,
-                    // Not with the room the batch has (see `new`).
-                    Err(PushError::Full) => {
-                        log::error!("QP {:#x}: the send batch is full", qp.handle);
-                        WqeError::Unpostable
+                if common {
+                    if let Some(wr) = wqe::parse_common_send(&slot, &qp.rules, &mr_of) {
+                        if send_batch.push_one_sge(&wr) {
+                            return true;
+                        }
                     }
-                };
-                refused = Some((wr_id_of(&slot), error));
-                false
+                }
+                match push_send(send_batch, &slot, qp, &mr_of, &ah_of) {
+                    Ok(()) => true,
+                    Err(error) => {
+                        refused = Some((wr_id_of(&slot), error));
+                        false
+                    }
+                }
             });
             if refused.is_none() && taken < batch {
                 progress.failed = true;
@@ -411,7 +442,8 @@ impl Poller {
         if self.batch.is_empty() {
             return 0;
         }
-        match qp.qp.post_send(&mut self.batch) {
+        qp.send_cq.expect(self.batch.len());
+        let posted = match qp.qp.post_send(&mut self.batch) {
             Ok(()) => self.batch.len(),
             Err(hostverbs::Error::Post { posted, source, .. }) => {
                 if source.raw_os_error() != Some(libc::ENOMEM) {
@@ -423,7 +455,11 @@ impl Poller {
                 log::warn!("QP {:#x}: {e}", qp.handle);
                 0
             }
+        };
+        if posted < self.batch.len() {
+            qp.send_cq.settle(self.batch.len() - posted);
         }
+        posted
     }
 
     /// Reads and validates up to a batch of receive WQEs from `ring` (between `consumer` and
@@ -504,7 +540,11 @@ impl Poller {
         }
         let slots = Slots::new(rq, mapped.from(qp.rq_first_page()));
         let refused = self.read_receives(slots, &qp.rules, progress.rq_consumer, pending);
+        qp.recv_cq.expect(self.recv.len());
         let posted = self.post_receives(|wrs| qp.qp.post_recv(wrs));
+        if posted < self.recv.len() {
+            qp.recv_cq.settle(self.recv.len() - posted);
+        }
         progress.rq_consumer = progress.rq_consumer.wrapping_add(posted as u32);
         let mut refused_one = false;
         if let (true, Some((wr_id, error))) = (posted == self.recv.len(), refused) {
@@ -657,6 +697,9 @@ impl Poller {
     // functions per WQE.
     #[inline(never)]
     fn process_cq(&mut self, mem: &Arc<Memory>, cq: &CqData) -> bool {
+        if !cq.may_have_completions() {
+            return false;
+        }
         let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
         let Some(room) = self.cq_room(mem, cq, &mut progress, BATCH) else {
             return false;
@@ -672,6 +715,7 @@ impl Poller {
         if n == 0 {
             return false;
         }
+        cq.settle(n);
         // The event of an armed CQ fires with its next completion: arm it again.
         cq.armed.store(false, Ordering::Relaxed);
         let wcs = &self.wcs[..n];

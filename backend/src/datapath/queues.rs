@@ -1,7 +1,7 @@
 //! The data-path half of each queue: where its ring and doorbell record are in guest memory,
 //! what its WQEs may ask for, and how far the device has got.
 
-use std::sync::atomic::{AtomicBool, AtomicU32};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vrdma_spec::codec::ring_slot;
@@ -94,9 +94,33 @@ pub struct CqData {
     /// The host CQ is armed and has not completed anything since: arming it again before
     /// sleeping would only cost a system call.
     pub(super) armed: AtomicBool,
+    /// WQEs posted to the host whose completions come here, less the completions taken: a
+    /// completion comes only for a WQE counted before it was posted, so while this is zero
+    /// the host CQ is empty and a visit need not poll it. A WQE that completes without a
+    /// completion (an unsignaled send) keeps it above zero, and the CQ is polled as before.
+    pending: AtomicU64,
+    /// Completions come here that no count foresees (receives from an SRQ): always polled.
+    uncounted: AtomicBool,
 }
 
 impl CqData {
+    /// Counts `wqes` about to be posted whose completions come to this CQ.
+    pub(super) fn expect(&self, wqes: usize) {
+        // Before the post, and ordered with it: a visit that finds a completion of it on
+        // the host CQ has counted it.
+        self.pending.fetch_add(wqes as u64, Ordering::SeqCst);
+    }
+
+    /// Takes back the count of `wqes` that were counted, then not posted, or that completed.
+    pub(super) fn settle(&self, wqes: usize) {
+        self.pending.fetch_sub(wqes as u64, Ordering::SeqCst);
+    }
+
+    /// Whether the host CQ can hold a completion.
+    pub(super) fn may_have_completions(&self) -> bool {
+        self.pending.load(Ordering::SeqCst) != 0 || self.uncounted.load(Ordering::Relaxed)
+    }
+
     /// After this, no pass writes to the CQ's ring or doorbell record again, which the guest
     /// may then reuse; waits only for a pass writing to it right now.
     pub(super) fn retire(&self) {
@@ -134,6 +158,8 @@ impl CqData {
                 resolved: Resolved::default(),
             }),
             armed: AtomicBool::new(false),
+            pending: AtomicU64::new(0),
+            uncounted: AtomicBool::new(false),
         }
     }
 }
@@ -195,6 +221,10 @@ impl QpData {
         send_cq: Arc<CqData>,
         recv_cq: Arc<CqData>,
     ) -> Self {
+        if rq.is_none() {
+            // Its receives, if any, come from an SRQ, which any QP on it may take them from.
+            recv_cq.uncounted.store(true, Ordering::Relaxed);
+        }
         QpData {
             handle,
             qp,

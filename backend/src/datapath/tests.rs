@@ -1,7 +1,7 @@
 //! The data path over plain guest memory and a fake host: what a poller pass does with the
 //! rings, doorbell records and notify area a driver laid out (SPEC.md §7-§8).
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use vm_memory::{Bytes, GuestAddress};
@@ -97,9 +97,34 @@ fn a_refused_wqe_completes_in_error_fails_the_qp_and_raises_qp_fatal() {
 }
 
 #[test]
+fn a_cq_is_polled_only_while_a_completion_can_be_on_it() {
+    let mut rig = Rig::new(64);
+    let polls = |rig: &Rig| rig.cq.polls.load(Ordering::Relaxed);
+    rig.poller.pass();
+    assert_eq!(polls(&rig), 0, "nothing posted, nothing to poll");
+    rig.write_send(1, LKEY);
+    rig.ring_sq();
+    rig.poller.pass();
+    rig.poller.pass();
+    assert_eq!(polls(&rig), 2, "posted: polled until it completes");
+    rig.cq.ready.lock().unwrap().push_back(1);
+    assert!(rig.poller.pass());
+    assert_eq!(rig.cqe(0).wr_id.to_native(), 1);
+    rig.poller.pass();
+    assert_eq!(polls(&rig), 3, "completed: no more polls");
+    // A QP whose receives come from an SRQ: its receive CQ is polled whatever was posted.
+    let (qp, cq) = (&rig.qp_data, &rig.qp_data.send_cq);
+    let rings = (qp.sq.clone(), None);
+    let host = Arc::clone(&qp.qp);
+    QpData::new(2, host, qp.rules, rings, 0, Arc::clone(cq), Arc::clone(cq));
+    rig.poller.pass();
+    assert_eq!(polls(&rig), 4);
+}
+
+#[test]
 fn completions_carry_the_phase_bit_of_their_lap_and_wait_while_the_ring_is_full() {
     let mut rig = Rig::new(4);
-    rig.cq.ready.lock().unwrap().extend(0..10);
+    rig.complete(0..10);
     assert!(rig.poller.pass());
     assert!(
         !rig.poller.pass(),
@@ -125,7 +150,7 @@ fn completions_carry_the_phase_bit_of_their_lap_and_wait_while_the_ring_is_full(
 #[test]
 fn the_consumer_index_is_read_when_the_known_room_runs_out_and_a_bogus_one_breaks_the_cq() {
     let mut rig = Rig::new(64);
-    rig.cq.ready.lock().unwrap().extend(0..72);
+    rig.complete(0..72);
     assert!(rig.poller.pass(), "room read: 64 free; 16 written");
     // A consumer index the guest never reached: while the device knows of room for a batch
     // it does not look again, and once it looks the CQ breaks.
@@ -150,14 +175,14 @@ fn an_armed_cq_raises_one_event_per_arm_request() {
         solicited_only: false,
     };
     rig.store(CQ_DOORBELL + CqDoorbell::ARM, arm(1).encode());
-    rig.cq.ready.lock().unwrap().push_back(1);
+    rig.complete([1]);
     rig.poller.pass();
-    rig.cq.ready.lock().unwrap().push_back(2);
+    rig.complete([2]);
     rig.poller.pass();
     assert_eq!(rig.events(), vec![(event_kind::CQ_COMPLETION, CQ_HANDLE)]);
     assert_eq!(rig.load(CQ_DOORBELL + CqDoorbell::ARM_SERVED), 1);
     rig.store(CQ_DOORBELL + CqDoorbell::ARM, arm(2).encode());
-    rig.cq.ready.lock().unwrap().push_back(3);
+    rig.complete([3]);
     rig.poller.pass();
     assert_eq!(rig.events().len(), 2, "a new request, a new event");
 }
@@ -257,7 +282,7 @@ fn a_queue_with_wqes_left_is_visited_again_without_a_new_doorbell() {
 #[test]
 fn a_refused_wqe_waits_for_room_in_its_cq_and_the_qp_fails_once() {
     let mut rig = Rig::new(4);
-    rig.cq.ready.lock().unwrap().extend(0..4);
+    rig.complete(0..4);
     rig.poller.pass();
     rig.write_send(10, 0xbad);
     rig.write_send(11, 0xbad);
@@ -287,7 +312,7 @@ fn an_idle_cq_is_armed_once_not_before_every_sleep() {
     }
     assert_eq!(rig.cq.arms.load(Ordering::Relaxed), 1);
     // A completion may have fired the event: the next sleep arms the CQ again.
-    rig.cq.ready.lock().unwrap().push_back(1);
+    rig.complete([1]);
     assert!(rig.poller.pass());
     rig.poller.arm_cqs();
     assert_eq!(rig.cq.arms.load(Ordering::Relaxed), 2);

@@ -2,14 +2,14 @@
 //! work requests. Pure: the caller supplies the slot's bytes (see [`Slot`]) and the MR table.
 
 use vrdma_spec::codec::{
-    sge_offset, SendForm, WqeFormatError, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
+    sge_offset, SendForm, SendOpcode, WqeFormatError, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
 };
-use vrdma_spec::ring::{wc_status, RecvWqe, SendWqe, Sge as WireSge};
+use vrdma_spec::ring::{wc_status, wqe_flags, RecvWqe, SendWqe, Sge as WireSge};
 use vrdma_spec::ByteValued;
 
 use std::sync::Arc;
 
-use crate::hostverbs::{AddressHandle, Payload, SendWr, Sge, UdDest};
+use crate::hostverbs::{AddressHandle, OneSgeSend, Payload, SendWr, Sge, UdDest};
 
 /// Why a WQE was refused: one variant per rule (SPEC.md §7), each with the completion
 /// status that reports it.
@@ -91,6 +91,10 @@ pub struct QpRules {
 pub trait Slot {
     /// The wire struct at `offset`, read whole; `None` past the slot's end.
     fn field<T: ByteValued + Default>(&self, offset: usize) -> Option<T>;
+    /// The wire struct at `offset` of which only the first `len` bytes (a multiple of 8) are
+    /// read, the others left default: for a reader that uses only the fields up there. `None`
+    /// past the slot's end, or if `len` is not such a part of a `T`.
+    fn field_head<T: ByteValued + Default>(&self, offset: usize, len: usize) -> Option<T>;
     /// Fills `out` from `offset`; false past the slot's end.
     fn copy_bytes(&self, offset: usize, out: &mut [u8]) -> bool;
 }
@@ -98,6 +102,15 @@ pub trait Slot {
 impl Slot for [u8] {
     fn field<T: ByteValued + Default>(&self, offset: usize) -> Option<T> {
         vrdma_spec::read_wire(self.get(offset..)?)
+    }
+
+    fn field_head<T: ByteValued + Default>(&self, offset: usize, len: usize) -> Option<T> {
+        if len > size_of::<T>() || !len.is_multiple_of(8) {
+            return None;
+        }
+        let mut value = T::default();
+        value.as_mut_slice()[..len].copy_from_slice(self.get(offset..)?.get(..len)?);
+        Some(value)
     }
 
     fn copy_bytes(&self, offset: usize, out: &mut [u8]) -> bool {
@@ -134,31 +147,95 @@ fn check_sges(
     lookup: &impl Fn(u32) -> Option<MrRange>,
     out: &mut [Sge],
 ) -> Result<(), WqeError> {
-    for (i, out) in out.iter_mut().enumerate() {
-        let sge: WireSge = read(slot, sge_offset(offset, i))?;
-        let (addr, length, lkey) = (
-            sge.addr.to_native(),
-            sge.length.to_native(),
-            sge.lkey.to_native(),
-        );
-        let mr = lookup(lkey).ok_or(WqeError::UnknownLkey { index: i, lkey })?;
-        if mr.pd != rules.pd {
-            return Err(WqeError::OtherPd { index: i, lkey });
-        }
-        let inside = addr >= mr.start
-            && addr
-                .checked_add(u64::from(length))
-                .is_some_and(|end| end <= mr.start + mr.len);
-        if !inside {
-            return Err(WqeError::OutsideMr {
-                index: i,
-                addr,
-                length,
-            });
-        }
-        *out = Sge { addr, length, lkey };
+    for (index, out) in out.iter_mut().enumerate() {
+        *out = check_sge(slot, offset, index, rules, lookup)?;
     }
     Ok(())
+}
+
+/// Checks SGE `index` of those from `offset` in `slot` against the MR table.
+#[inline(always)]
+fn check_sge(
+    slot: &(impl Slot + ?Sized),
+    offset: usize,
+    index: usize,
+    rules: &QpRules,
+    lookup: &impl Fn(u32) -> Option<MrRange>,
+) -> Result<Sge, WqeError> {
+    let sge: WireSge = read(slot, sge_offset(offset, index))?;
+    let (addr, length, lkey) = (
+        sge.addr.to_native(),
+        sge.length.to_native(),
+        sge.lkey.to_native(),
+    );
+    let mr = lookup(lkey).ok_or(WqeError::UnknownLkey { index, lkey })?;
+    if mr.pd != rules.pd {
+        return Err(WqeError::OtherPd { index, lkey });
+    }
+    let inside = addr >= mr.start
+        && addr
+            .checked_add(u64::from(length))
+            .is_some_and(|end| end <= mr.start + mr.len);
+    if !inside {
+        return Err(WqeError::OutsideMr {
+            index,
+            addr,
+            length,
+        });
+    }
+    Ok(Sge { addr, length, lkey })
+}
+
+impl QpRules {
+    /// Whether [`parse_common_send`] may take this QP's send WQEs: not UD (its sends name
+    /// AHs), and slots that hold a header and an SGE.
+    pub fn takes_common_sends(&self) -> bool {
+        !self.ud && self.max_send_sge >= 1 && sge_offset(SEND_WQE_HEADER, 1) <= self.sq_stride
+    }
+}
+
+/// The flags a common send WQE may carry.
+const COMMON_FLAGS: u8 = wqe_flags::SIGNALED | wqe_flags::SOLICITED | wqe_flags::FENCE;
+
+/// The part of a send WQE's header that holds every field a common send uses: what follows
+/// is for atomics and UD.
+const COMMON_HEAD: usize = std::mem::offset_of!(SendWqe, compare_add);
+const _: () = {
+    use std::mem::offset_of;
+    assert!(COMMON_HEAD.is_multiple_of(8));
+    assert!(offset_of!(SendWqe, compare_add) < offset_of!(SendWqe, swap));
+    assert!(offset_of!(SendWqe, swap) < offset_of!(SendWqe, ah));
+    assert!(offset_of!(SendWqe, ah) < offset_of!(SendWqe, remote_qpn));
+    assert!(offset_of!(SendWqe, remote_qpn) < offset_of!(SendWqe, remote_qkey));
+};
+
+/// The send WQE in `slot` if it has the common form, checked with the few steps a NIC's fast
+/// path takes: not an atomic, not INLINE, one SGE. Its atomic operands are not read (they
+/// are zero in the request, which does not use them). `None` for any other WQE, valid or not:
+/// [`parse_send`] decides those. On a QP that [`QpRules::takes_common_sends`], what this
+/// takes `parse_send` takes too, into the same request (a property test and the `wqe` fuzz
+/// target check it); it only does less on the way.
+#[inline(always)]
+pub fn parse_common_send(
+    slot: &(impl Slot + ?Sized),
+    rules: &QpRules,
+    mrs: &impl Fn(u32) -> Option<MrRange>,
+) -> Option<OneSgeSend> {
+    let wqe: SendWqe = slot.field_head(0, COMMON_HEAD)?;
+    if wqe.flags & !COMMON_FLAGS != 0 || wqe.num_sge != 1 {
+        return None;
+    }
+    let opcode = SendOpcode::from_wire(wqe.opcode).filter(|opcode| !opcode.is_atomic())?;
+    let sge = check_sge(slot, SEND_WQE_HEADER, 0, rules, mrs).ok()?;
+    Some(OneSgeSend {
+        wr_id: wqe.wr_id.to_native(),
+        opcode,
+        signaled: wqe.signaled(),
+        solicited: wqe.solicited(),
+        fence: wqe.fence(),
+        operands: wqe.operands(),
+        sge,
+    })
 }
 
 /// Parses and validates the send WQE in `slot` (one SQ slot) into the host's request: its
@@ -275,8 +352,10 @@ pub fn parse_recv(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vrdma_spec::codec::SendOpcode;
-    use vrdma_spec::ring::{wqe_flags, wr_opcode};
+    use proptest::prelude::*;
+    use vrdma_spec::codec::strategies::send_op;
+    use vrdma_spec::codec::{SendHeader, SendOperands, UdAddress};
+    use vrdma_spec::ring::wr_opcode;
     use vrdma_spec::{Le32, Le64};
 
     const RULES: QpRules = QpRules {
@@ -501,6 +580,66 @@ mod tests {
             ..write(0)
         };
         assert_eq!(send(&slot(wqe, &[]), &RULES).unwrap().payload, Err(64));
+    }
+
+    /// A send WQE as a driver, right or wrong, may write it: any operation, flags and payload
+    /// form, one or two SGEs naming MRs of the QP's PD, of another, or none.
+    fn any_send_slot() -> impl Strategy<Value = Vec<u8>> {
+        let payload = prop_oneof![
+            4 => (0u8..3).prop_map(WqePayload::Sges),
+            1 => (0u32..80).prop_map(WqePayload::Inline),
+        ];
+        let sge = (
+            0xf00u64..0x2100,
+            0u32..0x300,
+            prop_oneof![Just(1u32), 2u32..4],
+        );
+        let wqe = (any::<u64>(), send_op(), any::<[bool; 3]>(), payload, 0u8..3);
+        (wqe, prop::collection::vec(sge, 2)).prop_map(
+            |((wr_id, op, [signaled, solicited, fence], payload, mangle), sges)| {
+                let mut wqe = SendWqe::encode(&SendHeader {
+                    wr_id,
+                    op,
+                    signaled,
+                    solicited,
+                    fence,
+                    payload,
+                    ud: UdAddress::default(),
+                });
+                match mangle {
+                    1 => wqe.flags |= wqe_flags::INLINE,
+                    2 => wqe.flags |= 0x10,
+                    _ => {}
+                }
+                slot(wqe, &sges)
+            },
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn the_common_path_takes_only_what_parse_send_takes_into_the_same_request(
+            bytes in any_send_slot(), ud: bool, atomics: bool, max_send_sge in 0u32..3,
+        ) {
+            let rules = QpRules { ud, atomics, max_send_sge, ..RULES };
+            let Some(common) = parse_common_send(&bytes[..], &rules, &lookup) else {
+                return Ok(());
+            };
+            prop_assume!(rules.takes_common_sends());
+            let (mut sges, mut inline) = ([Sge::default(); 4], [0; 64]);
+            let no_ahs = |_| None;
+            let wr = parse_send(&bytes[..], &rules, &lookup, &no_ahs, &mut sges, &mut inline);
+            let wr = wr.expect("what the common path takes, parse_send takes");
+            let Payload::Sges(&[sge]) = wr.payload else {
+                panic!("one SGE, not {:?}", wr.payload);
+            };
+            prop_assert!(!wr.opcode.is_atomic() && wr.ud.is_none());
+            let header = (wr.wr_id, wr.opcode, wr.signaled, wr.solicited, wr.fence, sge);
+            let operands = SendOperands { compare_add: 0, swap: 0, ..wr.operands };
+            let c = common;
+            let common_header = (c.wr_id, c.opcode, c.signaled, c.solicited, c.fence, c.sge);
+            prop_assert_eq!((header, operands), (common_header, common.operands));
+        }
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::raw::c_int;
+use std::os::raw::{c_int, c_uint};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -334,6 +334,35 @@ impl<'a> SendWr<'a> {
     }
 }
 
+/// A send request with one gathered SGE and no UD destination: what the data path's WQEs
+/// mostly are, pushed with [`SendBatch::push_one_sge`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OneSgeSend {
+    pub wr_id: u64,
+    pub opcode: SendOpcode,
+    pub signaled: bool,
+    pub solicited: bool,
+    pub fence: bool,
+    pub operands: SendOperands,
+    pub sge: Sge,
+}
+
+impl OneSgeSend {
+    /// The same request as a [`SendWr`].
+    pub fn as_send_wr(&self) -> SendWr<'_> {
+        SendWr {
+            wr_id: self.wr_id,
+            opcode: self.opcode,
+            signaled: self.signaled,
+            solicited: self.solicited,
+            fence: self.fence,
+            operands: self.operands,
+            payload: Payload::Sges(std::slice::from_ref(&self.sge)),
+            ud: None,
+        }
+    }
+}
+
 /// A receive work request.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RecvWr<'a> {
@@ -457,16 +486,7 @@ impl SendBatch {
         let inline_room = &mut self.inline[self.inline_used..];
         let (gathered_at, inline_at) = (sge_room.as_mut_ptr(), inline_room.as_mut_ptr());
         let wr = make(sge_room, inline_room)?;
-        let mut flags = 0;
-        if wr.signaled {
-            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
-        }
-        if wr.solicited {
-            flags |= ibv_send_flags::IBV_SEND_SOLICITED.0;
-        }
-        if wr.fence {
-            flags |= ibv_send_flags::IBV_SEND_FENCE.0;
-        }
+        let mut flags = host_flags(wr.signaled, wr.solicited, wr.fence);
         let (sg_list, sge_count) = match wr.payload {
             Payload::Sges(sges) if std::ptr::eq(sges.as_ptr(), gathered_at) => {
                 self.sges_used += sges.len();
@@ -494,31 +514,44 @@ impl SendBatch {
                 remote_qkey: dest.remote_qkey,
             }
         });
-        let (wr_id, opcode, operands) = (wr.wr_id, wr.opcode, wr.operands);
         let raw = &mut self.wrs[self.len];
         self.len += 1;
-        raw.wr_id = wr_id;
-        raw.sg_list = sg_list.cast::<ibv_sge>();
-        raw.num_sge = sge_count as c_int; // at most the batch's SGE capacity
-        raw.send_flags = flags;
-        raw.opcode = host_opcode(opcode);
-        raw.imm_data_invalidated_rkey_union.imm_data = operands.imm.to_be();
-        if let Some(ud) = ud {
-            raw.wr.ud = ud;
-        } else if opcode.is_atomic() {
-            raw.wr.atomic = atomic_t {
-                remote_addr: operands.remote_addr,
-                compare_add: operands.compare_add,
-                swap: operands.swap,
-                rkey: operands.rkey,
-            };
-        } else {
-            raw.wr.rdma = rdma_t {
-                remote_addr: operands.remote_addr,
-                rkey: operands.rkey,
-            };
-        }
+        let sg_list = sg_list.cast::<ibv_sge>();
+        let num_sge = sge_count as c_int; // at most the batch's SGE capacity
+        write_request(
+            raw,
+            (wr.wr_id, wr.opcode, flags),
+            &wr.operands,
+            (sg_list, num_sge),
+            ud,
+        );
         Ok(())
+    }
+
+    /// Adds `wr` at the end, its SGE copied in, as [`push`](Self::push) would add
+    /// `wr.as_send_wr()`, with less work; false, adding nothing, when the batch is full.
+    // Inlined into the data path's loop for its common WQE.
+    #[inline(always)]
+    pub fn push_one_sge(&mut self, wr: &OneSgeSend) -> bool {
+        let (Some(raw), Some(sge)) = (
+            self.wrs.get_mut(self.len),
+            self.sges.get_mut(self.sges_used),
+        ) else {
+            return false;
+        };
+        *sge = wr.sge;
+        let sg_list = std::ptr::from_mut(sge).cast::<ibv_sge>();
+        let flags = host_flags(wr.signaled, wr.solicited, wr.fence);
+        write_request(
+            raw,
+            (wr.wr_id, wr.opcode, flags),
+            &wr.operands,
+            (sg_list, 1),
+            None,
+        );
+        self.len += 1;
+        self.sges_used += 1;
+        true
     }
 
     /// The requests' ids, in order (what a fake host records).
@@ -556,6 +589,52 @@ impl SendBatch {
             unsafe { bad.offset_from(base) as usize }
         };
         Err(post_error("ibv_post_send", accepted, ret))
+    }
+}
+
+fn host_flags(signaled: bool, solicited: bool, fence: bool) -> c_uint {
+    let mut flags = 0;
+    if signaled {
+        flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+    }
+    if solicited {
+        flags |= ibv_send_flags::IBV_SEND_SOLICITED.0;
+    }
+    if fence {
+        flags |= ibv_send_flags::IBV_SEND_FENCE.0;
+    }
+    flags
+}
+
+/// Fills a request of the batch (its `next` is the batch's) with the fields the opcode uses.
+#[inline(always)]
+fn write_request(
+    raw: &mut ibv_send_wr,
+    (wr_id, opcode, flags): (u64, SendOpcode, c_uint),
+    operands: &SendOperands,
+    (sg_list, num_sge): (*mut ibv_sge, c_int),
+    ud: Option<ud_t>,
+) {
+    raw.wr_id = wr_id;
+    raw.sg_list = sg_list;
+    raw.num_sge = num_sge;
+    raw.send_flags = flags;
+    raw.opcode = host_opcode(opcode);
+    raw.imm_data_invalidated_rkey_union.imm_data = operands.imm.to_be();
+    if let Some(ud) = ud {
+        raw.wr.ud = ud;
+    } else if opcode.is_atomic() {
+        raw.wr.atomic = atomic_t {
+            remote_addr: operands.remote_addr,
+            compare_add: operands.compare_add,
+            swap: operands.swap,
+            rkey: operands.rkey,
+        };
+    } else {
+        raw.wr.rdma = rdma_t {
+            remote_addr: operands.remote_addr,
+            rkey: operands.rkey,
+        };
     }
 }
 
@@ -906,6 +985,75 @@ mod tests {
         assert_eq!(flags(&raw[1]), ibv_send_flags::IBV_SEND_INLINE.0);
         batch.clear();
         assert!(batch.is_empty() && batch.wr_ids().next().is_none());
+    }
+
+    #[test]
+    fn a_one_sge_send_is_pushed_as_push_would_push_it() {
+        let ops = [
+            SendOp::Send,
+            SendOp::SendWithImm { imm: 9 },
+            SendOp::RdmaWrite {
+                remote_addr: 0x9000,
+                rkey: 5,
+            },
+            SendOp::RdmaWriteWithImm {
+                remote_addr: 0x9000,
+                rkey: 5,
+                imm: 9,
+            },
+            SendOp::RdmaRead {
+                remote_addr: 0x9000,
+                rkey: 5,
+            },
+            SendOp::CompareAndSwap {
+                remote_addr: 0x9000,
+                rkey: 5,
+                compare: 1,
+                swap: 2,
+            },
+            SendOp::FetchAndAdd {
+                remote_addr: 0x9000,
+                rkey: 5,
+                add: 3,
+            },
+        ];
+        let sends = ops.iter().enumerate().map(|(index, op)| OneSgeSend {
+            wr_id: index as u64,
+            opcode: op.opcode(),
+            signaled: index % 2 == 0,
+            solicited: index % 3 == 0,
+            fence: index % 4 == 0,
+            operands: op.operands(),
+            sge: sge(0x1000 * index as u64),
+        });
+        let sends: Vec<_> = sends.collect();
+        let (mut pushed, mut one_sge) = (
+            SendBatch::with_capacity(ops.len(), ops.len(), 0),
+            SendBatch::with_capacity(ops.len(), ops.len(), 0),
+        );
+        for send in &sends {
+            pushed.push(&send.as_send_wr()).unwrap();
+            assert!(one_sge.push_one_sge(send));
+        }
+        assert!(!one_sge.push_one_sge(&sends[0]), "the batch is full");
+        for (a, b) in pushed.wrs.iter().zip(&one_sge.wrs) {
+            let fields = |wr: &ibv_send_wr| {
+                // SAFETY: `sg_list` points at one SGE of its batch; the unions hold plain
+                // integers, zero where the request wrote nothing.
+                unsafe {
+                    (
+                        (wr.wr_id, wr.opcode, wr.send_flags, wr.num_sge),
+                        (*wr.sg_list).addr,
+                        wr.imm_data_invalidated_rkey_union.imm_data,
+                        wr.wr.atomic,
+                    )
+                }
+            };
+            let (a, b) = (fields(a), fields(b));
+            assert_eq!((a.0, a.1, a.2), (b.0, b.1, b.2));
+            let atomic = |t: atomic_t| (t.remote_addr, t.compare_add, t.swap, t.rkey);
+            assert_eq!(atomic(a.3), atomic(b.3));
+        }
     }
 
     #[test]
