@@ -7,7 +7,7 @@ use libfuzzer_sys::fuzz_target;
 use vrdma_backend::datapath::wqe::{
     parse_common_send, parse_recv, parse_send, MrRange, QpRules,
 };
-use vrdma_backend::hostverbs::{Payload, Sge};
+use vrdma_backend::hostverbs::{Payload, SendFlags, Sge};
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
 
 fuzz_target!(|input: &[u8]| {
@@ -54,9 +54,8 @@ fuzz_target!(|input: &[u8]| {
                 let wr = parsed.as_ref().expect("parse_send takes what the common path takes");
                 assert!(matches!(wr.payload, Payload::Sges(&[sge]) if sge == common.sge));
                 assert!(!wr.opcode.is_atomic() && wr.ud.is_none());
-                let header = (wr.wr_id, wr.opcode, wr.signaled, wr.solicited, wr.fence);
-                let c = common;
-                assert_eq!(header, (c.wr_id, c.opcode, c.signaled, c.solicited, c.fence));
+                let flags = SendFlags::new(wr.signaled, wr.solicited, wr.fence);
+                assert_eq!((wr.wr_id, wr.opcode, flags), (common.wr_id, common.opcode, common.flags));
                 let (o, co) = (wr.operands, common.operands);
                 assert_eq!((o.imm, o.remote_addr, o.rkey), (co.imm, co.remote_addr, co.rkey));
             }

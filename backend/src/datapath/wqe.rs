@@ -9,7 +9,7 @@ use vrdma_spec::ByteValued;
 
 use std::sync::Arc;
 
-use crate::hostverbs::{AddressHandle, OneSgeSend, Payload, SendWr, Sge, UdDest};
+use crate::hostverbs::{AddressHandle, OneSgeSend, Payload, SendFlags, SendWr, Sge, UdDest};
 
 /// Why a WQE was refused: one variant per rule (SPEC.md §7), each with the completion
 /// status that reports it.
@@ -197,6 +197,22 @@ impl QpRules {
 /// The flags a common send WQE may carry.
 const COMMON_FLAGS: u8 = wqe_flags::SIGNALED | wqe_flags::SOLICITED | wqe_flags::FENCE;
 
+/// The host's flags for each combination of a common send WQE's flags, looked up rather
+/// than mapped bit by bit.
+const COMMON_HOST_FLAGS: [SendFlags; COMMON_FLAGS as usize + 1] = {
+    let mut flags = [SendFlags::new(false, false, false); COMMON_FLAGS as usize + 1];
+    let mut wire = 0;
+    while wire <= COMMON_FLAGS {
+        flags[wire as usize] = SendFlags::new(
+            wire & wqe_flags::SIGNALED != 0,
+            wire & wqe_flags::SOLICITED != 0,
+            wire & wqe_flags::FENCE != 0,
+        );
+        wire += 1;
+    }
+    flags
+};
+
 /// The part of a send WQE's header that holds every field a common send uses: what follows
 /// is for atomics and UD.
 const COMMON_HEAD: usize = std::mem::offset_of!(SendWqe, compare_add);
@@ -230,9 +246,7 @@ pub fn parse_common_send(
     Some(OneSgeSend {
         wr_id: wqe.wr_id.to_native(),
         opcode,
-        signaled: wqe.signaled(),
-        solicited: wqe.solicited(),
-        fence: wqe.fence(),
+        flags: COMMON_HOST_FLAGS[usize::from(wqe.flags & COMMON_FLAGS)],
         operands: wqe.operands(),
         sge,
     })
@@ -634,10 +648,10 @@ mod tests {
                 panic!("one SGE, not {:?}", wr.payload);
             };
             prop_assert!(!wr.opcode.is_atomic() && wr.ud.is_none());
-            let header = (wr.wr_id, wr.opcode, wr.signaled, wr.solicited, wr.fence, sge);
+            let flags = SendFlags::new(wr.signaled, wr.solicited, wr.fence);
+            let header = (wr.wr_id, wr.opcode, flags, sge);
             let operands = SendOperands { compare_add: 0, swap: 0, ..wr.operands };
-            let c = common;
-            let common_header = (c.wr_id, c.opcode, c.signaled, c.solicited, c.fence, c.sge);
+            let common_header = (common.wr_id, common.opcode, common.flags, common.sge);
             prop_assert_eq!((header, operands), (common_header, common.operands));
         }
     }

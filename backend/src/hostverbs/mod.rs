@@ -19,7 +19,8 @@ use rdma_sys::*;
 pub use memory::{AnonymousMemory, MemoryRegion, PinnedMemory};
 pub use qp::{
     qp_attr_mask, AddressHandle, AhAttr, OneSgeSend, Payload, PushError, QpAttr, QpCaps, QpInit,
-    QpState, QpType, QueuePair, RecvWr, SendBatch, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest,
+    QpState, QpType, QueuePair, RecvWr, SendBatch, SendFlags, SendOp, SendWr, Sge,
+    SharedReceiveQueue, UdDest,
 };
 pub use vrdma_spec::Gid;
 

@@ -340,11 +340,41 @@ impl<'a> SendWr<'a> {
 pub struct OneSgeSend {
     pub wr_id: u64,
     pub opcode: SendOpcode,
-    pub signaled: bool,
-    pub solicited: bool,
-    pub fence: bool,
+    pub flags: SendFlags,
     pub operands: SendOperands,
     pub sge: Sge,
+}
+
+/// A send request's flags, in the host's encoding.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendFlags(c_uint);
+
+impl SendFlags {
+    pub const fn new(signaled: bool, solicited: bool, fence: bool) -> SendFlags {
+        let mut flags = 0;
+        if signaled {
+            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        if solicited {
+            flags |= ibv_send_flags::IBV_SEND_SOLICITED.0;
+        }
+        if fence {
+            flags |= ibv_send_flags::IBV_SEND_FENCE.0;
+        }
+        SendFlags(flags)
+    }
+
+    pub fn signaled(self) -> bool {
+        self.0 & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0
+    }
+
+    pub fn solicited(self) -> bool {
+        self.0 & ibv_send_flags::IBV_SEND_SOLICITED.0 != 0
+    }
+
+    pub fn fence(self) -> bool {
+        self.0 & ibv_send_flags::IBV_SEND_FENCE.0 != 0
+    }
 }
 
 impl OneSgeSend {
@@ -353,9 +383,9 @@ impl OneSgeSend {
         SendWr {
             wr_id: self.wr_id,
             opcode: self.opcode,
-            signaled: self.signaled,
-            solicited: self.solicited,
-            fence: self.fence,
+            signaled: self.flags.signaled(),
+            solicited: self.flags.solicited(),
+            fence: self.flags.fence(),
             operands: self.operands,
             payload: Payload::Sges(std::slice::from_ref(&self.sge)),
             ud: None,
@@ -486,7 +516,7 @@ impl SendBatch {
         let inline_room = &mut self.inline[self.inline_used..];
         let (gathered_at, inline_at) = (sge_room.as_mut_ptr(), inline_room.as_mut_ptr());
         let wr = make(sge_room, inline_room)?;
-        let mut flags = host_flags(wr.signaled, wr.solicited, wr.fence);
+        let mut flags = SendFlags::new(wr.signaled, wr.solicited, wr.fence).0;
         let (sg_list, sge_count) = match wr.payload {
             Payload::Sges(sges) if std::ptr::eq(sges.as_ptr(), gathered_at) => {
                 self.sges_used += sges.len();
@@ -541,10 +571,9 @@ impl SendBatch {
         };
         *sge = wr.sge;
         let sg_list = std::ptr::from_mut(sge).cast::<ibv_sge>();
-        let flags = host_flags(wr.signaled, wr.solicited, wr.fence);
         write_request(
             raw,
-            (wr.wr_id, wr.opcode, flags),
+            (wr.wr_id, wr.opcode, wr.flags.0),
             &wr.operands,
             (sg_list, 1),
             None,
@@ -590,20 +619,6 @@ impl SendBatch {
         };
         Err(post_error("ibv_post_send", accepted, ret))
     }
-}
-
-fn host_flags(signaled: bool, solicited: bool, fence: bool) -> c_uint {
-    let mut flags = 0;
-    if signaled {
-        flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
-    }
-    if solicited {
-        flags |= ibv_send_flags::IBV_SEND_SOLICITED.0;
-    }
-    if fence {
-        flags |= ibv_send_flags::IBV_SEND_FENCE.0;
-    }
-    flags
 }
 
 /// Fills a request of the batch (its `next` is the batch's) with the fields the opcode uses.
@@ -1020,9 +1035,7 @@ mod tests {
         let sends = ops.iter().enumerate().map(|(index, op)| OneSgeSend {
             wr_id: index as u64,
             opcode: op.opcode(),
-            signaled: index % 2 == 0,
-            solicited: index % 3 == 0,
-            fence: index % 4 == 0,
+            flags: SendFlags::new(index % 2 == 0, index % 3 == 0, index % 4 == 0),
             operands: op.operands(),
             sge: sge(0x1000 * index as u64),
         });
