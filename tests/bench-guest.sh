@@ -117,22 +117,22 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
       $2 == "*" { in_provider = /\[.*libibverbs/ }
       $2 == ">" && /\[.*libibverbs/ && !in_provider { gsub(",", "", $1); n += $1 }
       END { print n + 0 }' <<<"$calls")
-    # Visits of the SQ and of CQs, with or without work: "> ...Poller::process_sq (N x)".
+    # Visits of QPs and of CQs, with or without work: "> ...Poller::process_qp (N x)".
     visits() {
       awk -v name="Poller::$1 (" '$2 == ">" && index($0, name) {
           count = substr($0, index($0, name) + length(name)); sub(/x\).*/, "", count)
           gsub(",", "", count); n += count }
         END { print n + 0 }' <<<"$calls"
     }
-    visits="$(visits process_sq) SQ visits and $(visits process_cq) CQ visits"
-    # Where they go: the visits that take send WQEs and post them, and those that write
-    # CQEs, each with the host call under it.
+    visits="$(visits process_qp) QP visits and $(visits process_cq) CQ visits"
+    # Where they go: the visits that take WQEs from QPs' rings and post them, and those
+    # that write CQEs, each with the host call under it.
     # (A function's own line in the call tree: "N  *  file:function [object]".)
     inclusive() {
       awk -v name="$1 [" 'index($0, name) { gsub(",", "", $1); n += $1 } END { print n + 0 }' \
         <<<"$calls"
     }
-    sends=$(inclusive Poller::process_sq) posts=$(inclusive SendBatch::post)
+    sends=$(inclusive Poller::process_qp) posts=$(inclusive SendBatch::post)
     completions=$(inclusive Poller::process_cq) polls=$(inclusive 'HostCompletionQueue>::poll')
   fi
   kill -9 "$traced" "$server" 2>/dev/null
@@ -141,7 +141,7 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
     echo "bench: callgrind measured nothing (see /tmp/callgrind.log)" >&2
     return 1
   fi
-  echo "Backend instructions per WQE (callgrind; write_bw of $writes 64-byte writes $how; counted in WQE and CQE processing only, busy polling off): $((instructions / writes)), of which the host provider's post and poll (rxe's library; native pays them too) $((provider / writes)) and vrdma's own $(((instructions - provider) / writes)). Where they go: taking send WQEs from the ring and posting them $((sends / writes)), of which the host's post $((posts / writes)); writing their CQEs $((completions / writes)), of which the host's poll $((polls / writes)); the rest on receive queues. In all, $visits."
+  echo "Backend instructions per WQE (callgrind; write_bw of $writes 64-byte writes $how; counted in WQE and CQE processing only, busy polling off): $((instructions / writes)), of which the host provider's post and poll (rxe's library; native pays them too) $((provider / writes)) and vrdma's own $(((instructions - provider) / writes)). Where they go: taking WQEs from QPs' rings and posting them $((sends / writes)), of which the host's post $((posts / writes)); writing CQEs $((completions / writes)), of which the host's poll $((polls / writes)); the rest on SRQs. In all, $visits."
 }
 writes=${VRDMA_BENCH_CALLGRIND_WRITES:-2000}
 instructions_per_wqe "$writes" 128 "taken in batches of up to 16 per pass" ||

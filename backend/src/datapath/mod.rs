@@ -597,11 +597,16 @@ impl Shared {
     }
 
     /// Receive completions of these QPs were taken: count them against their SRQs, if any.
+    #[inline]
     fn received_on(&self, mem: &Memory, qp_nums: impl Iterator<Item = u32>) {
         // No lock, and no look at the completions, on the path of connections without SRQs.
-        if !self.any_srq_receivers.load(Ordering::Acquire) {
-            return;
+        if self.any_srq_receivers.load(Ordering::Acquire) {
+            self.count_srq_receives(mem, qp_nums);
         }
+    }
+
+    #[inline(never)]
+    fn count_srq_receives(&self, mem: &Memory, qp_nums: impl Iterator<Item = u32>) {
         let receivers = self.srq_receivers.read().unwrap_or_else(|e| e.into_inner());
         for qp_num in qp_nums {
             if let Some(srq) = receivers.get(&qp_num) {

@@ -15,7 +15,7 @@ use vrdma_spec::ring::{
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use super::guest_access::{store, Slots};
-use super::queues::{CqData, CqProgress, QpData, SrqData, FIRST_PAGE, RECORD};
+use super::queues::{CqData, CqProgress, QpData, QpProgress, SrqData, FIRST_PAGE, RECORD};
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
 use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
 use crate::hostverbs::{self, AddressHandle, PushError, RecvWr, SendBatch, Sge, WorkCompletion};
@@ -103,28 +103,31 @@ fn cqe_words(cqe: &Cqe) -> [u64; CQE_SIZE / 8] {
 }
 
 /// Checks the send WQE in `slot` straight into `batch`, its SGEs and inline payload in place:
-/// every WQE the common path (`wqe::parse_common_send`) does not take.
-// Out of the loop, so that the common path's few values stay in registers.
+/// every WQE the common path (`wqe::parse_common_send`) does not take. A refused one comes
+/// back with its wr_id.
+// Out of the loop, so that the common path's few values stay in registers; the slot is
+// passed by value, so that the loop does not keep a copy of it in memory for this call.
 #[inline(never)]
 fn push_send<'h>(
     batch: &mut SendBatch,
-    slot: &impl Slot,
+    slot: impl Slot + Copy,
     qp: &QpData,
     mrs: &impl Fn(u32) -> Option<MrRange>,
     ahs: &impl Fn(u32) -> Option<(u32, &'h Arc<AddressHandle>)>,
-) -> Result<(), WqeError> {
+) -> Result<(), (u64, WqeError)> {
     let pushed = batch.push_with(|sges, inline| {
-        wqe::parse_send(slot, &qp.rules, mrs, ahs, sges, inline).map_err(PushError::Made)
+        wqe::parse_send(&slot, &qp.rules, mrs, ahs, sges, inline).map_err(PushError::Made)
     });
-    match pushed {
-        Ok(()) => Ok(()),
-        Err(PushError::Made(error)) => Err(error),
+    let error = match pushed {
+        Ok(()) => return Ok(()),
+        Err(PushError::Made(error)) => error,
         // Not with the room the batch has (see `Poller::new`).
         Err(PushError::Full) => {
             log::error!("QP {:#x}: the send batch is full", qp.handle);
-            Err(WqeError::Unpostable)
+            WqeError::Unpostable
         }
-    }
+    };
+    Err((wr_id_of(&slot), error))
 }
 
 fn error_cqe(wr_id: u64, qp_num: u32, status: u8, opcode: u8) -> Cqe {
@@ -218,7 +221,7 @@ impl Poller {
         // was retired under its progress lock, so the visit found it failed and left it.
         for (bit, rung) in visits.drain(..) {
             let visit = match &rung {
-                Rung::Qp(qp) => self.process_sq(&mem, qp).and(self.process_rq(&mem, qp)),
+                Rung::Qp(qp) => self.process_qp(&mem, qp),
                 Rung::Srq(srq) => self.process_srq(&mem, srq),
             };
             work |= visit.worked;
@@ -337,12 +340,18 @@ impl Poller {
         true
     }
 
+    /// Takes what the QP's SQ and RQ hold, under one hold of its progress lock.
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
-    fn process_sq(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
-        let mut guard = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let progress = &mut *guard;
+    fn process_qp(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
+        let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let sends = self.take_sends(mem, qp, &mut progress);
+        sends.and(self.take_receives(mem, qp, &mut progress))
+    }
+
+    #[inline(always)]
+    fn take_sends(&mut self, mem: &Arc<Memory>, qp: &QpData, progress: &mut QpProgress) -> Visit {
         if progress.failed {
             return Visit::default();
         }
@@ -396,13 +405,9 @@ impl Poller {
                         }
                     }
                 }
-                match push_send(send_batch, &slot, qp, &mr_of, &ah_of) {
-                    Ok(()) => true,
-                    Err(error) => {
-                        refused = Some((wr_id_of(&slot), error));
-                        false
-                    }
-                }
+                let pushed = push_send(send_batch, slot, qp, &mr_of, &ah_of);
+                refused = pushed.err();
+                refused.is_none()
             });
             if refused.is_none() && taken < batch {
                 progress.failed = true;
@@ -508,15 +513,16 @@ impl Poller {
         }
     }
 
-    // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
-    // functions per WQE.
-    #[inline(never)]
-    fn process_rq(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
+    #[inline(always)]
+    fn take_receives(
+        &mut self,
+        mem: &Arc<Memory>,
+        qp: &QpData,
+        progress: &mut QpProgress,
+    ) -> Visit {
         let Some(rq) = &qp.rq else {
             return Visit::default();
         };
-        let mut guard = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let progress = &mut *guard;
         if progress.failed {
             return Visit::default();
         }
@@ -625,6 +631,7 @@ impl Poller {
 
     /// Free CQE slots, at least `wanted` if there are as many; `None` if the CQ is broken. The
     /// guest's consumer index is read only when fewer than `wanted` are known to be free.
+    #[inline]
     fn cq_room(
         &self,
         mem: &Arc<Memory>,
