@@ -111,7 +111,7 @@ pub enum SendOpcode {
 
 impl SendOpcode {
     /// The operation a [`wr_opcode`] value names.
-    pub fn from_wire(opcode: u8) -> Option<SendOpcode> {
+    pub const fn from_wire(opcode: u8) -> Option<SendOpcode> {
         Some(match opcode {
             wr_opcode::RDMA_WRITE => SendOpcode::RdmaWrite,
             wr_opcode::RDMA_WRITE_WITH_IMM => SendOpcode::RdmaWriteWithImm,
@@ -135,7 +135,7 @@ impl SendOpcode {
         }
     }
 
-    pub fn is_atomic(self) -> bool {
+    pub const fn is_atomic(self) -> bool {
         matches!(self, SendOpcode::CompareAndSwap | SendOpcode::FetchAndAdd)
     }
 

@@ -270,24 +270,29 @@ impl<'m> Slots<'m> {
         Slots { ring, pages }
     }
 
-    /// Writes `count` entries made by `entry` (given their index among them) into consecutive
-    /// slots from `first` (any u32: the ring index wraps) as [`publish_words`] does (CQEs:
-    /// each one's owner byte last), run by run; returns how many it wrote, fewer if guest
-    /// memory no longer holds a page or an entry is not a slot.
+    /// Writes `count` entries made by `entry` into consecutive slots from `first` (any u32:
+    /// the ring index wraps) as [`publish_words`] does (CQEs: each one's owner byte last), run
+    /// by run; returns how many it wrote, fewer if guest memory no longer holds a page or an
+    /// entry is not a slot. `entry` is given the entry's index among the `count` and the ring
+    /// index its run starts at: a run ends at the ring's end at the latest, so its entries
+    /// are all written in the same lap of the ring (a CQE's owner bit is the same for all).
     #[inline(always)]
     pub(super) fn publish<const N: usize>(
         &self,
         first: u32,
         count: u32,
-        mut entry: impl FnMut(u32) -> [u64; N],
+        mut entry: impl FnMut(u32, u32) -> [u64; N],
     ) -> u32 {
         let mut written = 0;
         while written < count {
-            let Some((run, slots)) = self.run(first.wrapping_add(written), count - written) else {
+            let start = first.wrapping_add(written);
+            let Some((run, slots)) = self.run(start, count - written) else {
                 break;
             };
             let at = written;
-            if !publish_words(&run, slots as usize, |index| entry(at + index as u32)) {
+            if !publish_words(&run, slots as usize, |index| {
+                entry(at + index as u32, start)
+            }) {
                 break;
             }
             written += slots;
@@ -543,19 +548,23 @@ mod tests {
             2
         );
         assert_eq!(
-            slots_through(&gone, &mem, &mut Resolved::default()).publish(0, 1, |_| [1u64; 128]),
+            slots_through(&gone, &mem, &mut Resolved::default()).publish(0, 1, |_, _| [1u64; 128]),
             0
         );
-        // 1 KiB entries into slots 7, 0 and 1 (across the wrap); slot 2's page is gone.
-        let entry = |n: u64| [n; 128];
+        // 1 KiB entries into slots 7, 0 and 1 (across the wrap, so in two runs, the second
+        // starting at ring index 8); slot 2's page is gone.
         let wrapping = GuestRing::new(vec![0x1000, 0], 12, 10, 8);
-        let entries = |index: u32| entry(7 + u64::from(index));
+        let entries = |index: u32, run: u32| [u64::from(run) << 32 | u64::from(7 + index); 128];
         assert_eq!(
             slots_through(&wrapping, &mem, &mut Resolved::default()).publish(7, 3, entries),
             3
         );
         let word = |gpa| mem.read_obj::<u64>(GuestAddress(gpa)).unwrap();
-        assert_eq!((word(0xc00), word(0x1000), word(0x1400)), (7, 8, 9));
+        let (seventh, eighth) = (7 << 32, 8 << 32);
+        assert_eq!(
+            (word(0xc00), word(0x1000), word(0x1400)),
+            (seventh | 7, eighth | 8, eighth | 9)
+        );
         let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
         assert_eq!(
             slots_through(&half_gone, &mem, &mut Resolved::default()).publish(3, 3, entries),

@@ -684,8 +684,8 @@ impl Poller {
             .resolved
             .through(mem, || cq.spans())
             .from(FIRST_PAGE);
-        let written = Slots::new(&cq.ring, pages).publish(first, count, |index| {
-            let owner = cqe_owner_for(first.wrapping_add(index), depth);
+        let written = Slots::new(&cq.ring, pages).publish(first, count, |index, run| {
+            let owner = cqe_owner_for(run, depth);
             cqe_words(&Cqe {
                 owner,
                 ..cqe(index as usize)
@@ -704,9 +704,12 @@ impl Poller {
     // functions per WQE.
     #[inline(never)]
     fn process_cq(&mut self, mem: &Arc<Memory>, cq: &CqData) -> bool {
-        if !cq.may_have_completions() {
-            return false;
-        }
+        cq.may_have_completions() && self.poll_cq(mem, cq)
+    }
+
+    // Out of line: a visit that need not poll costs a check, not this function's frame.
+    #[inline(never)]
+    fn poll_cq(&mut self, mem: &Arc<Memory>, cq: &CqData) -> bool {
         let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
         let Some(room) = self.cq_room(mem, cq, &mut progress, BATCH) else {
             return false;

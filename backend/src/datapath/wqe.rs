@@ -213,6 +213,21 @@ const COMMON_HOST_FLAGS: [SendFlags; COMMON_FLAGS as usize + 1] = {
     flags
 };
 
+/// The operation of each wire opcode a common send WQE may have (none is an atomic), looked
+/// up rather than matched.
+const COMMON_OPCODES: [Option<SendOpcode>; 256] = {
+    let mut opcodes = [None; 256];
+    let mut wire = 0;
+    while wire < opcodes.len() {
+        opcodes[wire] = match SendOpcode::from_wire(wire as u8) {
+            Some(opcode) if !opcode.is_atomic() => Some(opcode),
+            _ => None,
+        };
+        wire += 1;
+    }
+    opcodes
+};
+
 /// The part of a send WQE's header that holds every field a common send uses: what follows
 /// is for atomics and UD.
 const COMMON_HEAD: usize = std::mem::offset_of!(SendWqe, compare_add);
@@ -241,7 +256,7 @@ pub fn parse_common_send(
     if wqe.flags & !COMMON_FLAGS != 0 || wqe.num_sge != 1 {
         return None;
     }
-    let opcode = SendOpcode::from_wire(wqe.opcode).filter(|opcode| !opcode.is_atomic())?;
+    let opcode = COMMON_OPCODES[usize::from(wqe.opcode)]?;
     let sge = check_sge(slot, SEND_WQE_HEADER, 0, rules, mrs).ok()?;
     Some(OneSgeSend {
         wr_id: wqe.wr_id.to_native(),
