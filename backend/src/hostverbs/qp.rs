@@ -462,6 +462,7 @@ impl SendBatch {
         }
     }
 
+    #[inline]
     pub fn clear(&mut self) {
         self.len = 0;
         self.sges_used = 0;
