@@ -170,8 +170,34 @@ impl Hasher for KeyHasher {
     }
 }
 
-/// The guest's MRs by host lkey.
-type MrTable = HashMap<u32, MrRange, BuildHasherDefault<KeyHasher>>;
+/// The guest's MRs by host lkey, and a count of the changes made to them: a poller keeps the
+/// last MR it looked up, across passes, while the count stays the same.
+#[derive(Default)]
+struct MrTable {
+    ranges: HashMap<u32, MrRange, BuildHasherDefault<KeyHasher>>,
+    changes: u64,
+}
+
+impl MrTable {
+    fn get(&self, lkey: u32) -> Option<MrRange> {
+        self.ranges.get(&lkey).copied()
+    }
+
+    fn insert(&mut self, lkey: u32, range: MrRange) {
+        self.ranges.insert(lkey, range);
+        self.changes += 1;
+    }
+
+    fn remove(&mut self, lkey: u32) {
+        self.ranges.remove(&lkey);
+        self.changes += 1;
+    }
+
+    fn clear(&mut self) {
+        self.ranges.clear();
+        self.changes += 1;
+    }
+}
 
 /// A connection's queues as the pool thread serving it sees them: one per connection.
 struct Shard {
@@ -454,7 +480,7 @@ impl DataPath {
             .mrs
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&lkey);
+            .remove(lkey);
     }
 
     pub fn add_ah(&self, handle: u32, pd: u32, ah: Arc<AddressHandle>) {

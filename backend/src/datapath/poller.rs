@@ -60,28 +60,57 @@ pub(super) struct Poller {
     /// The connection's CQs as of `cqs_version`.
     cqs: Vec<Arc<CqData>>,
     cqs_version: u64,
+    last_mr: LastMr,
 }
 
-/// Looks lkeys up in `mrs`, remembering the last one found: the WQEs of a batch mostly name
-/// the same MR, and the table cannot change while its read lock is held for the batch.
-fn mr_lookup(mrs: &MrTable) -> impl Fn(u32) -> Option<MrRange> + '_ {
-    // Field by field, each a word the compiler keeps as such, and the key widened so that
-    // "none yet" is a value no lkey has: a hit is one comparison.
-    let last_key = Cell::new(u64::MAX);
-    let (pd, start, len) = (Cell::new(0), Cell::new(0), Cell::new(0));
+/// The MR a poller found last, kept across passes while the MR table does not change (see
+/// [`MrTable`]): the WQEs of a connection mostly name the same MR.
+struct LastMr {
+    /// The table's change count when it was found.
+    changes: Cell<u64>,
+    /// Its lkey, widened so that "none" is a value no lkey has: a hit is one comparison.
+    key: Cell<u64>,
+    // Field by field, each a word the compiler keeps as such.
+    pd: Cell<u32>,
+    start: Cell<u64>,
+    len: Cell<u64>,
+}
+
+/// Looks lkeys up in `mrs` through `last`. The table cannot change while its read lock is
+/// held, as it is for a batch.
+fn mr_lookup<'a>(mrs: &'a MrTable, last: &'a LastMr) -> impl Fn(u32) -> Option<MrRange> + 'a {
+    if last.changes.get() != mrs.changes {
+        last.key.set(NO_LKEY);
+        last.changes.set(mrs.changes);
+    }
     move |lkey| {
-        if last_key.get() != u64::from(lkey) {
-            let range = mrs.get(&lkey)?;
-            last_key.set(u64::from(lkey));
-            pd.set(range.pd);
-            start.set(range.start);
-            len.set(range.len);
+        if last.key.get() != u64::from(lkey) {
+            let range = mrs.get(lkey)?;
+            last.key.set(u64::from(lkey));
+            last.pd.set(range.pd);
+            last.start.set(range.start);
+            last.len.set(range.len);
         }
         Some(MrRange {
-            pd: pd.get(),
-            start: start.get(),
-            len: len.get(),
+            pd: last.pd.get(),
+            start: last.start.get(),
+            len: last.len.get(),
         })
+    }
+}
+
+/// No lkey: [`LastMr::key`] when it names none.
+const NO_LKEY: u64 = u64::MAX;
+
+impl Default for LastMr {
+    fn default() -> Self {
+        LastMr {
+            changes: Cell::new(0),
+            key: Cell::new(NO_LKEY),
+            pd: Cell::new(0),
+            start: Cell::new(0),
+            len: Cell::new(0),
+        }
     }
 }
 
@@ -157,6 +186,7 @@ impl Poller {
             carried: Vec::new(),
             cqs: Vec::new(),
             cqs_version: 0,
+            last_mr: LastMr::default(),
         }
     }
 
@@ -383,7 +413,7 @@ impl Poller {
         {
             let shared = &*self.shared;
             let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
-            let mr_of = mr_lookup(&mrs);
+            let mr_of = mr_lookup(&mrs, &self.last_mr);
             // Only UD sends name AHs.
             let ahs = qp
                 .rules
@@ -479,7 +509,7 @@ impl Poller {
         self.sges.clear();
         self.recv.clear();
         let mrs = self.shared.mrs.read().unwrap_or_else(|e| e.into_inner());
-        let lookup = mr_lookup(&mrs);
+        let lookup = mr_lookup(&mrs, &self.last_mr);
         let (recv, sges) = (&mut self.recv, &mut self.sges);
         let batch = pending.min(BATCH);
         let mut refused = None;

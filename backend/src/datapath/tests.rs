@@ -97,6 +97,21 @@ fn a_refused_wqe_completes_in_error_fails_the_qp_and_raises_qp_fatal() {
 }
 
 #[test]
+fn an_mr_deregistered_between_passes_is_not_used_again() {
+    let mut rig = Rig::new(64);
+    rig.write_send(1, LKEY);
+    rig.ring_sq();
+    rig.poller.pass();
+    assert_eq!(rig.sent(), vec![1]);
+    rig.shared.mrs.write().unwrap().remove(LKEY);
+    rig.write_send(2, LKEY);
+    rig.ring_sq();
+    rig.poller.pass();
+    assert_eq!(rig.sent(), vec![1], "refused, not posted");
+    assert_eq!(rig.cqe(0).status, wc_status::LOC_PROT_ERR);
+}
+
+#[test]
 fn a_cq_is_polled_only_while_a_completion_can_be_on_it() {
     let mut rig = Rig::new(64);
     let polls = |rig: &Rig| rig.cq.polls.load(Ordering::Relaxed);
