@@ -234,10 +234,20 @@ const COMMON_HEAD: usize = std::mem::offset_of!(SendWqe, compare_add);
 const _: () = {
     use std::mem::offset_of;
     assert!(COMMON_HEAD.is_multiple_of(8));
-    assert!(offset_of!(SendWqe, compare_add) < offset_of!(SendWqe, swap));
-    assert!(offset_of!(SendWqe, swap) < offset_of!(SendWqe, ah));
-    assert!(offset_of!(SendWqe, ah) < offset_of!(SendWqe, remote_qpn));
-    assert!(offset_of!(SendWqe, remote_qpn) < offset_of!(SendWqe, remote_qkey));
+    let ends = [
+        offset_of!(SendWqe, wr_id) + 8,
+        offset_of!(SendWqe, opcode) + 1,
+        offset_of!(SendWqe, flags) + 1,
+        offset_of!(SendWqe, num_sge) + 1,
+        offset_of!(SendWqe, imm_data) + 4,
+        offset_of!(SendWqe, remote_addr) + 8,
+        offset_of!(SendWqe, rkey) + 4,
+    ];
+    let mut field = 0;
+    while field < ends.len() {
+        assert!(ends[field] <= COMMON_HEAD);
+        field += 1;
+    }
 };
 
 /// The send WQE in `slot` if it has the common form, checked with the few steps a NIC's fast
@@ -637,7 +647,7 @@ mod tests {
                 });
                 match mangle {
                     1 => wqe.flags |= wqe_flags::INLINE,
-                    2 => wqe.flags |= 0x10,
+                    2 => wqe.flags |= wqe_flags::ALL + 1, // not a flag
                     _ => {}
                 }
                 slot(wqe, &sges)
