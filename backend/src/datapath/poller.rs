@@ -386,8 +386,7 @@ impl Poller {
             return Visit::default();
         }
         let mapped = progress.resolved.through(mem, || qp.spans());
-        let Some(producer) = mapped.load::<u32>(RECORD, QpDoorbell::SQ_PRODUCER, Ordering::Acquire)
-        else {
+        let Some(producer) = mapped.load(RECORD, QpDoorbell::SQ_PRODUCER, Ordering::Acquire) else {
             progress.failed = true;
             self.fail_qp(qp, &mut progress.in_error, &"doorbell record unreadable");
             return Visit::WORKED;
@@ -557,8 +556,7 @@ impl Poller {
             return Visit::default();
         }
         let mapped = progress.resolved.through(mem, || qp.spans());
-        let Some(producer) = mapped.load::<u32>(RECORD, QpDoorbell::RQ_PRODUCER, Ordering::Acquire)
-        else {
+        let Some(producer) = mapped.load(RECORD, QpDoorbell::RQ_PRODUCER, Ordering::Acquire) else {
             return Visit::default();
         };
         let pending = ring_pending(producer, progress.rq_consumer);
@@ -614,8 +612,7 @@ impl Poller {
             return Visit::default();
         }
         let mapped = progress.resolved.through(mem, || srq.spans());
-        let Some(producer) = mapped.load::<u32>(RECORD, SrqDoorbell::PRODUCER, Ordering::Acquire)
-        else {
+        let Some(producer) = mapped.load(RECORD, SrqDoorbell::PRODUCER, Ordering::Acquire) else {
             return Visit::default();
         };
         let pending = ring_pending(producer, progress.consumer);
@@ -675,7 +672,7 @@ impl Poller {
         if progress.room >= wanted {
             return Some(progress.room);
         }
-        let consumer = progress.resolved.through(mem, || cq.spans()).load::<u32>(
+        let consumer = progress.resolved.through(mem, || cq.spans()).load(
             RECORD,
             CqDoorbell::CONSUMER_INDEX,
             Ordering::Acquire,
@@ -794,7 +791,7 @@ impl Poller {
         // this poller each read the other's old value and the event is lost.
         std::sync::atomic::fence(Ordering::SeqCst);
         let record = progress.resolved.through(mem, || cq.spans());
-        let Some(arm) = record.load::<u32>(RECORD, CqDoorbell::ARM, Ordering::Acquire) else {
+        let Some(arm) = record.load(RECORD, CqDoorbell::ARM, Ordering::Acquire) else {
             return;
         };
         let Some(request) = ArmRequest::decode(arm) else {
