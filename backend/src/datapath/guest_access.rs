@@ -347,11 +347,9 @@ impl<'m> Slots<'m> {
         let ring = self.ring;
         let (page, in_page) = self.page_of(index)?;
         let left_in_ring = ring.depth - ring_slot(index, ring.depth);
-        let left_in_page = (page.len() - in_page) >> ring.stride_shift;
-        let count = max
-            .max(1)
-            .min(left_in_ring)
-            .min(u32::try_from(left_in_page).unwrap_or(u32::MAX));
+        // Truncated only for pages of more than 2^32 slots: a shorter run, never a wrong one.
+        let left_in_page = (page.len().saturating_sub(in_page) >> ring.stride_shift) as u32;
+        let count = max.min(left_in_ring).min(left_in_page).max(1);
         let slots = page
             .subslice(in_page, (count as usize) << ring.stride_shift)
             .ok()?;
