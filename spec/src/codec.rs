@@ -551,8 +551,27 @@ impl ArmRequest {
 /// Proptest strategies over the codec's types, for property tests of either side.
 #[cfg(any(test, feature = "testing"))]
 pub mod strategies {
-    use super::SendOp;
+    use super::{SendHeader, SendOp, UdAddress, WqePayload};
     use proptest::prelude::*;
+
+    /// Send WQE headers of any operation, flags and wr_id, with payloads from `payload` and
+    /// UD addresses from `ud`.
+    pub fn send_header(
+        payload: impl Strategy<Value = WqePayload>,
+        ud: impl Strategy<Value = UdAddress>,
+    ) -> impl Strategy<Value = SendHeader> {
+        (any::<u64>(), send_op(), any::<[bool; 3]>(), payload, ud).prop_map(
+            |(wr_id, op, [signaled, solicited, fence], payload, ud)| SendHeader {
+                wr_id,
+                op,
+                signaled,
+                solicited,
+                fence,
+                payload,
+                ud,
+            },
+        )
+    }
 
     /// Any send operation, operands included.
     pub fn send_op() -> impl Strategy<Value = SendOp> {
@@ -591,7 +610,7 @@ pub mod strategies {
 
 #[cfg(test)]
 mod tests {
-    use super::strategies::send_op;
+    use super::strategies;
     use super::*;
     use proptest::prelude::*;
 
@@ -608,17 +627,7 @@ mod tests {
                     remote_qkey,
                 }
             });
-        (any::<u64>(), send_op(), any::<[bool; 3]>(), payload, ud).prop_map(
-            |(wr_id, op, [signaled, solicited, fence], payload, ud)| SendHeader {
-                wr_id,
-                op,
-                signaled,
-                solicited,
-                fence,
-                payload,
-                ud,
-            },
-        )
+        strategies::send_header(payload, ud)
     }
 
     #[test]

@@ -392,8 +392,8 @@ pub fn parse_recv(
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use vrdma_spec::codec::strategies::send_op;
-    use vrdma_spec::codec::{SendHeader, SendOperands, UdAddress};
+    use vrdma_spec::codec::strategies::send_header;
+    use vrdma_spec::codec::{SendOperands, UdAddress};
     use vrdma_spec::ring::wr_opcode;
     use vrdma_spec::{Le32, Le64};
 
@@ -633,26 +633,16 @@ mod tests {
             0u32..0x300,
             prop_oneof![Just(1u32), 2u32..4],
         );
-        let wqe = (any::<u64>(), send_op(), any::<[bool; 3]>(), payload, 0u8..3);
-        (wqe, prop::collection::vec(sge, 2)).prop_map(
-            |((wr_id, op, [signaled, solicited, fence], payload, mangle), sges)| {
-                let mut wqe = SendWqe::encode(&SendHeader {
-                    wr_id,
-                    op,
-                    signaled,
-                    solicited,
-                    fence,
-                    payload,
-                    ud: UdAddress::default(),
-                });
-                match mangle {
-                    1 => wqe.flags |= wqe_flags::INLINE,
-                    2 => wqe.flags |= wqe_flags::ALL + 1, // not a flag
-                    _ => {}
-                }
-                slot(wqe, &sges)
-            },
-        )
+        let header = send_header(payload, Just(UdAddress::default()));
+        (header, 0u8..3, prop::collection::vec(sge, 2)).prop_map(|(header, mangle, sges)| {
+            let mut wqe = SendWqe::encode(&header);
+            match mangle {
+                1 => wqe.flags |= wqe_flags::INLINE,
+                2 => wqe.flags |= wqe_flags::ALL + 1, // not a flag
+                _ => {}
+            }
+            slot(wqe, &sges)
+        })
     }
 
     proptest! {
