@@ -4,9 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vrdma_backend::datapath::wqe::{
-    parse_common_send, parse_recv, parse_send, MrRange, QpRules,
-};
+use vrdma_backend::datapath::wqe::{parse_common_send, parse_recv, parse_send, MrRange, QpRules};
 use vrdma_backend::hostverbs::{Payload, SendFlags, Sge};
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
 
@@ -51,13 +49,21 @@ fuzz_target!(|input: &[u8]| {
         // The common path takes only what parse_send takes, into the same request.
         if let Some(common) = parse_common_send(&wqe[..], &rules, &lookup) {
             if rules.takes_common_sends() {
-                let wr = parsed.as_ref().expect("parse_send takes what the common path takes");
+                let wr = parsed
+                    .as_ref()
+                    .expect("parse_send takes what the common path takes");
                 assert!(matches!(wr.payload, Payload::Sges(&[sge]) if sge == common.sge));
                 assert!(!wr.opcode.is_atomic() && wr.ud.is_none());
                 let flags = SendFlags::new(wr.signaled, wr.solicited, wr.fence);
-                assert_eq!((wr.wr_id, wr.opcode, flags), (common.wr_id, common.opcode, common.flags));
+                assert_eq!(
+                    (wr.wr_id, wr.opcode, flags),
+                    (common.wr_id, common.opcode, common.flags)
+                );
                 let (o, co) = (wr.operands, common.operands);
-                assert_eq!((o.imm, o.remote_addr, o.rkey), (co.imm, co.remote_addr, co.rkey));
+                assert_eq!(
+                    (o.imm, o.remote_addr, o.rkey),
+                    (co.imm, co.remote_addr, co.rkey)
+                );
             }
         }
         if let Ok(wr) = parsed {
