@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n=== %s\n' "$*"; }
+# Each step's header says when it started, so a slow step shows in the log.
+step() { printf '\n=== [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 run_all() {
 set -euo pipefail # the caller turns errexit off around the pipeline; keep it on in here
@@ -65,6 +66,7 @@ VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 \
 
 step "nested VM end to end: guest-lib over the vrdma PCI device (about 5 minutes)"
 tests/vm/run.sh -- tests/nested-e2e.sh "$PWD/target/debug"
+step "done"
 }
 
 mkdir -p target
