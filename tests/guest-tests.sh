@@ -1,12 +1,27 @@
 #!/usr/bin/env bash
 # Runs inside the test guest: every test binary given, with the tests that need rxe included.
-# Fails on the first failing binary, so a missing rxe device fails the suite.
+# Fails on the first failing binary, so a missing rxe device fails the suite. Each test's
+# line says how long it took, so the slow ones show in CI's log.
 set -uo pipefail
 [ -d "/sys/class/infiniband/${VRDMA_TEST_DEVICE:-rxe0}" ] ||
   echo "guest-tests: RDMA device ${VRDMA_TEST_DEVICE:-rxe0} is missing: rdma_rxe is not loaded or no rxe link was added" >&2
+
+# libtest ends a test's line when the test ends, and tests run one at a time: the time
+# between two lines is the test's.
+timed() {
+  local line last=$SECONDS
+  while IFS= read -r line; do
+    case $line in
+    "test "*" ... "*) printf '%s (%d s)\n' "$line" $((SECONDS - last)) ;;
+    *) printf '%s\n' "$line" ;;
+    esac
+    last=$SECONDS
+  done
+}
+
 status=0
 for binary in "$@"; do
   echo "guest-tests: running $(basename "$binary") against ${VRDMA_TEST_DEVICE:-rxe0}"
-  "$binary" --include-ignored --test-threads=1 || status=1
+  "$binary" --include-ignored --test-threads=1 2>&1 | timed || status=1
 done
 exit $status

@@ -9,7 +9,7 @@
 #   4. an unmodified ibv_rc_pingpong in the VM (vrdma's libibverbs over the PCI device) with
 #      its buffer check, against a native ibv_rc_pingpong on rxe0 here;
 #   5. once the VM is shut down, every host object it had is released (`rdma resource`).
-# Prints one `nested-e2e: CHECK ok|FAILED` line per check; exits 1 if any failed.
+# Prints one `nested-e2e: CHECK ok|FAILED (N s)` line per check; exits 1 if any failed.
 # usage: tests/nested-e2e.sh BIN_DIR   (BIN_DIR holds vhost-user-rdma, guest-endpoint,
 #                                       native-endpoint, vrdma-ibverbs/libibverbs.so.1)
 set -uo pipefail
@@ -23,13 +23,14 @@ logs=/tmp/nested-e2e
 mkdir -p "$logs"
 failures=0
 
+# Each check's line says how long it took, so a slow one shows in CI's log.
 check() {
-  local name=$1
+  local name=$1 start=$SECONDS
   shift
   if "$@"; then
-    echo "nested-e2e: $name ok"
+    echo "nested-e2e: $name ok ($((SECONDS - start)) s)"
   else
-    echo "nested-e2e: $name FAILED"
+    echo "nested-e2e: $name FAILED ($((SECONDS - start)) s)"
     failures=$((failures + 1))
   fi
 }

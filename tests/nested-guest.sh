@@ -12,6 +12,12 @@ set -uo pipefail
 exchange=${VRDMA_VM_RUN_DIR:?run me inside the VM harness} bin=$1 round_trips=$2
 repo=$(cd "$(dirname "$0")/.." && pwd)
 
+# A descriptor that never has input: `read -t` on it waits without starting a process. Every
+# process started here costs seconds (this VM is emulated inside an emulated guest) and takes
+# them from the program under test on the VM's one vCPU.
+exec {never}<> <(:)
+pause() { read -rt "$1" -u "$never" || true; }
+
 # Prints the lines of FILE as they are appended (9p has no inotify: polls), until `end`.
 follow() {
   local file=$1 n=0 line lines
@@ -25,7 +31,7 @@ follow() {
         echo "$line"
       done
     fi
-    sleep 0.2
+    pause 0.2
   done
 }
 
@@ -46,7 +52,7 @@ session reopen reopen pci
 # into pingpong.up and pingpong.down into the socket.
 busybox nc -l -p 18515 -e sh -c 'busybox tail -c +1 -F -s 1 "$2" & exec cat >>"$1"' \
   relay "$exchange/pingpong.up" "$exchange/pingpong.down" &
-sleep 1
+pause 1
 VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" --device pci -- \
   ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 50 -p 18515 127.0.0.1 \
   >"$exchange/pingpong.from-nested" 2>"$exchange/pingpong.nested-err"

@@ -78,7 +78,7 @@ set -e
 # One closing line for every runner above: the totals of their "test result:" lines and of
 # the nested-VM and cross-host checks.
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
-     /^(\[[ab]\] )?(nested-e2e|cross-host): .* ok$/ { p++ }
-     /^(\[[ab]\] )?(nested-e2e|cross-host): .* FAILED$/ { f++ }
+     /^(\[[ab]\] )?(nested-e2e|cross-host): .* ok( \([0-9]+ s\))?$/ { p++ }
+     /^(\[[ab]\] )?(nested-e2e|cross-host): .* FAILED( \([0-9]+ s\))?$/ { f++ }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"
