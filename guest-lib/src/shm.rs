@@ -287,13 +287,17 @@ impl Region {
         // SAFETY: `fd` is a new descriptor that nothing else owns.
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(len).map_err(Error::SharedMemory)?;
+        // Huge pages are taken now, so that too few reserved fails here, not later as a
+        // SIGBUS. Base pages come as they are first touched: a region's memory is paid for by
+        // what uses it (a QP's rings), not all at once by whichever call made it grow.
+        let populate = if huge { libc::MAP_POPULATE } else { 0 };
         // SAFETY: a shared mapping of the whole file at a kernel-chosen address; checked.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED | populate,
                 file.as_raw_fd(),
                 0,
             )
