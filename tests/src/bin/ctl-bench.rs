@@ -78,7 +78,8 @@ fn main() {
 
     // What the host provider's library allocates per QP in the process that creates it:
     // the backend pays it as native does.
-    let provider_heap = native_heap_per_qp(scale_qps);
+    let native = native_scale(scale_qps);
+    let provider_heap = native.heap;
 
     // 16,384 QPs in one guest.
     let device = Device::attach(socket).expect("attach");
@@ -167,6 +168,12 @@ fn main() {
         "| {scale_qps} QPs in one guest: CREATE_QP of the last {first_count} | {:.1} us per QP ({:.2}x the first {first_count}) |",
         per(last_created, first_count),
         per(last_created, first_count) / per(first_created, first_count)
+    );
+    let native_first = per(native.first, first_count);
+    println!(
+        "| {scale_qps} QPs created natively (the host's verbs, no guest): CREATE_QP | {:.1} us per QP ({:.2}x the first {first_count}, {native_first:.1} us per QP) |",
+        per(native.all, scale_qps),
+        per(native.all, scale_qps) / native_first
     );
     println!(
         "| {scale_qps} QPs in one guest: DESTROY_QP | {:.1} us per QP |",
@@ -334,22 +341,38 @@ fn smallest_rc_qp() -> QpInit<'static> {
 
 /// The growth of this process's heap (RssAnon, KiB) per QP when it creates `count` QPs
 /// through the host verbs layer, as the backend does: the host provider's share.
-fn native_heap_per_qp(count: u32) -> f64 {
+/// What `count` QPs created natively cost: heap per QP, and how long the first QPS_TIMED and
+/// all of them took to create.
+struct NativeScale {
+    heap: f64,
+    first: Duration,
+    all: Duration,
+}
+
+fn native_scale(count: u32) -> NativeScale {
     let context = open_test_device();
     let pd = context.alloc_pd().unwrap();
     let cq = context.create_cq(64, None).unwrap();
     let init = smallest_rc_qp();
     let pid = std::process::id().to_string();
     let before = Resident::of(&pid);
+    let start = Instant::now();
+    let mut first = Duration::ZERO;
     let qps: Vec<_> = (0..count)
         .map(|i| {
-            pd.create_qp(&cq, &cq, &init)
-                .unwrap_or_else(|e| panic!("native QP {i}: {e}"))
+            let qp = pd
+                .create_qp(&cq, &cq, &init)
+                .unwrap_or_else(|e| panic!("native QP {i}: {e}"));
+            if i + 1 == QPS_TIMED.min(count) {
+                first = start.elapsed();
+            }
+            qp
         })
         .collect();
+    let all = start.elapsed();
     let heap = Resident::of(&pid).per_object_since(&before, count).anon;
     drop(qps);
-    heap
+    NativeScale { heap, first, all }
 }
 
 /// vrdma: QP create -> RTS through guest-lib and the backend, per QP.
