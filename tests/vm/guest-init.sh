@@ -29,7 +29,7 @@ done
 
 opts=trans=virtio,version=9p2000.L,msize=512000
 # The root is cached in the guest's page cache: without it every exec reads its binary and
-# libraries over 9p again (ten times slower to start a process, a hundred in a nested guest).
+# libraries over 9p again (a process took ten times as long to start).
 # Nothing on the machine changes it while a guest runs; what the guest and the machine trade
 # goes through the results share, which is not cached.
 mount -t 9p -o "$opts,ro,cache=loose" hostroot /newroot || fail "cannot mount the machine's root over 9p"

@@ -92,8 +92,8 @@ fn main() {
     let last_from = scale_qps - first_count;
     let mut before_last = Duration::ZERO;
     // How long each run of QPS_TIMED creations took, in order: the first is the cost at 100
-    // QPs; the spread of the others tells a cost that grows with the QPs held from a machine
-    // that was busy for a moment.
+    // QPs; the median and the slowest of all tell a cost that grows with the QPs held apart
+    // from a moment the machine was busy.
     let mut windows = Vec::new();
     let mut window_start = start;
     let qps: Vec<QueuePair> = (0..scale_qps)
@@ -339,13 +339,13 @@ fn smallest_rc_qp() -> QpInit<'static> {
     }
 }
 
-/// The growth of this process's heap (RssAnon, KiB) per QP when it creates `count` QPs
-/// through the host verbs layer, as the backend does: the host provider's share.
-/// What `count` QPs created natively cost: heap per QP, and how long the first QPS_TIMED and
-/// all of them took to create.
+/// What `count` QPs created through the host verbs layer, as the backend creates them, cost.
 struct NativeScale {
+    /// The growth of this process's heap (RssAnon, KiB) per QP: the host provider's share.
     heap: f64,
+    /// How long the first QPS_TIMED took to create.
     first: Duration,
+    /// How long all of them took.
     all: Duration,
 }
 
