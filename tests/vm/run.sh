@@ -99,7 +99,7 @@ timeout --foreground "$limit" "${qemu[@]}" \
   -append "console=ttyS0 quiet loglevel=3 panic=-1 vrdma.results=$run vrdma.rxe=$rxe $net_arg" \
   -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on \
   -virtfs "local,path=$run,mount_tag=results,security_model=none" \
-  </dev/null | sed -u -e 's/\r$//; s/\x1b[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' \
+  </dev/null | sed -u -e 's/\r//g; s/\x1b[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' \
   -e '/^SeaBIOS (version/d; s/^Booting from ROM\.*//; /reboot: Power down/d' || true
 
 if [ ! -f "$run/rc" ]; then
