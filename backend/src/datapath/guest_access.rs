@@ -47,39 +47,41 @@ pub(super) fn store<O: AtomicAccess>(
     Ok(slice_at(mem, addr, size_of::<O>())?.store(value, 0, order)?)
 }
 
-/// Writes `count` entries made by `entry` (given their index among the `count`) back to back
-/// over the whole of `slice` so that each appears whole: all its words but the last with
-/// volatile writes, then the last with a release store, so a guest that sees an entry's last
-/// word change (a CQE's owner byte is in it) with an acquire load also sees the rest of it.
-/// False, writing nothing, if the entries do not fill the slice exactly or it is misaligned.
+/// Writes `words` over the whole of `slot` so that the entry appears whole: all its words but
+/// the last with volatile writes, then the last with a release store, so a guest that sees
+/// the entry's last word change (a CQE's owner byte is in it) with an acquire load also sees
+/// the rest of it. False, writing nothing, if the words do not fill the slot exactly or it is
+/// misaligned.
 #[inline(always)]
-fn publish_words<const N: usize>(
-    slice: &VolatileSlice,
-    count: usize,
-    mut entry: impl FnMut(usize) -> [u64; N],
-) -> bool {
-    if N == 0 || count * 8 * N != slice.len() {
+fn publish_words<const N: usize>(slot: &VolatileSlice, words: [u64; N]) -> bool {
+    if N == 0 || 8 * N != slot.len() {
         return false;
     }
-    let guard = slice.ptr_guard_mut();
-    let base = guard.as_ptr().cast::<u64>();
-    if !base.is_aligned() {
+    let guard = slot.ptr_guard_mut();
+    let at = guard.as_ptr().cast::<u64>();
+    if !at.is_aligned() {
         return false;
     }
-    for index in 0..count {
-        let words = entry(index);
-        let at = base.wrapping_add(index * N);
-        for (word, value) in words[..N - 1].iter().enumerate() {
-            // SAFETY: the word lies inside the slice (the entries fill it exactly, checked
-            // above), which stays mapped while `guard` lives, and is 8-byte aligned.
-            unsafe { at.add(word).write_volatile(*value) };
-        }
-        // SAFETY: as above; the guest's side of the word is only ever accessed atomically or
-        // by volatile copies, and the mapping outlives this borrow.
-        let last = unsafe { AtomicU64::from_ptr(at.add(N - 1)) };
-        last.store(words[N - 1], Ordering::Release);
-    }
+    // SAFETY: the words fill the slot exactly (checked above), which stays mapped while
+    // `guard` lives, and are 8-byte aligned.
+    unsafe { write_entry(at, words) };
     true
+}
+
+/// [`publish_words`] into the `N` words at `at`.
+///
+/// # Safety
+/// `at` is 8-byte aligned and its `N` words lie in guest memory mapped for the call, which
+/// the guest only ever accesses atomically or by volatile copies.
+#[inline(always)]
+unsafe fn write_entry<const N: usize>(at: *mut u64, words: [u64; N]) {
+    for (word, value) in words[..N - 1].iter().enumerate() {
+        // SAFETY: inside the entry, per the function's contract.
+        unsafe { at.add(word).write_volatile(*value) };
+    }
+    // SAFETY: as above.
+    let last = unsafe { AtomicU64::from_ptr(at.add(N - 1)) };
+    last.store(words[N - 1], Ordering::Release);
 }
 
 /// A slot in guest memory, read in place: a wire struct at an offset aligned for it (every
@@ -141,20 +143,6 @@ impl Slot for VolatileSlice<'_> {
     }
 }
 
-/// The slots of `stride` bytes each that `run` holds, `count` at most, in order.
-fn slots_of<'m>(
-    run: VolatileSlice<'m>,
-    stride: usize,
-    count: u32,
-) -> impl Iterator<Item = VolatileSlice<'m>> {
-    let count = (count as usize).min(run.len() / stride.max(1));
-    (0..count).map(move |slot| {
-        // SAFETY: slot `slot` of `run` lies inside it (`count` slots fit, checked above),
-        // and `run`, a slice of a region of the snapshot `'m` borrows, stays mapped for `'m`.
-        unsafe { VolatileSlice::new(run.ptr_guard_mut().as_ptr().add(slot * stride), stride) }
-    })
-}
-
 /// Where a queue's spans of guest memory (its doorbell record, its rings' pages) are in this
 /// process, as last resolved: while the memory snapshot they were resolved through is the
 /// current one, a visit looks none of them up. It keeps a `Weak` of that snapshot: no mapping
@@ -163,8 +151,21 @@ fn slots_of<'m>(
 #[derive(Default)]
 pub(super) struct Resolved {
     snapshot: Weak<Memory>,
-    /// Host address and length of each span; (0, 0) where guest memory holds none of it.
-    spans: Box<[(usize, usize)]>,
+    /// `snapshot`'s address, compared on every visit: one load, where `Weak::as_ptr` has a
+    /// branch.
+    snapshot_at: usize,
+    spans: Box<[Span]>,
+}
+
+/// Where one span is in this process.
+#[derive(Clone, Copy, Default)]
+struct Span {
+    /// Host address; 0 where guest memory holds none of the span.
+    host: usize,
+    len: usize,
+    /// How many of the spans after this one continue it in this process without a gap: a
+    /// ring whose pages all do is one run of memory, its slots found without a page lookup.
+    continued_by: u32,
 }
 
 impl Resolved {
@@ -180,7 +181,7 @@ impl Resolved {
     where
         I: Iterator<Item = (u64, usize)>,
     {
-        if !std::ptr::eq(self.snapshot.as_ptr(), Arc::as_ptr(mem)) {
+        if self.snapshot_at != Arc::as_ptr(mem) as usize {
             self.resolve(mem, spans());
         }
         Mapped {
@@ -191,20 +192,32 @@ impl Resolved {
 
     #[cold]
     fn resolve(&mut self, mem: &Arc<Memory>, spans: impl Iterator<Item = (u64, usize)>) {
-        self.spans = spans
+        let mut resolved: Box<[Span]> = spans
             .map(|(gpa, len)| match slice_at(mem, gpa, len) {
-                Ok(slice) => (slice.ptr_guard_mut().as_ptr() as usize, len),
-                Err(_) => (0, 0),
+                Ok(slice) => Span {
+                    host: slice.ptr_guard_mut().as_ptr() as usize,
+                    len,
+                    continued_by: 0,
+                },
+                Err(_) => Span::default(),
             })
             .collect();
+        for index in (1..resolved.len()).rev() {
+            let (before, after) = (resolved[index - 1], resolved[index]);
+            if before.host != 0 && after.host != 0 && before.host + before.len == after.host {
+                resolved[index - 1].continued_by = after.continued_by + 1;
+            }
+        }
+        self.spans = resolved;
         self.snapshot = Arc::downgrade(mem);
+        self.snapshot_at = Arc::as_ptr(mem) as usize;
     }
 }
 
 /// A queue's spans through the snapshot `'m` borrows (see [`Resolved::through`]).
 #[derive(Clone, Copy)]
 pub(super) struct Mapped<'m> {
-    spans: &'m [(usize, usize)],
+    spans: &'m [Span],
     _snapshot: PhantomData<&'m Memory>,
 }
 
@@ -213,7 +226,7 @@ impl<'m> Mapped<'m> {
     #[inline(always)]
     pub(super) fn span(&self, index: usize) -> Option<VolatileSlice<'m>> {
         match self.spans.get(index) {
-            Some(&(host, len)) if host != 0 => {
+            Some(&Span { host, len, .. }) if host != 0 => {
                 // SAFETY: `host` and `len` are a slice of a region of the snapshot `'m`
                 // borrows (`through` made sure they were resolved through it), whose regions
                 // stay mapped while it lives (vm-memory's mmap backend without Xen: a
@@ -232,12 +245,19 @@ impl<'m> Mapped<'m> {
         }
     }
 
+    /// Host address of the first span, if it and the `count - 1` after it are in guest memory
+    /// back to back.
+    fn run_of(&self, count: usize) -> Option<usize> {
+        let first = self.spans.first()?;
+        (first.host != 0 && first.continued_by as usize + 1 >= count).then_some(first.host)
+    }
+
     /// The naturally aligned word at `offset` in span `index`, if it lies there.
     // Not through vm-memory's atomic accessors: they are not inlined into another crate, and
     // the data path makes a few of these accesses on every visit.
     #[inline(always)]
     fn word(&self, index: usize, offset: u64) -> Option<&'m AtomicU32> {
-        let &(host, len) = self.spans.get(index)?;
+        let &Span { host, len, .. } = self.spans.get(index)?;
         let offset = usize::try_from(offset).ok()?;
         if host == 0 || offset.checked_add(size_of::<u32>())? > len {
             return None;
@@ -272,20 +292,67 @@ impl<'m> Mapped<'m> {
 pub(super) struct Slots<'m> {
     ring: &'m GuestRing,
     pages: Mapped<'m>,
+    /// Host address of slot 0 when the ring's pages lie back to back in this process (as
+    /// they do when the guest's pages are contiguous in one region): a slot is then found
+    /// with a mask, a shift and an add. 0 when they do not.
+    base: usize,
+    // The ring's, copied here so that a loop over slots keeps them in registers.
+    depth: u32,
+    stride_shift: u8,
 }
 
 impl<'m> Slots<'m> {
     /// `pages` are the ring's pages, in its order.
+    #[inline(always)]
     pub(super) fn new(ring: &'m GuestRing, pages: Mapped<'m>) -> Self {
-        Slots { ring, pages }
+        let covered = (ring.pages.len() as u64) << ring.page_shift >= ring.bytes();
+        let base = match pages.run_of(ring.pages.len()) {
+            Some(base) if covered => base,
+            _ => 0,
+        };
+        Slots {
+            ring,
+            pages,
+            base,
+            depth: ring.depth,
+            stride_shift: ring.stride_shift,
+        }
+    }
+
+    /// Host address of slot `index` of a ring that is one run (`base` is not 0).
+    #[inline(always)]
+    fn in_run(&self, index: u32) -> usize {
+        self.base + ((ring_slot(index, self.depth) as usize) << self.stride_shift)
+    }
+
+    /// Slot `index` (any u32: the ring index wraps), read in place; `None` if guest memory no
+    /// longer holds its page.
+    #[inline(always)]
+    fn slot(&self, index: u32) -> Option<VolatileSlice<'m>> {
+        if self.base == 0 {
+            return self.slot_in_pages(index);
+        }
+        // SAFETY: the ring's pages, back to back from `base`, cover its `depth` slots
+        // (checked in `new`), and each lies in a region of the snapshot `'m` borrows, which
+        // stays mapped while it lives (see `Mapped::span`).
+        Some(unsafe { VolatileSlice::new(self.in_run(index) as *mut u8, 1 << self.stride_shift) })
+    }
+
+    /// [`Slots::slot`] of a ring whose pages are scattered: found through its page (a slot
+    /// never straddles two).
+    fn slot_in_pages(&self, index: u32) -> Option<VolatileSlice<'m>> {
+        let (page, in_page) = self.ring.slot_position(index);
+        self.pages
+            .span(page)?
+            .subslice(in_page, self.ring.stride())
+            .ok()
     }
 
     /// Writes `count` entries made by `entry` into consecutive slots from `first` (any u32:
-    /// the ring index wraps) as [`publish_words`] does (CQEs: each one's owner byte last), run
-    /// by run; returns how many it wrote, fewer if guest memory no longer holds a page or an
-    /// entry is not a slot. `entry` is given the entry's index among the `count` and the ring
-    /// index its run starts at: a run ends at the ring's end at the latest, so its entries
-    /// are all written in the same lap of the ring (a CQE's owner bit is the same for all).
+    /// the ring index wraps) as [`publish_words`] does (CQEs: each one's owner byte last);
+    /// returns how many it wrote, fewer if guest memory no longer holds a page or an entry
+    /// is not a slot. `entry` is given the entry's index among the `count` and its ring
+    /// index.
     #[inline(always)]
     pub(super) fn publish<const N: usize>(
         &self,
@@ -293,21 +360,24 @@ impl<'m> Slots<'m> {
         count: u32,
         mut entry: impl FnMut(u32, u32) -> [u64; N],
     ) -> u32 {
-        let mut written = 0;
-        while written < count {
-            let start = first.wrapping_add(written);
-            let Some((run, slots)) = self.run(start, count - written) else {
-                break;
-            };
-            let at = written;
-            if !publish_words(&run, slots as usize, |index| {
-                entry(at + index as u32, start)
-            }) {
-                break;
+        if self.base != 0 && self.base.is_multiple_of(8) && 8 * N == 1 << self.stride_shift {
+            for written in 0..count {
+                let index = first.wrapping_add(written);
+                // SAFETY: the slot lies in guest memory (see `slot`), its words fill it
+                // exactly (checked above) and are aligned: the base is, and so is every
+                // slot, a multiple of the stride from it.
+                unsafe { write_entry(self.in_run(index) as *mut u64, entry(written, index)) };
             }
-            written += slots;
+            return count;
         }
-        written
+        for written in 0..count {
+            let index = first.wrapping_add(written);
+            match self.slot(index) {
+                Some(slot) if publish_words(&slot, entry(written, index)) => {}
+                _ => return written,
+            }
+        }
+        count
     }
 
     /// Hands `take` the `count` consecutive slots from `first` (any u32: the ring index
@@ -320,46 +390,13 @@ impl<'m> Slots<'m> {
         count: u32,
         mut take: impl FnMut(VolatileSlice<'m>) -> bool,
     ) -> u32 {
-        let stride = self.ring.stride();
-        let mut taken = 0;
-        while taken < count {
-            let Some((run, slots)) = self.run(first.wrapping_add(taken), count - taken) else {
-                break;
-            };
-            let end_of_run = taken + slots;
-            for slot in slots_of(run, stride, slots) {
-                if !take(slot) {
-                    return taken;
-                }
-                taken += 1;
-            }
-            if taken < end_of_run {
-                break;
+        for taken in 0..count {
+            match self.slot(first.wrapping_add(taken)) {
+                Some(slot) if take(slot) => {}
+                _ => return taken,
             }
         }
-        taken
-    }
-
-    /// Up to `max` (at least 1) consecutive slots from `index` (any u32: the ring index
-    /// wraps), as many as follow it in its page before the ring wraps: one slice and their
-    /// count; `None` if guest memory no longer holds the page.
-    fn run(&self, index: u32, max: u32) -> Option<(VolatileSlice<'m>, u32)> {
-        let ring = self.ring;
-        let (page, in_page) = self.page_of(index)?;
-        let left_in_ring = ring.depth - ring_slot(index, ring.depth);
-        // Truncated only for pages of more than 2^32 slots: a shorter run, never a wrong one.
-        let left_in_page = (page.len().saturating_sub(in_page) >> ring.stride_shift) as u32;
-        let count = max.min(left_in_ring).min(left_in_page).max(1);
-        let slots = page
-            .subslice(in_page, (count as usize) << ring.stride_shift)
-            .ok()?;
-        Some((slots, count))
-    }
-
-    /// The page holding slot `index` and the slot's offset in it.
-    fn page_of(&self, index: u32) -> Option<(VolatileSlice<'m>, usize)> {
-        let (page, in_page) = self.ring.slot_position(index);
-        Some((self.pages.span(page)?, in_page))
+        count
     }
 }
 
@@ -412,23 +449,19 @@ mod tests {
     #[test]
     fn published_words_land_whole_and_short_or_misaligned_slots_are_refused() {
         let mem = two_regions();
-        let entries = [[1u64, 2, 3, u64::MAX], [5, 6, 7, 8]];
-        let made = |index: usize| entries[index];
-        let slots = slice_at(&mem, 0x200, 0x40).unwrap();
-        assert!(publish_words(&slots, 2, made));
-        let mut seen = [0u8; 64];
-        slice_at(&mem, 0x200, 64).unwrap().copy_to(&mut seen);
-        let expected: Vec<u8> = entries
-            .iter()
-            .flatten()
-            .flat_map(|w| w.to_ne_bytes())
-            .collect();
-        assert_eq!(seen[..], expected[..]);
-        assert!(!publish_words(&slots, 1, made), "not the whole slice");
-        let short = slice_at(&mem, 0x200, 0x20).unwrap();
-        assert!(!publish_words(&short, 2, made), "past the end");
-        let misaligned = slice_at(&mem, 0x204, 0x40).unwrap();
-        assert!(!publish_words(&misaligned, 2, made), "misaligned");
+        let entry = [1u64, 2, 3, u64::MAX];
+        let slot = slice_at(&mem, 0x200, 0x20).unwrap();
+        assert!(publish_words(&slot, entry));
+        assert_eq!(
+            mem.read_obj::<[u64; 4]>(GuestAddress(0x200)).unwrap(),
+            entry
+        );
+        let long = slice_at(&mem, 0x200, 0x40).unwrap();
+        assert!(!publish_words(&long, entry), "not the whole slot");
+        let short = slice_at(&mem, 0x200, 0x10).unwrap();
+        assert!(!publish_words(&short, entry), "past the end");
+        let misaligned = slice_at(&mem, 0x204, 0x20).unwrap();
+        assert!(!publish_words(&misaligned, entry), "misaligned");
     }
 
     #[test]
@@ -461,57 +494,88 @@ mod tests {
     }
 
     #[test]
+    fn a_ring_whose_pages_are_back_to_back_is_one_run() {
+        let mem = Arc::new(Memory::from_ranges(&[(GuestAddress(0), 0x3000)]).unwrap());
+        let run = GuestRing::new(vec![0x1000, 0x2000], 12, 10, 8);
+        let mut resolved = Resolved::default();
+        let slots = slots_through(&run, &mem, &mut resolved);
+        assert_ne!(slots.base, 0);
+        // Slot 5 is the second of page 1, whether found in the run or by its page.
+        slots.slot(13).unwrap().copy_from(b"five");
+        assert_eq!(
+            mem.read_obj::<[u8; 4]>(GuestAddress(0x2400)).unwrap(),
+            *b"five"
+        );
+        assert_eq!(
+            slots.slot_in_pages(5).unwrap().field::<[u8; 4]>(0),
+            Some(*b"five")
+        );
+        // Written and taken across the wrap, as in a ring of scattered pages.
+        let entries = |index: u32, at: u32| [u64::from(at) << 32 | u64::from(index); 128];
+        assert_eq!(slots.publish(7, 3, entries), 3);
+        let word = |gpa| mem.read_obj::<u64>(GuestAddress(gpa)).unwrap();
+        assert_eq!(
+            (word(0x2c00), word(0x1000), word(0x1400)),
+            (7 << 32, 8 << 32 | 1, 9 << 32 | 2)
+        );
+        let mut seen = Vec::new();
+        let taken = slots.take(7, 3, |slot| {
+            seen.push(slot.field::<u64>(0).unwrap());
+            seen.len() < 2
+        });
+        assert_eq!((taken, &seen[..]), (1, &[7 << 32, 8 << 32 | 1][..]));
+        // Pages out of order, repeated, or one of them gone: found page by page.
+        for pages in [
+            vec![0x2000, 0x1000],
+            vec![0x1000, 0x1000],
+            vec![0x2000, 0x3000],
+        ] {
+            let ring = GuestRing::new(pages, 12, 10, 8);
+            assert_eq!(slots_through(&ring, &mem, &mut Resolved::default()).base, 0);
+        }
+        // Pages that do not cover the ring are never taken as its run.
+        let short = GuestRing::new(vec![0x1000], 12, 10, 8);
+        assert_eq!(
+            slots_through(&short, &mem, &mut Resolved::default()).base,
+            0
+        );
+    }
+
+    #[test]
     fn slots_follow_the_ring_pages_and_wrap() {
         let mem = two_regions();
         // Two 4 KiB pages in reverse order, 1 KiB slots: slot 5 is the second slot of page 1.
         let ring = GuestRing::new(vec![0x1000, 0], 12, 10, 8);
         let mut resolved = Resolved::default();
         let slots = slots_through(&ring, &mem, &mut resolved);
-        slots.run(5, 1).unwrap().0.copy_from(b"five");
+        assert_eq!(slots.base, 0, "not one run");
+        slots.slot(5).unwrap().copy_from(b"five");
         let mut out = [0u8; 4];
         mem.read_slice(&mut out, GuestAddress(0x400)).unwrap();
         assert_eq!(&out, b"five");
         slots
-            .run(5u32.wrapping_add(8 << 20), 1)
+            .slot(5u32.wrapping_add(8 << 20))
             .unwrap()
-            .0
             .copy_to(&mut out);
         assert_eq!(&out, b"five", "the index wraps at the depth");
-        assert_eq!(slots.run(1, 1).unwrap().0.len(), 1024);
-        // Runs stop at the end of a page and where the ring wraps.
-        let (run, count) = slots.run(4, 8).unwrap();
-        assert_eq!((run.len(), count), (4 * 1024, 4));
-        let (_, count) = slots.run(6, 8).unwrap();
-        assert_eq!(count, 2, "the page ends");
-        let (_, count) = slots.run(2, 1).unwrap();
-        assert_eq!(count, 1, "no more than asked");
-        let (run, count) = slots.run(7u32.wrapping_add(8 << 20), 8).unwrap();
-        assert_eq!((run.len(), count), (1024, 1), "the ring wraps");
+        assert_eq!(slots.slot(1).unwrap().len(), 1024);
         let gone = GuestRing::new(vec![0x4000], 12, 10, 4);
         assert!(slots_through(&gone, &mem, &mut Resolved::default())
-            .run(0, 1)
+            .slot(0)
             .is_none());
-        // A run's slots, read in place; a page guest memory no longer holds has none.
+        // Slots read in place; a page guest memory no longer holds has none.
         mem.write_slice(b"three", GuestAddress(0x1c00)).unwrap();
         mem.write_slice(b"seven", GuestAddress(0xc00)).unwrap();
         mem.write_slice(b"zero.", GuestAddress(0x1000)).unwrap();
         let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
         let mut half_resolved = Resolved::default();
         let half = slots_through(&half_gone, &mem, &mut half_resolved);
-        let (run, count) = half.run(2, 4).unwrap();
-        let starts: Vec<[u8; 5]> = slots_of(run, 1024, count)
-            .map(|slot| {
-                let mut start = [0; 5];
-                assert!(slot.copy_bytes(0, &mut start));
-                start
-            })
-            .collect();
-        assert_eq!(starts.len(), 2, "slots 2 and 3, the rest of the first page");
-        assert_eq!(&starts[1], b"three");
-        assert!(half.run(4, 4).is_none());
-        // Slots 7, 0 and 1 of `ring`: the end of its second page, then its first.
-        let (run, count) = slots.run(7, 3).unwrap();
-        let slot = slots_of(run, 1024, count).next().unwrap();
+        let mut start = [0; 5];
+        assert!(half.slot(3).unwrap().copy_bytes(0, &mut start));
+        assert_eq!(&start, b"three");
+        assert!(half.slot(4).is_none());
+        // Slot 7 of `ring`: the end of its second page.
+        let slot = slots.slot(7).unwrap();
         assert_eq!(slot.field::<[u8; 5]>(0), Some(*b"seven"), "copied: 5 bytes");
         assert_eq!(slot.field::<u64>(1016), Some(0), "one word, in place");
         assert_eq!(slot.field::<u64>(1020), None, "past the slot");
@@ -528,10 +592,7 @@ mod tests {
             "more than the struct"
         );
         assert_eq!(slot.field_head::<[u64; 2]>(1000, 4), None, "not words");
-        let (run, _) = slots.run(8, 2).unwrap();
-        let mut first = slots_of(run, 1024, 2);
-        assert_eq!(first.next().unwrap().field::<[u8; 5]>(0), Some(*b"zero."));
-        assert_eq!(first.count(), 1);
+        assert_eq!(slots.slot(8).unwrap().field::<[u8; 5]>(0), Some(*b"zero."));
         // Slots taken in order across the wrap, until told to stop or a page is missing.
         let mut seen = Vec::new();
         let taken = slots_through(&ring, &mem, &mut Resolved::default()).take(7, 3, |slot| {
@@ -551,19 +612,17 @@ mod tests {
             slots_through(&gone, &mem, &mut Resolved::default()).publish(0, 1, |_, _| [1u64; 128]),
             0
         );
-        // 1 KiB entries into slots 7, 0 and 1 (across the wrap, so in two runs, the second
-        // starting at ring index 8); slot 2's page is gone.
+        // 1 KiB entries into slots 7, 0 and 1 (across the wrap); slot 2's page is gone.
         let wrapping = GuestRing::new(vec![0x1000, 0], 12, 10, 8);
-        let entries = |index: u32, run: u32| [u64::from(run) << 32 | u64::from(7 + index); 128];
+        let entries = |index: u32, at: u32| [u64::from(at) << 32 | u64::from(7 + index); 128];
         assert_eq!(
             slots_through(&wrapping, &mem, &mut Resolved::default()).publish(7, 3, entries),
             3
         );
         let word = |gpa| mem.read_obj::<u64>(GuestAddress(gpa)).unwrap();
-        let (seventh, eighth) = (7 << 32, 8 << 32);
         assert_eq!(
             (word(0xc00), word(0x1000), word(0x1400)),
-            (seventh | 7, eighth | 8, eighth | 9)
+            (7 << 32 | 7, 8 << 32 | 8, 9 << 32 | 9)
         );
         let half_gone = GuestRing::new(vec![0x1000, 0x4000], 12, 10, 8);
         assert_eq!(

@@ -14,8 +14,8 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
-use super::guest_access::{store, Slots};
-use super::queues::{CqData, CqProgress, QpData, QpProgress, SrqData, FIRST_PAGE, RECORD};
+use super::guest_access::{store, Mapped, Slots};
+use super::queues::{CqData, CqProgress, QpData, QpProgress, SrqData, Visited, FIRST_PAGE, RECORD};
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
 use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
 use crate::hostverbs::{self, AddressHandle, PushError, RecvWr, SendBatch, Sge, WorkCompletion};
@@ -358,13 +358,15 @@ impl Poller {
         cq: &CqData,
         (cqe, reason): (Cqe, &WqeError),
     ) -> bool {
-        let mut cq_progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
-        if self.cq_room(mem, cq, &mut cq_progress, 1).unwrap_or(0) == 0
-            || self.write_cqes(mem, cq, &mut cq_progress, 1, |_| cqe) == 0
+        let mut visit = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let Visited { progress, resolved } = &mut *visit;
+        let mapped = resolved.through(mem, || cq.spans());
+        if self.cq_room(mapped, cq, progress, 1).unwrap_or(0) == 0
+            || self.write_cqes(mapped, cq, progress, 1, |_| cqe) == 0
         {
             return false;
         }
-        drop(cq_progress);
+        drop(visit);
         self.shared.refused.fetch_add(1, Ordering::Relaxed);
         self.fail_qp(qp, in_error, reason);
         true
@@ -375,17 +377,24 @@ impl Poller {
     // functions per WQE.
     #[inline(never)]
     fn process_qp(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
-        let mut progress = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let sends = self.take_sends(mem, qp, &mut progress);
-        sends.and(self.take_receives(mem, qp, &mut progress))
-    }
-
-    #[inline(always)]
-    fn take_sends(&mut self, mem: &Arc<Memory>, qp: &QpData, progress: &mut QpProgress) -> Visit {
+        let mut visit = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let Visited { progress, resolved } = &mut *visit;
         if progress.failed {
             return Visit::default();
         }
-        let mapped = progress.resolved.through(mem, || qp.spans());
+        let mapped = resolved.through(mem, || qp.spans());
+        let sends = self.take_sends(mem, mapped, qp, progress);
+        sends.and(self.take_receives(mem, mapped, qp, progress))
+    }
+
+    #[inline(always)]
+    fn take_sends(
+        &mut self,
+        mem: &Arc<Memory>,
+        mapped: Mapped<'_>,
+        qp: &QpData,
+        progress: &mut QpProgress,
+    ) -> Visit {
         let Some(producer) = mapped.load(RECORD, QpDoorbell::SQ_PRODUCER, Ordering::Acquire) else {
             progress.failed = true;
             self.fail_qp(qp, &mut progress.in_error, &"doorbell record unreadable");
@@ -546,6 +555,7 @@ impl Poller {
     fn take_receives(
         &mut self,
         mem: &Arc<Memory>,
+        mapped: Mapped<'_>,
         qp: &QpData,
         progress: &mut QpProgress,
     ) -> Visit {
@@ -555,7 +565,6 @@ impl Poller {
         if progress.failed {
             return Visit::default();
         }
-        let mapped = progress.resolved.through(mem, || qp.spans());
         let Some(producer) = mapped.load(RECORD, QpDoorbell::RQ_PRODUCER, Ordering::Acquire) else {
             return Visit::default();
         };
@@ -606,12 +615,12 @@ impl Poller {
     // functions per WQE.
     #[inline(never)]
     fn process_srq(&mut self, mem: &Arc<Memory>, srq: &SrqData) -> Visit {
-        let mut guard = srq.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let progress = &mut *guard;
+        let mut visit = srq.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let Visited { progress, resolved } = &mut *visit;
         if progress.failed {
             return Visit::default();
         }
-        let mapped = progress.resolved.through(mem, || srq.spans());
+        let mapped = resolved.through(mem, || srq.spans());
         let Some(producer) = mapped.load(RECORD, SrqDoorbell::PRODUCER, Ordering::Acquire) else {
             return Visit::default();
         };
@@ -661,7 +670,7 @@ impl Poller {
     #[inline]
     fn cq_room(
         &self,
-        mem: &Arc<Memory>,
+        mapped: Mapped<'_>,
         cq: &CqData,
         progress: &mut CqProgress,
         wanted: u32,
@@ -672,11 +681,7 @@ impl Poller {
         if progress.room >= wanted {
             return Some(progress.room);
         }
-        let consumer = progress.resolved.through(mem, || cq.spans()).load(
-            RECORD,
-            CqDoorbell::CONSUMER_INDEX,
-            Ordering::Acquire,
-        );
+        let consumer = mapped.load(RECORD, CqDoorbell::CONSUMER_INDEX, Ordering::Acquire);
         match consumer.map(|c| ring_pending(progress.producer, c)) {
             Some(used) if used <= cq.ring.depth => {
                 progress.room = cq.ring.depth - used;
@@ -700,24 +705,21 @@ impl Poller {
     #[inline(always)]
     fn write_cqes(
         &self,
-        mem: &Arc<Memory>,
+        mapped: Mapped<'_>,
         cq: &CqData,
         progress: &mut CqProgress,
         count: u32,
         cqe: impl Fn(usize) -> Cqe,
     ) -> u32 {
         let (first, depth) = (progress.producer, cq.ring.depth);
-        let pages = progress
-            .resolved
-            .through(mem, || cq.spans())
-            .from(FIRST_PAGE);
-        let written = Slots::new(&cq.ring, pages).publish(first, count, |index, run| {
-            let owner = cqe_owner_for(run, depth);
-            cqe_words(&Cqe {
-                owner,
-                ..cqe(index as usize)
-            })
-        });
+        let written =
+            Slots::new(&cq.ring, mapped.from(FIRST_PAGE)).publish(first, count, |index, at| {
+                let owner = cqe_owner_for(at, depth);
+                cqe_words(&Cqe {
+                    owner,
+                    ..cqe(index as usize)
+                })
+            });
         progress.producer = progress.producer.wrapping_add(written);
         progress.room = progress.room.saturating_sub(written);
         if written < count {
@@ -737,8 +739,10 @@ impl Poller {
     // Out of line: a visit that need not poll costs a check, not this function's frame.
     #[inline(never)]
     fn poll_cq(&mut self, mem: &Arc<Memory>, cq: &CqData) -> bool {
-        let mut progress = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(room) = self.cq_room(mem, cq, &mut progress, BATCH) else {
+        let mut visit = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let Visited { progress, resolved } = &mut *visit;
+        let mapped = resolved.through(mem, || cq.spans());
+        let Some(room) = self.cq_room(mapped, cq, progress, BATCH) else {
             return false;
         };
         let want = room.min(BATCH) as usize;
@@ -756,7 +760,7 @@ impl Poller {
         // The event of an armed CQ fires with its next completion: arm it again.
         cq.armed.store(false, Ordering::Relaxed);
         let wcs = &self.wcs[..n];
-        let moved = self.write_cqes(mem, cq, &mut progress, n as u32, |index| {
+        let moved = self.write_cqes(mapped, cq, progress, n as u32, |index| {
             let wc = &wcs[index];
             Cqe {
                 wr_id: Le64::from(wc.wr_id()),
@@ -780,17 +784,16 @@ impl Poller {
             .completions
             .fetch_add(u64::from(moved), Ordering::Relaxed);
         if moved > 0 {
-            self.serve_arm_request(mem, cq, &mut progress);
+            self.serve_arm_request(mapped, cq, progress);
         }
         moved > 0
     }
 
     /// A new CQE was written: if the guest armed the CQ, tell it (SPEC.md §8.2).
-    fn serve_arm_request(&self, mem: &Arc<Memory>, cq: &CqData, progress: &mut CqProgress) {
+    fn serve_arm_request(&self, record: Mapped<'_>, cq: &CqData, progress: &mut CqProgress) {
         // The CQE must be visible before the arm is read, or a guest arming meanwhile and
         // this poller each read the other's old value and the event is lost.
         std::sync::atomic::fence(Ordering::SeqCst);
-        let record = progress.resolved.through(mem, || cq.spans());
         let Some(arm) = record.load(RECORD, CqDoorbell::ARM, Ordering::Acquire) else {
             return;
         };

@@ -70,6 +70,22 @@ fn spans_of<'a, R>(
     std::iter::once((gpa, size_of::<R>())).chain(rings.flat_map(GuestRing::page_spans))
 }
 
+/// What the pool thread serving a queue keeps of it between visits, under one lock: how far
+/// it has got, and where the queue's spans of guest memory are.
+pub(super) struct Visited<P> {
+    pub(super) progress: P,
+    pub(super) resolved: Resolved,
+}
+
+impl<P> Visited<P> {
+    fn new(progress: P) -> Mutex<Self> {
+        Mutex::new(Visited {
+            progress,
+            resolved: Resolved::default(),
+        })
+    }
+}
+
 pub(super) struct CqProgress {
     pub(super) producer: u32,
     /// Free slots as of the consumer index last read, less the CQEs written since. The driver
@@ -81,7 +97,6 @@ pub(super) struct CqProgress {
     /// The device writes no more CQEs: the ring or the consumer index became unusable, or
     /// the CQ was destroyed.
     pub(super) failed: bool,
-    pub(super) resolved: Resolved,
 }
 
 /// The data-path half of a CQ.
@@ -90,7 +105,7 @@ pub struct CqData {
     pub host: Arc<dyn HostCompletionQueue>,
     pub(super) ring: GuestRing,
     pub(super) doorbell: u64,
-    pub(super) progress: Mutex<CqProgress>,
+    pub(super) progress: Mutex<Visited<CqProgress>>,
     /// The host CQ is armed and has not completed anything since: arming it again before
     /// sleeping would only cost a system call.
     pub(super) armed: AtomicBool,
@@ -127,6 +142,7 @@ impl CqData {
         self.progress
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .progress
             .failed = true;
     }
 
@@ -150,12 +166,11 @@ impl CqData {
             host,
             ring,
             doorbell,
-            progress: Mutex::new(CqProgress {
+            progress: Visited::new(CqProgress {
                 producer: 0,
                 room: 0,
                 arm_served: 0,
                 failed: false,
-                resolved: Resolved::default(),
             }),
             armed: AtomicBool::new(false),
             pending: AtomicU64::new(0),
@@ -172,7 +187,6 @@ pub(super) struct QpProgress {
     pub(super) failed: bool,
     /// The device moved the QP to the error state (and said so).
     pub(super) in_error: bool,
-    pub(super) resolved: Resolved,
 }
 
 /// The data-path half of a QP.
@@ -186,7 +200,7 @@ pub struct QpData {
     pub(super) doorbell: u64,
     pub(super) send_cq: Arc<CqData>,
     pub(super) recv_cq: Arc<CqData>,
-    pub(super) progress: Mutex<QpProgress>,
+    pub(super) progress: Mutex<Visited<QpProgress>>,
 }
 
 impl QpData {
@@ -195,6 +209,7 @@ impl QpData {
         self.progress
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .progress
             .failed = true;
     }
 
@@ -234,12 +249,11 @@ impl QpData {
             doorbell,
             send_cq,
             recv_cq,
-            progress: Mutex::new(QpProgress {
+            progress: Visited::new(QpProgress {
                 sq_consumer: 0,
                 rq_consumer: 0,
                 failed: false,
                 in_error: false,
-                resolved: Resolved::default(),
             }),
         }
     }
@@ -249,7 +263,6 @@ pub(super) struct SrqProgress {
     pub(super) consumer: u32,
     /// The device takes no more WQEs from the SRQ: one was refused, or it was destroyed.
     pub(super) failed: bool,
-    pub(super) resolved: Resolved,
 }
 
 /// The data-path half of an SRQ.
@@ -259,7 +272,7 @@ pub struct SrqData {
     pub(super) rules: QpRules,
     pub(super) ring: GuestRing,
     pub(super) doorbell: u64,
-    pub(super) progress: Mutex<SrqProgress>,
+    pub(super) progress: Mutex<Visited<SrqProgress>>,
     /// The armed limit (SPEC.md §5.13); 0 when disarmed.
     pub(super) limit: AtomicU32,
     /// Receive completions taken from the SRQ, free-running.
@@ -272,6 +285,7 @@ impl SrqData {
         self.progress
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .progress
             .failed = true;
     }
 
@@ -296,10 +310,9 @@ impl SrqData {
         ring: GuestRing,
         doorbell: u64,
     ) -> Self {
-        let progress = Mutex::new(SrqProgress {
+        let progress = Visited::new(SrqProgress {
             consumer: 0,
             failed: false,
-            resolved: Resolved::default(),
         });
         SrqData {
             limit: AtomicU32::new(0),
