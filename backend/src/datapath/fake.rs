@@ -190,7 +190,7 @@ impl Rig {
         });
         let events = Arc::new(FakeEventQueue::default());
         *shared.sink.lock().unwrap() = Some(Arc::clone(&events) as _);
-        shared.mrs.write().unwrap().insert(
+        shared.mrs.write().insert(
             LKEY,
             MrRange {
                 pd: PD,

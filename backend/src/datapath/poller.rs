@@ -358,7 +358,7 @@ impl Poller {
         cq: &CqData,
         (cqe, reason): (Cqe, &WqeError),
     ) -> bool {
-        let mut visit = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut visit = cq.progress.lock();
         let Visited { progress, resolved } = &mut *visit;
         let mapped = resolved.through(mem, || cq.spans());
         if self.cq_room(mapped, cq, progress, 1).unwrap_or(0) == 0
@@ -377,7 +377,7 @@ impl Poller {
     // functions per WQE.
     #[inline(never)]
     fn process_qp(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
-        let mut visit = qp.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut visit = qp.progress.lock();
         let Visited { progress, resolved } = &mut *visit;
         if progress.failed {
             return Visit::default();
@@ -420,13 +420,10 @@ impl Poller {
         let mut refused: Option<(u64, WqeError)> = None;
         {
             let shared = &*self.shared;
-            let mrs = shared.mrs.read().unwrap_or_else(|e| e.into_inner());
+            let mrs = shared.mrs.read();
             let mr_of = mr_lookup(&mrs, &self.last_mr);
             // Only UD sends name AHs.
-            let ahs = qp
-                .rules
-                .ud
-                .then(|| shared.ahs.read().unwrap_or_else(|e| e.into_inner()));
+            let ahs = qp.rules.ud.then(|| shared.ahs.read());
             let ah_of = |handle| {
                 let (pd, ah) = ahs.as_ref()?.get(&handle)?;
                 Some((*pd, ah))
@@ -516,7 +513,7 @@ impl Poller {
     ) -> Option<(u64, WqeError)> {
         self.sges.clear();
         self.recv.clear();
-        let mrs = self.shared.mrs.read().unwrap_or_else(|e| e.into_inner());
+        let mrs = self.shared.mrs.read();
         let lookup = mr_lookup(&mrs, &self.last_mr);
         let (recv, sges) = (&mut self.recv, &mut self.sges);
         let batch = pending.min(BATCH);
@@ -615,7 +612,7 @@ impl Poller {
     // functions per WQE.
     #[inline(never)]
     fn process_srq(&mut self, mem: &Arc<Memory>, srq: &SrqData) -> Visit {
-        let mut visit = srq.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut visit = srq.progress.lock();
         let Visited { progress, resolved } = &mut *visit;
         if progress.failed {
             return Visit::default();
@@ -739,7 +736,7 @@ impl Poller {
     // Out of line: a visit that need not poll costs a check, not this function's frame.
     #[inline(never)]
     fn poll_cq(&mut self, mem: &Arc<Memory>, cq: &CqData) -> bool {
-        let mut visit = cq.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut visit = cq.progress.lock();
         let Visited { progress, resolved } = &mut *visit;
         let mapped = resolved.through(mem, || cq.spans());
         let Some(room) = self.cq_room(mapped, cq, progress, BATCH) else {

@@ -2,7 +2,9 @@
 //! what its WQEs may ask for, and how far the device has got.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use vrdma_spec::codec::ring_slot;
 use vrdma_spec::ring::{CqDoorbell, QpDoorbell, SrqDoorbell};
@@ -139,11 +141,7 @@ impl CqData {
     /// After this, no pass writes to the CQ's ring or doorbell record again, which the guest
     /// may then reuse; waits only for a pass writing to it right now.
     pub(super) fn retire(&self) {
-        self.progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .progress
-            .failed = true;
+        self.progress.lock().progress.failed = true;
     }
 
     /// Bytes of the guest's ring, which the ring quota counts.
@@ -206,11 +204,7 @@ pub struct QpData {
 impl QpData {
     /// As [`CqData::retire`], for the QP's rings and doorbell record.
     pub(super) fn retire(&self) {
-        self.progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .progress
-            .failed = true;
+        self.progress.lock().progress.failed = true;
     }
 
     /// Bytes of the guest's rings, which the ring quota counts.
@@ -282,11 +276,7 @@ pub struct SrqData {
 impl SrqData {
     /// As [`CqData::retire`], for the SRQ's ring and doorbell record.
     pub(super) fn retire(&self) {
-        self.progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .progress
-            .failed = true;
+        self.progress.lock().progress.failed = true;
     }
 
     pub(super) fn spans(&self) -> impl Iterator<Item = (u64, usize)> + '_ {

@@ -53,7 +53,7 @@ fn what_the_host_does_not_take_stays_in_the_ring_for_the_next_pass() {
 fn ring_indexes_wrap_at_two_to_the_32() {
     let mut rig = Rig::new(64);
     let start = u32::MAX - 3;
-    rig.qp_data.progress.lock().unwrap().progress.sq_consumer = start;
+    rig.qp_data.progress.lock().progress.sq_consumer = start;
     rig.producer = start;
     for wr_id in 0..8 {
         rig.write_send(wr_id, LKEY);
@@ -103,7 +103,7 @@ fn an_mr_deregistered_between_passes_is_not_used_again() {
     rig.ring_sq();
     rig.poller.pass();
     assert_eq!(rig.sent(), vec![1]);
-    rig.shared.mrs.write().unwrap().remove(LKEY);
+    rig.shared.mrs.write().remove(LKEY);
     rig.write_send(2, LKEY);
     rig.ring_sq();
     rig.poller.pass();
