@@ -132,7 +132,7 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
       awk -v name="$1 [" 'index($0, name) { gsub(",", "", $1); n += $1 } END { print n + 0 }' \
         <<<"$calls"
     }
-    sends=$(inclusive Poller::process_qp) posts=$(inclusive SendBatch::post)
+    sends=$(inclusive Poller::process_qp) posts=$(inclusive 'HostQueuePair>::post_send')
     completions=$(inclusive Poller::process_cq) polls=$(inclusive 'HostCompletionQueue>::poll')
   fi
   kill -9 "$traced" "$server" 2>/dev/null
