@@ -192,14 +192,17 @@ impl Resolved {
 
     #[cold]
     fn resolve(&mut self, mem: &Arc<Memory>, spans: impl Iterator<Item = (u64, usize)>) {
+        // Every span is 4-byte aligned (records are checked aligned when their queue is
+        // created, ring pages are pages): one that is not is left unresolved, so that a word
+        // access needs no alignment check at run time.
         let mut resolved: Box<[Span]> = spans
             .map(|(gpa, len)| match slice_at(mem, gpa, len) {
-                Ok(slice) => Span {
+                Ok(slice) if slice.ptr_guard().as_ptr().cast::<u32>().is_aligned() => Span {
                     host: slice.ptr_guard_mut().as_ptr() as usize,
                     len,
                     continued_by: 0,
                 },
-                Err(_) => Span::default(),
+                _ => Span::default(),
             })
             .collect();
         for index in (1..resolved.len()).rev() {
@@ -252,24 +255,22 @@ impl<'m> Mapped<'m> {
         (first.host != 0 && first.continued_by as usize + 1 >= count).then_some(first.host)
     }
 
-    /// The naturally aligned word at `offset` in span `index`, if it lies there.
+    /// The word at `offset` (a multiple of 4) in span `index`, if it lies there.
     // Not through vm-memory's atomic accessors: they are not inlined into another crate, and
     // the data path makes a few of these accesses on every visit.
     #[inline(always)]
     fn word(&self, index: usize, offset: u64) -> Option<&'m AtomicU32> {
         let &Span { host, len, .. } = self.spans.get(index)?;
         let offset = usize::try_from(offset).ok()?;
-        if host == 0 || offset.checked_add(size_of::<u32>())? > len {
+        // The offsets are the records' constants: the first test is made when compiling.
+        if !offset.is_multiple_of(4) || host == 0 || offset.checked_add(size_of::<u32>())? > len {
             return None;
         }
         let at = (host as *mut u8).wrapping_add(offset).cast::<u32>();
-        if !at.is_aligned() {
-            return None;
-        }
         // SAFETY: the word lies inside span `index` (checked above), a slice of a region of
         // the snapshot `'m` borrows, mapped for as long as it lives (see `span`), and is
-        // aligned; the guest's side of it is only ever accessed atomically or by volatile
-        // copies.
+        // aligned (the span is, see `Resolved::resolve`, and so is `offset`); the guest's
+        // side of it is only ever accessed atomically or by volatile copies.
         Some(unsafe { AtomicU32::from_ptr(at) })
     }
 
@@ -471,7 +472,7 @@ mod tests {
         let lookups = std::cell::Cell::new(0);
         let spans = || {
             lookups.set(lookups.get() + 1);
-            [(0x1008, 8), (0x3000, 8), (0xffc, 8)].into_iter()
+            [(0x1008, 8), (0x3000, 8), (0xffc, 8), (0x1002, 8)].into_iter()
         };
         let mapped = resolved.through(&first, spans);
         assert!(mapped.store(0, 7u32, 4, Ordering::Release));
@@ -481,7 +482,8 @@ mod tests {
         assert_eq!(mapped.load(0, 8, Ordering::Acquire), None, "past the span");
         assert!(mapped.span(1).is_none(), "outside guest memory");
         assert!(mapped.span(2).is_none(), "straddles two regions");
-        assert!(mapped.span(3).is_none(), "no such span");
+        assert!(mapped.span(3).is_none(), "misaligned");
+        assert!(mapped.span(4).is_none(), "no such span");
         assert!(!mapped.store(1, 1u32, 0, Ordering::Release));
         assert_eq!(mapped.from(1).span(0).map(|s| s.len()), None);
         resolved.through(&first, spans);

@@ -431,7 +431,7 @@ impl Poller {
             let slots = Slots::new(&qp.sq, mapped.from(FIRST_PAGE));
             let send_batch = &mut self.batch;
             let batch = pending.min(BATCH);
-            let common = qp.rules.takes_common_sends();
+            let common = qp.takes_common_sends;
             let taken = slots.take(progress.sq_consumer, batch, |slot| {
                 if common {
                     if let Some(wr) = wqe::parse_common_send(&slot, &qp.rules, &mr_of) {

@@ -192,6 +192,8 @@ pub struct QpData {
     pub handle: u32,
     pub qp: Arc<dyn HostQueuePair>,
     pub(super) rules: QpRules,
+    /// `rules.takes_common_sends()`, decided once.
+    pub(super) takes_common_sends: bool,
     pub(super) sq: GuestRing,
     /// None for a QP that receives from an SRQ.
     pub(super) rq: Option<GuestRing>,
@@ -237,6 +239,7 @@ impl QpData {
         QpData {
             handle,
             qp,
+            takes_common_sends: rules.takes_common_sends(),
             rules,
             sq,
             rq,
