@@ -24,7 +24,12 @@ const AREAS: [u64; 8] = [
 ];
 
 fuzz_target!(|input: &[u8]| {
-    let mut rig = Rig::new(16);
+    // Rings of one run of memory, or (odd lengths) of scattered pages.
+    let mut rig = if input.len() % 2 == 0 {
+        Rig::new(16)
+    } else {
+        Rig::with_scattered_rings(16)
+    };
     let mut script = input;
     while let [action, rest @ ..] = script {
         script = rest;

@@ -163,6 +163,15 @@ pub struct Rig {
     pub cq_depth: u32,
     /// The driver's SQ producer index.
     pub producer: u32,
+    /// The rings' pages, in ring order.
+    sq_pages: Vec<u64>,
+    cq_pages: Vec<u64>,
+}
+
+/// Where slot `index` of a ring over `pages` (4 KiB each) is in guest memory.
+fn slot_address(pages: &[u64], index: u32, depth: u32, stride_shift: u8) -> u64 {
+    let offset = u64::from(ring_slot(index, depth)) << stride_shift;
+    pages[(offset / PAGE) as usize] + offset % PAGE
 }
 
 impl Rig {
@@ -176,6 +185,16 @@ impl Rig {
 
     /// A rig whose CQ has `cq_depth` entries (a power of two).
     pub fn new(cq_depth: u32) -> Rig {
+        Rig::with_pages(cq_depth, false)
+    }
+
+    /// A rig as [`Rig::new`] whose rings have their pages in reverse order, so that none is
+    /// one run of memory.
+    pub fn with_scattered_rings(cq_depth: u32) -> Rig {
+        Rig::with_pages(cq_depth, true)
+    }
+
+    fn with_pages(cq_depth: u32, scattered: bool) -> Rig {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let shard = Shard {
             objects: Mutex::default(),
@@ -198,14 +217,16 @@ impl Rig {
                 len: 0x10000,
             },
         );
-        let pages = |base: u64, bytes: u64| (0..bytes.div_ceil(PAGE)).map(move |i| base + i * PAGE);
+        let pages = |base: u64, bytes: u64| {
+            let mut pages: Vec<u64> = (0..bytes.div_ceil(PAGE)).map(|i| base + i * PAGE).collect();
+            if scattered {
+                pages.reverse();
+            }
+            pages
+        };
         let cq = Arc::new(FakeCq::default());
-        let cq_ring = GuestRing::new(
-            pages(CQ_RING, u64::from(cq_depth) * 32).collect(),
-            12,
-            5,
-            cq_depth,
-        );
+        let cq_pages = pages(CQ_RING, u64::from(cq_depth) * 32);
+        let cq_ring = GuestRing::new(cq_pages.clone(), 12, 5, cq_depth);
         let cq_data = Arc::new(CqData::new(
             CQ_HANDLE,
             Arc::clone(&cq) as _,
@@ -223,13 +244,9 @@ impl Rig {
             sq_stride: 1 << SQ_SHIFT,
             rq_stride: 64,
         };
-        let sq = GuestRing::new(
-            pages(SQ_RING, u64::from(SQ_DEPTH) << SQ_SHIFT).collect(),
-            12,
-            SQ_SHIFT,
-            SQ_DEPTH,
-        );
-        let rq = GuestRing::new(pages(RQ_RING, 16 * 64).collect(), 12, 6, 16);
+        let sq_pages = pages(SQ_RING, u64::from(SQ_DEPTH) << SQ_SHIFT);
+        let sq = GuestRing::new(sq_pages.clone(), 12, SQ_SHIFT, SQ_DEPTH);
+        let rq = GuestRing::new(pages(RQ_RING, 16 * 64), 12, 6, 16);
         let qp_data = Arc::new(QpData::new(
             QP_HANDLE,
             Arc::clone(&qp) as _,
@@ -254,6 +271,8 @@ impl Rig {
             events,
             cq_depth,
             producer: 0,
+            sq_pages,
+            cq_pages,
         }
     }
 
@@ -271,7 +290,7 @@ impl Rig {
             payload: WqePayload::Sges(1),
             ud: UdAddress::default(),
         };
-        let slot = SQ_RING + (u64::from(ring_slot(self.producer, SQ_DEPTH)) << SQ_SHIFT);
+        let slot = slot_address(&self.sq_pages, self.producer, SQ_DEPTH, SQ_SHIFT);
         let sge = WireSge::encode(MR_START, 8, lkey);
         self.mem
             .write_slice(
@@ -311,7 +330,8 @@ impl Rig {
     }
 
     pub fn cqe(&self, index: u32) -> Cqe {
-        let slot = CQ_RING + u64::from(ring_slot(index, self.cq_depth)) * CQE_SIZE as u64;
+        const _: () = assert!(CQE_SIZE == 32);
+        let slot = slot_address(&self.cq_pages, index, self.cq_depth, 5);
         self.mem.read_obj(GuestAddress(slot)).unwrap()
     }
 

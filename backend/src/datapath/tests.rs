@@ -66,6 +66,29 @@ fn ring_indexes_wrap_at_two_to_the_32() {
 }
 
 #[test]
+fn rings_of_scattered_pages_are_served_as_rings_of_one_run_are() {
+    // An 8 KiB SQ and an 8 KiB CQ, each with its two pages in reverse order.
+    let mut rig = Rig::with_scattered_rings(256);
+    // Across the SQ's wrap (slots 60-63 then 0-27), so through both its pages.
+    rig.qp_data.progress.lock().progress.sq_consumer = 60;
+    rig.producer = 60;
+    for wr_id in 0..32 {
+        rig.write_send(wr_id, LKEY);
+    }
+    rig.ring_sq();
+    while rig.poller.pass() {}
+    assert_eq!(rig.sent(), (0..32).collect::<Vec<_>>());
+    assert_eq!(rig.load(QP_DOORBELL + QpDoorbell::SQ_CONSUMER), 92);
+    // CQEs 120-135: the end of the CQ's first page and the start of its second.
+    rig.complete(0..136);
+    while rig.poller.pass() {}
+    for index in [0, 127, 128, 135] {
+        let cqe = rig.cqe(index);
+        assert_eq!((cqe.wr_id.to_native(), cqe.owner), (u64::from(index), 1));
+    }
+}
+
+#[test]
 fn a_refused_wqe_completes_in_error_fails_the_qp_and_raises_qp_fatal() {
     let mut rig = Rig::new(64);
     rig.write_send(1, LKEY);
