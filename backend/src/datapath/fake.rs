@@ -25,6 +25,7 @@ pub const PAGE: u64 = 4096;
 pub const SQ_RING: u64 = 0x10000;
 pub const SQ_DEPTH: u32 = 64;
 pub const SQ_SHIFT: u8 = 7;
+const CQE_SHIFT: u8 = CQE_SIZE.trailing_zeros() as u8;
 pub const RQ_RING: u64 = 0x20000;
 pub const CQ_RING: u64 = 0x30000;
 pub const QP_DOORBELL: u64 = 0x40000;
@@ -225,8 +226,8 @@ impl Rig {
             pages
         };
         let cq = Arc::new(FakeCq::default());
-        let cq_pages = pages(CQ_RING, u64::from(cq_depth) * 32);
-        let cq_ring = GuestRing::new(cq_pages.clone(), 12, 5, cq_depth);
+        let cq_pages = pages(CQ_RING, u64::from(cq_depth) << CQE_SHIFT);
+        let cq_ring = GuestRing::new(cq_pages.clone(), 12, CQE_SHIFT, cq_depth);
         let cq_data = Arc::new(CqData::new(
             CQ_HANDLE,
             Arc::clone(&cq) as _,
@@ -330,8 +331,7 @@ impl Rig {
     }
 
     pub fn cqe(&self, index: u32) -> Cqe {
-        const _: () = assert!(CQE_SIZE == 32);
-        let slot = slot_address(&self.cq_pages, index, self.cq_depth, 5);
+        let slot = slot_address(&self.cq_pages, index, self.cq_depth, CQE_SHIFT);
         self.mem.read_obj(GuestAddress(slot)).unwrap()
     }
 
