@@ -875,11 +875,20 @@ mod tests {
     }
 
     #[test]
-    fn sharing_memory_that_is_not_mapped_fails_cleanly() {
+    fn sharing_memory_that_cannot_be_read_fails_cleanly() {
         let addr = program_memory(1);
-        // SAFETY: unmaps this test's own page.
-        unsafe { libc::munmap(addr as *mut libc::c_void, PAGE_SIZE as usize) };
-        // SAFETY: the range is unmapped, which the kernel reports; nothing is dereferenced.
+        // Made unreadable, not unmapped: a test running alongside could map a freed page
+        // again, and this one would then share (and replace) that test's memory.
+        // SAFETY: this test's own page, which nothing dereferences from now on.
+        let protected = unsafe {
+            libc::mprotect(
+                addr as *mut libc::c_void,
+                PAGE_SIZE as usize,
+                libc::PROT_NONE,
+            )
+        };
+        assert_eq!(protected, 0);
+        // SAFETY: the range cannot be read, which the kernel reports; nothing is dereferenced.
         let err = unsafe { Region::share_in_place(addr, PAGE_SIZE) }
             .err()
             .unwrap();
@@ -887,6 +896,8 @@ mod tests {
         // SAFETY: as above.
         let unaligned = unsafe { Region::share_in_place(addr + 1, PAGE_SIZE) };
         assert!(unaligned.is_err(), "unaligned");
+        // SAFETY: the test's own mapping, no longer used.
+        unsafe { libc::munmap(addr as *mut libc::c_void, PAGE_SIZE as usize) };
     }
 
     #[test]
