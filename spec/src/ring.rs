@@ -5,6 +5,9 @@ use crate::{wire_struct, Le16, Le32, Le64};
 
 /// Size of one CQE in bytes.
 pub const CQE_SIZE: usize = 32;
+/// A CQ ring's stride (log2): CQE `i` lies at `(i % depth) << CQE_SHIFT`.
+pub const CQE_SHIFT: u8 = 5;
+const _: () = assert!(CQE_SIZE == 1 << CQE_SHIFT);
 /// Smallest and largest SQ WQE stride (log2).
 pub const MIN_SQ_WQE_SHIFT: u8 = 6;
 /// Smallest RQ/SRQ WQE stride (log2).

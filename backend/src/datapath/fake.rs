@@ -12,7 +12,7 @@ use vrdma_spec::codec::{
     doorbell_word, ring_slot, sge_offset, SendHeader, SendOp, UdAddress, WqePayload,
     SEND_WQE_HEADER,
 };
-use vrdma_spec::ring::{Cqe, Event, QpDoorbell, SendWqe, Sge as WireSge, CQE_SIZE};
+use vrdma_spec::ring::{Cqe, Event, QpDoorbell, SendWqe, Sge as WireSge, CQE_SHIFT};
 use vrdma_spec::ByteValued;
 
 use super::host::{HostCompletionQueue, HostQueuePair};
@@ -25,7 +25,6 @@ pub const PAGE: u64 = 4096;
 pub const SQ_RING: u64 = 0x10000;
 pub const SQ_DEPTH: u32 = 64;
 pub const SQ_SHIFT: u8 = 7;
-const CQE_SHIFT: u8 = CQE_SIZE.trailing_zeros() as u8;
 pub const RQ_RING: u64 = 0x20000;
 pub const CQ_RING: u64 = 0x30000;
 pub const QP_DOORBELL: u64 = 0x40000;

@@ -19,7 +19,7 @@ use vrdma_spec::ctrl::{
     QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
     SetNotifyAreaRequest, Status, GUEST_GID_INDEX, GUEST_GID_TABLE_LEN, PORT_NUM,
 };
-use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SIZE};
+use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SHIFT, CQE_SIZE};
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::datapath::wqe::{MrRange, QpRules};
@@ -458,7 +458,7 @@ impl Device {
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, CqDoorbell>(mem, "CQ doorbell", doorbell, 16)?;
         self.check_ring_quota(u64::from(depth) * CQE_SIZE as u64)?;
-        let ring = self.ring(mem, &req.ring, depth, CQE_SIZE.trailing_zeros() as u8)?;
+        let ring = self.ring(mem, &req.ring, depth, CQE_SHIFT)?;
         let handle = self.objects.new_handle();
         let channel = self.data_path.completion_channel();
         let cq = self.host.context.create_cq(depth, channel)?;
