@@ -7,15 +7,16 @@
 //!
 //! Prints markdown tables: QP create -> RTS and 1 GiB reg/dereg over 2 MiB and over 4 KiB
 //! pages, natively through the backend's host verbs layer and through vrdma (guest-lib over
-//! the backend at SOCKET); then 16,384 QPs in one guest and 64 concurrent guests, with the
-//! backend's memory (from /proc/BACKEND_PID). The 2 MiB rows need 2 MiB huge pages reserved
-//! for the guest's memory (half VRDMA_BENCH_MR_MIB of them, and some).
+//! the backend at SOCKET); then 16,384 QPs in one guest (timed against fresh guests at the
+//! same moments, see `Scale`) and 64 concurrent guests, with the backend's memory (from
+//! /proc/BACKEND_PID). The 2 MiB rows need 2 MiB huge pages reserved for the guest's memory
+//! (half VRDMA_BENCH_MR_MIB of them, and some).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vrdma_backend::hostverbs::{AnonymousMemory, PinnedMemory, QpCaps, QpInit, QpType};
-use vrdma_guest::{access, Device, DirectOptions, QueuePair};
+use vrdma_backend::hostverbs::{self, AnonymousMemory, PinnedMemory, QpCaps, QpInit, QpType};
+use vrdma_guest::{access, CompletionQueue, Device, DirectOptions, ProtectionDomain, QueuePair};
 use vrdma_tests::{connect_guest_qp, open_test_device, RcEndpoint, FULL_ACCESS, PORT};
 
 const QPS_TIMED: u32 = 100;
@@ -82,39 +83,15 @@ fn main() {
     let provider_heap = native.heap;
 
     // 16,384 QPs in one guest.
-    let device = Device::attach(socket).expect("attach");
-    let pd = device.alloc_pd().unwrap();
-    let cq = device.create_cq(64).unwrap();
+    let guest = SmallQps::attach(socket);
     let before = memory();
-    let start = Instant::now();
-    let first_count = QPS_TIMED.min(scale_qps);
-    // The last QPS_TIMED, created while the guest already holds nearly all the others.
-    let last_from = scale_qps - first_count;
-    let mut before_last = Duration::ZERO;
-    // How long each run of QPS_TIMED creations took, in order: the first is the cost at 100
-    // QPs; the median and the slowest of all tell a cost that grows with the QPs held apart
-    // from a moment the machine was busy.
-    let mut windows = Vec::new();
-    let mut window_start = start;
-    let qps: Vec<QueuePair> = (0..scale_qps)
-        .map(|i| {
-            if i == last_from {
-                before_last = start.elapsed();
-            }
-            let qp = QueuePair::builder(vrdma_guest::QpType::Rc, &cq)
-                .max_send_wr(1)
-                .max_recv_wr(1)
-                .build(&pd)
-                .unwrap_or_else(|e| panic!("QP {i}: {e}"));
-            if (i + 1) % first_count == 0 {
-                windows.push(window_start.elapsed());
-                window_start = Instant::now();
-            }
-            qp
+    let fresh_run = || {
+        let fresh = SmallQps::attach(socket);
+        timed_run(&mut Vec::new(), QPS_TIMED as usize, &mut |i| {
+            fresh.create(i)
         })
-        .collect();
-    let created = start.elapsed();
-    let first_created = windows[0];
+    };
+    let (qps, scale) = create_at_scale(scale_qps, |i| guest.create(i), fresh_run);
     let qp_memory = memory().per_object_since(&before, scale_qps);
     let start = Instant::now();
     drop(qps);
@@ -144,36 +121,36 @@ fn main() {
     println!();
     println!("| scaling | result |");
     println!("|---|---|");
+    let between = scale.between_count;
     println!(
-        "| CREATE_QP, the first {first_count} QPs of a guest | {:.1} us per QP |",
-        per(first_created, first_count)
+        "| CREATE_QP at 100 QPs: a fresh guest's first {QPS_TIMED}, the median of {RUNS} guests | {:.1} us per QP |",
+        per(scale.first, QPS_TIMED)
     );
     println!(
-        "| {scale_qps} QPs in one guest: CREATE_QP | {:.1} us per QP ({:.2}x the first {first_count}) |",
-        per(created, scale_qps),
-        per(created, scale_qps) / per(first_created, first_count)
+        "| CREATE_QP at {scale_qps} QPs: one guest's QPs {} to {scale_qps} in runs of {QPS_TIMED}, the median run | {:.1} us per QP ({:.2}x the cost at 100) |",
+        between + 1,
+        per(scale.last, QPS_TIMED),
+        scale.growth()
     );
-    let mut sorted = windows.clone();
-    sorted.sort_unstable();
-    let median = sorted[sorted.len() / 2];
     println!(
-        "| {scale_qps} QPs in one guest: CREATE_QP, the median of its {} runs of {first_count} | {:.1} us per QP ({:.2}x the first {first_count}; the slowest run {:.1} us per QP) |",
-        windows.len(),
-        per(median, first_count),
-        per(median, first_count) / per(first_created, first_count),
-        per(sorted[sorted.len() - 1], first_count)
+        "| CREATE_QP at 100 QPs at the same moments: a fresh guest's first {QPS_TIMED} after each of those runs, the median (the machine's speed cancels out; the backend holds the other guest's QPs) | {:.1} us per QP (the cost at {scale_qps} is {:.2}x this) |",
+        per(scale.beside, QPS_TIMED),
+        scale.growth_beside()
     );
-    let last_created = created - before_last;
     println!(
-        "| {scale_qps} QPs in one guest: CREATE_QP of the last {first_count} | {:.1} us per QP ({:.2}x the first {first_count}) |",
-        per(last_created, first_count),
-        per(last_created, first_count) / per(first_created, first_count)
+        "| CREATE_QP of that guest's QPs 1 to {between} in runs of {QPS_TIMED} | {:.1} us per QP ({:.2}x the cost at 100); the median run {:.1} us per QP, the slowest {:.1} us per QP |",
+        per(scale.between, between),
+        per(scale.between, between) / per(scale.first, QPS_TIMED),
+        per(scale.median_run(), QPS_TIMED),
+        per(scale.slowest_run(), QPS_TIMED),
     );
-    let native_first = per(native.first, first_count);
     println!(
-        "| {scale_qps} QPs created natively (the host's verbs, no guest): CREATE_QP | {:.1} us per QP ({:.2}x the first {first_count}, {native_first:.1} us per QP) |",
-        per(native.all, scale_qps),
-        per(native.all, scale_qps) / native_first
+        "| the same natively (the host's verbs, no guest; fresh contexts for fresh guests): CREATE_QP at 100 QPs; at {scale_qps} QPs; at 100 QPs at the same moments | {:.1} us per QP; {:.1} us per QP ({:.2}x); {:.1} us per QP ({:.2}x) |",
+        per(native.scale.first, QPS_TIMED),
+        per(native.scale.last, QPS_TIMED),
+        native.scale.growth(),
+        per(native.scale.beside, QPS_TIMED),
+        native.scale.growth_beside()
     );
     println!(
         "| {scale_qps} QPs in one guest: DESTROY_QP | {:.1} us per QP |",
@@ -343,36 +320,178 @@ fn smallest_rc_qp() -> QpInit<'static> {
 struct NativeScale {
     /// The growth of this process's heap (RssAnon, KiB) per QP: the host provider's share.
     heap: f64,
-    /// How long the first QPS_TIMED took to create.
-    first: Duration,
-    /// How long all of them took.
-    all: Duration,
+    scale: Scale,
 }
 
 fn native_scale(count: u32) -> NativeScale {
-    let context = open_test_device();
-    let pd = context.alloc_pd().unwrap();
-    let cq = context.create_cq(64, None).unwrap();
-    let init = smallest_rc_qp();
+    let qps = NativeQps::open();
+    let fresh_run = || {
+        let fresh = NativeQps::open();
+        timed_run(&mut Vec::new(), QPS_TIMED as usize, &mut |i| {
+            fresh.create(i)
+        })
+    };
     let pid = std::process::id().to_string();
     let before = Resident::of(&pid);
-    let start = Instant::now();
-    let mut first = Duration::ZERO;
-    let qps: Vec<_> = (0..count)
-        .map(|i| {
-            let qp = pd
-                .create_qp(&cq, &cq, &init)
-                .unwrap_or_else(|e| panic!("native QP {i}: {e}"));
-            if i + 1 == QPS_TIMED.min(count) {
-                first = start.elapsed();
-            }
-            qp
-        })
-        .collect();
-    let all = start.elapsed();
+    let (held, scale) = create_at_scale(count, |i| qps.create(i), fresh_run);
     let heap = Resident::of(&pid).per_object_since(&before, count).anon;
-    drop(qps);
-    NativeScale { heap, first, all }
+    drop(held);
+    NativeScale { heap, scale }
+}
+
+/// A context of the host's verbs creating the smallest RC QPs on one CQ, as a scaling guest
+/// does through the backend.
+struct NativeQps {
+    pd: Arc<hostverbs::ProtectionDomain>,
+    cq: Arc<hostverbs::CompletionQueue>,
+    init: QpInit<'static>,
+}
+
+impl NativeQps {
+    fn open() -> Self {
+        let context = open_test_device();
+        NativeQps {
+            pd: context.alloc_pd().unwrap(),
+            cq: context.create_cq(64, None).unwrap(),
+            init: smallest_rc_qp(),
+        }
+    }
+
+    fn create(&self, i: usize) -> hostverbs::QueuePair {
+        self.pd
+            .create_qp(&self.cq, &self.cq, &self.init)
+            .unwrap_or_else(|e| panic!("native QP {i}: {e}"))
+    }
+}
+
+/// How many runs of [`QPS_TIMED`] creations make each median of [`Scale`].
+const RUNS: usize = 9;
+
+/// A pause after a fresh guest's run, so that its teardown (the backend's, after the guest
+/// has gone) is not timed in the next run.
+const SETTLE: Duration = Duration::from_millis(300);
+
+/// How long creating objects took, in runs of [`QPS_TIMED`]. On this machine one run swings
+/// by a third from one second to the next, as much as the growth being measured; so the cost
+/// at the full count is also set against fresh runs made at the same moments.
+struct Scale {
+    /// The median of runs in fresh guests (or contexts), each creating its first
+    /// QPS_TIMED, before the scaling run.
+    first: Duration,
+    /// The runs of the scaling run before its last ones, in order, and their sum.
+    runs: Vec<Duration>,
+    between: Duration,
+    /// How many objects those runs created.
+    between_count: u32,
+    /// The median of the scaling run's last runs, up to the full count.
+    last: Duration,
+    /// The median of runs in fresh guests, each made just after one of those last runs.
+    beside: Duration,
+}
+
+impl Scale {
+    /// The cost at the full count, against the cost at 100.
+    fn growth(&self) -> f64 {
+        self.last.as_secs_f64() / self.first.as_secs_f64()
+    }
+
+    /// The cost at the full count, against the cost at 100 at the same moments.
+    fn growth_beside(&self) -> f64 {
+        self.last.as_secs_f64() / self.beside.as_secs_f64()
+    }
+
+    fn median_run(&self) -> Duration {
+        median(self.runs.clone())
+    }
+
+    fn slowest_run(&self) -> Duration {
+        self.runs.iter().copied().max().unwrap_or_default()
+    }
+}
+
+fn median(mut runs: Vec<Duration>) -> Duration {
+    runs.sort_unstable();
+    runs[runs.len() / 2]
+}
+
+/// Creates `count` objects (at least twice [`QPS_TIMED`]) with `create`, timed as [`Scale`]
+/// says; `fresh_run` times a run in a fresh guest (or context). Returns the objects, all
+/// held.
+fn create_at_scale<T>(
+    count: u32,
+    mut create: impl FnMut(usize) -> T,
+    mut fresh_run: impl FnMut() -> Duration,
+) -> (Vec<T>, Scale) {
+    let (count, run) = (count as usize, QPS_TIMED as usize);
+    assert!(
+        count >= 2 * run,
+        "a scaling run needs at least {} objects",
+        2 * run
+    );
+    // Fewer last runs when the count is small (the test suite's smoke run).
+    let last_from = count - run * RUNS.min(count / run / 2);
+    let mut fresh_run = || {
+        let took = fresh_run();
+        std::thread::sleep(SETTLE);
+        took
+    };
+    let first = median((0..RUNS).map(|_| fresh_run()).collect());
+    let mut held = Vec::with_capacity(count);
+    let mut runs = Vec::new();
+    while held.len() < last_from {
+        let size = run.min(last_from - held.len());
+        runs.push(timed_run(&mut held, size, &mut create));
+    }
+    let (mut last, mut beside) = (Vec::new(), Vec::new());
+    while held.len() < count {
+        last.push(timed_run(&mut held, run, &mut create));
+        beside.push(fresh_run());
+    }
+    let scale = Scale {
+        first,
+        between: runs.iter().sum(),
+        runs,
+        between_count: last_from as u32,
+        last: median(last),
+        beside: median(beside),
+    };
+    (held, scale)
+}
+
+/// Times `size` creations on top of `held`.
+fn timed_run<T>(held: &mut Vec<T>, size: usize, create: &mut impl FnMut(usize) -> T) -> Duration {
+    let start = Instant::now();
+    for _ in 0..size {
+        held.push(create(held.len()));
+    }
+    start.elapsed()
+}
+
+/// A guest creating the scaling run's QPs: the smallest RC QPs, on one CQ.
+struct SmallQps {
+    // Dropped in this order, the device last.
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    _device: Device,
+}
+
+impl SmallQps {
+    fn attach(socket: &str) -> Self {
+        let device = Device::attach(socket).expect("attach");
+        SmallQps {
+            pd: device.alloc_pd().unwrap(),
+            cq: device.create_cq(64).unwrap(),
+            _device: device,
+        }
+    }
+
+    fn create(&self, i: usize) -> QueuePair {
+        QueuePair::builder(vrdma_guest::QpType::Rc, &self.cq)
+            .max_send_wr(1)
+            .max_recv_wr(1)
+            .build(&self.pd)
+            .unwrap_or_else(|e| panic!("QP {i}: {e}"))
+    }
 }
 
 /// vrdma: QP create -> RTS through guest-lib and the backend, per QP.
