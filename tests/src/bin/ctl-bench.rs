@@ -83,15 +83,8 @@ fn main() {
     let provider_heap = native.heap;
 
     // 16,384 QPs in one guest.
-    let guest = SmallQps::attach(socket);
     let before = memory();
-    let fresh_run = || {
-        let fresh = SmallQps::attach(socket);
-        timed_run(&mut Vec::new(), QPS_TIMED as usize, &mut |i| {
-            fresh.create(i)
-        })
-    };
-    let (qps, scale) = create_at_scale(scale_qps, |i| guest.create(i), fresh_run);
+    let (qps, scale) = create_at_scale(scale_qps, || SmallQps::attach(socket));
     let qp_memory = memory().per_object_since(&before, scale_qps);
     let start = Instant::now();
     drop(qps);
@@ -133,7 +126,7 @@ fn main() {
         scale.growth()
     );
     println!(
-        "| CREATE_QP at 100 QPs at the same moments: a fresh guest's first {QPS_TIMED} after each of those runs, the median (the machine's speed cancels out; the backend holds the other guest's QPs) | {:.1} us per QP (the cost at {scale_qps} is {:.2}x this) |",
+        "| CREATE_QP at 100 QPs at the same moments: a fresh guest's first {QPS_TIMED} beside each of those runs, one QP there, one here, the median (the machine's speed cancels out; the backend holds the other guest's QPs) | {:.1} us per QP (the cost at {scale_qps} is {:.2}x this) |",
         per(scale.beside, QPS_TIMED),
         scale.growth_beside()
     );
@@ -324,16 +317,9 @@ struct NativeScale {
 }
 
 fn native_scale(count: u32) -> NativeScale {
-    let qps = NativeQps::open();
-    let fresh_run = || {
-        let fresh = NativeQps::open();
-        timed_run(&mut Vec::new(), QPS_TIMED as usize, &mut |i| {
-            fresh.create(i)
-        })
-    };
     let pid = std::process::id().to_string();
     let before = Resident::of(&pid);
-    let (held, scale) = create_at_scale(count, |i| qps.create(i), fresh_run);
+    let (held, scale) = create_at_scale(count, NativeQps::open);
     let heap = Resident::of(&pid).per_object_since(&before, count).anon;
     drop(held);
     NativeScale { heap, scale }
@@ -356,6 +342,10 @@ impl NativeQps {
             init: smallest_rc_qp(),
         }
     }
+}
+
+impl QpMaker for NativeQps {
+    type Qp = hostverbs::QueuePair;
 
     fn create(&self, i: usize) -> hostverbs::QueuePair {
         self.pd
@@ -367,13 +357,12 @@ impl NativeQps {
 /// How many runs of [`QPS_TIMED`] creations make each median of [`Scale`].
 const RUNS: usize = 9;
 
-/// A pause after a fresh guest's run, so that its teardown (the backend's, after the guest
-/// has gone) is not timed in the next run.
+/// See `create_at_scale`.
 const SETTLE: Duration = Duration::from_millis(300);
 
 /// How long creating objects took, in runs of [`QPS_TIMED`]. On this machine one run swings
 /// by a third from one second to the next, as much as the growth being measured; so the cost
-/// at the full count is also set against fresh runs made at the same moments.
+/// at the full count is also set against a fresh guest's, QP for QP at the same moments.
 struct Scale {
     /// The median of runs in fresh guests (or contexts), each creating its first
     /// QPS_TIMED, before the scaling run.
@@ -385,7 +374,8 @@ struct Scale {
     between_count: u32,
     /// The median of the scaling run's last runs, up to the full count.
     last: Duration,
-    /// The median of runs in fresh guests, each made just after one of those last runs.
+    /// The median of runs in fresh guests, each interleaved with one of those last runs:
+    /// one object here, one there.
     beside: Duration,
 }
 
@@ -414,14 +404,23 @@ fn median(mut runs: Vec<Duration>) -> Duration {
     runs[runs.len() / 2]
 }
 
-/// Creates `count` objects (at least twice [`QPS_TIMED`]) with `create`, timed as [`Scale`]
-/// says; `fresh_run` times a run in a fresh guest (or context). Returns the objects, all
+/// What creates the scaling run's QPs: a guest, or natively a context.
+trait QpMaker {
+    type Qp;
+    fn create(&self, index: usize) -> Self::Qp;
+}
+
+/// Times `create` of one object.
+fn timed<T>(create: impl FnOnce() -> T) -> (T, Duration) {
+    let start = Instant::now();
+    let made = create();
+    (made, start.elapsed())
+}
+
+/// Creates `count` objects (at least twice [`QPS_TIMED`]) in one guest that `open` makes,
+/// timed as [`Scale`] says, with fresh guests from `open` beside it. Returns the objects, all
 /// held.
-fn create_at_scale<T>(
-    count: u32,
-    mut create: impl FnMut(usize) -> T,
-    mut fresh_run: impl FnMut() -> Duration,
-) -> (Vec<T>, Scale) {
+fn create_at_scale<M: QpMaker>(count: u32, open: impl Fn() -> M) -> (Vec<M::Qp>, Scale) {
     let (count, run) = (count as usize, QPS_TIMED as usize);
     assert!(
         count >= 2 * run,
@@ -430,22 +429,49 @@ fn create_at_scale<T>(
     );
     // Fewer last runs when the count is small (the test suite's smoke run).
     let last_from = count - run * RUNS.min(count / run / 2);
-    let mut fresh_run = || {
-        let took = fresh_run();
-        std::thread::sleep(SETTLE);
-        took
-    };
-    let first = median((0..RUNS).map(|_| fresh_run()).collect());
+    // A pause after each fresh guest, so that its teardown (the backend's, after the guest
+    // has gone) is not timed in what follows.
+    let settle = || std::thread::sleep(SETTLE);
+    let first = median(
+        (0..RUNS)
+            .map(|_| {
+                let fresh = open();
+                let took = (0..run).map(|i| timed(|| fresh.create(i)).1).sum();
+                drop(fresh);
+                settle();
+                took
+            })
+            .collect(),
+    );
+    let guest = open();
     let mut held = Vec::with_capacity(count);
     let mut runs = Vec::new();
     while held.len() < last_from {
         let size = run.min(last_from - held.len());
-        runs.push(timed_run(&mut held, size, &mut create));
+        let (made, took): (Vec<_>, Vec<_>) = (held.len()..held.len() + size)
+            .map(|i| timed(|| guest.create(i)))
+            .unzip();
+        held.extend(made);
+        runs.push(took.iter().sum());
     }
     let (mut last, mut beside) = (Vec::new(), Vec::new());
     while held.len() < count {
-        last.push(timed_run(&mut held, run, &mut create));
-        beside.push(fresh_run());
+        let fresh = open();
+        let mut fresh_held = Vec::with_capacity(run);
+        let (mut here, mut there) = (Duration::ZERO, Duration::ZERO);
+        for i in 0..run {
+            let (qp, took) = timed(|| guest.create(held.len()));
+            held.push(qp);
+            here += took;
+            let (qp, took) = timed(|| fresh.create(i));
+            fresh_held.push(qp);
+            there += took;
+        }
+        last.push(here);
+        beside.push(there);
+        drop(fresh_held);
+        drop(fresh);
+        settle();
     }
     let scale = Scale {
         first,
@@ -456,15 +482,6 @@ fn create_at_scale<T>(
         beside: median(beside),
     };
     (held, scale)
-}
-
-/// Times `size` creations on top of `held`.
-fn timed_run<T>(held: &mut Vec<T>, size: usize, create: &mut impl FnMut(usize) -> T) -> Duration {
-    let start = Instant::now();
-    for _ in 0..size {
-        held.push(create(held.len()));
-    }
-    start.elapsed()
 }
 
 /// A guest creating the scaling run's QPs: the smallest RC QPs, on one CQ.
@@ -484,6 +501,10 @@ impl SmallQps {
             _device: device,
         }
     }
+}
+
+impl QpMaker for SmallQps {
+    type Qp = QueuePair;
 
     fn create(&self, i: usize) -> QueuePair {
         QueuePair::builder(vrdma_guest::QpType::Rc, &self.cq)
