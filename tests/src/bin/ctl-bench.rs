@@ -367,7 +367,8 @@ struct Scale {
     /// The median of runs in fresh guests (or contexts), each creating its first
     /// QPS_TIMED, before the scaling run.
     first: Duration,
-    /// The runs of the scaling run before its last ones, in order, and their sum.
+    /// The whole runs of the scaling run before its last ones, in order, and the time all
+    /// those objects took.
     runs: Vec<Duration>,
     between: Duration,
     /// How many objects those runs created.
@@ -445,14 +446,18 @@ fn create_at_scale<M: QpMaker>(count: u32, open: impl Fn() -> M) -> (Vec<M::Qp>,
     );
     let guest = open();
     let mut held = Vec::with_capacity(count);
-    let mut runs = Vec::new();
+    let (mut runs, mut between) = (Vec::new(), Duration::ZERO);
     while held.len() < last_from {
         let size = run.min(last_from - held.len());
-        let (made, took): (Vec<_>, Vec<_>) = (held.len()..held.len() + size)
+        let (made, took): (Vec<_>, Vec<Duration>) = (held.len()..held.len() + size)
             .map(|i| timed(|| guest.create(i)))
             .unzip();
         held.extend(made);
-        runs.push(took.iter().sum());
+        between += took.iter().sum();
+        // A shorter run at the end is in the sum, not among the runs compared.
+        if size == run {
+            runs.push(took.iter().sum());
+        }
     }
     let (mut last, mut beside) = (Vec::new(), Vec::new());
     while held.len() < count {
@@ -475,7 +480,7 @@ fn create_at_scale<M: QpMaker>(count: u32, open: impl Fn() -> M) -> (Vec<M::Qp>,
     }
     let scale = Scale {
         first,
-        between: runs.iter().sum(),
+        between,
         runs,
         between_count: last_from as u32,
         last: median(last),
