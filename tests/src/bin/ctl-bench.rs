@@ -12,6 +12,7 @@
 //! /proc/BACKEND_PID). The 2 MiB rows need 2 MiB huge pages reserved for the guest's memory
 //! (half VRDMA_BENCH_MR_MIB of them, and some).
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -83,8 +84,11 @@ fn main() {
     let provider_heap = native.heap;
 
     // 16,384 QPs in one guest.
+    let attach = || SmallQps::attach(socket);
+    let first = cost_in_fresh_guests(attach);
+    let guest = attach();
     let before = memory();
-    let (qps, scale) = create_at_scale(scale_qps, || SmallQps::attach(socket));
+    let (qps, scale) = create_at_scale(scale_qps, &guest, attach);
     let qp_memory = memory().per_object_since(&before, scale_qps);
     let start = Instant::now();
     drop(qps);
@@ -117,13 +121,13 @@ fn main() {
     let between = scale.between_count;
     println!(
         "| CREATE_QP at 100 QPs: a fresh guest's first {QPS_TIMED}, the median of {RUNS} guests | {:.1} us per QP |",
-        per(scale.first, QPS_TIMED)
+        per(first, QPS_TIMED)
     );
     println!(
         "| CREATE_QP at {scale_qps} QPs: one guest's QPs {} to {scale_qps} in runs of {QPS_TIMED}, the median run | {:.1} us per QP ({:.2}x the cost at 100) |",
         between + 1,
         per(scale.last, QPS_TIMED),
-        scale.growth()
+        scale.growth_from(first)
     );
     println!(
         "| CREATE_QP at 100 QPs at the same moments: a fresh guest's first {QPS_TIMED} beside each of those runs, one QP there, one here, the median (the machine's speed cancels out; the backend holds the other guest's QPs) | {:.1} us per QP (the cost at {scale_qps} is {:.2}x this) |",
@@ -133,15 +137,15 @@ fn main() {
     println!(
         "| CREATE_QP of that guest's QPs 1 to {between} in runs of {QPS_TIMED} | {:.1} us per QP ({:.2}x the cost at 100); the median run {:.1} us per QP, the slowest {:.1} us per QP |",
         per(scale.between, between),
-        per(scale.between, between) / per(scale.first, QPS_TIMED),
+        per(scale.between, between) / per(first, QPS_TIMED),
         per(scale.median_run(), QPS_TIMED),
         per(scale.slowest_run(), QPS_TIMED),
     );
     println!(
         "| the same natively (the host's verbs, no guest; fresh contexts for fresh guests): CREATE_QP at 100 QPs; at {scale_qps} QPs; at 100 QPs at the same moments | {:.1} us per QP; {:.1} us per QP ({:.2}x); {:.1} us per QP ({:.2}x) |",
-        per(native.scale.first, QPS_TIMED),
+        per(native.first, QPS_TIMED),
         per(native.scale.last, QPS_TIMED),
-        native.scale.growth(),
+        native.scale.growth_from(native.first),
         per(native.scale.beside, QPS_TIMED),
         native.scale.growth_beside()
     );
@@ -313,16 +317,20 @@ fn smallest_rc_qp() -> QpInit<'static> {
 struct NativeScale {
     /// The growth of this process's heap (RssAnon, KiB) per QP: the host provider's share.
     heap: f64,
+    /// The cost at 100 QPs (see [`cost_in_fresh_guests`]).
+    first: Duration,
     scale: Scale,
 }
 
 fn native_scale(count: u32) -> NativeScale {
+    let first = cost_in_fresh_guests(NativeQps::open);
+    let context = NativeQps::open();
     let pid = std::process::id().to_string();
     let before = Resident::of(&pid);
-    let (held, scale) = create_at_scale(count, NativeQps::open);
+    let (held, scale) = create_at_scale(count, &context, NativeQps::open);
     let heap = Resident::of(&pid).per_object_since(&before, count).anon;
     drop(held);
-    NativeScale { heap, scale }
+    NativeScale { heap, first, scale }
 }
 
 /// A context of the host's verbs creating the smallest RC QPs on one CQ, as a scaling guest
@@ -357,16 +365,13 @@ impl QpMaker for NativeQps {
 /// How many runs of [`QPS_TIMED`] creations make each median of [`Scale`].
 const RUNS: usize = 9;
 
-/// See `create_at_scale`.
+/// See [`settle`].
 const SETTLE: Duration = Duration::from_millis(300);
 
 /// How long creating objects took, in runs of [`QPS_TIMED`]. On this machine one run swings
 /// by a third from one second to the next, as much as the growth being measured; so the cost
 /// at the full count is also set against a fresh guest's, QP for QP at the same moments.
 struct Scale {
-    /// The median of runs in fresh guests (or contexts), each creating its first
-    /// QPS_TIMED, before the scaling run.
-    first: Duration,
     /// The whole runs of the scaling run before its last ones, in order, and the time all
     /// those objects took.
     runs: Vec<Duration>,
@@ -381,9 +386,9 @@ struct Scale {
 }
 
 impl Scale {
-    /// The cost at the full count, against the cost at 100.
-    fn growth(&self) -> f64 {
-        self.last.as_secs_f64() / self.first.as_secs_f64()
+    /// The cost at the full count, against `first`, the cost at 100 measured before.
+    fn growth_from(&self, first: Duration) -> f64 {
+        self.last.as_secs_f64() / first.as_secs_f64()
     }
 
     /// The cost at the full count, against the cost at 100 at the same moments.
@@ -411,17 +416,46 @@ trait QpMaker {
     fn create(&self, index: usize) -> Self::Qp;
 }
 
-/// Times `create` of one object.
-fn timed<T>(create: impl FnOnce() -> T) -> (T, Duration) {
-    let start = Instant::now();
-    let made = create();
-    (made, start.elapsed())
+/// Creates objects `indexes` with `maker`: them, and the time that took.
+fn create_timed<M: QpMaker>(maker: &M, indexes: Range<usize>) -> (Vec<M::Qp>, Duration) {
+    let mut took = Duration::ZERO;
+    let made = indexes
+        .map(|i| {
+            let start = Instant::now();
+            let qp = maker.create(i);
+            took += start.elapsed();
+            qp
+        })
+        .collect();
+    (made, took)
 }
 
-/// Creates `count` objects (at least twice [`QPS_TIMED`]) in one guest that `open` makes,
-/// timed as [`Scale`] says, with fresh guests from `open` beside it. Returns the objects, all
-/// held.
-fn create_at_scale<M: QpMaker>(count: u32, open: impl Fn() -> M) -> (Vec<M::Qp>, Scale) {
+/// A pause after each fresh guest, so that its teardown (the backend's, after the guest has
+/// gone) is not timed in what follows.
+fn settle() {
+    std::thread::sleep(SETTLE);
+}
+
+/// The cost at 100 objects: the median of [`RUNS`] fresh guests (or contexts) from `open`,
+/// each creating its first [`QPS_TIMED`].
+fn cost_in_fresh_guests<M: QpMaker>(open: impl Fn() -> M) -> Duration {
+    median(
+        (0..RUNS)
+            .map(|_| {
+                let fresh = open();
+                let (held, took) = create_timed(&fresh, 0..QPS_TIMED as usize);
+                drop(held);
+                drop(fresh);
+                settle();
+                took
+            })
+            .collect(),
+    )
+}
+
+/// Creates `count` objects (at least twice [`QPS_TIMED`]) with `guest`, timed as [`Scale`]
+/// says, with fresh guests from `open` beside it at the end. Returns the objects, all held.
+fn create_at_scale<M: QpMaker>(count: u32, guest: &M, open: impl Fn() -> M) -> (Vec<M::Qp>, Scale) {
     let (count, run) = (count as usize, QPS_TIMED as usize);
     assert!(
         count >= 2 * run,
@@ -430,33 +464,16 @@ fn create_at_scale<M: QpMaker>(count: u32, open: impl Fn() -> M) -> (Vec<M::Qp>,
     );
     // Fewer last runs when the count is small (the test suite's smoke run).
     let last_from = count - run * RUNS.min(count / run / 2);
-    // A pause after each fresh guest, so that its teardown (the backend's, after the guest
-    // has gone) is not timed in what follows.
-    let settle = || std::thread::sleep(SETTLE);
-    let first = median(
-        (0..RUNS)
-            .map(|_| {
-                let fresh = open();
-                let took = (0..run).map(|i| timed(|| fresh.create(i)).1).sum();
-                drop(fresh);
-                settle();
-                took
-            })
-            .collect(),
-    );
-    let guest = open();
     let mut held = Vec::with_capacity(count);
     let (mut runs, mut between) = (Vec::new(), Duration::ZERO);
     while held.len() < last_from {
         let size = run.min(last_from - held.len());
-        let (made, took): (Vec<_>, Vec<Duration>) = (held.len()..held.len() + size)
-            .map(|i| timed(|| guest.create(i)))
-            .unzip();
+        let (made, took) = create_timed(guest, held.len()..held.len() + size);
         held.extend(made);
-        between += took.iter().sum();
+        between += took;
         // A shorter run at the end is in the sum, not among the runs compared.
         if size == run {
-            runs.push(took.iter().sum());
+            runs.push(took);
         }
     }
     let (mut last, mut beside) = (Vec::new(), Vec::new());
@@ -465,11 +482,11 @@ fn create_at_scale<M: QpMaker>(count: u32, open: impl Fn() -> M) -> (Vec<M::Qp>,
         let mut fresh_held = Vec::with_capacity(run);
         let (mut here, mut there) = (Duration::ZERO, Duration::ZERO);
         for i in 0..run {
-            let (qp, took) = timed(|| guest.create(held.len()));
-            held.push(qp);
+            let (made, took) = create_timed(guest, held.len()..held.len() + 1);
+            held.extend(made);
             here += took;
-            let (qp, took) = timed(|| fresh.create(i));
-            fresh_held.push(qp);
+            let (made, took) = create_timed(&fresh, i..i + 1);
+            fresh_held.extend(made);
             there += took;
         }
         last.push(here);
@@ -479,7 +496,6 @@ fn create_at_scale<M: QpMaker>(count: u32, open: impl Fn() -> M) -> (Vec<M::Qp>,
         settle();
     }
     let scale = Scale {
-        first,
         between,
         runs,
         between_count: last_from as u32,
