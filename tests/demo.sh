@@ -38,7 +38,13 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "Both columns run the same unmodified perftest binaries: natively on rxe0, and on vrdma0" \
     "through vrdma's libibverbs.so.1 (vrdma-run), guest-lib over the vhost-user backend." \
     "Control-path timings compare the backend's host verbs layer with the same verbs through" \
-    "guest-lib and the control queue; the scaling rows come from ctl-bench."
+    "guest-lib and the control queue; the scaling rows come from ctl-bench." \
+    "The first registration over 4 KiB pages pays for the backend's page tables: the guest" \
+    "touched its pages through its own mapping, so the backend maps every one of them" \
+    "(MADV_POPULATE_READ, most of that row's time when traced) before the host registers" \
+    "them, where native registers pages its process has mapped already; registered again," \
+    "the same pages cost what native's do. Over 2 MiB pages, as vhost-user deployments back" \
+    "guest RAM, there are 512 times fewer entries to map."
   echo "Backend threads: one poller (the pool's default, --poll-threads 1) serving both perftest" \
     "ends' connections, on the same 2 vCPUs as both ends. That is the floor of a relay" \
     "design here: every message needs a third thread (the poller) to run while both perftest" \
