@@ -240,19 +240,15 @@ impl PageSize {
 
 /// Native: QP create -> RTS through host verbs, per QP.
 fn native_qp_setup() -> Duration {
-    let context = open_test_device();
-    let (gid_index, gid) = context.find_roce_v2_ipv4_gid(PORT).unwrap();
-    let pd = context.alloc_pd().unwrap();
-    let cq = context.create_cq(64, None).unwrap();
-    let init = smallest_rc_qp();
+    let qps = NativeQps::open();
+    let (gid_index, gid) = qps.pd.context().find_roce_v2_ipv4_gid(PORT).unwrap();
     let start = Instant::now();
-    let endpoints: Vec<RcEndpoint> = (0..QPS_TIMED)
-        .map(|_| {
-            let qp = pd.create_qp(&cq, &cq, &init).unwrap();
+    let endpoints: Vec<RcEndpoint> = (0..QPS_TIMED as usize)
+        .map(|i| {
             let endpoint = RcEndpoint {
-                pd: Arc::clone(&pd),
-                cq: Arc::clone(&cq),
-                qp,
+                pd: Arc::clone(&qps.pd),
+                cq: Arc::clone(&qps.cq),
+                qp: qps.create(i),
             };
             endpoint.connect(gid_index as u8, gid, endpoint.qp.qp_num(), 0);
             endpoint
@@ -333,7 +329,7 @@ fn native_scale(count: u32) -> NativeScale {
     NativeScale { heap, first, scale }
 }
 
-/// A context of the host's verbs creating the smallest RC QPs on one CQ, as a scaling guest
+/// A context of the host's verbs creating the smallest RC QPs on one CQ, as [`SmallQps`]
 /// does through the backend.
 struct NativeQps {
     pd: Arc<hostverbs::ProtectionDomain>,
@@ -505,12 +501,13 @@ fn create_at_scale<M: QpMaker>(count: u32, guest: &M, open: impl Fn() -> M) -> (
     (held, scale)
 }
 
-/// A guest creating the scaling run's QPs: the smallest RC QPs, on one CQ.
+/// A guest creating the smallest RC QPs, on one CQ (the scaling run's, and those timed to
+/// RTS).
 struct SmallQps {
     // Dropped in this order, the device last.
     pd: ProtectionDomain,
     cq: CompletionQueue,
-    _device: Device,
+    device: Device,
 }
 
 impl SmallQps {
@@ -519,7 +516,7 @@ impl SmallQps {
         SmallQps {
             pd: device.alloc_pd().unwrap(),
             cq: device.create_cq(64).unwrap(),
-            _device: device,
+            device,
         }
     }
 }
@@ -538,24 +535,18 @@ impl QpMaker for SmallQps {
 
 /// vrdma: QP create -> RTS through guest-lib and the backend, per QP.
 fn vrdma_qp_setup(socket: &str) -> Duration {
-    let device = Device::attach(socket).unwrap();
-    let (gid_index, gid) = device.gid().unwrap();
-    let pd = device.alloc_pd().unwrap();
-    let cq = device.create_cq(64).unwrap();
+    let qps = SmallQps::attach(socket);
+    let (gid_index, gid) = qps.device.gid().unwrap();
     let start = Instant::now();
-    let qps: Vec<QueuePair> = (0..QPS_TIMED)
-        .map(|_| {
-            let qp = QueuePair::builder(vrdma_guest::QpType::Rc, &cq)
-                .max_send_wr(1)
-                .max_recv_wr(1)
-                .build(&pd)
-                .unwrap();
+    let connected: Vec<QueuePair> = (0..QPS_TIMED as usize)
+        .map(|i| {
+            let qp = qps.create(i);
             connect_guest_qp(&qp, gid_index as u8, gid, qp.qp_num()).unwrap();
             qp
         })
         .collect();
     let elapsed = start.elapsed();
-    drop(qps);
+    drop(connected);
     elapsed
 }
 
