@@ -162,6 +162,7 @@ pub(super) struct Resolved {
 struct Span {
     /// Host address; 0 where guest memory holds none of the span.
     host: usize,
+    /// 0 where `host` is.
     len: usize,
     /// How many of the spans after this one continue it in this process without a gap: a
     /// ring whose pages all do is one run of memory, its slots found without a page lookup.
@@ -255,9 +256,11 @@ impl<'m> Mapped<'m> {
 
     /// Host address of the first span, if it and the `count - 1` after it are in guest memory
     /// back to back.
+    #[inline(always)]
     fn run_of(&self, count: usize) -> Option<usize> {
         let first = self.spans.first()?;
-        (first.host != 0 && first.continued_by as usize + 1 >= count).then_some(first.host)
+        // A span outside guest memory continues nothing: `host` is not looked at.
+        (first.continued_by as usize >= count.wrapping_sub(1)).then_some(first.host)
     }
 
     /// The word at `offset` (a multiple of 4) in span `index`, if it lies there.
@@ -267,8 +270,9 @@ impl<'m> Mapped<'m> {
     fn word(&self, index: usize, offset: u64) -> Option<&'m AtomicU32> {
         let &Span { host, len, .. } = self.spans.get(index)?;
         let offset = usize::try_from(offset).ok()?;
-        // The offsets are the records' constants: the first test is made when compiling.
-        if !offset.is_multiple_of(4) || host == 0 || offset.checked_add(size_of::<u32>())? > len {
+        // The offsets are the records' constants: the first test is made when compiling. A
+        // span outside guest memory has no length.
+        if !offset.is_multiple_of(4) || offset.checked_add(size_of::<u32>())? > len {
             return None;
         }
         let at = (host as *mut u8).wrapping_add(offset).cast::<u32>();
@@ -311,11 +315,7 @@ impl<'m> Slots<'m> {
     /// `pages` are the ring's pages, in its order.
     #[inline(always)]
     pub(super) fn new(ring: &'m GuestRing, pages: Mapped<'m>) -> Self {
-        let covered = (ring.pages.len() as u64) << ring.page_shift >= ring.bytes();
-        let base = match pages.run_of(ring.pages.len()) {
-            Some(base) if covered => base,
-            _ => 0,
-        };
+        let base = pages.run_of(ring.run_pages).unwrap_or(0);
         Slots {
             ring,
             pages,

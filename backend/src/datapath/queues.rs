@@ -20,6 +20,9 @@ pub struct GuestRing {
     pub(super) page_shift: u8,
     pub(super) stride_shift: u8,
     pub(super) depth: u32,
+    /// How many of its pages, back to back in this process, make the ring one run of memory:
+    /// all of them if they cover it, and never (`usize::MAX`) if they do not.
+    pub(super) run_pages: usize,
 }
 
 impl GuestRing {
@@ -27,7 +30,9 @@ impl GuestRing {
     /// strides are powers of two no larger than a page.
     pub fn new(pages: Vec<u64>, page_shift: u8, stride_shift: u8, depth: u32) -> Self {
         debug_assert!(stride_shift <= page_shift && depth.is_power_of_two());
+        let covered = (pages.len() as u64) << page_shift >= u64::from(depth) << stride_shift;
         GuestRing {
+            run_pages: if covered { pages.len() } else { usize::MAX },
             pages,
             page_shift,
             stride_shift,
