@@ -254,13 +254,15 @@ impl<'m> Mapped<'m> {
         }
     }
 
-    /// Host address of the first span, if it and the `count - 1` after it are in guest memory
-    /// back to back.
+    /// Host address of the first span if it and the `count - 1` after it are in guest memory
+    /// back to back; 0 if not.
     #[inline(always)]
-    fn run_of(&self, count: usize) -> Option<usize> {
-        let first = self.spans.first()?;
-        // A span outside guest memory continues nothing: `host` is not looked at.
-        (first.continued_by as usize >= count.wrapping_sub(1)).then_some(first.host)
+    fn run_of(&self, count: usize) -> usize {
+        match self.spans.first() {
+            // One outside guest memory has the address 0 and continues nothing.
+            Some(first) if first.continued_by as usize >= count.wrapping_sub(1) => first.host,
+            _ => 0,
+        }
     }
 
     /// The word at `offset` (a multiple of 4) in span `index`, if it lies there.
@@ -315,7 +317,7 @@ impl<'m> Slots<'m> {
     /// `pages` are the ring's pages, in its order.
     #[inline(always)]
     pub(super) fn new(ring: &'m GuestRing, pages: Mapped<'m>) -> Self {
-        let base = pages.run_of(ring.run_pages).unwrap_or(0);
+        let base = pages.run_of(ring.run_pages);
         Slots {
             ring,
             pages,
