@@ -113,10 +113,15 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
     calls=$(for f in "$out".*; do
       callgrind_annotate --inclusive=yes --tree=calling --show-percs=no --threshold=100 "$f"
     done 2>/dev/null)
-    provider=$(awk '
-      $2 == "*" { in_provider = /\[.*libibverbs/ }
-      $2 == ">" && /\[.*libibverbs/ && !in_provider { gsub(",", "", $1); n += $1 }
-      END { print n + 0 }' <<<"$calls")
+    # Those made from the seam's poll are the provider's poll, the others its posts.
+    local split
+    split=$(awk '
+      $2 == "*" { in_provider = /\[.*libibverbs/; polling = /::poll( \[|$)/ }
+      $2 == ">" && /\[.*libibverbs/ && !in_provider {
+        gsub(",", "", $1); if (polling) polls += $1; else posts += $1 }
+      END { print posts + 0, polls + 0 }' <<<"$calls")
+    read -r posts polls <<<"$split"
+    provider=$((posts + polls))
     # Visits of QPs and of CQs, with or without work: "> ...Poller::process_qp (N x)".
     visits() {
       awk -v name="Poller::$1 (" '$2 == ">" && index($0, name) {
@@ -132,8 +137,7 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
       awk -v name="$1 [" 'index($0, name) { gsub(",", "", $1); n += $1 } END { print n + 0 }' \
         <<<"$calls"
     }
-    sends=$(inclusive Poller::process_qp) posts=$(inclusive 'HostQueuePair>::post_send')
-    completions=$(inclusive Poller::process_cq) polls=$(inclusive 'HostCompletionQueue>::poll')
+    sends=$(inclusive Poller::process_qp) completions=$(inclusive Poller::process_cq)
   fi
   kill -9 "$traced" "$server" 2>/dev/null
   wait "$traced" "$server" 2>/dev/null
@@ -141,7 +145,7 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
     echo "bench: callgrind measured nothing (see /tmp/callgrind.log)" >&2
     return 1
   fi
-  echo "Backend instructions per WQE (callgrind; write_bw of $writes 64-byte writes $how; counted in WQE and CQE processing only, busy polling off): $((instructions / writes)), of which the host provider's post and poll (rxe's library; native pays them too) $((provider / writes)) and vrdma's own $(((instructions - provider) / writes)). Where they go: taking WQEs from QPs' rings and posting them $((sends / writes)), of which the host's post $((posts / writes)); writing CQEs $((completions / writes)), of which the host's poll $((polls / writes)); the rest on SRQs. In all, $visits."
+  echo "Backend instructions per WQE (callgrind; write_bw of $writes 64-byte writes $how; counted in WQE and CQE processing only, busy polling off): $((instructions / writes)), of which the host provider's post and poll (rxe's library; native pays them too) $((provider / writes)) and vrdma's own $(((instructions - provider) / writes)). Where they go: taking WQEs from QPs' rings and posting them $((sends / writes)), of which the host provider's post $((posts / writes)) and vrdma's own $(((sends - posts) / writes)); writing CQEs $((completions / writes)), of which the host provider's poll $((polls / writes)) and vrdma's own $(((completions - polls) / writes)); the rest on SRQs. In all, $visits."
 }
 writes=${VRDMA_BENCH_CALLGRIND_WRITES:-2000}
 instructions_per_wqe "$writes" 128 "taken in batches of up to 16 per pass" ||
