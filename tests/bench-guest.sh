@@ -113,10 +113,11 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
     calls=$(for f in "$out".*; do
       callgrind_annotate --inclusive=yes --tree=calling --show-percs=no --threshold=100 "$f"
     done 2>/dev/null)
-    # Those made from the seam's poll are the provider's poll, the others its posts.
+    # Those made from the seam's poll (or from rdma-sys's ibv_poll_cq where that is not
+    # inlined, as in a debug build) are the provider's poll, the others its posts.
     local split
     split=$(awk '
-      $2 == "*" { in_provider = /\[.*libibverbs/; polling = /::poll( \[|$)/ }
+      $2 == "*" { in_provider = /\[.*libibverbs/; polling = /ibv_poll_cq|::poll( \[|$)/ }
       $2 == ">" && /\[.*libibverbs/ && !in_provider {
         gsub(",", "", $1); if (polling) polls += $1; else posts += $1 }
       END { print posts + 0, polls + 0 }' <<<"$calls")
