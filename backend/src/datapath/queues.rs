@@ -30,14 +30,17 @@ impl GuestRing {
     /// strides are powers of two no larger than a page.
     pub fn new(pages: Vec<u64>, page_shift: u8, stride_shift: u8, depth: u32) -> Self {
         debug_assert!(stride_shift <= page_shift && depth.is_power_of_two());
-        let covered = (pages.len() as u64) << page_shift >= u64::from(depth) << stride_shift;
-        GuestRing {
-            run_pages: if covered { pages.len() } else { usize::MAX },
+        let mut ring = GuestRing {
+            run_pages: usize::MAX,
             pages,
             page_shift,
             stride_shift,
             depth,
+        };
+        if (ring.pages.len() as u64) << page_shift >= ring.bytes() {
+            ring.run_pages = ring.pages.len();
         }
+        ring
     }
 
     /// The page (index into `pages`) and the offset in it of slot `index`.
