@@ -12,8 +12,8 @@ bw_size=65536 bw_iters=${VRDMA_BENCH_BW_ITERS:-3000}
 gid_index=$("$bin/vhost-user-rdma" --device rxe0 --check | awk '/GID index/ {print $6; exit}')
 # One guest at a time holds everything: the scaling rows put 16,384 QPs in one guest.
 "$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma.sock --guests 1 &
-backend=$!
-trap 'kill $backend 2>/dev/null' EXIT
+backend=$! pinned_backend=
+trap 'kill $backend $pinned_backend 2>/dev/null' EXIT
 sleep 1
 
 # Prints the value column of the result line for SIZE from a perftest-style table.
@@ -36,16 +36,30 @@ perftest() { # DEVICE TEST SIZE ITERS COLUMN
   echo "$result"
 }
 
+# vrdma0 is served by the backend on $vrdma_socket; with $ends_cpu set, both ends run on that
+# CPU only.
+vrdma_socket=/tmp/vrdma.sock ends_cpu=
 perftest_once() { # DEVICE TEST SIZE ITERS COLUMN
   local run=() args=(-d "$1" -x "$gid_index" -n "$4")
   # A vrdma guest's table holds only its own GID, at index 0.
-  [ "$1" = vrdma0 ] && run=("$vrdma_run" --device /tmp/vrdma.sock --) args=(-d "$1" -x 0 -n "$4")
+  [ "$1" = vrdma0 ] && run=("$vrdma_run" --device "$vrdma_socket" --) args=(-d "$1" -x 0 -n "$4")
+  [ -n "$ends_cpu" ] && run=(taskset -c "$ends_cpu" "${run[@]}")
   [ "$2" = atomic_lat ] || args+=(-s "$3")
   stdbuf -oL "${run[@]}" "ib_$2" "${args[@]}" >/tmp/server.log 2>&1 &
   local server=$! i
   for i in $(seq 300); do grep -q "Waiting for client" /tmp/server.log && break; sleep 0.1; done
   timeout 120 "${run[@]}" "ib_$2" "${args[@]}" 127.0.0.1 | value "$3" "$5"
   wait $server || true
+}
+
+# Prints the table row of TEST from its native and vrdma results (empty when perftest gave
+# none, which counts as a failure).
+row() { # TEST SIZE UNIT NATIVE VRDMA
+  local ratio label
+  ratio=$(awk -v n="$4" -v v="$5" 'BEGIN { if (n > 0 && v > 0) printf "%.2f", v / n; else print "n/a" }')
+  label=$([ "$1" = "${1%_lat}" ] && echo "BW average" || echo "t_typical")
+  echo "| $1 | $2 B | ${4:-failed} $3 | ${5:-failed} $3 | $ratio ($label) |"
+  [ -n "$4" ] && [ -n "$5" ] || failures=$((failures + 1))
 }
 
 # CPU seconds the backend has used so far (user + system).
@@ -67,14 +81,33 @@ failures=0
       # Every write is one WQE the backend takes from a ring and one CQE it writes back.
       cpu_per_wqe=$(awk -v a="$cpu_before" -v b="$(backend_cpu)" -v n="$iters" 'BEGIN { printf "%.1f", (b - a) * 1e6 / n }')
     fi
-    ratio=$(awk -v n="$n" -v v="$v" 'BEGIN { if (n > 0 && v > 0) printf "%.2f", v / n; else print "n/a" }')
-    label=$([ $test = ${test%_lat} ] && echo "BW average" || echo "t_typical")
-    echo "| $test | $size B | ${n:-failed} $unit | ${v:-failed} $unit | $ratio ($label) |"
-    [ -n "$n" ] && [ -n "$v" ] || failures=$((failures + 1))
+    row $test $size $unit "$n" "$v"
   done
   echo
   echo "Backend CPU per WQE (write_bw, ${bw_size}-byte writes; user + system time of the backend process, busy polling included, so an upper bound): ${cpu_per_wqe:-n/a} us"
 }
+echo
+
+# Latency with the poller on a vCPU of its own, where the guest's vCPUs allow it: in read_lat
+# and atomic_lat the server end waits idle, so both ends go on the first vCPU and a second
+# backend's poller on the last. write_lat and send_lat busy-poll at both ends.
+ends_cpu=0 poller_cpu=$(($(nproc) - 1))
+"$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma-pinned.sock --guests 1 \
+  --poll-cpus "$poller_cpu" &
+pinned_backend=$!
+sleep 1
+vrdma_socket=/tmp/vrdma-pinned.sock
+echo "Latency with the poller on a vCPU of its own: both perftest ends on vCPU $ends_cpu (the server end waits idle in these two tests), the backend's one poller thread on vCPU $poller_cpu (--poll-cpus $poller_cpu); natively the same ends on vCPU $ends_cpu. The kernel's work (rxe, veth) runs where the kernel puts it in both columns."
+echo
+echo "| test | size | native rxe | vrdma | vrdma / native |"
+echo "|---|---|---|---|---|"
+for test in read_lat atomic_lat; do
+  row $test $lat_size us "$(perftest rxe0 $test $lat_size $lat_iters 5)" \
+    "$(perftest vrdma0 $test $lat_size $lat_iters 5)"
+done
+kill $pinned_backend
+wait $pinned_backend 2>/dev/null || true
+pinned_backend= vrdma_socket=/tmp/vrdma.sock ends_cpu=
 echo
 # The 2 MiB-page registrations back the guest's memory with hugetlb pages: the MR, its
 # region's slack and guest-lib's first region.

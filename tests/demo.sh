@@ -21,7 +21,7 @@ cross_table=$(sed -n 's/^\[a\] \(|.*\)/\1/p' "$cross_log")
 # Table rows, the backend's CPU lines, and the blank lines between them (other output is
 # skipped).
 table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
-             /^Backend (CPU|instructions)/ { print ""; print; gap = 1; next }
+             /^(Backend (CPU|instructions)|Latency with the poller)/ { print ""; print; gap = 1; next }
              /^$/ { gap = 1 }' "$log")
 [ -n "$table" ] || { echo "demo: the benchmark produced no table" >&2; exit 1; }
 {
@@ -54,10 +54,16 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "ends spin on their receive buffers without any library call, so there the poller waits" \
     "for the scheduler to preempt one (up to a time slice per message, so that ratio swings the" \
     "most between runs)." \
-    "read_lat and atomic_lat leave one end idle. A guest whose poller has a vCPU of its own" \
-    "needs a third host core: on this machine's $(nproc) cores a third busy vCPU slowed native" \
-    "rxe itself by more than an order of magnitude when tried, so that configuration is not" \
-    "measured here."
+    "read_lat and atomic_lat leave one end idle, so there the second table gives the poller a" \
+    "vCPU of its own. That is not an equal footing either: natively the other vCPU is left to" \
+    "the kernel's rxe and veth work, which under emulation costs about as much as a whole" \
+    "native operation, while with vrdma that work shares a vCPU with the poller or the" \
+    "client (when traced, the poller's host post of a READ took 15 to 75 us and its" \
+    "completion came 65 to 117 us after it, against 39 to 56 us for a whole native read)." \
+    "write_lat and send_lat busy-poll at both ends, so a poller of their own needs a third" \
+    "vCPU and so a third host core: on this machine's $(nproc) cores a 3-vCPU guest slowed" \
+    "native write_lat itself from about 40 us to 2 to 4 ms when tried, so that configuration" \
+    "is not measured here."
   echo
   echo "$table"
   echo
