@@ -18,8 +18,8 @@ cross_log=target/bench/cross-host.log
 tests/vm/two-hosts.sh -- tests/bench-cross-host.sh "$PWD/target/release" | tee "$cross_log"
 cross_table=$(sed -n 's/^\[a\] \(|.*\)/\1/p' "$cross_log")
 [ -n "$cross_table" ] || { echo "demo: the cross-host benchmark produced no table" >&2; exit 1; }
-# Table rows, the backend's CPU lines, and the blank lines between them (other output is
-# skipped).
+# Table rows, the backend's CPU and instruction lines, the line that introduces the pinned
+# latency table, and the blank lines between them (other output is skipped).
 table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
              /^(Backend (CPU|instructions)|Latency with the poller)/ { print ""; print; gap = 1; next }
              /^$/ { gap = 1 }' "$log")
