@@ -10,8 +10,10 @@ bin=$1
 lat_size=8 lat_iters=${VRDMA_BENCH_LAT_ITERS:-2000}
 bw_size=65536 bw_iters=${VRDMA_BENCH_BW_ITERS:-3000}
 gid_index=$("$bin/vhost-user-rdma" --device rxe0 --check | awk '/GID index/ {print $6; exit}')
-# One guest at a time holds everything: the scaling rows put 16,384 QPs in one guest.
-"$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma.sock --guests 1 &
+# Each guest may hold everything (the scaling rows put 16,384 QPs in one guest), and up to 128
+# connect at once (perftest's two ends, the control-path benchmark's guests): one trust domain.
+"$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma.sock --guests 1 --shared-gid \
+  --max-guests 128 &
 backend=$! pinned_backend=
 trap 'kill $backend $pinned_backend 2>/dev/null' EXIT
 sleep 1
@@ -93,7 +95,7 @@ echo
 # backend's poller on the last. write_lat and send_lat busy-poll at both ends.
 ends_cpu=0 poller_cpu=$(($(nproc) - 1))
 "$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma-pinned.sock --guests 1 \
-  --poll-cpus "$poller_cpu" &
+  --shared-gid --max-guests 2 --poll-cpus "$poller_cpu" &
 pinned_backend=$!
 sleep 1
 vrdma_socket=/tmp/vrdma-pinned.sock
@@ -129,7 +131,7 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
   rm -f "$out"* "$socket"
   valgrind --tool=callgrind --callgrind-out-file="$out" --collect-atstart=no \
     --toggle-collect='*Poller*process_*' \
-    "$bin/vhost-user-rdma" --device rxe0 --socket-path "$socket" --poll-idle-us 0 --seccomp none \
+    "$bin/vhost-user-rdma" --device rxe0 --socket-path "$socket" --poll-idle-us 0 --seccomp none --shared-gid \
     2>/tmp/callgrind.log &
   local traced=$! instructions= provider= sends= posts= completions= polls= visits=
   for _ in $(seq 600); do [ -S "$socket" ] && break; sleep 0.1; done

@@ -42,7 +42,8 @@ start_backend() {
   local before
   before=$(accepting "$logs/backend.log")
   rm -f "$socket"
-  RUST_LOG=info "$bin/vhost-user-rdma" --socket-path "$socket" >>"$logs/backend.log" 2>&1 &
+  # The VM and its direct-attach peer are served at once, on the backend's one GID.
+  RUST_LOG=info "$bin/vhost-user-rdma" --socket-path "$socket" --shared-gid >>"$logs/backend.log" 2>&1 &
   backend=$!
   for _ in $(seq 300); do
     [ "$(accepting "$logs/backend.log")" -gt "${before:-0}" ] && return 0

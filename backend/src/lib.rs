@@ -9,6 +9,8 @@ pub mod guest_address;
 mod guest_mapping;
 pub mod hostverbs;
 pub mod limits;
+pub mod log_budget;
+pub mod memory_regions;
 pub mod mtt;
 pub mod sandbox;
 pub mod vhost_user;
@@ -52,6 +54,13 @@ pub enum Error {
     Daemon(vhost_user_backend::Error),
     #[error("--poll-cpus: CPU {cpu} is not one this process may run on ({allowed})")]
     PollCpu { cpu: usize, allowed: String },
+    #[error("the open file limit ({limit}, the hard limit) is below what {guests} guests need at their quotas ({per_guest} descriptors each, {needed} with the backend's own): raise it (LimitNOFILE=, ulimit -Hn), or lower --max-guests or --max-memory-regions")]
+    Descriptors {
+        limit: u64,
+        guests: u32,
+        per_guest: u64,
+        needed: u64,
+    },
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
@@ -78,6 +87,13 @@ pub struct Config {
     pub poll_cpus: Vec<usize>,
     /// The system call filter [`vhost_user::serve`] installs once it listens.
     pub seccomp: sandbox::SeccompMode,
+    /// Most guest connections served at once (with [`Config::shared_gid`]; otherwise one).
+    pub max_guests: u32,
+    /// The guests of this backend are one trust domain: more than one may connect, all
+    /// sending from the same GID (each can forge packets into the others' RC connections).
+    pub shared_gid: bool,
+    /// Whether guest memory whose files may shrink is accepted ([`memory_regions`]).
+    pub unsealed_memory: memory_regions::UnsealedFiles,
 }
 
 /// The host device, checked to be usable for guests.
@@ -176,6 +192,32 @@ pub fn exit_on_signals(address: &SharedGuestAddress) -> Result<(), Error> {
     Ok(())
 }
 
+/// Raises the open file limit (the hard limit too, where it is lower and the backend may) and
+/// checks that it holds every guest the backend may serve at once, each at its quotas ([`limits::descriptors_per_guest`]), so that
+/// no guest can take the descriptors another needs.
+pub fn reserve_descriptors(config: &Config) -> Result<(), Error> {
+    let guests = if config.shared_gid {
+        config.max_guests
+    } else {
+        1
+    };
+    let per_guest = limits::descriptors_per_guest(config.notify_queues, &config.quotas);
+    let needed = u64::from(guests) * per_guest + limits::DESCRIPTORS_OF_THE_BACKEND;
+    let limit = hostverbs::raise_open_file_limit_to(needed)?;
+    if limit < needed {
+        return Err(Error::Descriptors {
+            limit,
+            guests,
+            per_guest,
+            needed,
+        });
+    }
+    log::info!(
+        "open file limit: {limit}; {guests} guests at most {per_guest} each, {needed} in all"
+    );
+    Ok(())
+}
+
 /// The index of `gid` in `port`'s GID table, waiting for the kernel to add it.
 fn wait_for_gid(context: &Context, port: u8, gid: Gid) -> Result<u32, Error> {
     let start = std::time::Instant::now();
@@ -243,6 +285,9 @@ mod tests {
             poll_idle: std::time::Duration::from_millis(2),
             poll_cpus: Vec::new(),
             seccomp: sandbox::SeccompMode::None,
+            max_guests: 1,
+            shared_gid: false,
+            unsealed_memory: memory_regions::UnsealedFiles::Refuse,
         };
         let message = HostDevice::open(&config)
             .err()

@@ -30,6 +30,9 @@ pub struct Quotas {
     /// Bytes registered by all MRs together (a page registered twice counts twice): the host
     /// pins them and keeps a page table per MR.
     pub max_registered_bytes: u64,
+    /// vhost-user memory regions (guest RAM, or a direct-attach process's shared memory): the
+    /// backend holds a file descriptor and a mapping for each.
+    pub max_memory_regions: u32,
 }
 
 /// What one backend gives all its guests together, divided among them by [`Quotas::shared_by`].
@@ -43,7 +46,25 @@ const BACKEND_TOTAL: Quotas = Quotas {
     max_mr_size: 64 << 30,
     max_ring_bytes: 256 << 20,
     max_registered_bytes: 64 << 30,
+    max_memory_regions: 16 << 10,
 };
+
+/// Memory regions one front end may have at most: the slots vhost-user-backend advertises
+/// (GET_MAX_MEM_SLOTS).
+pub const MAX_MEMORY_SLOTS: u32 = 509;
+
+/// File descriptors a guest connection holds besides its memory regions, at most: its socket,
+/// three eventfds per virtqueue (kick, call, error), the vring worker's epoll and exit
+/// events, the host context's command, asynchronous-event and completion-channel files and
+/// the data path's wake-up eventfd, with a margin.
+pub fn descriptors_per_guest(notify_queues: u32, quotas: &Quotas) -> u64 {
+    let queues = 2 + u64::from(notify_queues);
+    16 + 3 * queues + u64::from(quotas.max_memory_regions)
+}
+
+/// Descriptors the backend holds whatever its guests: standard streams, the listening
+/// socket, the poller pool's epolls and eventfds, libibverbs' files, logging, with a margin.
+pub const DESCRIPTORS_OF_THE_BACKEND: u64 = 256;
 
 /// Guests the default quotas are sized for.
 pub const DEFAULT_GUESTS: u32 = 64;
@@ -65,6 +86,7 @@ impl Quotas {
             max_mr_size: bytes(t.max_mr_size),
             max_ring_bytes: bytes(t.max_ring_bytes),
             max_registered_bytes: bytes(t.max_registered_bytes),
+            max_memory_regions: count(t.max_memory_regions).min(MAX_MEMORY_SLOTS),
         }
     }
 }

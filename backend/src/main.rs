@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use vrdma_backend::guest_address::GuestIp;
+use vrdma_backend::memory_regions::UnsealedFiles;
 use vrdma_backend::sandbox::{RunAs, SeccompMode};
 use vrdma_backend::{limits, vhost_user, Config, HostDevice, Quotas};
 
@@ -44,9 +45,25 @@ struct Args {
     poll_cpus: Vec<usize>,
     /// Guests the backend is sized for: each guest's quotas are the backend's totals (16,384
     /// QPs, 8,192 CQs, 16,384 MRs, 4,096 PDs, 16,384 AHs, 1,024 SRQs, 256 MiB of rings, 64 GiB
-    /// registered) divided by this; the --max-* options override single quotas.
+    /// registered, 16,384 memory regions) divided by this; the --max-* options override single
+    /// quotas.
     #[arg(long, default_value_t = limits::DEFAULT_GUESTS, value_parser = clap::value_parser!(u32).range(1..))]
     guests: u32,
+    /// With --shared-gid, the most guests connected at once [default: --guests]; one more
+    /// is refused. Above --guests, the backend's totals no longer bound them all.
+    #[arg(long, requires = "shared_gid", value_parser = clap::value_parser!(u32).range(1..))]
+    max_guests: Option<u32>,
+    /// Serve more than one guest at a time (up to --max-guests), all sending from the backend's
+    /// one GID. Only for guests that trust each other: a guest that shares another's GID can
+    /// forge packets into its RC connections. Without it, a guest that connects while
+    /// another is served is refused.
+    #[arg(long)]
+    shared_gid: bool,
+    /// Accept guest memory whose files may shrink (no F_SEAL_SHRINK seal: QEMU's
+    /// memory-backend-file, cloud-hypervisor). Only for trusted front ends: one that shrinks
+    /// such a file while the backend uses it kills the backend, and every guest with it.
+    #[arg(long)]
+    unsealed_memory: bool,
     /// Most QPs one guest may hold.
     #[arg(long)]
     max_qp: Option<u32>,
@@ -74,6 +91,10 @@ struct Args {
     /// Most bytes one guest may have registered (all MRs together).
     #[arg(long)]
     max_registered_bytes: Option<u64>,
+    /// Most vhost-user memory regions one guest may have (each holds a file descriptor), up
+    /// to 509.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(limits::MAX_MEMORY_SLOTS)))]
+    max_memory_regions: Option<u32>,
     /// System calls outside what serving needs, once the backend listens: kill the process
     /// (with a line naming the call), log them (kernel audit log), or allow everything.
     #[arg(long, value_enum, default_value_t = SeccompMode::Kill)]
@@ -104,6 +125,13 @@ impl From<Args> for Config {
             poll_idle: std::time::Duration::from_micros(args.poll_idle_us),
             poll_cpus: args.poll_cpus,
             seccomp: args.seccomp,
+            max_guests: args.max_guests.unwrap_or(args.guests),
+            shared_gid: args.shared_gid,
+            unsealed_memory: if args.unsealed_memory {
+                UnsealedFiles::Allow
+            } else {
+                UnsealedFiles::Refuse
+            },
         }
     }
 }
@@ -123,6 +151,7 @@ fn quotas(args: &Args) -> Quotas {
         max_registered_bytes: args
             .max_registered_bytes
             .unwrap_or(share.max_registered_bytes),
+        max_memory_regions: args.max_memory_regions.unwrap_or(share.max_memory_regions),
     }
 }
 
@@ -139,13 +168,12 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), vrdma_backend::Error> {
-    match vrdma_backend::hostverbs::raise_open_file_limit() {
-        Ok(limit) => log::info!("open file limit: {limit} (about 20 per guest connection)"),
-        Err(e) => log::warn!("cannot raise the open file limit: {e}"),
-    }
     let socket_path = args.socket_path.clone();
     let user = args.user.clone();
     let config = Config::from(args);
+    if socket_path.is_some() {
+        vrdma_backend::reserve_descriptors(&config)?;
+    }
     // Taken off the host on SIGINT/SIGTERM, or when serving ends.
     let guest_address = vrdma_backend::assign_guest_address(&config)?;
     // What needs root comes first: the address, the socket (whose directory may be root's).

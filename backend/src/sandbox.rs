@@ -173,6 +173,8 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_pwrite64,
     libc::SYS_lseek,
     libc::SYS_fstat,
+    // Guest memory regions: is the file on hugetlbfs (crate::memory_regions)?
+    libc::SYS_fstatfs,
     libc::SYS_newfstatat,
     libc::SYS_statx,
     libc::SYS_getdents64,
@@ -217,6 +219,8 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_rt_sigaction,
     libc::SYS_rt_sigprocmask,
     libc::SYS_rt_sigreturn,
+    // A sleep or poll with a timeout that a stop signal interrupted resumes through it.
+    libc::SYS_restart_syscall,
     libc::SYS_sigaltstack,
     libc::SYS_getrandom,
     libc::SYS_prlimit64,
@@ -375,6 +379,40 @@ mod tests {
         expect_killed_for("only_netlink_sockets_can_be_opened", libc::SYS_socket);
         let (_, stderr) = confined_child("only_netlink_sockets_can_be_opened");
         assert!(stderr.contains("netlink: opened"), "{stderr}");
+    }
+
+    /// Finding: a thread sleeping with a timeout resumes through restart_syscall after a
+    /// stop and continue (SIGSTOP/SIGCONT, a debugger, a container freezer); the filter
+    /// lacked it, so stopping the backend at the wrong moment killed it.
+    #[test]
+    fn a_sleep_stopped_and_continued_resumes() {
+        if in_child() {
+            std::thread::sleep(std::time::Duration::from_secs(2));
+            eprintln!("woke");
+            return;
+        }
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "sandbox::tests::a_sleep_stopped_and_continued_resumes",
+            ])
+            .args(["--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run the child");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        // Stop it mid-sleep, more than once: one stop may land before the sleep starts.
+        for _ in 0..4 {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+        }
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{stderr}");
+        assert!(stderr.contains("woke"), "{stderr}");
     }
 
     #[test]

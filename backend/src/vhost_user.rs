@@ -2,8 +2,10 @@
 //! gives every front-end connection a device (and host context) of its own.
 
 use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 pub use vhost::vhost_user::Listener;
@@ -11,17 +13,19 @@ use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, Vrin
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_spec::config::{CONTROL_QUEUE, EVENT_QUEUE, FIRST_NOTIFY_QUEUE};
 use vrdma_spec::ring::Event;
 use vrdma_spec::ByteValued;
 
 use crate::datapath::{EventSink, PollerPool};
 use crate::device::Device;
+use crate::memory_regions::{self, UnsealedFiles};
 use crate::{Config, Error};
 
 /// Virtqueue size the device offers on every queue.
@@ -34,20 +38,26 @@ const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
 
 type GuestMemory = GuestMemoryAtomic<GuestMemoryMmap>;
 
-/// Memory regions a front end may add: the slot count vhost-user-backend advertises
-/// (GET_MAX_MEM_SLOTS), which it does not enforce itself.
-const MAX_MEMORY_REGIONS: usize = 509;
-
 /// vhost-user backend state of one connection.
 pub struct RdmaBackend {
     device: Device,
     num_queues: usize,
     mem: GuestMemory,
     event_idx: bool,
-    exit: (EventConsumer, EventNotifier),
+    /// Tells the vring worker to exit when the connection ends.
+    exit: EventNotifier,
+    /// The worker's ends of the exit event, made with the backend so that a worker always
+    /// gets them (without them it would never exit, and the connection's objects would never
+    /// be released): taken by the daemon when it starts the worker.
+    worker_exit: Mutex<Option<(EventConsumer, EventNotifier)>>,
     event_sink_set: bool,
     /// The memory table as last accepted.
     last_table: Option<GuestMemoryMmap>,
+    /// Host addresses of the regions of `last_table`, checked when they were accepted.
+    accepted_regions: std::collections::HashSet<usize>,
+    /// Most memory regions the front end may have (each holds a file descriptor).
+    max_memory_regions: usize,
+    unsealed_memory: UnsealedFiles,
     /// The driver broke the control queue; it is served again after a reset.
     control_broken: bool,
 }
@@ -56,6 +66,7 @@ pub struct RdmaBackend {
 struct EventQueue {
     vring: VringRwLock,
     mem: GuestMemory,
+    log: crate::log_budget::LogBudget,
 }
 
 impl EventSink for EventQueue {
@@ -77,7 +88,8 @@ impl EventSink for EventQueue {
             Err(e) => Err(io::Error::other(e)),
         };
         let used = written.unwrap_or_else(|e| {
-            log::warn!("event buffer {head} is malformed: {e}");
+            self.log
+                .warn(|| format!("event buffer {head} is malformed: {e}"));
             0
         });
         self.vring.add_used(head, used as u32).is_ok() && self.vring.signal_used_queue().is_ok()
@@ -86,21 +98,45 @@ impl EventSink for EventQueue {
 
 impl RdmaBackend {
     pub fn new(config: &Config, pool: &Arc<PollerPool>) -> Result<Self, Error> {
+        let (consumer, exit) = new_event_consumer_and_notifier(EventFlag::NONBLOCK)?;
+        let worker_exit = (consumer, exit.try_clone()?);
         Ok(RdmaBackend {
             device: Device::new(config, pool)?,
             num_queues: usize::from(FIRST_NOTIFY_QUEUE) + config.notify_queues as usize,
             mem: GuestMemoryAtomic::new(GuestMemoryMmap::new()),
             event_idx: false,
-            exit: new_event_consumer_and_notifier(EventFlag::NONBLOCK).map_err(Error::Io)?,
+            exit,
+            worker_exit: Mutex::new(Some(worker_exit)),
             event_sink_set: false,
             last_table: None,
+            accepted_regions: Default::default(),
+            max_memory_regions: config.quotas.max_memory_regions as usize,
+            unsealed_memory: config.unsealed_memory,
             control_broken: false,
         })
     }
 
+    /// Checks the regions of `table` that were not in the last accepted one
+    /// ([`memory_regions::accept`]) and the front end's region quota.
+    fn check_memory_table(&self, table: &GuestMemoryMmap) -> io::Result<()> {
+        let regions = table.num_regions();
+        if regions > self.max_memory_regions {
+            return Err(io::Error::other(format!(
+                "{regions} memory regions: at most {} (the guest's quota)",
+                self.max_memory_regions
+            )));
+        }
+        for region in table.iter() {
+            if !self.accepted_regions.contains(&(region.as_ptr() as usize)) {
+                memory_regions::accept(region, self.unsealed_memory).map_err(io::Error::other)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Tells the worker threads to exit (the connection is over).
     fn stop_workers(&self) {
-        if let Err(e) = self.exit.1.notify() {
+        if let Err(e) = self.exit.notify() {
             log::error!("cannot stop the vring workers: {e}");
         }
     }
@@ -144,7 +180,9 @@ impl RdmaBackend {
     }
 
     fn break_control_queue(&mut self, error: &dyn std::fmt::Display) {
-        log::warn!("the driver broke the control queue ({error}); it must reset the device");
+        self.device.data_path().log_budget().warn(|| {
+            format!("the driver broke the control queue ({error}); it must reset the device")
+        });
         self.control_broken = true;
         self.device.data_path().device_fatal();
     }
@@ -264,20 +302,21 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn update_memory(&mut self, mem: GuestMemory) -> io::Result<()> {
-        // vhost-user-backend has already put the new table in place; one past the slots it
-        // advertises (each region costs an fd and a mapping) is put back and refused.
-        let regions = vm_memory::GuestMemoryBackend::num_regions(&*mem.memory());
-        if regions > MAX_MEMORY_REGIONS {
-            if let Some(previous) = self.last_table.clone() {
-                mem.lock()
-                    .map_err(|_| io::Error::other("memory table lock poisoned"))?
-                    .replace(previous);
-            }
-            return Err(io::Error::other(format!(
-                "{regions} memory regions: at most {MAX_MEMORY_REGIONS} (the advertised slots)"
-            )));
+        // vhost-user-backend has already put the new table in place (nothing uses it before
+        // this returns); a table with a region the backend cannot safely touch, or more
+        // regions than the quota (each costs a descriptor and a mapping), is put back and
+        // refused.
+        let table = (*mem.memory()).clone();
+        if let Err(e) = self.check_memory_table(&table) {
+            log::warn!("memory table refused: {e}");
+            let previous = self.last_table.clone().unwrap_or_default();
+            mem.lock()
+                .map_err(|_| io::Error::other("memory table lock poisoned"))?
+                .replace(previous);
+            return Err(e);
         }
-        self.last_table = Some((*mem.memory()).clone());
+        self.accepted_regions = table.iter().map(|r| r.as_ptr() as usize).collect();
+        self.last_table = Some(table);
         self.device.memory_changed();
         self.device.data_path().set_memory(mem.clone());
         self.mem = mem;
@@ -285,7 +324,11 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        Some((self.exit.0.try_clone().ok()?, self.exit.1.try_clone().ok()?))
+        // One worker thread (the default queues_per_thread), started once per backend.
+        self.worker_exit
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     fn handle_event(
@@ -305,6 +348,7 @@ impl VhostUserBackendMut for RdmaBackend {
             let sink = EventQueue {
                 vring,
                 mem: self.mem.clone(),
+                log: self.device.data_path().log_budget().clone(),
             };
             self.device
                 .data_path()
@@ -367,15 +411,23 @@ fn serve_prepared(
     first: RdmaBackend,
 ) -> Result<(), Error> {
     let mut backend = Arc::new(RwLock::new(first));
+    let admission = Arc::new(Admission::new(config)?);
     // Everything serving needs from here on is in the filter (crate::sandbox).
     crate::sandbox::confine(config.seccomp)?;
     // Front ends may connect once the socket exists; this line says their host context is
     // ready (test harnesses count the host's objects from here).
     log::info!("accepting guests");
     for connection in 1u64.. {
+        admission.wait_for_room(&listener)?;
         // One connection failing to start (no threads, descriptors or memory left) must not
         // stop the guests already served, nor the ones that come later.
-        if let Err(e) = start_connection(connection, Arc::clone(&backend), &mut listener) {
+        let started = start_connection(
+            connection,
+            Arc::clone(&backend),
+            &mut listener,
+            Arc::clone(&admission),
+        );
+        if let Err(e) = started {
             log::error!("connection {connection}: cannot be served: {e}");
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
@@ -394,17 +446,123 @@ fn serve_prepared(
     Ok(())
 }
 
+/// How long a front end that connects while the backend is full waits for a connection to
+/// end before it is refused.
+const REFUSAL_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Which of `fds` are readable, waiting up to `timeout_ms` (-1: until one is).
+fn wait_readable(fds: &[std::os::fd::RawFd], timeout_ms: i32) -> Result<Vec<bool>, Error> {
+    let mut polled: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    loop {
+        // SAFETY: polls descriptors the caller borrows, through a local array of their count.
+        let ready = unsafe {
+            libc::poll(
+                polled.as_mut_ptr(),
+                polled.len() as libc::nfds_t,
+                timeout_ms,
+            )
+        };
+        if ready >= 0 {
+            return Ok(polled.iter().map(|p| p.revents != 0).collect());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(Error::Io(e));
+        }
+    }
+}
+
+/// How many guest connections the backend serves at once, and the refusal of the ones past
+/// that. Every connection of a backend sends from one GID, and a peer that shares a GID can
+/// inject packets into another's RC connections (it sends from the address they accept); so
+/// unless the operator declares the guests one trust domain (`--shared-gid`), a backend
+/// serves one guest at a time. Either way at most `--max-guests` at once (by default
+/// `--guests`: the quotas are the backend's totals divided among that many, so the totals
+/// hold only if no more connect).
+struct Admission {
+    limit: usize,
+    /// Why no more are served, for the refusal's log line.
+    reason: String,
+    live: AtomicUsize,
+    /// Written when a connection ends: a room may be free.
+    freed: EventFd,
+}
+
+impl Admission {
+    fn new(config: &Config) -> Result<Admission, Error> {
+        let (limit, reason) = if config.shared_gid {
+            (
+                config.max_guests as usize,
+                format!("{} guests are connected (--max-guests)", config.max_guests),
+            )
+        } else {
+            (
+                1,
+                "a guest is connected and guests do not share the backend's GID unless it runs with --shared-gid".to_string(),
+            )
+        };
+        Ok(Admission {
+            limit,
+            reason,
+            live: AtomicUsize::new(0),
+            freed: EventFd::new(EFD_NONBLOCK)?,
+        })
+    }
+
+    /// Returns once a connection may be accepted. A front end that connects while the
+    /// backend is full is refused (accepted and closed at once, with a log line) unless a
+    /// connection ends within [`REFUSAL_GRACE`]: one that just disconnected may still be
+    /// releasing its objects (a program often opens the device again right after a short
+    /// first connection).
+    fn wait_for_room(&self, listener: &Listener) -> Result<(), Error> {
+        while self.live.load(Ordering::Acquire) >= self.limit {
+            if !wait_readable(&[listener.as_raw_fd(), self.freed.as_raw_fd()], -1)?[0] {
+                let _ = self.freed.read();
+                continue;
+            }
+            let grace = REFUSAL_GRACE.as_millis() as i32;
+            if wait_readable(&[self.freed.as_raw_fd()], grace)?[0] {
+                let _ = self.freed.read();
+                continue;
+            }
+            if let Ok(Some(refused)) = listener.accept() {
+                drop(refused);
+                log::warn!("a front end connected and was refused: {}", self.reason);
+            }
+        }
+        Ok(())
+    }
+
+    fn connected(&self) {
+        self.live.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn disconnected(&self) {
+        self.live.fetch_sub(1, Ordering::AcqRel);
+        let _ = self.freed.write(1);
+    }
+}
+
 /// Accepts one front end and serves it with `backend` until it disconnects, in threads of its
 /// own; returns once the connection is running.
 fn start_connection(
     connection: u64,
     backend: Arc<RwLock<RdmaBackend>>,
     listener: &mut Listener,
+    admission: Arc<Admission>,
 ) -> Result<(), Error> {
     // The thread that tears the connection down exists before the connection is accepted, so
     // an accepted connection always has one.
     let (daemon_tx, daemon_rx) = std::sync::mpsc::channel::<VhostUserDaemon<_>>();
     let serving = Arc::clone(&backend);
+    let room = Arc::clone(&admission);
     std::thread::Builder::new()
         .name(format!("vrdma-conn{connection}-wait"))
         .spawn(move || {
@@ -437,6 +595,7 @@ fn start_connection(
             if let Some(refusals) = refusals {
                 log::info!("connection {connection}: failed control requests: {refusals}");
             }
+            room.disconnected();
         })
         .map_err(Error::Io)?;
     let mut daemon = VhostUserDaemon::new(
@@ -446,6 +605,8 @@ fn start_connection(
     )
     .map_err(Error::Daemon)?;
     daemon.start(listener).map_err(Error::Daemon)?;
+    // Counted before the next accept looks at the count.
+    admission.connected();
     log::info!("connection {connection}: front end attached");
     daemon_tx
         .send(daemon)

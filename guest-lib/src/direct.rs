@@ -90,8 +90,22 @@ impl DirectTransport {
         let mut frontend =
             Frontend::connect(socket, max_queues).map_err(|e| Error::Attach(e.to_string()))?;
         let vhost = |e: vhost::Error| Error::Attach(e.to_string());
-        frontend.set_owner().map_err(vhost)?;
-        let offered = frontend.get_features().map_err(vhost)?;
+        // A backend that serves no more guests accepts the connection and closes it at once:
+        // the first message or the first reply finds the socket closed.
+        let refused = |e: vhost::Error| {
+            use vhost::vhost_user::Error as Protocol;
+            match e {
+                vhost::Error::VhostUserProtocol(
+                    Protocol::Disconnected
+                    | Protocol::PartialMessage
+                    | Protocol::SocketBroken(_)
+                    | Protocol::SocketError(_),
+                ) => Error::Refused,
+                e => vhost(e),
+            }
+        };
+        frontend.set_owner().map_err(refused)?;
+        let offered = frontend.get_features().map_err(refused)?;
         for (bit, name) in [
             (features::VERSION_1, "VIRTIO_F_VERSION_1"),
             (PROTOCOL_FEATURES, "protocol features"),

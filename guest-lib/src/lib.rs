@@ -49,6 +49,8 @@ pub use work::{
 pub enum Error {
     #[error("attaching to the vrdma backend failed: {0}")]
     Attach(String),
+    #[error("the vrdma backend closed the connection before serving it: it serves no more guests now (another guest is connected and the backend does not share its GID, or it is at its --guests limit; its log says which)")]
+    Refused,
     #[error("device transport: {0}")]
     Transport(#[source] std::io::Error),
     #[error("shared memory: {0}")]

@@ -156,6 +156,30 @@ unsafe impl Send for Region {}
 // SAFETY: as above.
 unsafe impl Sync for Region {}
 
+/// A memfd of `len` bytes (backed by 2 MiB huge pages with `huge`) whose size is sealed: a
+/// backend accepts as guest memory only files that cannot shrink under its mappings (a
+/// shrunk file would fault the backend), SPEC.md §11.
+fn sealed_memfd(name: &std::ffi::CStr, len: u64, huge: bool) -> Result<File> {
+    let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    if huge {
+        flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
+    }
+    // SAFETY: the name is NUL-terminated; the result is checked.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(Error::SharedMemory(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a new descriptor that nothing else owns.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len).map_err(Error::SharedMemory)?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: adds seals to the memfd this function owns; the result is checked.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(Error::SharedMemory(std::io::Error::last_os_error()));
+    }
+    Ok(file)
+}
+
 impl Region {
     /// A zeroed region of `len` bytes (rounded up to the page size); with `huge`, backed by
     /// 2 MiB huge pages (the host must have them reserved).
@@ -187,14 +211,8 @@ impl Region {
     /// remap while the device uses it.
     pub unsafe fn share_in_place(addr: u64, len: u64) -> Result<Arc<Region>> {
         check_page_range(addr, len)?;
-        // SAFETY: the name is a NUL-terminated literal; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"vrdma-user-memory".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::SharedMemory(std::io::Error::last_os_error()));
-        }
-        // SAFETY: `fd` is a new descriptor that nothing else owns.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(len).map_err(Error::SharedMemory)?;
+        let file = sealed_memfd(c"vrdma-user-memory", len, false)?;
+        let fd = file.as_raw_fd();
         // The kernel copies out of the program's memory, so an unmapped or unreadable range is
         // an EFAULT here rather than a crash.
         let mut copied = 0;
@@ -275,18 +293,7 @@ impl Region {
     fn map(len: u64, huge: bool) -> Result<Region> {
         let page_size = if huge { HUGE_PAGE_SIZE } else { PAGE_SIZE };
         let len = len.max(page_size).next_multiple_of(page_size);
-        let mut flags = libc::MFD_CLOEXEC;
-        if huge {
-            flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
-        }
-        // SAFETY: the name is a NUL-terminated literal; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"vrdma-guest".as_ptr(), flags) };
-        if fd < 0 {
-            return Err(Error::SharedMemory(std::io::Error::last_os_error()));
-        }
-        // SAFETY: `fd` is a new descriptor that nothing else owns.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(len).map_err(Error::SharedMemory)?;
+        let file = sealed_memfd(c"vrdma-guest", len, huge)?;
         // Huge pages are taken now, so that too few reserved fails here, not later as a
         // SIGBUS. Base pages come as they are first touched: a region's memory is paid for by
         // what uses it (a QP's rings), not all at once by whichever call made it grow.

@@ -214,6 +214,10 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         poll_cpus: Vec::new(),
         // The test process itself is not confined.
         seccomp: vrdma_backend::sandbox::SeccompMode::None,
+        // Tests connect several guests (a pair of peers, an attacker and its victim).
+        max_guests: vrdma_backend::limits::DEFAULT_GUESTS,
+        shared_gid: true,
+        unsealed_memory: vrdma_backend::memory_regions::UnsealedFiles::Refuse,
     };
     let path = socket.clone();
     std::thread::spawn(move || {

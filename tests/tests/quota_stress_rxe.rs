@@ -8,7 +8,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vrdma_backend::Quotas;
+use vrdma_backend::{limits, Quotas};
+use vrdma_guest::{Device, Error};
 use vrdma_tests::{
     host_resource_counts, spawn_backend_process, wait_for_backend_log, wait_for_host_counts_within,
 };
@@ -54,6 +55,24 @@ fn memory_kib(pid: u32) -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// README's bound on the backend's threads: four per guest connection, the poller pool and a
+/// few of its own.
+fn thread_bound(guests: usize) -> usize {
+    16 + 4 * guests
+}
+
+fn thread_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("backend tasks")
+        .count()
+}
+
+fn descriptor_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("backend descriptors")
+        .count()
+}
+
 fn mapping_count(pid: u32) -> usize {
     std::fs::read_to_string(format!("/proc/{pid}/maps"))
         .expect("backend maps")
@@ -67,7 +86,8 @@ fn sixty_four_guests_at_every_quota_stay_within_the_documented_bounds() {
     let quotas = Quotas::default();
     let socket =
         std::env::temp_dir().join(format!("vrdma-quota-stress-{}.sock", std::process::id()));
-    let mut backend = spawn_backend_process(&socket, &[]);
+    // 64 guests on one backend share its GID: one trust domain, as the operator declares.
+    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let pid = backend.id();
     let host_baseline = host_resource_counts();
     let (idle_rss, idle_maps) = (memory_kib(pid)["VmRSS"], mapping_count(pid));
@@ -119,6 +139,29 @@ fn sixty_four_guests_at_every_quota_stay_within_the_documented_bounds() {
         memory["RssShmem"]
     );
 
+    let threads = thread_count(pid);
+    let bound = thread_bound(GUESTS);
+    assert!(threads <= bound, "{threads} threads, bound {bound}");
+    let descriptors = descriptor_count(pid) as u64;
+    let bound = GUESTS as u64 * limits::descriptors_per_guest(1, &quotas)
+        + limits::DESCRIPTORS_OF_THE_BACKEND;
+    assert!(
+        descriptors <= bound,
+        "{descriptors} descriptors, bound {bound}"
+    );
+    println!("backend: {threads} threads, {descriptors} descriptors");
+
+    // A 65th guest is one past --guests: refused at once, told so, and nothing grows.
+    match Device::attach(&socket) {
+        Err(Error::Refused) => {}
+        Err(e) => panic!("the 65th guest was refused with an unclear error: {e}"),
+        Ok(_) => panic!("the 65th guest was served, past the backend's totals"),
+    }
+    wait_for_backend_log(&socket, "`was refused`", |log| {
+        log.contains("a front end connected and was refused: 64 guests are connected")
+    });
+    assert_eq!(thread_count(pid), threads, "the refused guest left threads");
+
     // Every guest is still served.
     for holder in &mut holders {
         writeln!(holder.stdin.as_mut().unwrap(), "check").unwrap();
@@ -160,6 +203,10 @@ fn sixty_four_guests_at_every_quota_stay_within_the_documented_bounds() {
             assert!(summary.contains(rule), "no {rule} in: {summary}");
         }
     }
+    // With the others gone, a new guest is served.
+    let next = Device::attach(&socket).expect("a guest after the others left");
+    next.alloc_pd().expect("served");
+    drop(next);
     backend.kill().unwrap();
     backend.wait().unwrap();
 }

@@ -38,6 +38,7 @@ use vrdma_spec::ring::{event_kind, Event, SrqDoorbell};
 use vrdma_spec::{Le16, Le32};
 
 use crate::hostverbs::{self, AddressHandle, AsyncEvent, CompletionChannel, Context};
+use crate::log_budget::LogBudget;
 use doorbells::DoorbellBits;
 use wqe::MrRange;
 
@@ -240,6 +241,8 @@ struct Shared {
     refused: AtomicU64,
     /// Tells the host event thread to end.
     stop: AtomicBool,
+    /// The connection's share of the log (also its control path's and event queue's).
+    log: LogBudget,
 }
 
 /// The data path of one connection: its shard, which a thread of the backend's poller pool
@@ -309,6 +312,11 @@ impl DataPath {
     /// The completion channel the connection's CQs are created on.
     pub fn completion_channel(&self) -> Option<&Arc<CompletionChannel>> {
         self.shared.shard.channel.as_ref()
+    }
+
+    /// The connection's log budget: every line a guest can make the backend log draws on it.
+    pub fn log_budget(&self) -> &LogBudget {
+        &self.shared.log
     }
 
     pub fn set_memory(&self, mem: GuestMemoryAtomic<Memory>) {
@@ -550,6 +558,7 @@ impl Shared {
             completions: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            log: LogBudget::default(),
         }
     }
 
@@ -662,7 +671,8 @@ impl Shared {
         };
         match guest_event {
             Some((kind, handle)) => {
-                log::info!("host event {event:?}: guest event {kind} for {handle:#x}");
+                self.log
+                    .info(|| format!("host event {event:?}: guest event {kind} for {handle:#x}"));
                 self.post_event(kind, handle);
                 // A sleeping poller delivers what the event queue had no buffer for.
                 let _ = self.shard.wake.write(1);

@@ -337,10 +337,12 @@ impl Poller {
             return;
         }
         *in_error = true;
-        log::warn!(
-            "QP {:#x}: {reason}; moving it to the error state",
-            qp.handle
-        );
+        self.shared.log.warn(|| {
+            format!(
+                "QP {:#x}: {reason}; moving it to the error state",
+                qp.handle
+            )
+        });
         if let Err(e) = qp.qp.set_error() {
             log::error!("QP {:#x}: cannot enter the error state: {e}", qp.handle);
         }
@@ -487,12 +489,15 @@ impl Poller {
             Ok(()) => self.batch.len(),
             Err(hostverbs::Error::Post { posted, source, .. }) => {
                 if source.raw_os_error() != Some(libc::ENOMEM) {
-                    log::warn!("QP {:#x}: host refused a send: {source}", qp.handle);
+                    let handle = qp.handle;
+                    self.shared
+                        .log
+                        .warn(|| format!("QP {handle:#x}: host refused a send: {source}"));
                 }
                 posted
             }
             Err(e) => {
-                log::warn!("QP {:#x}: {e}", qp.handle);
+                self.shared.log.warn(|| format!("QP {:#x}: {e}", qp.handle));
                 0
             }
         };
@@ -649,10 +654,12 @@ impl Poller {
             refused.map(|(_, error)| error.to_string())
         };
         if let Some(reason) = refused {
-            log::warn!(
-                "SRQ {:#x}: {reason}; no more WQEs are taken from it",
-                srq.handle
-            );
+            self.shared.log.warn(|| {
+                format!(
+                    "SRQ {:#x}: {reason}; no more WQEs are taken from it",
+                    srq.handle
+                )
+            });
             progress.failed = true;
             return Visit::WORKED;
         }
@@ -685,10 +692,12 @@ impl Poller {
                 Some(progress.room)
             }
             _ => {
-                log::warn!(
-                    "CQ {:#x}: consumer index unreadable or inconsistent",
-                    cq.handle
-                );
+                self.shared.log.warn(|| {
+                    format!(
+                        "CQ {:#x}: consumer index unreadable or inconsistent",
+                        cq.handle
+                    )
+                });
                 progress.failed = true;
                 self.post_event(event_kind::CQ_ERROR, cq.handle);
                 None
@@ -746,7 +755,7 @@ impl Poller {
         let n = match cq.host.poll(&mut self.wcs[..want]) {
             Ok(n) => n,
             Err(e) => {
-                log::warn!("CQ {:#x}: {e}", cq.handle);
+                self.shared.log.warn(|| format!("CQ {:#x}: {e}", cq.handle));
                 0
             }
         };

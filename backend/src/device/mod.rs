@@ -140,6 +140,7 @@ impl Device {
             host.port,
         )?;
         Ok(Device {
+            refusals: RefusalLog::new(data_path.log_budget().clone()),
             data_path,
             quotas: config.quotas,
             offered: limits::offered_features(&host_attr),
@@ -149,7 +150,6 @@ impl Device {
             port,
             config: advertised,
             objects: Objects::new(),
-            refusals: RefusalLog::new(),
             populated: mtt::PopulatedRanges::default(),
         })
     }
@@ -186,7 +186,9 @@ impl Device {
         let count = self.objects.count();
         self.objects = Objects::new();
         if count > 0 {
-            log::info!("device reset: destroyed {count} objects");
+            self.data_path
+                .log_budget()
+                .info(|| format!("device reset: destroyed {count} objects"));
         }
     }
 

@@ -4,11 +4,12 @@
 //! nothing but bad requests from flooding the host's log.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use vrdma_spec::ctrl::{Opcode, Status};
 
 use crate::hostverbs;
+use crate::log_budget::LogBudget;
 use crate::mtt::MttError;
 
 /// A request that breaks a rule of the specification (the guest's doing), with the status
@@ -290,35 +291,22 @@ impl From<MttError> for CommandError {
     }
 }
 
-/// Most failed commands one connection logs per [`LOG_WINDOW`]; the rest are only counted.
-const LOG_LINES_PER_WINDOW: u32 = 10;
-const LOG_WINDOW: Duration = Duration::from_secs(1);
-
-/// One connection's failed commands: counted by rule (host failures apart), and logged at
-/// most [`LOG_LINES_PER_WINDOW`] a second.
+/// One connection's failed commands: counted by rule (host failures apart), and logged
+/// within the connection's [`LogBudget`].
 #[derive(Debug)]
 pub struct RefusalLog {
     by_rule: BTreeMap<String, u64>,
     host_failures: u64,
-    window_start: Option<Instant>,
-    lines_in_window: u32,
-    unlogged: u64,
-}
-
-impl Default for RefusalLog {
-    fn default() -> Self {
-        Self::new()
-    }
+    budget: LogBudget,
 }
 
 impl RefusalLog {
-    pub fn new() -> Self {
+    /// A log drawing its lines from `budget` (the connection's).
+    pub fn new(budget: LogBudget) -> Self {
         RefusalLog {
             by_rule: BTreeMap::new(),
             host_failures: 0,
-            window_start: None,
-            lines_in_window: 0,
-            unlogged: 0,
+            budget,
         }
     }
 
@@ -329,28 +317,16 @@ impl RefusalLog {
             Some(refusal) => *self.by_rule.entry(refusal.rule()).or_default() += 1,
             None => self.host_failures += 1,
         }
-        let window_over = self
-            .window_start
-            .is_none_or(|start| now.duration_since(start) >= LOG_WINDOW);
-        if window_over {
-            self.window_start = Some(now);
-            self.lines_in_window = 0;
-        }
-        if self.lines_in_window == LOG_LINES_PER_WINDOW {
-            self.unlogged += 1;
-            return None;
-        }
-        self.lines_in_window += 1;
-        let rule = error.refusal().map_or("host".into(), Refusal::rule);
-        let mut line = format!(
-            "control request refused ({:?}, {rule}): {error}",
-            error.status()
-        );
-        if self.unlogged > 0 {
-            line += &format!(" ({} more not logged before this one)", self.unlogged);
-            self.unlogged = 0;
-        }
-        Some(line)
+        self.budget.admit(
+            || {
+                let rule = error.refusal().map_or("host".into(), Refusal::rule);
+                format!(
+                    "control request refused ({:?}, {rule}): {error}",
+                    error.status()
+                )
+            },
+            now,
+        )
     }
 
     /// Refusals so far, by rule.
@@ -383,6 +359,7 @@ impl RefusalLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::log_budget::{LINES_PER_WINDOW, WINDOW};
 
     fn quota() -> CommandError {
         Refusal::Quota { kind: "QP", max: 4 }.into()
@@ -416,22 +393,22 @@ mod tests {
 
     #[test]
     fn refusals_are_counted_by_rule_and_logged_at_a_bounded_rate() {
-        let mut log = RefusalLog::new();
+        let mut log = RefusalLog::new(LogBudget::default());
         let start = Instant::now();
         let lines: Vec<_> = (0..25)
             .filter_map(|_| log.record(&quota(), start))
             .collect();
-        assert_eq!(lines.len(), LOG_LINES_PER_WINDOW as usize);
+        assert_eq!(lines.len(), LINES_PER_WINDOW as usize);
         assert!(lines[0].contains("Quota(QP)"), "{}", lines[0]);
         let host = CommandError::Host {
             status: Status::HostError,
             errno: 5,
             message: "EIO".into(),
         };
-        assert_eq!(log.record(&host, start + LOG_WINDOW / 2), None);
+        assert_eq!(log.record(&host, start + WINDOW / 2), None);
         // A new window: logged again, saying how many were left out.
         let next = log
-            .record(&Refusal::Reserved.into(), start + LOG_WINDOW)
+            .record(&Refusal::Reserved.into(), start + WINDOW)
             .unwrap();
         assert!(next.contains("16 more not logged"), "{next}");
         assert_eq!(log.by_rule()["Quota(QP)"], 25);
@@ -441,6 +418,6 @@ mod tests {
             log.summary().unwrap(),
             "Quota(QP) x25, Reserved x1, host failures x1"
         );
-        assert_eq!(RefusalLog::new().summary(), None);
+        assert_eq!(RefusalLog::new(LogBudget::default()).summary(), None);
     }
 }

@@ -158,24 +158,39 @@ pub const PORT_ACTIVE: u32 = ibv_port_state::IBV_PORT_ACTIVE;
 /// `link_layer` value of an Ethernet (RoCE) port.
 pub const LINK_LAYER_ETHERNET: u8 = 2; // IBV_LINK_LAYER_ETHERNET, a #define bindgen skips
 
-/// Raises this process's soft limit on open files to its hard limit: every guest connection
-/// holds about twenty descriptors (device context, eventfds, epoll, shared memory).
-pub fn raise_open_file_limit() -> io::Result<u64> {
+/// Raises this process's soft limit on open files to its hard limit, and the hard limit to
+/// `at_least` where it is lower and the process may raise it (CAP_SYS_RESOURCE: a backend
+/// started as root); returns the soft limit in force.
+pub fn raise_open_file_limit_to(at_least: u64) -> io::Result<u64> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
-    // SAFETY: getrlimit/setrlimit with a valid pointer to a local struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        limit.rlim_cur = limit.rlim_max;
-        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-            return Err(io::Error::last_os_error());
+    // SAFETY: getrlimit with a valid pointer to a local struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if limit.rlim_max < at_least {
+        let raised = libc::rlimit {
+            rlim_cur: at_least,
+            rlim_max: at_least,
+        };
+        // SAFETY: setrlimit with a valid pointer to a local struct; a refusal changes nothing.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            return Ok(at_least);
         }
     }
+    limit.rlim_cur = limit.rlim_max;
+    // SAFETY: setrlimit with a valid pointer to a local struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
     Ok(limit.rlim_cur)
+}
+
+/// Raises this process's soft limit on open files to its hard limit.
+pub fn raise_open_file_limit() -> io::Result<u64> {
+    raise_open_file_limit_to(0)
 }
 
 extern "C" {

@@ -28,10 +28,13 @@ use crate::{objects, strings, translate};
 struct VrdmaDevice {
     device: ibv_device,
     target: DeviceTarget,
+    /// The node GUID, once a context or `ibv_get_device_guid` has queried it: asked again,
+    /// it needs no connection of its own (a backend may serve one connection at a time).
+    node_guid: std::sync::OnceLock<u64>,
 }
 
 // SAFETY: the C part is plain data written once, before the value is shared, and only read
-// afterwards; the target is an immutable String.
+// afterwards; the target is an immutable String, the GUID a OnceLock.
 unsafe impl Sync for VrdmaDevice {}
 // SAFETY: as above.
 unsafe impl Send for VrdmaDevice {}
@@ -77,7 +80,11 @@ fn vrdma_device() -> Option<&'static VrdmaDevice> {
                 device.transport_type = rdma_sys::ibv_transport_type::IBV_TRANSPORT_IB;
                 attr::fill_c_string(&mut device.name, DEVICE_NAME);
                 attr::fill_c_string(&mut device.dev_name, DEVICE_NAME);
-                Some(VrdmaDevice { device, target })
+                Some(VrdmaDevice {
+                    device,
+                    target,
+                    node_guid: std::sync::OnceLock::new(),
+                })
             }
             Err(e) => {
                 report_once("config", &e.to_string());
@@ -186,8 +193,14 @@ unsafe extern "C" fn ibv_get_device_guid(device: *mut ibv_device) -> u64 {
     let Some(ours) = device_of(device) else {
         return 0;
     };
+    if let Some(&guid) = ours.node_guid.get() {
+        return guid.to_be();
+    }
     match Device::open(&ours.target.target).and_then(|device| device.query_device()) {
-        Ok(attr) => attr.node_guid.to_native().to_be(),
+        Ok(attr) => ours
+            .node_guid
+            .get_or_init(|| attr.node_guid.to_native())
+            .to_be(),
         Err(e) => {
             report_once("open", &open_failure(ours, &e));
             0
@@ -227,6 +240,11 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
             return ptr::null_mut();
         }
     };
+    if ours.node_guid.get().is_none() {
+        if let Ok(attr) = opened.query_device() {
+            ours.node_guid.get_or_init(|| attr.node_guid.to_native());
+        }
+    }
     let started = AsyncEvents::new().and_then(|async_events| {
         let dispatcher = Dispatcher::start(opened.clone(), Arc::clone(&async_events))?;
         Ok((async_events, dispatcher))
