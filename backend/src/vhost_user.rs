@@ -60,6 +60,38 @@ pub struct RdmaBackend {
     unsealed_memory: UnsealedFiles,
     /// The driver broke the control queue; it is served again after a reset.
     control_broken: bool,
+    kicks: KickThrottle,
+}
+
+/// Kicks no poller asked for (none was asleep, SPEC.md §8.5) are wasted work: a wake-up of
+/// the connection's vring worker and of the poller. A driver kicking in a loop could keep
+/// CPUs busy and slow every guest; past [`SPURIOUS_KICKS_PER_SECOND`] such kicks in a
+/// second, the worker waits [`SPURIOUS_KICK_DELAY`] after each, which bounds how often one
+/// guest's kicks wake the backend. Kicks a sleeping poller asked for are never delayed.
+#[derive(Default)]
+struct KickThrottle {
+    window_start: Option<std::time::Instant>,
+    spurious: u32,
+}
+
+const SPURIOUS_KICKS_PER_SECOND: u32 = 100;
+const SPURIOUS_KICK_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
+
+impl KickThrottle {
+    fn spurious_kick(&mut self) {
+        let now = std::time::Instant::now();
+        if self
+            .window_start
+            .is_none_or(|start| now.duration_since(start) >= std::time::Duration::from_secs(1))
+        {
+            self.window_start = Some(now);
+            self.spurious = 0;
+        }
+        self.spurious += 1;
+        if self.spurious > SPURIOUS_KICKS_PER_SECOND {
+            std::thread::sleep(SPURIOUS_KICK_DELAY);
+        }
+    }
 }
 
 /// Delivers device events into buffers the driver posted on the event queue.
@@ -113,6 +145,7 @@ impl RdmaBackend {
             max_memory_regions: config.quotas.max_memory_regions as usize,
             unsealed_memory: config.unsealed_memory,
             control_broken: false,
+            kicks: KickThrottle::default(),
         })
     }
 
@@ -362,9 +395,13 @@ impl VhostUserBackendMut for RdmaBackend {
                 Ok(())
             }
             queue => {
-                self.device
+                let asked_for = self
+                    .device
                     .data_path()
                     .kick(u32::from(queue - FIRST_NOTIFY_QUEUE));
+                if !asked_for {
+                    self.kicks.spurious_kick();
+                }
                 Ok(())
             }
         }

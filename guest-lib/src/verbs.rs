@@ -369,6 +369,22 @@ impl Device {
         self.inner.kicks.load(Ordering::Relaxed)
     }
 
+    /// Sets every bit of the doorbell bitmap and kicks every notification queue, whether or
+    /// not a poller asked for it: a driver ringing everything, for conformance tests of the
+    /// device's doorbell handling (it must not let one driver's storm cost every guest).
+    pub fn ring_every_doorbell(&self) -> Result<()> {
+        let bitmap = &self.inner.doorbell_bitmap;
+        for offset in (0..bitmap.len()).step_by(8) {
+            bitmap
+                .atomic_u64(offset)?
+                .store(u64::MAX, Ordering::Release);
+        }
+        for queue in 0..self.config().num_notify_queues.to_native() {
+            self.inner.transport.notify(queue)?;
+        }
+        Ok(())
+    }
+
     /// Makes `ahead` control queue entries available that this driver never wrote: for
     /// conformance tests of the device's queue handling (the device must survive it).
     pub fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()> {

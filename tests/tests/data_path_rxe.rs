@@ -863,6 +863,7 @@ fn pollers_run_on_the_cpus_given_and_an_unusable_cpu_is_refused() {
     let mut backend = vrdma_tests::spawn_backend_process(
         &socket,
         &[
+            "--shared-gid",
             "--poll-cpus",
             &last,
             "--poll-threads",

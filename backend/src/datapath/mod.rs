@@ -46,7 +46,8 @@ type Memory = GuestMemoryMmap;
 
 /// WQEs taken from one ring in one go, and CQEs moved per CQ per pass.
 const BATCH: u32 = 16;
-/// The longest a sleeping poller waits before looking again anyway.
+/// The longest a poller sleeps while a queue waits on something no kick announces (room the
+/// driver makes in a full CQ by polling it); an idle poller sleeps until woken.
 const SLEEP_LIMIT_MS: i32 = 100;
 
 /// Where events for the guest go (the event virtqueue); `deliver` is false when the guest
@@ -243,6 +244,8 @@ struct Shared {
     stop: AtomicBool,
     /// The connection's share of the log (also its control path's and event queue's).
     log: LogBudget,
+    /// The poller serving the connection asked for kicks (NEED_WAKEUP is set).
+    asleep: AtomicBool,
 }
 
 /// The data path of one connection: its shard, which a thread of the backend's poller pool
@@ -342,11 +345,15 @@ impl DataPath {
             .notify_area
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = area;
+        // A sleeping poller publishes NEED_WAKEUP in the new area before it sleeps again:
+        // until then the driver would not know to kick.
+        let _ = self.shared.shard.wake.write(1);
     }
 
-    /// A kick on notification queue `queue`: wake its poller.
-    pub fn kick(&self, queue: u32) {
-        self.shared.kick(queue);
+    /// A kick on notification queue `queue`; false if no poller was asleep to be woken (the
+    /// driver kicked without being asked to, SPEC.md §8.5).
+    pub fn kick(&self, queue: u32) -> bool {
+        self.shared.kick(queue)
     }
 
     /// The QP numbered `qp_num` takes its receives from `srq`: its receive completions count
@@ -559,14 +566,23 @@ impl Shared {
             refused: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             log: LogBudget::default(),
+            asleep: AtomicBool::new(false),
         }
     }
 
-    fn kick(&self, queue: u32) {
-        if let Some(count) = self.kicks.get(queue as usize) {
-            count.fetch_add(1, Ordering::Relaxed);
+    /// Counts a kick, and wakes the poller if it asked for kicks (returning whether it did):
+    /// one that did not is awake (and sees the doorbell bits the driver set before kicking)
+    /// or is not listening to this driver (see the pool's storming connections).
+    fn kick(&self, queue: u32) -> bool {
+        let Some(count) = self.kicks.get(queue as usize) else {
+            return false;
+        };
+        count.fetch_add(1, Ordering::Relaxed);
+        let asked_for = self.asleep.load(Ordering::SeqCst);
+        if asked_for {
             let _ = self.shard.wake.write(1);
         }
+        asked_for
     }
 
     /// Delivers an event, or keeps it (once per kind and object) for the pollers to deliver

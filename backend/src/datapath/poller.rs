@@ -102,6 +102,9 @@ fn mr_lookup<'a>(mrs: &'a MrTable, last: &'a LastMr) -> impl Fn(u32) -> Option<M
 /// No lkey: [`LastMr::key`] when it names none.
 const NO_LKEY: u64 = u64::MAX;
 
+/// Queues one pass visits at most for one connection (see `take_rung_queues`).
+const MAX_VISITS_PER_PASS: usize = 64;
+
 impl Default for LastMr {
     fn default() -> Self {
         LastMr {
@@ -219,7 +222,14 @@ impl Poller {
         }
     }
 
+    /// Some queue has work left that it could not do (its CQ full, say): the driver makes
+    /// room without a kick, so a sleeping poller must look again on its own.
+    pub(super) fn waits_on_driver(&self) -> bool {
+        !self.carried.is_empty()
+    }
+
     pub(super) fn set_need_wakeup(&self, sleeping: bool) {
+        self.shared.asleep.store(sleeping, Ordering::SeqCst);
         let Some(area) = *self
             .shared
             .notify_area
@@ -290,9 +300,13 @@ impl Poller {
             bits.sort_unstable();
             bits.dedup();
         }
-        // Bits of queues destroyed since they were rung have no queue: they are dropped.
+        // Bits of queues destroyed since they were rung have no queue: they are dropped. At
+        // most MAX_VISITS_PER_PASS queues are visited; the rest wait for the next pass, so a
+        // driver ringing every doorbell it has holds up the poller's other connections no
+        // longer than one that rings a few.
+        let visited = bits.len().min(MAX_VISITS_PER_PASS);
         self.visits.extend(
-            bits.drain(..)
+            bits.drain(..visited)
                 .filter_map(|bit| Some((bit, objects.queues.get(&bit)?.clone()))),
         );
         self.carried = bits;

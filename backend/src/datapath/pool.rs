@@ -168,6 +168,78 @@ impl Drop for PollerPool {
 struct Served {
     id: u64,
     poller: Poller,
+    /// Its wake-up eventfd (kicks, mostly) woke the thread since the last pass.
+    kicked: bool,
+    kicks: WastedWakeups,
+}
+
+/// Wake-ups a connection's driver caused that found nothing to do: a driver that kicks in a
+/// loop (with every doorbell bit set, say) would otherwise have the poller wake, pass over
+/// every connection and sleep again as fast as it can. Past [`WASTED_WAKEUPS_PER_SECOND`]
+/// in a second, the connection is storming for a while (one second, doubled each time it
+/// storms again soon after, up to [`MAX_STORM_BACKOFF`]): it is not asked for kicks
+/// (NEED_WAKEUP stays clear, so its kicks wake no poller and its vring worker delays them)
+/// and its rings are looked at every [`STORMING_POLL_MS`] only. An honest driver kicks only
+/// when asked, and its kicks bring work.
+#[derive(Default)]
+struct WastedWakeups {
+    window_start: Option<Instant>,
+    count: u32,
+    storming_until: Option<Instant>,
+    backoff: Duration,
+    next_pass: Option<Instant>,
+}
+
+const WASTED_WAKEUPS_PER_SECOND: u32 = 20;
+const MIN_STORM_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_STORM_BACKOFF: Duration = Duration::from_secs(64);
+const STORMING_POLL_MS: i32 = 50;
+
+impl WastedWakeups {
+    fn wasted(&mut self, now: Instant) {
+        if self
+            .window_start
+            .is_none_or(|start| now.duration_since(start) >= Duration::from_secs(1))
+        {
+            self.window_start = Some(now);
+            self.count = 0;
+        }
+        self.count += 1;
+        if self.count <= WASTED_WAKEUPS_PER_SECOND || self.storming(now) {
+            return;
+        }
+        // Storming again within the last backoff: twice as long this time.
+        let again = self
+            .storming_until
+            .is_some_and(|until| now.duration_since(until) < self.backoff);
+        self.backoff = if again {
+            (self.backoff * 2).min(MAX_STORM_BACKOFF)
+        } else {
+            MIN_STORM_BACKOFF
+        };
+        self.storming_until = Some(now + self.backoff);
+        log::info!(
+            "poller: a driver's kicks bring no work; it is not asked for kicks for {:?}",
+            self.backoff
+        );
+    }
+
+    fn storming(&self, now: Instant) -> bool {
+        self.storming_until.is_some_and(|until| now < until)
+    }
+
+    /// Whether the connection is passed over now: always, unless it is storming and was
+    /// passed over less than [`STORMING_POLL_MS`] ago.
+    fn due(&mut self, now: Instant) -> bool {
+        if !self.storming(now) {
+            return true;
+        }
+        if self.next_pass.is_some_and(|next| now < next) {
+            return false;
+        }
+        self.next_pass = Some(now + Duration::from_millis(STORMING_POLL_MS as u64));
+        true
+    }
 }
 
 /// One pool thread.
@@ -191,41 +263,65 @@ impl PoolWorker {
             if last_work.elapsed() < self.idle_spin && yield_uncontended() {
                 continue;
             }
-            // Going to sleep: ask for kicks and completion events, then look once more so
-            // that nothing that arrived meanwhile is missed (SPEC.md §8.5).
+            // Going to sleep: ask for kicks (but not a storming driver's) and completion
+            // events, then look once more so that nothing that arrived meanwhile is missed
+            // (SPEC.md §8.5).
+            let now = Instant::now();
             for served in &self.connections {
-                served.poller.set_need_wakeup(true);
+                served.poller.set_need_wakeup(!served.kicks.storming(now));
                 served.poller.arm_cqs();
             }
             fence(Ordering::SeqCst);
-            let woken = self.pass() || self.sleep();
+            if self.pass() {
+                last_work = Instant::now();
+                // Awake after all: a driver that saw NEED_WAKEUP may have kicked meanwhile,
+                // for work this pass took. Its wake-up is stale, not wasted.
+                for served in &self.connections {
+                    let _ = served.poller.shard().wake.read();
+                }
+            } else {
+                self.sleep();
+            }
             for served in &self.connections {
                 served.poller.set_need_wakeup(false);
             }
-            // Spin again only for real work; after a quiet timeout, go straight back to sleep.
-            if woken {
-                last_work = Instant::now();
-            }
+            // Spin again only once a pass finds work: a wake-up that brought none (a kick
+            // with nothing rung, a quiet timeout) goes straight back to sleep.
         }
     }
 
-    /// One pass over every shard served; true if anything moved.
+    /// One pass over every shard served; true if anything moved. A connection whose kick
+    /// woke the poller and whose pass found nothing wasted that wake-up; a storming one is
+    /// passed over but every [`STORMING_POLL_MS`], however often the others keep the thread
+    /// busy.
     fn pass(&mut self) -> bool {
         let mut work = false;
+        let now = Instant::now();
         for served in &mut self.connections {
-            work |= served.poller.pass();
+            if !served.kicks.due(now) {
+                continue;
+            }
+            let worked = served.poller.pass();
+            if std::mem::take(&mut served.kicked) && !worked {
+                served.kicks.wasted(now);
+            }
+            work |= worked;
         }
         work
     }
 
-    /// Waits for a kick, a host completion event or a command; true if one came. With
-    /// connections to serve, it looks again after a while anyway.
-    fn sleep(&mut self) -> bool {
+    /// Waits for a kick, a host completion event or a command. Where a queue waits on the
+    /// driver for something no kick announces, it looks again after a while anyway; an idle
+    /// poller costs nothing until woken.
+    fn sleep(&mut self) {
         let mut events = [EpollEvent::default(); EVENTS_PER_WAIT];
-        let timeout = if self.connections.is_empty() {
-            -1
-        } else {
+        let now = Instant::now();
+        let timeout = if self.connections.iter().any(|s| s.kicks.storming(now)) {
+            STORMING_POLL_MS
+        } else if self.connections.iter().any(|s| s.poller.waits_on_driver()) {
             SLEEP_LIMIT_MS
+        } else {
+            -1
         };
         let ready = match self.epoll.wait(timeout, &mut events) {
             Ok(ready) => ready,
@@ -242,13 +338,14 @@ impl PoolWorker {
                 let _ = self.wake.read();
                 continue;
             }
-            let Some(served) = self.connections.iter().find(|s| s.id == key >> 1) else {
+            let Some(served) = self.connections.iter_mut().find(|s| s.id == key >> 1) else {
                 continue; // detached since
             };
             let shard = served.poller.shard();
             match (key & 1, &shard.channel) {
                 (0, _) => {
                     let _ = shard.wake.read();
+                    served.kicked = true;
                 }
                 (_, Some(channel)) => {
                     channel.drain();
@@ -256,7 +353,6 @@ impl PoolWorker {
                 (_, None) => {}
             }
         }
-        ready > 0
     }
 
     /// Applies the commands that arrived; false once told to stop.
@@ -289,6 +385,8 @@ impl PoolWorker {
         self.connections.push(Served {
             id,
             poller: Poller::new(shared),
+            kicked: false,
+            kicks: WastedWakeups::default(),
         });
         log::debug!("poller: serving {} connections", self.connections.len());
     }

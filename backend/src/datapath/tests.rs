@@ -456,3 +456,59 @@ fn one_pool_thread_serves_every_connection_attached_sleeps_until_kicked_and_lets
     });
     assert_eq!(one.sent(), vec![1], "a detached connection is left alone");
 }
+
+/// Finding: a driver that set all its doorbell bits and kicked in a loop had the poller wake,
+/// pass and sleep as fast as it could (the backend went from 1% to 134% CPU and another
+/// guest's latency doubled). Now a connection whose kicks keep bringing nothing is no longer
+/// asked for kicks for a while (its kicks wake nobody) and is looked at on a timer instead;
+/// the other connections are asked for and served as ever.
+#[test]
+fn a_driver_kicking_without_work_is_no_longer_asked_for_kicks_and_is_still_served() {
+    let (mut stormer, mut quiet) = (Rig::new(64), Rig::new(64));
+    let pool = PollerPool::start(1, std::time::Duration::ZERO, &[]).unwrap();
+    pool.attach(&stormer.shared);
+    pool.attach(&quiet.shared);
+    let asked = |rig: &Rig| rig.load(NOTIFY_AREA + NotifyState::FLAGS) == NOTIFY_NEED_WAKEUP;
+    eventually("both connections asked for kicks", || {
+        asked(&stormer) && asked(&quiet)
+    });
+    // Kick whenever asked, with nothing rung: every wake-up is wasted. Kicks that land before
+    // the poller wakes make one wake-up; keep on until it stops asking.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut unasked = 0;
+    while unasked < 100 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the storming driver is still asked for kicks"
+        );
+        stormer.set_doorbell_bit(QP_BIT);
+        if stormer.shared.kick(0) {
+            unasked = 0;
+        } else {
+            unasked += 1;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    eventually("the quiet driver is still asked for kicks", || {
+        asked(&quiet)
+    });
+    assert!(!asked(&stormer));
+    assert!(
+        !stormer.shared.kick(0),
+        "a kick nobody asked for wakes nobody"
+    );
+    // Its doorbells are still served, without a kick.
+    stormer.write_send(1, LKEY);
+    stormer.ring_sq();
+    eventually("the storming driver's WQE is served", || {
+        stormer.sent() == vec![1]
+    });
+    // The quiet driver is served on its kick.
+    quiet.write_send(2, LKEY);
+    quiet.ring_sq();
+    assert!(
+        quiet.shared.kick(0),
+        "the quiet driver was asked for its kick"
+    );
+    eventually("the quiet driver is served", || quiet.sent() == vec![2]);
+}
