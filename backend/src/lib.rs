@@ -14,6 +14,7 @@ pub mod memory_regions;
 pub mod mtt;
 pub mod sandbox;
 pub mod vhost_user;
+mod vring;
 
 use std::sync::{Arc, Mutex};
 

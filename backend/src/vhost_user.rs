@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 pub use vhost::vhost_user::Listener;
-use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -26,6 +26,7 @@ use vrdma_spec::ByteValued;
 use crate::datapath::{EventSink, PollerPool};
 use crate::device::Device;
 use crate::memory_regions::{self, UnsealedFiles};
+use crate::vring::Vring;
 use crate::{Config, Error};
 
 /// Virtqueue size the device offers on every queue.
@@ -96,7 +97,7 @@ impl KickThrottle {
 
 /// Delivers device events into buffers the driver posted on the event queue.
 struct EventQueue {
-    vring: VringRwLock,
+    vring: Vring,
     mem: GuestMemory,
     log: crate::log_budget::LogBudget,
 }
@@ -177,7 +178,7 @@ impl RdmaBackend {
     /// Serves the control queue. A queue the driver broke (an available index more than a
     /// queue ahead, a head beyond the queue) is not served again until a reset, and the driver
     /// hears DEVICE_FATAL (SPEC.md §8.4): the connection's worker lives on.
-    fn process_control_queue(&mut self, vring: &VringRwLock) -> io::Result<()> {
+    fn process_control_queue(&mut self, vring: &Vring) -> io::Result<()> {
         if self.control_broken {
             return Ok(());
         }
@@ -281,7 +282,7 @@ pub fn config_window(config: &[u8], offset: u32, size: u32) -> &[u8] {
 
 impl VhostUserBackendMut for RdmaBackend {
     type Bitmap = ();
-    type Vring = VringRwLock;
+    type Vring = Vring;
 
     fn num_queues(&self) -> usize {
         self.num_queues
@@ -368,7 +369,7 @@ impl VhostUserBackendMut for RdmaBackend {
         &mut self,
         device_event: u16,
         evset: EventSet,
-        vrings: &[VringRwLock],
+        vrings: &[Vring],
         _thread_id: usize,
     ) -> io::Result<()> {
         if evset != EventSet::IN {

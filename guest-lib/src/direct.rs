@@ -52,6 +52,8 @@ impl Default for DirectOptions {
 
 pub struct DirectTransport {
     frontend: Mutex<Frontend>,
+    /// Each queue's kick eventfd, by queue index (owned by the queues' signals).
+    kick_fds: Vec<std::os::fd::RawFd>,
     memory: RegionSet,
     queues: DeviceQueues,
     config: DeviceConfig,
@@ -169,8 +171,10 @@ impl DirectTransport {
         let memory = RegionSet::default();
         memory.add(region);
         let mut queues = Vec::with_capacity(num_queues);
+        let mut kick_fds = Vec::with_capacity(num_queues);
         for index in 0..num_queues {
             let signal = EventFdSignal::new()?;
+            kick_fds.push(signal.kick.as_raw_fd());
             frontend
                 .set_vring_call(index, &signal.call)
                 .map_err(vhost)?;
@@ -195,6 +199,7 @@ impl DirectTransport {
         }
         Ok(DirectTransport {
             frontend: Mutex::new(frontend),
+            kick_fds,
             queues: DeviceQueues::new(&memory, queues)?,
             memory,
             config,
@@ -220,6 +225,24 @@ impl Transport for DirectTransport {
 
     fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()> {
         self.queues.publish_bogus_control_entries(ahead)
+    }
+
+    fn renew_kick_descriptors(&self) -> Result<()> {
+        let frontend = self.frontend.lock().unwrap_or_else(|e| e.into_inner());
+        for (index, &kick) in self.kick_fds.iter().enumerate() {
+            let renewed = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK)
+                .map_err(Error::Transport)?;
+            frontend
+                .set_vring_kick(index, &renewed)
+                .map_err(|e| Error::Attach(format!("SET_VRING_KICK: {e}")))?;
+            // SAFETY: makes the queue's own kick descriptor number refer to the renewed
+            // eventfd (closing the old one): the queue's signal keeps using its number, now
+            // for the descriptor the device was given.
+            if unsafe { libc::dup2(renewed.as_raw_fd(), kick) } < 0 {
+                return Err(Error::Transport(std::io::Error::last_os_error()));
+            }
+        }
+        Ok(())
     }
 
     fn notify(&self, queue: u32) -> Result<()> {

@@ -7,7 +7,7 @@ use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::ring::Event;
 
 use crate::shm::SharedBuffer;
-use crate::Result;
+use crate::{Error, Result};
 
 pub trait Transport: Send + Sync {
     /// The device configuration space, read at attach time.
@@ -52,4 +52,12 @@ pub trait Transport: Send + Sync {
     /// Makes `ahead` control queue entries available that the driver never wrote, as a
     /// broken or hostile driver might (conformance tests of a device).
     fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()>;
+
+    /// Gives the device a new kick descriptor for every queue while they run, as a front end
+    /// may (conformance tests of a device); only a vhost-user front end can.
+    fn renew_kick_descriptors(&self) -> Result<()> {
+        Err(Error::InvalidArgument(
+            "only a direct attachment has kick descriptors to renew".into(),
+        ))
+    }
 }

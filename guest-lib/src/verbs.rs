@@ -385,6 +385,12 @@ impl Device {
         Ok(())
     }
 
+    /// Gives the device a new kick descriptor for each of its queues while they run (a
+    /// vhost-user front end may): for conformance tests of the device, which must take them.
+    pub fn renew_kick_descriptors(&self) -> Result<()> {
+        self.inner.transport.renew_kick_descriptors()
+    }
+
     /// Makes `ahead` control queue entries available that this driver never wrote: for
     /// conformance tests of the device's queue handling (the device must survive it).
     pub fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()> {

@@ -452,3 +452,77 @@ fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
     backend.kill().unwrap();
     backend.wait().unwrap();
 }
+
+/// Finding: SET_VRING_KICK on a running queue replaced the descriptor the backend held but not
+/// the one it listened on, so the queue silently stopped. Now the new descriptor is taken: the
+/// control queue answers and doorbells are heard through the renewed descriptors.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn kick_descriptors_renewed_on_running_queues_are_taken() {
+    let socket = socket("renew-kick");
+    let mut backend = spawn_backend_process(&socket, &[]);
+    let guest = Victim::attach(&socket);
+    guest.still_served(1);
+    guest.device.renew_kick_descriptors().unwrap();
+    // The control queue hears the new descriptor.
+    guest
+        .device
+        .alloc_pd()
+        .expect("the control queue is served");
+    // So does the notification queue: let the poller fall asleep, so that the doorbell of the
+    // next write needs a kick.
+    let kicks = guest.device.kicks_sent();
+    std::thread::sleep(Duration::from_millis(200));
+    guest.still_served(2);
+    assert!(guest.device.kicks_sent() > kicks, "the write needed a kick");
+    assert_alive(&mut backend);
+    backend.kill().unwrap();
+    backend.wait().unwrap();
+}
+
+/// Finding: lines a guest makes the backend log outside the control path (a QP failed for a
+/// bad WQE, event buffers the device cannot write) were logged once per event with no limit: a
+/// guest failing QPs in a loop wrote a line each time. They now share the connection's budget
+/// with the control path's refusals: at most 10 lines a second, the rest counted.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_guest_failing_qps_in_a_loop_logs_within_its_budget() {
+    let socket = socket("qp-loop");
+    let mut backend = spawn_backend_process(&socket, &[]);
+    const FAILED: u64 = 100;
+    let elapsed = {
+        let device = Device::attach(&socket).unwrap();
+        let pd = device.alloc_pd().unwrap();
+        let cq = device.create_cq(256).unwrap();
+        let qps: Vec<QueuePair> = (0..FAILED)
+            .map(|_| QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap())
+            .collect();
+        let bogus = [Sge {
+            addr: 0x1000,
+            length: 8,
+            lkey: 0xdead_beef,
+        }];
+        // A WQE naming a key the guest never had, on every QP at once: each QP fails (and
+        // says so).
+        let start = Instant::now();
+        for (i, qp) in qps.iter().enumerate() {
+            qp.post_send(&[SendWr::new(i as u64, SendOp::Send, Payload::Sges(&bogus))])
+                .unwrap();
+        }
+        let done = wait_for_guest_completions(&cq, FAILED as usize);
+        assert!(done.iter().all(|wc| !wc.is_success()), "{done:?}");
+        start.elapsed().as_secs() + 1
+    };
+    let log = wait_for_backend_log(&socket, "`connection 1: closed`", |log| {
+        log.contains("connection 1: closed")
+    });
+    let failed = log.matches("moving it to the error state").count() as u64;
+    println!("{FAILED} QPs failed in {elapsed} s; the backend logged {failed} lines of it");
+    assert!(
+        failed <= 10 * elapsed,
+        "{failed} lines for {FAILED} failed QPs in {elapsed} s:\n{log}"
+    );
+    assert_alive(&mut backend);
+    backend.kill().unwrap();
+    backend.wait().unwrap();
+}
