@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use vrdma_guest::{
-    access, wc_opcode, CompletionQueue, Device, Gid, MemoryRegion, Payload, QpType, QueuePair,
-    RcPeer, RecvWr, SendOp, SendWr, Sge, SharedBuffer, WorkCompletion,
+    access, random_psn, wc_opcode, CompletionQueue, Device, Gid, MemoryRegion, Payload, QpType,
+    QueuePair, RcPeer, RecvWr, SendOp, SendWr, Sge, SharedBuffer, WorkCompletion,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -76,6 +76,8 @@ struct Args {
 /// What each side tells the other over TCP about one QP.
 struct PeerInfo {
     qpn: u32,
+    /// The PSN its send queue starts at.
+    psn: u32,
     gid: Gid,
     rkey: u32,
     addr: u64,
@@ -127,10 +129,11 @@ fn run(args: &Args) -> Result<(), Error> {
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut writer = stream;
     let (gid_index, gid) = side.device.gid()?;
-    for qp in &side.qps {
+    let psns: Vec<u32> = side.qps.iter().map(|_| random_psn()).collect();
+    for (qp, psn) in side.qps.iter().zip(&psns) {
         writeln!(
             writer,
-            "{} {} {} {}",
+            "{} {psn} {} {} {}",
             qp.qp_num(),
             std::net::Ipv6Addr::from(gid.0),
             side.mr.rkey(),
@@ -141,8 +144,8 @@ fn run(args: &Args) -> Result<(), Error> {
     for _ in &side.qps {
         peers.push(read_peer(&mut reader)?);
     }
-    for (qp, peer) in side.qps.iter().zip(&peers) {
-        connect(qp, gid_index as u8, peer)?;
+    for ((qp, peer), &psn) in side.qps.iter().zip(&peers).zip(&psns) {
+        connect(qp, gid_index as u8, psn, peer)?;
     }
     let mut line = String::new();
     writeln!(writer, "ready")?;
@@ -183,12 +186,13 @@ fn read_peer(reader: &mut impl BufRead) -> Result<PeerInfo, Error> {
     let mut line = String::new();
     reader.read_line(&mut line)?;
     let fields: Vec<&str> = line.split_whitespace().collect();
-    let [qpn, gid, rkey, addr] = fields.as_slice() else {
+    let [qpn, psn, gid, rkey, addr] = fields.as_slice() else {
         return Err(format!("malformed peer line {line:?}").into());
     };
     let gid: std::net::Ipv6Addr = gid.parse()?;
     Ok(PeerInfo {
         qpn: qpn.parse()?,
+        psn: psn.parse()?,
         gid: Gid(gid.octets()),
         rkey: rkey.parse()?,
         addr: addr.parse()?,
@@ -225,13 +229,13 @@ fn setup(args: &Args, largest: u32) -> Result<Side, Error> {
     })
 }
 
-fn connect(qp: &QueuePair, sgid_index: u8, peer: &PeerInfo) -> Result<(), Error> {
+fn connect(qp: &QueuePair, sgid_index: u8, psn: u32, peer: &PeerInfo) -> Result<(), Error> {
     let far = RcPeer {
         qp_num: peer.qpn,
         gid: peer.gid,
-        psn: 0,
+        psn: peer.psn,
     };
-    Ok(qp.connect_rc(sgid_index, 0, &far)?)
+    Ok(qp.connect_rc(sgid_index, psn, &far)?)
 }
 
 /// Polls until one completion arrives; errors on a failed one.

@@ -1192,3 +1192,20 @@ impl Drop for AddressHandle {
         self.pd.device.destroy(Opcode::DestroyAh, self.handle);
     }
 }
+
+/// A starting packet sequence number for a QP's send queue: random, as NIC drivers pick them.
+/// A peer that can send from an RC connection's address (another guest on the same GID, say)
+/// must also hit the 24-bit PSN the connection expects to inject anything into it.
+pub fn random_psn() -> u32 {
+    let mut bytes = [0u8; 4];
+    // SAFETY: getrandom writes at most `bytes.len()` bytes into the local array.
+    let filled = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if filled != bytes.len() as isize {
+        // No entropy to be had (never on Linux after boot): the time is still no constant.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        bytes = nanos.to_le_bytes();
+    }
+    u32::from_le_bytes(bytes) & 0x00ff_ffff
+}

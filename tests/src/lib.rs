@@ -58,8 +58,15 @@ impl RcEndpoint {
         RcEndpoint { pd, cq, qp }
     }
 
-    /// Walks the QP RESET -> INIT -> RTR -> RTS towards `remote_qpn` at `remote_gid`.
-    pub fn connect(&self, sgid_index: u8, remote_gid: Gid, remote_qpn: u32, psn: u32) {
+    /// Walks the QP RESET -> INIT -> RTR -> RTS towards `remote_qpn` at `remote_gid`; its send
+    /// queue starts at `psn`, the remote one's at `remote_psn`.
+    pub fn connect(
+        &self,
+        sgid_index: u8,
+        remote_gid: Gid,
+        remote_qpn: u32,
+        (psn, remote_psn): (u32, u32),
+    ) {
         let init = QpAttr {
             qp_state: QpState::Init,
             pkey_index: 0,
@@ -77,7 +84,7 @@ impl RcEndpoint {
             qp_state: QpState::Rtr,
             path_mtu: MTU_1024,
             dest_qp_num: remote_qpn,
-            rq_psn: psn,
+            rq_psn: remote_psn,
             max_dest_rd_atomic: 1,
             min_rnr_timer: 12,
             ah_attr: AhAttr {
@@ -143,8 +150,9 @@ pub fn connected_rc_pair(context: &Arc<Context>) -> (RcEndpoint, RcEndpoint) {
     let gid_index = u8::try_from(gid_index).expect("GID index fits in a byte");
     let a = RcEndpoint::new(context);
     let b = RcEndpoint::new(context);
-    a.connect(gid_index, gid, b.qp.qp_num(), 0x1234);
-    b.connect(gid_index, gid, a.qp.qp_num(), 0x1234);
+    let psns = (vrdma_guest::random_psn(), vrdma_guest::random_psn());
+    a.connect(gid_index, gid, b.qp.qp_num(), psns);
+    b.connect(gid_index, gid, a.qp.qp_num(), (psns.1, psns.0));
     (a, b)
 }
 
@@ -374,8 +382,9 @@ pub fn route_to(sgid_index: u32, gid: vrdma_guest::Gid) -> vrdma_guest::AhAttr {
     }
 }
 
-/// Walks a guest-lib RC QP to RTS towards `remote_qpn` at `remote_gid` (both sides use PSN
-/// 0x1234, as [`RcEndpoint::connect`] does).
+/// Walks a guest-lib RC QP to RTS towards `remote_qpn` at `remote_gid`, both sides at PSN
+/// 0x1234: for a test's own pairs; programs that face a peer pick random PSNs and exchange
+/// them ([`EndpointAddress`]).
 pub fn connect_guest_qp(
     qp: &vrdma_guest::QueuePair,
     sgid_index: u8,
@@ -471,11 +480,13 @@ pub fn check_message(i: u64, message: &[u8]) {
 /// Where in its buffer a ping-pong peer exposes memory to one-sided operations, and how much.
 pub const RDMA_AREA: (u64, usize) = (16 << 10, 16 << 10);
 
-/// What a test endpoint publishes on its first output line, `qpn=N gid=G rkey=K va=A`: enough
-/// for a peer to connect to its QP and to address its memory.
+/// What a test endpoint publishes on its first output line, `qpn=N psn=P gid=G rkey=K va=A`:
+/// enough for a peer to connect to its QP (whose send queue starts at the random PSN P) and to
+/// address its memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EndpointAddress {
     pub qpn: u32,
+    pub psn: u32,
     pub gid: Gid,
     pub rkey: u32,
     pub va: u64,
@@ -486,8 +497,8 @@ impl std::fmt::Display for EndpointAddress {
         let gid = std::net::Ipv6Addr::from(self.gid.0);
         write!(
             f,
-            "qpn={} gid={gid} rkey={} va={:#x}",
-            self.qpn, self.rkey, self.va
+            "qpn={} psn={} gid={gid} rkey={} va={:#x}",
+            self.qpn, self.psn, self.rkey, self.va
         )
     }
 }
@@ -499,6 +510,7 @@ impl EndpointAddress {
         let gid: std::net::Ipv6Addr = field("gid").parse().expect("gid");
         EndpointAddress {
             qpn: field("qpn").parse().expect("qpn"),
+            psn: field("psn").parse().expect("psn"),
             gid: Gid(gid.octets()),
             rkey: field("rkey").parse().expect("rkey"),
             va: u64::from_str_radix(field("va").trim_start_matches("0x"), 16).expect("va"),

@@ -69,7 +69,7 @@ fn connect_guest_to_native(device: &Device, guest: &QueuePair, native: &RcEndpoi
     connect_guest_qp(guest, gid_index as u8, gid, native.qp.qp_num()).expect("guest QP to RTS");
     // The guest's GID is the host's (no --guest-ip), at the host's own index.
     let native_index = host_gid_index(native.pd.context(), gid);
-    native.connect(native_index, gid, guest.qp_num(), 0x1234);
+    native.connect(native_index, gid, guest.qp_num(), (0x1234, 0x1234));
 }
 
 /// A native peer RDMA-writes into a guest-lib MR at the guest's own address; the bytes must

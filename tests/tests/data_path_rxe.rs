@@ -435,7 +435,7 @@ fn a_guest_and_a_native_ibverbs_program_exchange_data_both_ways() {
         host_gid_index(&context, gid),
         gid,
         guest.qp.qp_num(),
-        0x1234,
+        (0x1234, 0x1234),
     );
     let memory = Arc::new(hostverbs::AnonymousMemory::new(8192).unwrap());
     let native_mr = native

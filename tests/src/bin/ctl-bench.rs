@@ -250,7 +250,7 @@ fn native_qp_setup() -> Duration {
                 cq: Arc::clone(&qps.cq),
                 qp: qps.create(i),
             };
-            endpoint.connect(gid_index as u8, gid, endpoint.qp.qp_num(), 0);
+            endpoint.connect(gid_index as u8, gid, endpoint.qp.qp_num(), (0, 0));
             endpoint
         })
         .collect();

@@ -88,13 +88,19 @@ fn main() {
             let (gid_index, gid) = device.gid().expect("assigned GID");
             let address = EndpointAddress {
                 qpn: qp.qp_num(),
+                psn: vrdma_guest::random_psn(),
                 gid,
                 rkey: mr.rkey(),
                 va: mr.addr(),
             };
             println!("{address}");
             let peer = EndpointAddress::read_peer();
-            connect_guest_qp(&qp, gid_index as u8, peer.gid, peer.qpn)
+            let far = vrdma_guest::RcPeer {
+                qp_num: peer.qpn,
+                gid: peer.gid,
+                psn: peer.psn,
+            };
+            qp.connect_rc(gid_index as u8, address.psn, &far)
                 .expect("connect to the peer");
             println!("state={}", qp.query().expect("query QP").qp_state);
             let endpoint = Endpoint {

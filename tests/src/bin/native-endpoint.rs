@@ -47,13 +47,14 @@ fn main() {
         .expect("register MR");
     let address = EndpointAddress {
         qpn: endpoint.qp.qp_num(),
+        psn: vrdma_guest::random_psn(),
         gid,
         rkey: mr.rkey(),
         va: mr.iova(),
     };
     println!("{address}");
     let peer = EndpointAddress::read_peer();
-    endpoint.connect(gid_index as u8, peer.gid, peer.qpn, 0x1234);
+    endpoint.connect(gid_index as u8, peer.gid, peer.qpn, (address.psn, peer.psn));
     println!("state=RTS");
 
     let native = Native {
