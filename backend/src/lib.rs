@@ -5,6 +5,7 @@
 
 pub mod datapath;
 pub mod device;
+pub mod gid_claim;
 pub mod guest_address;
 mod guest_mapping;
 pub mod hostverbs;
@@ -44,6 +45,8 @@ pub enum Error {
     },
     #[error("guest address: {0}")]
     GuestAddress(#[from] guest_address::AddressError),
+    #[error(transparent)]
+    GidClaim(#[from] gid_claim::ClaimError),
     #[error("the guest's GID {gid} did not appear in the device's GID table: is its address on the device's network interface?")]
     GuestGidMissing { gid: Gid },
     #[error(transparent)]

@@ -448,6 +448,13 @@ fn serve_prepared(
     pool: &Arc<PollerPool>,
     first: RdmaBackend,
 ) -> Result<(), Error> {
+    // Held while serving: no other backend serves guests on this GID unless all share it.
+    let _claim = crate::gid_claim::claim(
+        &config.device,
+        config.port,
+        first.device.gid(),
+        config.shared_gid,
+    )?;
     let mut backend = Arc::new(RwLock::new(first));
     let admission = Arc::new(Admission::new(config)?);
     // Everything serving needs from here on is in the filter (crate::sandbox).

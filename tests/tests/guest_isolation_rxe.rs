@@ -547,3 +547,34 @@ fn a_descriptor_limit_that_cannot_hold_every_guest_is_refused_at_start() {
         "{refused}"
     );
 }
+
+/// Finding: one backend per guest gave no isolation where the guests' backends all sent from
+/// the host's GID (no --guest-ip): any two of them could inject into each other's RC
+/// connections. A backend now claims its GID: a second backend on it is refused unless both
+/// declare their guests one trust domain (--shared-gid).
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
+    let (first_socket, second_socket) = (socket("gid-first"), socket("gid-second"));
+    let mut first = spawn_backend_process(&first_socket, &[]);
+    let refused = vrdma_tests::backend_refuses(&second_socket, &[]);
+    assert!(
+        refused.contains("is already served by another backend"),
+        "{refused}"
+    );
+    let refused = vrdma_tests::backend_refuses(&second_socket, &["--shared-gid"]);
+    assert!(refused.contains("that does not share it"), "{refused}");
+    Victim::attach(&first_socket).still_served(1);
+    first.kill().unwrap();
+    first.wait().unwrap();
+
+    // Backends that all share the GID serve side by side.
+    let mut first = spawn_backend_process(&first_socket, &["--shared-gid"]);
+    let mut second = spawn_backend_process(&second_socket, &["--shared-gid"]);
+    Victim::attach(&first_socket).still_served(2);
+    Victim::attach(&second_socket).still_served(3);
+    for backend in [&mut first, &mut second] {
+        backend.kill().unwrap();
+        backend.wait().unwrap();
+    }
+}

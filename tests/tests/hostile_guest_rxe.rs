@@ -342,7 +342,8 @@ fn refused_requests_are_counted_by_rule_and_logged_at_a_bounded_rate() {
     const UNKNOWN: usize = 2000;
     const BAD_GID: usize = 300;
     let socket = std::env::temp_dir().join(format!("vrdma-refusals-{}.sock", std::process::id()));
-    let mut backend = spawn_backend_process(&socket, &[]);
+    // Beside the backends earlier tests started in this process, on the same GID.
+    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let started = Instant::now();
     {
         let device = Device::open(socket.to_str().unwrap()).expect("open the device");

@@ -637,7 +637,8 @@ fn the_host_link_going_down_and_up_reaches_the_program_as_port_events() {
 fn a_backend_that_goes_away_reaches_the_program_as_device_fatal() {
     // The real backend, in a process of its own that the test can kill.
     let socket = std::env::temp_dir().join(format!("vrdma-fatal-{}.sock", std::process::id()));
-    let mut backend = spawn_backend_process(&socket, &[]);
+    // Beside the backends earlier tests started in this process, on the same GID.
+    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let program = CProgram::build("async_events");
     let mut child = program.spawn_on(socket.to_str().unwrap(), &["vrdma0", "fatal"]);
     let stdout = wait_for_line(&mut child, "ready");

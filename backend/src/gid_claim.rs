@@ -1,0 +1,161 @@
+//! Which backends serve guests on a GID. Guests that send from one GID can inject packets into
+//! each other's RC connections (SPEC.md §10), so a backend serves its guests on a GID only if
+//! no other backend of the host does, unless every backend on it declares its guests one
+//! trust domain (`--shared-gid`). A backend holds a lock on a file named after the GID for as
+//! long as it serves: exclusive by default, shared with `--shared-gid`; the kernel drops it
+//! when the process ends, however it ends.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::hostverbs::Gid;
+
+/// Where the locks live: one place for every backend of the host, whatever user it runs as.
+const LOCK_DIR: &str = "/run/vrdma";
+
+/// The backend's claim on its guests' GID, held until dropped.
+#[derive(Debug)]
+pub struct GidClaim {
+    _lock: File,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error("GID {gid} of {device} port {port} is already served by another backend{how}: guests on one GID can inject packets into each other's connections; give each backend a --guest-ip of its own, or run every backend that shares the GID with --shared-gid (its guests are then one trust domain)")]
+    Taken {
+        gid: Gid,
+        device: String,
+        port: u8,
+        how: &'static str,
+    },
+    #[error("cannot claim the guests' GID ({}): {source}", path.display())]
+    Lock {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Claims `gid` of `device` port `port` for this backend's guests: alone, or `shared` with
+/// other backends that share it too.
+pub fn claim(device: &str, port: u8, gid: Gid, shared: bool) -> Result<GidClaim, ClaimError> {
+    let name = format!(
+        "gid-{device}-{port}-{}.lock",
+        gid.0.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    );
+    let path = lock_dir().join(name);
+    let lock_error = |source| ClaimError::Lock {
+        path: path.clone(),
+        source,
+    };
+    let file = open_lock_file(&path).map_err(lock_error)?;
+    let operation = if shared { libc::LOCK_SH } else { libc::LOCK_EX };
+    // SAFETY: flock on a descriptor this function owns; the result is checked.
+    if unsafe { libc::flock(file.as_raw_fd(), operation | libc::LOCK_NB) } != 0 {
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(lock_error(error));
+        }
+        return Err(ClaimError::Taken {
+            gid,
+            device: device.to_string(),
+            port,
+            how: if shared {
+                " that does not share it (--shared-gid)"
+            } else {
+                ""
+            },
+        });
+    }
+    Ok(GidClaim { _lock: file })
+}
+
+/// The lock directory, made (world-writable and sticky, like /tmp, so that backends serving
+/// as other users can claim GIDs too) if missing. A process that cannot make it claims in
+/// its temporary directory instead, which only backends of the same user see.
+fn lock_dir() -> PathBuf {
+    let dir = Path::new(LOCK_DIR);
+    let made = std::fs::create_dir(dir)
+        .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777)));
+    match made {
+        Ok(()) => dir.to_path_buf(),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => dir.to_path_buf(),
+        Err(e) => {
+            let fallback = std::env::temp_dir().join("vrdma");
+            log::warn!(
+                "cannot make {LOCK_DIR} ({e}): GID claims go to {}, which only backends of this user see",
+                fallback.display()
+            );
+            let _ = std::fs::create_dir_all(&fallback);
+            fallback
+        }
+    }
+}
+
+/// Opens the lock file for reading (all flock needs), making it if missing.
+fn open_lock_file(path: &Path) -> io::Result<File> {
+    loop {
+        match File::open(path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            opened => return opened,
+        }
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(path)
+        {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            made => return made,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gid(last: u8) -> Gid {
+        let mut gid = [0u8; 16];
+        gid[10] = 0xff;
+        gid[11] = 0xff;
+        gid[15] = last;
+        Gid(gid)
+    }
+
+    #[test]
+    fn a_gid_is_served_by_one_backend_or_shared_by_backends_that_all_share_it() {
+        let device = format!("test{}", std::process::id());
+        let alone = claim(&device, 1, gid(1), false).unwrap();
+        let taken = claim(&device, 1, gid(1), false).unwrap_err();
+        assert!(matches!(taken, ClaimError::Taken { .. }), "{taken}");
+        assert!(taken.to_string().contains("--shared-gid"), "{taken}");
+        let refused = claim(&device, 1, gid(1), true).unwrap_err();
+        assert!(matches!(refused, ClaimError::Taken { .. }), "{refused}");
+        // Another GID, or another port, is another claim.
+        let _other = claim(&device, 1, gid(2), false).unwrap();
+        let _port = claim(&device, 2, gid(1), false).unwrap();
+        drop(alone);
+        let first = claim(&device, 1, gid(1), true).unwrap();
+        let second = claim(&device, 1, gid(1), true).unwrap();
+        assert!(matches!(
+            claim(&device, 1, gid(1), false),
+            Err(ClaimError::Taken { .. })
+        ));
+        drop((first, second));
+        claim(&device, 1, gid(1), false).unwrap();
+        // The lock files of this test's made-up device go; a real device's stay for reuse.
+        for entry in std::fs::read_dir(lock_dir()).unwrap().flatten() {
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(&format!("gid-{device}-"))
+            {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+}
