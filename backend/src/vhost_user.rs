@@ -24,7 +24,7 @@ use vrdma_spec::ring::Event;
 use vrdma_spec::ByteValued;
 
 use crate::datapath::{EventSink, PollerPool};
-use crate::device::Device;
+use crate::device::{Device, LocalPeers};
 use crate::memory_regions::{self, UnsealedFiles};
 use crate::vring::Vring;
 use crate::{Config, Error};
@@ -130,11 +130,15 @@ impl EventSink for EventQueue {
 }
 
 impl RdmaBackend {
-    pub fn new(config: &Config, pool: &Arc<PollerPool>) -> Result<Self, Error> {
+    pub fn new(
+        config: &Config,
+        pool: &Arc<PollerPool>,
+        peers: &Arc<LocalPeers>,
+    ) -> Result<Self, Error> {
         let (consumer, exit) = new_event_consumer_and_notifier(EventFlag::NONBLOCK)?;
         let worker_exit = (consumer, exit.try_clone()?);
         Ok(RdmaBackend {
-            device: Device::new(config, pool)?,
+            device: Device::new(config, pool, peers)?,
             num_queues: usize::from(FIRST_NOTIFY_QUEUE) + config.notify_queues as usize,
             mem: GuestMemoryAtomic::new(GuestMemoryMmap::new()),
             event_idx: false,
@@ -413,9 +417,9 @@ impl VhostUserBackendMut for RdmaBackend {
 /// guest's host context is open before the socket exists, so a front end (or a test counting
 /// the host's objects) that sees the socket finds the backend ready.
 pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
-    let pool = start_pool(config)?;
-    let first = RdmaBackend::new(config, &pool)?;
-    serve_prepared(config, listen(socket_path)?, &pool, first)
+    let (pool, peers) = (start_pool(config)?, Arc::default());
+    let first = RdmaBackend::new(config, &pool, &peers)?;
+    serve_prepared(config, listen(socket_path)?, (&pool, &peers), first)
 }
 
 /// The poller threads every connection's data path is served by.
@@ -437,15 +441,15 @@ pub fn listen(socket_path: &Path) -> Result<Listener, Error> {
 pub fn serve_listener(config: &Config, listener: Listener) -> Result<(), Error> {
     // The device context for the next connection is opened before it arrives, so a front end
     // never waits for it and a bad device fails before the first guest is accepted.
-    let pool = start_pool(config)?;
-    let first = RdmaBackend::new(config, &pool)?;
-    serve_prepared(config, listener, &pool, first)
+    let (pool, peers) = (start_pool(config)?, Arc::default());
+    let first = RdmaBackend::new(config, &pool, &peers)?;
+    serve_prepared(config, listener, (&pool, &peers), first)
 }
 
 fn serve_prepared(
     config: &Config,
     mut listener: Listener,
-    pool: &Arc<PollerPool>,
+    (pool, peers): (&Arc<PollerPool>, &Arc<LocalPeers>),
     first: RdmaBackend,
 ) -> Result<(), Error> {
     // Held while serving: no other backend serves guests on this GID unless all share it.
@@ -479,7 +483,7 @@ fn serve_prepared(
         // The backend was handed to the connection, or half used by a failed start: either
         // way the next connection gets a fresh one.
         backend = loop {
-            match RdmaBackend::new(config, pool) {
+            match RdmaBackend::new(config, pool, peers) {
                 Ok(next) => break Arc::new(RwLock::new(next)),
                 Err(e) => {
                     log::error!("cannot prepare a device for the next guest: {e}; retrying in 1 s");

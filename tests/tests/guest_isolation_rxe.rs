@@ -578,3 +578,59 @@ fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
         backend.wait().unwrap();
     }
 }
+
+/// Finding (with --shared-gid, where guests share a GID by the operator's declaration): a
+/// guest could connect a QP of its own to another guest's connected QP and inject into that
+/// connection. Now a QP connects to another guest's QP on the backend's GID only if that QP is
+/// not connected, or is connected back to it; a QP that connected in advance to a QP that then
+/// connects elsewhere is moved to the error state.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_qp_cannot_connect_to_another_guests_qp_that_is_connected_elsewhere() {
+    use vrdma_guest::{qp_state, Status};
+    let socket = socket("foreign-qp");
+    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
+    let victim = Victim::attach(&socket);
+    let attacker = Device::attach(&socket).unwrap();
+    let pd = attacker.alloc_pd().unwrap();
+    let cq = attacker.create_cq(16).unwrap();
+    let (gid_index, gid) = attacker.gid().unwrap();
+    let sgid = gid_index as u8;
+
+    // The victim's QP is connected to its own peer: refused.
+    let intruder = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+    match connect_guest_qp(&intruder, sgid, gid, victim.qp.qp_num()) {
+        Err(Error::Device { status, .. }) => assert_eq!(status, Status::InvalidArgument),
+        other => panic!("connecting to another guest's connected QP: {other:?}"),
+    }
+    victim.still_served(1);
+
+    // Connected in advance to a QP that is not yet connected: allowed, until that QP
+    // connects elsewhere.
+    let pd_v = victim.device.alloc_pd().unwrap();
+    let (early, late) = (
+        QueuePair::builder(QpType::Rc, &victim.cq)
+            .build(&pd_v)
+            .unwrap(),
+        QueuePair::builder(QpType::Rc, &victim.cq)
+            .build(&pd_v)
+            .unwrap(),
+    );
+    let lurker = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+    connect_guest_qp(&lurker, sgid, gid, early.qp_num()).unwrap();
+    connect_guest_qp(&early, sgid, gid, late.qp_num()).unwrap();
+    connect_guest_qp(&late, sgid, gid, early.qp_num()).unwrap();
+    assert_eq!(lurker.query().unwrap().qp_state, qp_state::ERR);
+
+    // Two guests' QPs connected to each other, as ever.
+    let mine = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+    let theirs = QueuePair::builder(QpType::Rc, &victim.cq)
+        .build(&pd_v)
+        .unwrap();
+    connect_guest_qp(&mine, sgid, gid, theirs.qp_num()).unwrap();
+    connect_guest_qp(&theirs, sgid, gid, mine.qp_num()).unwrap();
+    victim.still_served(2);
+    assert_alive(&mut backend);
+    backend.kill().unwrap();
+    backend.wait().unwrap();
+}

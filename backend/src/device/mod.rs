@@ -2,6 +2,7 @@
 //! and executed on host verbs. It knows nothing of vhost-user: requests come in as bytes, guest
 //! memory as any [`GuestMemoryBackend`].
 
+mod local_peers;
 mod objects;
 mod refusal;
 pub mod validate;
@@ -27,6 +28,7 @@ use crate::datapath::{CqData, DataPath, GuestRing, NotifyArea, PollerPool, QpDat
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpCaps, QpInit, QpType};
 use crate::mtt::{self, pages_needed, PageListRules};
 use crate::{limits, Config, HostDevice};
+pub use local_peers::LocalPeers;
 pub use objects::Objects;
 use objects::{AhEntry, CqEntry, MrEntry, QpEntry, SrqEntry};
 pub use refusal::{CommandError, Refusal, RefusalLog};
@@ -51,6 +53,9 @@ pub struct Device {
     refusals: RefusalLog,
     /// What of the backend's mapping of guest RAM registrations have populated.
     populated: mtt::PopulatedRanges,
+    /// The RC QPs of every guest of the backend, and this connection's identity among them.
+    peers: Arc<LocalPeers>,
+    connection: u64,
 }
 
 /// Whether `bytes` more of `kind` fit a quota of `quota` bytes with `used` in use.
@@ -123,7 +128,11 @@ fn parse<T: ByteValued + Default>(payload: &[u8]) -> T {
 
 impl Device {
     /// Opens a host context of its own for one guest connection.
-    pub fn new(config: &Config, pool: &Arc<PollerPool>) -> Result<Device, crate::Error> {
+    pub fn new(
+        config: &Config,
+        pool: &Arc<PollerPool>,
+        peers: &Arc<LocalPeers>,
+    ) -> Result<Device, crate::Error> {
         let host = HostDevice::open(config)?;
         let host_attr = host.context.query_device()?;
         let port = host.context.query_port(host.port)?;
@@ -151,6 +160,8 @@ impl Device {
             config: advertised,
             objects: Objects::new(),
             populated: mtt::PopulatedRanges::default(),
+            connection: peers.new_connection(),
+            peers: Arc::clone(peers),
         })
     }
 
@@ -600,6 +611,9 @@ impl Device {
         };
         let qp = Arc::new(pd.create_qp(&send_cq_host, &recv_cq_host, &init)?);
         let qp_num = qp.qp_num();
+        if shape.qp_type == QpType::Rc {
+            self.peers.created(self.connection, &qp);
+        }
         let handle = self.objects.new_handle();
         let notify_queue = self.data_path.notify_queue_for(handle);
         let rules = QpRules {
@@ -724,6 +738,7 @@ impl Device {
         self.data_path.remove_qp(handle);
         self.data_path.forget_receiver(qp_num);
         self.objects.remove_qp(handle)?;
+        self.peers.destroyed(qp_num);
         Ok(Vec::new())
     }
 
@@ -737,6 +752,15 @@ impl Device {
             atomics: self.features & features::ATOMIC != 0,
         };
         let (attr, mask) = validate::modify_qp(&req, &limits)?;
+        // A destination on the backend's own GID is another QP of this backend's guests.
+        let local_dest = mask & hostverbs::qp_attr_mask::DEST_QPN != 0
+            && attr.ah_attr.dgid == self.host.gid
+            && entry.host.qp_type() == QpType::Rc;
+        if local_dest {
+            let qp_num = entry.host.qp_num();
+            self.peers
+                .connect(self.connection, qp_num, attr.dest_qp_num)?;
+        }
         // Every field was checked above; what the host still refuses is the transition from
         // the QP's current state, or an attribute that state needs (SPEC.md §5.11).
         entry

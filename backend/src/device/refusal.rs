@@ -120,6 +120,8 @@ pub enum Refusal {
     BitmapNotContiguous,
     #[error("a ring's pages must all be distinct")]
     RepeatedRingPage,
+    #[error("QP {0:#x} is another guest's, connected to another QP")]
+    ConnectedElsewhere(u32),
     #[error(transparent)]
     Pages(#[from] MttError),
 
@@ -189,7 +191,8 @@ impl Refusal {
             | PrivilegedQkey
             | QpTransition(_)
             | Overflow(_)
-            | RepeatedRingPage => Status::InvalidArgument,
+            | RepeatedRingPage
+            | ConnectedElsewhere(_) => Status::InvalidArgument,
         }
     }
 
