@@ -13,6 +13,7 @@ pub mod limits;
 pub mod log_budget;
 pub mod memory_regions;
 pub mod mtt;
+mod per_second;
 pub mod sandbox;
 pub mod vhost_user;
 mod vring;

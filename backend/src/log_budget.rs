@@ -4,16 +4,17 @@
 //! says how many were left out. A guest repeating a mistake in a loop fills no disk.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
+
+use crate::per_second::PerSecond;
+pub use crate::per_second::WINDOW;
 
 /// Most lines one connection logs per [`WINDOW`].
 pub const LINES_PER_WINDOW: u32 = 10;
-pub const WINDOW: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Default)]
 struct Window {
-    start: Option<Instant>,
-    lines: u32,
+    lines: PerSecond,
     left_out: u64,
 }
 
@@ -27,18 +28,10 @@ impl LogBudget {
     /// `now`; `None` (and the line counted as left out) if it has logged its share for now.
     pub fn admit(&self, line: impl FnOnce() -> String, now: Instant) -> Option<String> {
         let mut window = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if window
-            .start
-            .is_none_or(|start| now.duration_since(start) >= WINDOW)
-        {
-            window.start = Some(now);
-            window.lines = 0;
-        }
-        if window.lines == LINES_PER_WINDOW {
+        if window.lines.note(now) > LINES_PER_WINDOW {
             window.left_out += 1;
             return None;
         }
-        window.lines += 1;
         let mut line = line();
         if window.left_out > 0 {
             line += &format!(" ({} more not logged before this one)", window.left_out);

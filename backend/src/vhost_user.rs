@@ -26,6 +26,7 @@ use vrdma_spec::ByteValued;
 use crate::datapath::{EventSink, PollerPool};
 use crate::device::{Device, LocalPeers};
 use crate::memory_regions::{self, UnsealedFiles};
+use crate::per_second::PerSecond;
 use crate::vring::Vring;
 use crate::{Config, Error};
 
@@ -71,8 +72,7 @@ pub struct RdmaBackend {
 /// guest's kicks wake the backend. Kicks a sleeping poller asked for are never delayed.
 #[derive(Default)]
 struct KickThrottle {
-    window_start: Option<std::time::Instant>,
-    spurious: u32,
+    spurious: PerSecond,
 }
 
 const SPURIOUS_KICKS_PER_SECOND: u32 = 100;
@@ -80,16 +80,7 @@ const SPURIOUS_KICK_DELAY: std::time::Duration = std::time::Duration::from_milli
 
 impl KickThrottle {
     fn spurious_kick(&mut self) {
-        let now = std::time::Instant::now();
-        if self
-            .window_start
-            .is_none_or(|start| now.duration_since(start) >= std::time::Duration::from_secs(1))
-        {
-            self.window_start = Some(now);
-            self.spurious = 0;
-        }
-        self.spurious += 1;
-        if self.spurious > SPURIOUS_KICKS_PER_SECOND {
+        if self.spurious.note(std::time::Instant::now()) > SPURIOUS_KICKS_PER_SECOND {
             std::thread::sleep(SPURIOUS_KICK_DELAY);
         }
     }

@@ -16,6 +16,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::poller::Poller;
 use super::{Shared, SLEEP_LIMIT_MS};
 use crate::hostverbs;
+use crate::per_second::PerSecond;
 
 /// An idle pool thread spins for a while after its last work, so that a busy driver's next
 /// doorbell is seen without a kick, but only while it has its CPU to itself: when a yield
@@ -183,8 +184,7 @@ struct Served {
 /// when asked, and its kicks bring work.
 #[derive(Default)]
 struct WastedWakeups {
-    window_start: Option<Instant>,
-    count: u32,
+    wasted: PerSecond,
     storming_until: Option<Instant>,
     backoff: Duration,
     next_pass: Option<Instant>,
@@ -197,15 +197,7 @@ const STORMING_POLL_MS: i32 = 50;
 
 impl WastedWakeups {
     fn wasted(&mut self, now: Instant) {
-        if self
-            .window_start
-            .is_none_or(|start| now.duration_since(start) >= Duration::from_secs(1))
-        {
-            self.window_start = Some(now);
-            self.count = 0;
-        }
-        self.count += 1;
-        if self.count <= WASTED_WAKEUPS_PER_SECOND || self.storming(now) {
+        if self.wasted.note(now) <= WASTED_WAKEUPS_PER_SECOND || self.storming(now) {
             return;
         }
         // Storming again within the last backoff: twice as long this time.
