@@ -123,7 +123,9 @@ echo 0 >/proc/sys/vm/nr_hugepages
 # polling off so that few idle passes are counted, and no seccomp filter (it would filter
 # valgrind's own system calls too), over a fixed workload: write_bw of WRITES 64-byte writes
 # (one WQE and one CQE each), DEPTH of them in flight. The profile is dumped while the backend
-# runs (it does not exit cleanly under valgrind), then the backend is killed.
+# runs (it does not exit cleanly under valgrind), then the backend is killed. Two guests at
+# most (the perf pair): valgrind keeps the open file limit where it is, and the backend starts
+# only with room for every guest it may serve.
 instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the report)
   local writes=$1 depth=$2 how=$3 socket=/tmp/vrdma-callgrind.sock
   local out=/tmp/callgrind.out
@@ -131,7 +133,8 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
   rm -f "$out"* "$socket"
   valgrind --tool=callgrind --callgrind-out-file="$out" --collect-atstart=no \
     --toggle-collect='*Poller*process_*' \
-    "$bin/vhost-user-rdma" --device rxe0 --socket-path "$socket" --poll-idle-us 0 --seccomp none --shared-gid \
+    "$bin/vhost-user-rdma" --device rxe0 --socket-path "$socket" --poll-idle-us 0 --seccomp none \
+    --shared-gid --max-guests 2 \
     2>/tmp/callgrind.log &
   local traced=$! instructions= provider= sends= posts= completions= polls= visits=
   for _ in $(seq 600); do [ -S "$socket" ] && break; sleep 0.1; done
@@ -178,7 +181,8 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
   kill -9 "$traced" "$server" 2>/dev/null
   wait "$traced" "$server" 2>/dev/null
   if [ -z "$instructions" ]; then
-    echo "bench: callgrind measured nothing (see /tmp/callgrind.log)" >&2
+    echo "bench: callgrind measured nothing; the end of its log:" >&2
+    tail -n 5 /tmp/callgrind.log >&2
     return 1
   fi
   echo "Backend instructions per WQE (callgrind; write_bw of $writes 64-byte writes $how; counted in WQE and CQE processing only, busy polling off): $((instructions / writes)), of which the host provider's post and poll (rxe's library; native pays them too) $((provider / writes)) and vrdma's own $(((instructions - provider) / writes)). Where they go: taking WQEs from QPs' rings and posting them $((sends / writes)), of which the host provider's post $((posts / writes)) and vrdma's own $(((sends - posts) / writes)); writing CQEs $((completions / writes)), of which the host provider's poll $((polls / writes)) and vrdma's own $(((completions - polls) / writes)); the rest on SRQs. In all, $visits."
