@@ -248,6 +248,9 @@ pub struct QpLimits {
     pub atomics: bool,
 }
 
+/// `ibv_mtu` 4096, the largest path MTU there is.
+const IBV_MTU_4096: u32 = 5;
+
 /// An address vector (SPEC.md §5.10); the guest may only source traffic from its own GID,
 /// which it names as [`GUEST_GID_INDEX`] and the host knows as `host_gid_index`.
 pub fn ah_attr(a: &WireAhAttr, port: &PortAttr, host_gid_index: u8) -> Result<AhAttr, Refusal> {
@@ -257,7 +260,9 @@ pub fn ah_attr(a: &WireAhAttr, port: &PortAttr, host_gid_index: u8) -> Result<Ah
     if a.sgid_index != GUEST_GID_INDEX {
         return Err(Refusal::ForeignSourceGid(a.sgid_index));
     }
-    let flow_label = range("flow label", a.flow_label.to_native(), 0, (1 << 20) - 1)?;
+    // The wire carries 20 bits; like the kernel, keep those and ignore the rest (UCX passes
+    // 0xFFFFFFFF).
+    let flow_label = a.flow_label.to_native() & ((1 << 20) - 1);
     range("service level", a.sl.into(), 0, 15)?;
     let is_global = match a.is_global {
         0 => false,
@@ -321,7 +326,10 @@ pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u3
         attr.cur_qp_state = state(a.cur_qp_state)?;
     }
     if has(wire_mask::PATH_MTU) {
-        attr.path_mtu = range("path MTU", a.path_mtu.into(), 1, limits.port.active_mtu)?;
+        // Like rxe, a path MTU above the port's active MTU is taken as the active MTU: the
+        // link carries no more (`ibv_rc_pingpong -m 4096` on a 1500-byte link).
+        let path_mtu = range("path MTU", a.path_mtu.into(), 1, IBV_MTU_4096)?;
+        attr.path_mtu = path_mtu.min(limits.port.active_mtu);
     }
     if has(wire_mask::PORT) && a.port_num != 1 {
         return Err(Refusal::NoSuchPort(a.port_num));
@@ -511,6 +519,26 @@ mod tests {
         assert!(host.ah_attr.is_global);
     }
 
+    /// Where the kernel is lenient, so is the device (SPEC.md §5.10, §5.11): a path MTU
+    /// above the port's active MTU is the active MTU (rxe; `ibv_rc_pingpong -m 4096`), and a
+    /// flow label keeps its 20 bits (UCX passes 0xFFFFFFFF).
+    #[test]
+    fn a_larger_path_mtu_and_a_wide_flow_label_are_taken_as_the_kernel_takes_them() {
+        let mask = wire_mask::STATE | wire_mask::AV | wire_mask::PATH_MTU;
+        let attr = WireQpAttr {
+            qp_state: qp_state::RTR,
+            path_mtu: 5,
+            ah_attr: WireAhAttr {
+                flow_label: Le32::from(u32::MAX),
+                ..av()
+            },
+            ..Default::default()
+        };
+        let (host, _) = modify(mask, attr).unwrap();
+        assert_eq!(host.path_mtu, 3, "the port's active MTU");
+        assert_eq!(host.ah_attr.flow_label, 0xf_ffff);
+    }
+
     #[test]
     fn out_of_range_fields_and_unknown_mask_bits_are_invalid() {
         let base = WireQpAttr::default();
@@ -535,10 +563,10 @@ mod tests {
             (
                 wire_mask::PATH_MTU,
                 WireQpAttr {
-                    path_mtu: 4,
+                    path_mtu: 6,
                     ..base
                 },
-                out_of_range("path MTU", 4, 1, 3),
+                out_of_range("path MTU", 6, 1, 5),
             ),
             (
                 wire_mask::PATH_MTU,
@@ -546,7 +574,7 @@ mod tests {
                     path_mtu: 0,
                     ..base
                 },
-                out_of_range("path MTU", 0, 1, 3),
+                out_of_range("path MTU", 0, 1, 5),
             ),
             (
                 wire_mask::PORT,
@@ -669,13 +697,6 @@ mod tests {
             (
                 WireAhAttr { sl: 16, ..av() },
                 out_of_range("service level", 16, 0, 15),
-            ),
-            (
-                WireAhAttr {
-                    flow_label: Le32::from(1 << 20),
-                    ..av()
-                },
-                out_of_range("flow label", 1 << 20, 0, (1 << 20) - 1),
             ),
             (
                 WireAhAttr {
