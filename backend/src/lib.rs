@@ -167,6 +167,18 @@ impl HostDevice {
     }
 }
 
+/// Claims the GID the backend's guests send from ([`gid_claim`]), for as long as the claim is
+/// held: before listening, so that a backend refused for a GID leaves the socket alone.
+pub fn claim_guest_gid(config: &Config) -> Result<gid_claim::GidClaim, Error> {
+    let device = HostDevice::open(config)?;
+    Ok(gid_claim::claim(
+        &config.device,
+        config.port,
+        device.gid,
+        config.shared_gid,
+    )?)
+}
+
 /// The guest's address of `config`, put on the network interface of the host device's port
 /// (see [`guest_address`]). It is removed when the last holder drops it.
 pub fn assign_guest_address(config: &Config) -> Result<SharedGuestAddress, Error> {

@@ -176,7 +176,13 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
     }
     // Taken off the host on SIGINT/SIGTERM, or when serving ends.
     let guest_address = vrdma_backend::assign_guest_address(&config)?;
-    // What needs root comes first: the address, the socket (whose directory may be root's).
+    // What needs root comes first: the address, the claim on its GID (before the socket, so
+    // that a backend refused for a GID another serves leaves that one's socket alone), the
+    // socket (whose directory may be root's).
+    let _claim = match &socket_path {
+        Some(_) => Some(vrdma_backend::claim_guest_gid(&config)?),
+        None => None,
+    };
     let listener = socket_path.as_deref().map(vhost_user::listen).transpose()?;
     if let Some(user) = &user {
         vrdma_backend::sandbox::run_as(user, config.guest_ip.is_some())?;

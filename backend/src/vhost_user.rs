@@ -408,6 +408,8 @@ impl VhostUserBackendMut for RdmaBackend {
 /// guest's host context is open before the socket exists, so a front end (or a test counting
 /// the host's objects) that sees the socket finds the backend ready.
 pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
+    // Held while serving: no other backend serves guests on this GID unless all share it.
+    let _claim = crate::claim_guest_gid(config)?;
     let (pool, peers) = (start_pool(config)?, Arc::default());
     let first = RdmaBackend::new(config, &pool, &peers)?;
     serve_prepared(config, listen(socket_path)?, (&pool, &peers), first)
@@ -426,7 +428,8 @@ pub fn listen(socket_path: &Path) -> Result<Listener, Error> {
     Ok(listener)
 }
 
-/// Serves the front ends `listener` accepts until an error: each connection gets its own
+/// Serves the front ends `listener` accepts until an error (the caller holds the claim on the
+/// guests' GID, [`crate::claim_guest_gid`]): each connection gets its own
 /// backend (its own host context and objects), served on its own threads; when it ends,
 /// everything it created on the host is destroyed.
 pub fn serve_listener(config: &Config, listener: Listener) -> Result<(), Error> {
@@ -443,13 +446,6 @@ fn serve_prepared(
     (pool, peers): (&Arc<PollerPool>, &Arc<LocalPeers>),
     first: RdmaBackend,
 ) -> Result<(), Error> {
-    // Held while serving: no other backend serves guests on this GID unless all share it.
-    let _claim = crate::gid_claim::claim(
-        &config.device,
-        config.port,
-        first.device.gid(),
-        config.shared_gid,
-    )?;
     let mut backend = Arc::new(RwLock::new(first));
     let admission = Arc::new(Admission::new(config)?);
     // Everything serving needs from here on is in the filter (crate::sandbox).

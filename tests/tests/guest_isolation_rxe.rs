@@ -565,6 +565,8 @@ fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
     );
     let refused = vrdma_tests::backend_refuses(&second_socket, &["--shared-gid"]);
     assert!(refused.contains("that does not share it"), "{refused}");
+    // Started by mistake on the first one's socket, it is refused before it touches it.
+    vrdma_tests::backend_refuses(&first_socket, &[]);
     Victim::attach(&first_socket).still_served(1);
     first.kill().unwrap();
     first.wait().unwrap();

@@ -165,11 +165,6 @@ impl Device {
         })
     }
 
-    /// The GID the guest sends from.
-    pub fn gid(&self) -> hostverbs::Gid {
-        self.host.gid
-    }
-
     /// The configuration space (SPEC.md §3).
     pub fn config(&self) -> &DeviceConfig {
         &self.config
