@@ -148,6 +148,14 @@ fn free_huge_pages() -> u64 {
 /// What a hostile front end sends; an error is the backend's refusal.
 type Attack = Box<dyn Fn(&mut Frontend) -> vhost::Result<()>>;
 
+/// Stops a backend the test started, which must still be running: nothing the test did
+/// may have ended it.
+fn stop_alive(mut backend: Child) {
+    assert_alive(&mut backend);
+    backend.kill().unwrap();
+    backend.wait().unwrap();
+}
+
 fn assert_alive(backend: &mut Child) {
     assert!(
         backend.try_wait().unwrap().is_none(),
@@ -231,9 +239,7 @@ fn memory_the_backend_could_fault_on_is_refused_and_every_guest_is_served_on() {
     let newcomer = Victim::attach(&socket);
     newcomer.still_served(10);
     victim.still_served(11);
-    assert_alive(&mut backend);
-    backend.kill().unwrap();
-    backend.wait().unwrap();
+    stop_alive(backend);
 }
 
 /// Finding: without --guest-ip every guest of a backend sends from the host's one GID, and a
@@ -266,8 +272,7 @@ fn a_second_guest_on_an_unshared_gid_is_refused_and_served_once_the_first_is_gon
     // down (a program that opens the device twice in a row).
     let next = Victim::attach(&socket);
     next.still_served(3);
-    backend.kill().unwrap();
-    backend.wait().unwrap();
+    stop_alive(backend);
 }
 
 /// The admission's grace, seen from a program that opens the device again at once: a short
@@ -276,16 +281,14 @@ fn a_second_guest_on_an_unshared_gid_is_refused_and_served_once_the_first_is_gon
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_guest_that_reconnects_at_once_is_served_on_an_unshared_gid() {
     let socket = socket("reconnect");
-    let mut backend = spawn_backend_process(&socket, &[]);
+    let backend = spawn_backend_process(&socket, &[]);
     let deadline = Instant::now() + Duration::from_secs(120);
     for i in 0..20 {
         let device = Device::attach(&socket).unwrap_or_else(|e| panic!("attach {i}: {e}"));
         device.alloc_pd().unwrap();
         assert!(Instant::now() < deadline);
     }
-    assert_alive(&mut backend);
-    backend.kill().unwrap();
-    backend.wait().unwrap();
+    stop_alive(backend);
 }
 
 /// CPU time (user + system) the process `pid` has used.
@@ -360,7 +363,7 @@ fn cpu_while_served(pid: u32, quiet: &Victim) -> (Duration, Duration, Duration) 
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_driver_ringing_every_doorbell_in_a_loop_costs_the_backend_little() {
     let socket = socket("storm");
-    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
+    let backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let pid = backend.id();
     let quiet = Victim::attach(&socket);
     let stormer = Device::attach(&socket).unwrap();
@@ -407,9 +410,7 @@ fn a_driver_ringing_every_doorbell_in_a_loop_costs_the_backend_little() {
         storm.saturating_sub(calm)
     );
     quiet.still_served(51);
-    assert_alive(&mut backend);
-    backend.kill().unwrap();
-    backend.wait().unwrap();
+    stop_alive(backend);
 }
 
 /// Finding: an idle backend woke every 100 ms and visited every CQ of every guest twice, so
@@ -419,7 +420,7 @@ fn a_driver_ringing_every_doorbell_in_a_loop_costs_the_backend_little() {
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
     let socket = socket("idle");
-    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
+    let backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let pid = backend.id();
     let guests: Vec<_> = (0..4)
         .map(|_| {
@@ -449,9 +450,7 @@ fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
     for (victim, _) in &guests {
         victim.still_served(2);
     }
-    assert_alive(&mut backend);
-    backend.kill().unwrap();
-    backend.wait().unwrap();
+    stop_alive(backend);
 }
 
 /// Finding: SET_VRING_KICK on a running queue replaced the descriptor the backend held but not
@@ -461,7 +460,7 @@ fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn kick_descriptors_renewed_on_running_queues_are_taken() {
     let socket = socket("renew-kick");
-    let mut backend = spawn_backend_process(&socket, &[]);
+    let backend = spawn_backend_process(&socket, &[]);
     let guest = Victim::attach(&socket);
     guest.still_served(1);
     guest.device.renew_kick_descriptors().unwrap();
@@ -476,9 +475,7 @@ fn kick_descriptors_renewed_on_running_queues_are_taken() {
     std::thread::sleep(Duration::from_millis(200));
     guest.still_served(2);
     assert!(guest.device.kicks_sent() > kicks, "the write needed a kick");
-    assert_alive(&mut backend);
-    backend.kill().unwrap();
-    backend.wait().unwrap();
+    stop_alive(backend);
 }
 
 /// Finding: lines a guest makes the backend log outside the control path (a QP failed for a
@@ -489,7 +486,7 @@ fn kick_descriptors_renewed_on_running_queues_are_taken() {
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_guest_failing_qps_in_a_loop_logs_within_its_budget() {
     let socket = socket("qp-loop");
-    let mut backend = spawn_backend_process(&socket, &[]);
+    let backend = spawn_backend_process(&socket, &[]);
     const FAILED: u64 = 100;
     let elapsed = {
         let device = Device::attach(&socket).unwrap();
@@ -523,9 +520,7 @@ fn a_guest_failing_qps_in_a_loop_logs_within_its_budget() {
         failed <= 10 * elapsed,
         "{failed} lines for {FAILED} failed QPs in {elapsed} s:\n{log}"
     );
-    assert_alive(&mut backend);
-    backend.kill().unwrap();
-    backend.wait().unwrap();
+    stop_alive(backend);
 }
 
 /// Finding: one guest could hold about 530 descriptors (509 memory regions), not the 20 README
@@ -572,14 +567,12 @@ fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
     first.wait().unwrap();
 
     // Backends that all share the GID serve side by side.
-    let mut first = spawn_backend_process(&first_socket, &["--shared-gid"]);
-    let mut second = spawn_backend_process(&second_socket, &["--shared-gid"]);
+    let first = spawn_backend_process(&first_socket, &["--shared-gid"]);
+    let second = spawn_backend_process(&second_socket, &["--shared-gid"]);
     Victim::attach(&first_socket).still_served(2);
     Victim::attach(&second_socket).still_served(3);
-    for backend in [&mut first, &mut second] {
-        backend.kill().unwrap();
-        backend.wait().unwrap();
-    }
+    stop_alive(first);
+    stop_alive(second);
 }
 
 /// Finding (with --shared-gid, where guests share a GID by the operator's declaration): a
@@ -592,7 +585,7 @@ fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
 fn a_qp_cannot_connect_to_another_guests_qp_that_is_connected_elsewhere() {
     use vrdma_guest::{qp_state, Status};
     let socket = socket("foreign-qp");
-    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
+    let backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let victim = Victim::attach(&socket);
     let attacker = Device::attach(&socket).unwrap();
     let pd = attacker.alloc_pd().unwrap();
@@ -633,7 +626,5 @@ fn a_qp_cannot_connect_to_another_guests_qp_that_is_connected_elsewhere() {
     connect_guest_qp(&mine, sgid, gid, theirs.qp_num()).unwrap();
     connect_guest_qp(&theirs, sgid, gid, mine.qp_num()).unwrap();
     victim.still_served(2);
-    assert_alive(&mut backend);
-    backend.kill().unwrap();
-    backend.wait().unwrap();
+    stop_alive(backend);
 }
