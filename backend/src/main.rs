@@ -171,6 +171,9 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
     let socket_path = args.socket_path.clone();
     let user = args.user.clone();
     let config = Config::from(args);
+    // A flag naming a CPU this process may not use is the operator's mistake, told before
+    // anything is claimed (a refusal for a GID another backend holds would hide it).
+    vrdma_backend::check_poll_cpus(&config.poll_cpus)?;
     if socket_path.is_some() {
         vrdma_backend::reserve_descriptors(&config)?;
     }
@@ -202,9 +205,7 @@ fn check_or_serve(
     config: &Config,
     listener: Option<vhost_user::Listener>,
 ) -> Result<(), vrdma_backend::Error> {
-    // Fail fast on an unusable device or CPU (as the user that serves), before accepting
-    // guests.
-    vrdma_backend::check_poll_cpus(&config.poll_cpus)?;
+    // Fail fast on an unusable device (as the user that serves), before accepting guests.
     let device = HostDevice::open(config)?;
     match listener {
         None => {
