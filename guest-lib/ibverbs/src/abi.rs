@@ -117,9 +117,17 @@ pub(crate) unsafe fn context_of<'a>(context: *mut ibv_context) -> &'a VrdmaConte
     unsafe { &*(context.cast::<u8>().sub(offset).cast::<VrdmaContext>()) }
 }
 
+/// The errno for a guest-lib error, also left in the thread's `errno`, as libibverbs leaves
+/// it whether a call reports failure by its return value or by NULL (programs read either).
+pub(crate) fn raise_errno(error: &vrdma_guest::Error) -> c_int {
+    let errno = errno_of(error);
+    set_errno(errno);
+    errno
+}
+
 /// An errno for a guest-lib error: the host's errno when the device passed one on (an empty
 /// GID entry is ENODATA, as on a native device), else what the status means.
-pub(crate) fn errno_of(error: &vrdma_guest::Error) -> c_int {
+fn errno_of(error: &vrdma_guest::Error) -> c_int {
     use vrdma_guest::{Error, Status};
     match error {
         Error::Device { detail, .. } if *detail != 0 => {
@@ -134,7 +142,8 @@ pub(crate) fn errno_of(error: &vrdma_guest::Error) -> c_int {
             _ => libc::EINVAL,
         },
         Error::InvalidArgument(_) | Error::OutOfBounds { .. } => libc::EINVAL,
-        Error::OutOfSharedMemory(_) => libc::ENOMEM,
+        // A full work queue: ENOMEM, as rxe and mlx5 say it.
+        Error::OutOfSharedMemory(_) | Error::QueueFull { .. } => libc::ENOMEM,
         Error::Timeout(_) => libc::ETIMEDOUT,
         Error::DeviceReset => libc::EIO,
         _ => libc::EIO,
@@ -319,7 +328,7 @@ unsafe extern "C" fn ibv_query_device(
             unsafe { device_attr.write(attr::device_attr(&wire)) };
             0
         }
-        Err(e) => errno_of(&e),
+        Err(e) => raise_errno(&e),
     }
 }
 
@@ -331,7 +340,7 @@ fn port_attributes(context: &VrdmaContext, port: u8) -> Result<ibv_port_attr, c_
         .device
         .query_port()
         .map(|wire| attr::port_attr(&wire))
-        .map_err(|e| errno_of(&e))
+        .map_err(|e| raise_errno(&e))
 }
 
 /// `verbs_context.query_port`: what verbs.h's `ibv_query_port` calls.
@@ -379,7 +388,10 @@ fn gid_entry(context: &VrdmaContext, port: u8, index: u32) -> Result<(ibv_gid, u
     if port != 1 {
         return Err(libc::EINVAL);
     }
-    let (gid, gid_type) = context.device.query_gid(index).map_err(|e| errno_of(&e))?;
+    let (gid, gid_type) = context
+        .device
+        .query_gid(index)
+        .map_err(|e| raise_errno(&e))?;
     Ok((ibv_gid { raw: gid.0 }, gid_type))
 }
 
@@ -702,4 +714,33 @@ unsafe extern "C" fn ibv_read_sysfs_file(
 ) -> c_int {
     set_errno(libc::ENOENT);
     -1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errno() -> c_int {
+        // SAFETY: this thread's errno slot.
+        unsafe { *libc::__errno_location() }
+    }
+
+    #[test]
+    fn a_failure_is_returned_and_left_in_errno() {
+        set_errno(0);
+        let full = vrdma_guest::Error::QueueFull { posted: 3 };
+        assert_eq!(
+            raise_errno(&full),
+            libc::ENOMEM,
+            "a full queue, as rxe says it"
+        );
+        assert_eq!(errno(), libc::ENOMEM);
+        let refused = vrdma_guest::Error::Device {
+            opcode: vrdma_guest::Opcode::ModifyQp,
+            status: vrdma_guest::Status::InvalidArgument,
+            detail: 0,
+        };
+        assert_eq!(raise_errno(&refused), libc::EINVAL);
+        assert_eq!(errno(), libc::EINVAL);
+    }
 }

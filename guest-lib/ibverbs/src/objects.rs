@@ -22,7 +22,7 @@ use vrdma_guest::{
     QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
 };
 
-use crate::abi::{context_of, errno_of, report_once, set_errno};
+use crate::abi::{context_of, raise_errno, report_once, set_errno};
 use crate::events::{Channel, ObjectKind};
 use crate::qp_ex::{self, Staged, SERVED_SEND_OPS};
 use crate::translate::{self, send_flags};
@@ -109,7 +109,7 @@ impl VrdmaQp {
         };
         self.inner
             .post_send(std::slice::from_ref(&send))
-            .map_err(|e| errno_of(&e))
+            .map_err(|e| raise_errno(&e))
     }
 }
 
@@ -189,7 +189,7 @@ unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd {
         }),
         Err(e) => {
             report_once("alloc_pd", &format!("ibv_alloc_pd failed: {e}"));
-            set_errno(errno_of(&e));
+            raise_errno(&e);
             ptr::null_mut()
         }
     }
@@ -251,7 +251,7 @@ unsafe extern "C" fn ibv_reg_mr_iova2(
         }),
         Err(e) => {
             report_once("reg_mr", &format!("ibv_reg_mr failed: {e}"));
-            set_errno(errno_of(&e));
+            raise_errno(&e);
             ptr::null_mut()
         }
     }
@@ -304,7 +304,7 @@ unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *
             inner,
         }),
         Err(e) => {
-            set_errno(errno_of(&e));
+            raise_errno(&e);
             ptr::null_mut()
         }
     }
@@ -475,7 +475,7 @@ unsafe fn create_cq(
         Ok(inner) => inner,
         Err(e) => {
             report_once("create_cq", &format!("ibv_create_cq failed: {e}"));
-            set_errno(errno_of(&e));
+            raise_errno(&e);
             return ptr::null_mut();
         }
     };
@@ -531,7 +531,7 @@ unsafe fn advance(cq: *mut ibv_cq_ex) -> c_int {
             *ours_cq.current.lock().unwrap_or_else(|e| e.into_inner()) = wc;
             0
         }
-        Err(e) => errno_of(&e),
+        Err(e) => raise_errno(&e),
     }
 }
 
@@ -647,7 +647,7 @@ pub(crate) unsafe extern "C" fn poll_cq(
             Ok(polled) => polled,
             Err(_) if done > 0 => break,
             Err(e) => {
-                set_errno(errno_of(&e));
+                raise_errno(&e);
                 return -1;
             }
         };
@@ -671,7 +671,7 @@ pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c
         .req_notify(solicited_only != 0)
     {
         Ok(()) => 0,
-        Err(e) => errno_of(&e),
+        Err(e) => raise_errno(&e),
     }
 }
 
@@ -769,7 +769,7 @@ unsafe fn create_qp(pd: *mut ibv_pd, init: &mut ibv_qp_init_attr, send_ops: bool
         Ok(inner) => inner,
         Err(e) => {
             report_once("create_qp", &format!("ibv_create_qp failed: {e}"));
-            set_errno(errno_of(&e));
+            raise_errno(&e);
             return ptr::null_mut();
         }
     };
@@ -837,7 +837,7 @@ unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask
         }
         Err(e) => {
             report_once("modify_qp", &format!("ibv_modify_qp failed: {e}"));
-            errno_of(&e)
+            raise_errno(&e)
         }
     }
 }
@@ -866,7 +866,7 @@ unsafe extern "C" fn ibv_query_qp(
             init.sq_sig_all = ours_qp.sq_sig_all.into();
             0
         }
-        Err(e) => errno_of(&e),
+        Err(e) => raise_errno(&e),
     }
 }
 
@@ -991,7 +991,7 @@ unsafe fn post_receives(
                 wr_id: request.wr_id,
                 sges: list,
             };
-            post(std::slice::from_ref(&recv)).map_err(|e| errno_of(&e))
+            post(std::slice::from_ref(&recv)).map_err(|e| raise_errno(&e))
         });
         if let Err(errno) = posted {
             if !bad_wr.is_null() {
@@ -1043,7 +1043,7 @@ unsafe extern "C" fn ibv_create_srq(pd: *mut ibv_pd, init: *mut ibv_srq_init_att
         }
         Err(e) => {
             report_once("create_srq", &format!("ibv_create_srq failed: {e}"));
-            set_errno(errno_of(&e));
+            raise_errno(&e);
             ptr::null_mut()
         }
     }
@@ -1073,7 +1073,7 @@ unsafe extern "C" fn ibv_modify_srq(
             ours_srq.limit.store(attr.srq_limit, Ordering::Relaxed);
             0
         }
-        Err(e) => errno_of(&e),
+        Err(e) => raise_errno(&e),
     }
 }
 
