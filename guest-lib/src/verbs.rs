@@ -431,6 +431,12 @@ impl ProtectionDomain {
         self.inner.handle
     }
 
+    /// True while MRs, QPs, SRQs or AHs made on this PD exist: each keeps the PD alive, so
+    /// dropping it now would not deallocate it (libibverbs refuses with EBUSY).
+    pub fn in_use(&self) -> bool {
+        Arc::strong_count(&self.inner) > 1
+    }
+
     /// Registers all of `buffer`.
     pub fn reg_mr(&self, buffer: &SharedBuffer, access: u32) -> Result<MemoryRegion> {
         self.reg_mr_range(buffer.addr(), buffer.len(), access)
@@ -596,6 +602,10 @@ impl CompletionQueue {
     }
     pub fn handle(&self) -> u32 {
         self.inner.handle
+    }
+    /// True while QPs complete here: each keeps the CQ alive (see [`ProtectionDomain::in_use`]).
+    pub fn in_use(&self) -> bool {
+        Arc::strong_count(&self.inner) > 1
     }
 }
 
@@ -1141,6 +1151,11 @@ impl ProtectionDomain {
 impl SharedReceiveQueue {
     pub fn handle(&self) -> u32 {
         self.inner.handle
+    }
+
+    /// True while QPs take their receives from it (see [`ProtectionDomain::in_use`]).
+    pub fn in_use(&self) -> bool {
+        Arc::strong_count(&self.inner) > 1
     }
 
     /// Receive requests it holds at most (rounded up to a power of two).

@@ -249,8 +249,22 @@ int main(int argc, char **argv)
 	ibv_wr_set_sge(qpx, mr->lkey, base + SEND_AT, 8);
 	ibv_wr_abort(qpx);
 
+	/* Refusals as libibverbs makes them: the errno returned is also left in errno. */
+	struct ibv_qp_attr back_to_rtr = { .qp_state = IBV_QPS_RTR };
+	errno = 0;
+	CHECK(ibv_modify_qp(qp[1], &back_to_rtr, IBV_QP_STATE) == EINVAL && errno == EINVAL,
+	      "ibv_modify_qp from RTS to RTR: EINVAL");
+	errno = 0;
+	CHECK(ibv_destroy_cq(ibv_cq_ex_to_cq(cq)) == EBUSY && errno == EBUSY,
+	      "ibv_destroy_cq while QPs complete there: EBUSY");
+	errno = 0;
+	CHECK(ibv_dealloc_pd(pd) == EBUSY && errno == EBUSY,
+	      "ibv_dealloc_pd while an MR and QPs use it: EBUSY");
+
 	for (int i = 0; i < 2; i++)
 		CHECK(!ibv_destroy_qp(qp[i]), "ibv_destroy_qp");
+	errno = 0;
+	CHECK(ibv_dealloc_pd(pd) == EBUSY && errno == EBUSY, "ibv_dealloc_pd while an MR uses it: EBUSY");
 	CHECK(!ibv_dereg_mr(mr), "ibv_dereg_mr");
 	CHECK(!ibv_destroy_cq(ibv_cq_ex_to_cq(cq)), "ibv_destroy_cq");
 	CHECK(!ibv_dealloc_pd(pd), "ibv_dealloc_pd");

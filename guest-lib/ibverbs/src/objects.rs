@@ -161,6 +161,13 @@ unsafe fn destroy<T>(object: *mut impl Sized) -> c_int {
     0
 }
 
+/// EBUSY, also in errno: the object is still used by others (libibverbs' answer when a PD,
+/// CQ or SRQ is destroyed before what was made on it); nothing is destroyed.
+fn busy() -> c_int {
+    set_errno(libc::EBUSY);
+    libc::EBUSY
+}
+
 /// Drops the events of object `handle` of `context`, which is being destroyed.
 ///
 /// # Safety
@@ -197,7 +204,11 @@ unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd {
 
 #[no_mangle]
 unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
-    // SAFETY: a PD from ibv_alloc_pd, deallocated once, per the API contract.
+    // SAFETY: a PD from ibv_alloc_pd, per the API contract.
+    if !pd.is_null() && unsafe { ours::<VrdmaPd>(pd) }.inner.in_use() {
+        return busy();
+    }
+    // SAFETY: as above, deallocated once.
     unsafe { destroy::<VrdmaPd>(pd) }
 }
 
@@ -345,7 +356,7 @@ unsafe extern "C" fn ibv_create_comp_channel(context: *mut ibv_context) -> *mut 
 unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut ibv_comp_channel) -> c_int {
     // SAFETY: a channel from ibv_create_comp_channel, per the API contract.
     if !channel.is_null() && unsafe { (*channel).refcnt } != 0 {
-        return libc::EBUSY; // CQs still report to it, as libibverbs refuses too
+        return busy(); // CQs still report to it, as libibverbs refuses too
     }
     // SAFETY: as above, destroyed once.
     unsafe { destroy::<VrdmaChannel>(channel) }
@@ -617,6 +628,10 @@ unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
         return libc::EINVAL;
     }
     // SAFETY: a CQ from ibv_create_cq, per the API contract.
+    if unsafe { ours::<VrdmaCq>(cq) }.inner.in_use() {
+        return busy();
+    }
+    // SAFETY: as above.
     let (context, channel, handle) = unsafe { ((*cq).context, (*cq).channel, (*cq).handle) };
     // SAFETY: the CQ's context and channel outlive it, per the API contract.
     unsafe { context_of(context) }.with_dispatcher(|dispatcher| {
@@ -1093,6 +1108,10 @@ unsafe extern "C" fn ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr) -
 #[no_mangle]
 unsafe extern "C" fn ibv_destroy_srq(srq: *mut ibv_srq) -> c_int {
     if !srq.is_null() {
+        // SAFETY: an SRQ from ibv_create_srq, per the API contract.
+        if unsafe { ours::<VrdmaSrq>(srq) }.inner.in_use() {
+            return busy();
+        }
         // SAFETY: an SRQ from ibv_create_srq, per the API contract; its context outlives it.
         unsafe { forget_events((*srq).context, ObjectKind::Srq, (*srq).handle) };
     }
