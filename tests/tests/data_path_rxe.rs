@@ -11,7 +11,7 @@ use vrdma_backend::hostverbs::{self, PinnedMemory};
 use vrdma_guest::{
     access, qp_state, wc_opcode, wc_status, AhAttr, CompletionQueue, Device, DeviceEvent,
     MemoryRegion, Payload, ProtectionDomain, QpType, QueuePair, RcPeer, RecvWr, SendOp, SendWr,
-    Sge, SharedBuffer, UdDest,
+    Sge, SharedBuffer, UdDest, WorkCompletion,
 };
 use vrdma_tests::{
     checksum, connect_guest_qp, host_gid_index, host_resource_counts, line_field, open_test_device,
@@ -774,6 +774,61 @@ fn a_cq_overrun_by_its_driver_is_reported_not_silent() {
         if a.device.wait_event(left).unwrap() == Some(DeviceEvent::CqError(small.handle())) {
             break;
         }
+    }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_cq_holds_twice_its_depth_before_its_driver_polls() {
+    // SPEC.md §7.5: completions beyond the ring wait in the host CQ, which holds at least
+    // `depth` more, so a driver that polls late loses none of 2 x depth.
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    let (index, gid) = a.device.gid().unwrap();
+    for depth in [4u32, 8, 16, 64] {
+        let cq = a.device.create_cq(depth).unwrap();
+        let sender = QueuePair::builder(QpType::Rc, &cq)
+            .max_send_wr(2 * depth)
+            .build(&a.pd)
+            .unwrap();
+        let receiver = QueuePair::builder(QpType::Rc, &b.cq).build(&b.pd).unwrap();
+        connect_guest_qp(&sender, index as u8, gid, receiver.qp_num()).unwrap();
+        connect_guest_qp(&receiver, index as u8, gid, sender.qp_num()).unwrap();
+        let write = SendOp::RdmaWrite {
+            remote_addr: b.mr.addr(),
+            rkey: b.mr.rkey(),
+        };
+        let source = [a.sge(0, 8)];
+        let writes: Vec<SendWr> = (0..u64::from(2 * depth))
+            .map(|i| SendWr::new(i, write, Payload::Sges(&source)))
+            .collect();
+        sender.post_send(&writes).unwrap();
+        // Time for every write to complete before the driver polls once (eight bytes each:
+        // milliseconds, even emulated).
+        std::thread::sleep(Duration::from_secs(1));
+        let mut completions = Vec::new();
+        let mut batch = [WorkCompletion::default(); 16];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while completions.len() < writes.len() && Instant::now() < deadline {
+            let n = cq.poll(&mut batch).unwrap();
+            completions.extend_from_slice(&batch[..n]);
+            if n == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        let events: Vec<DeviceEvent> =
+            std::iter::from_fn(|| a.device.wait_event(Duration::ZERO).unwrap()).collect();
+        let ids: Vec<u64> = completions.iter().map(|c| c.wr_id).collect();
+        assert_eq!(
+            ids,
+            (0..u64::from(2 * depth)).collect::<Vec<_>>(),
+            "depth {depth}; events {events:?}"
+        );
+        assert!(
+            completions.iter().all(|c| c.status == wc_status::SUCCESS),
+            "depth {depth}: {completions:?}"
+        );
+        assert!(events.is_empty(), "depth {depth}: {events:?}");
     }
 }
 

@@ -57,6 +57,9 @@ pub(super) struct Poller {
     visits: Vec<(u16, Rung)>,
     /// Doorbell bits of the queues the last pass left WQEs in.
     carried: Vec<u16>,
+    /// The last pass found a CQ's ring full with completions that may wait behind it in
+    /// the host CQ: they move once the driver polls, which it announces with no kick.
+    cq_full: bool,
     /// The connection's CQs as of `cqs_version`.
     cqs: Vec<Arc<CqData>>,
     cqs_version: u64,
@@ -187,6 +190,7 @@ impl Poller {
             wcs: (0..BATCH).map(|_| WorkCompletion::default()).collect(),
             visits: Vec::new(),
             carried: Vec::new(),
+            cq_full: false,
             cqs: Vec::new(),
             cqs_version: 0,
             last_mr: LastMr::default(),
@@ -225,7 +229,7 @@ impl Poller {
     /// Some queue has work left that it could not do (its CQ full, say): the driver makes
     /// room without a kick, so a sleeping poller must look again on its own.
     pub(super) fn waits_on_driver(&self) -> bool {
-        !self.carried.is_empty()
+        !self.carried.is_empty() || self.cq_full
     }
 
     pub(super) fn set_need_wakeup(&self, sleeping: bool) {
@@ -271,6 +275,7 @@ impl Poller {
         }
         self.visits = visits;
         let cqs = std::mem::take(&mut self.cqs);
+        self.cq_full = false;
         for cq in &cqs {
             work |= self.process_cq(&mem, cq);
         }
@@ -765,6 +770,10 @@ impl Poller {
         let Some(room) = self.cq_room(mapped, cq, progress, BATCH) else {
             return false;
         };
+        if room == 0 {
+            self.cq_full = true;
+            return false;
+        }
         let want = room.min(BATCH) as usize;
         let n = match cq.host.poll(&mut self.wcs[..want]) {
             Ok(n) => n,

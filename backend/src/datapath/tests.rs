@@ -169,6 +169,10 @@ fn completions_carry_the_phase_bit_of_their_lap_and_wait_while_the_ring_is_full(
         "the ring is full: the rest waits in the host CQ"
     );
     assert_eq!(rig.cq.ready.lock().unwrap().len(), 6);
+    assert!(
+        rig.poller.waits_on_driver(),
+        "the driver makes room with no kick: a sleeping poller must look again on its own"
+    );
     let mut consumed = 0;
     for (lap_owner, count) in [(1, 4), (0, 4), (1, 2)] {
         for index in consumed..consumed + count {
@@ -183,6 +187,10 @@ fn completions_carry_the_phase_bit_of_their_lap_and_wait_while_the_ring_is_full(
         rig.poller.pass();
     }
     assert!(rig.cq.ready.lock().unwrap().is_empty());
+    assert!(
+        !rig.poller.waits_on_driver(),
+        "all moved: nothing to look for"
+    );
 }
 
 #[test]
