@@ -1,7 +1,10 @@
 //! What the device advertises to a guest: the host device's limits capped by per-guest quotas.
 
-use vrdma_spec::codec::{MAX_DOORBELL_BITS, MAX_SEND_INLINE, MAX_SEND_SGE};
+use vrdma_spec::codec::{
+    recv_wqe_shift, send_wqe_shift, MAX_DOORBELL_BITS, MAX_SEND_INLINE, MAX_SEND_SGE,
+};
 use vrdma_spec::config::{features, DeviceConfig, MAX_NOTIFY_QUEUES};
+use vrdma_spec::ring::CQE_SIZE;
 use vrdma_spec::{Le32, Le64, SPEC_VERSION};
 
 use crate::hostverbs::DeviceAttr;
@@ -97,6 +100,11 @@ impl Default for Quotas {
     }
 }
 
+/// Entries of `entry_bytes` (per depth) the guest's ring quota holds, as a depth limit.
+fn rings_within(quotas: &Quotas, entry_bytes: u64) -> u32 {
+    u32::try_from(quotas.max_ring_bytes / entry_bytes).unwrap_or(u32::MAX)
+}
+
 /// Page sizes the device maps: 4 KiB and 2 MiB (huge pages) and 1 GiB.
 const PAGE_SIZE_CAP: u64 = (1 << 12) | (1 << 21) | (1 << 30);
 
@@ -106,6 +114,14 @@ pub fn advertised_config(
     quotas: &Quotas,
     num_notify_queues: u32,
 ) -> DeviceConfig {
+    let max_sge = host.max_sge.min(MAX_SEND_SGE);
+    let max_inline = host.max_inline_data.min(MAX_SEND_INLINE);
+    // The largest slots a queue of the advertised limits has: one such queue at the
+    // advertised depth fits the guest's ring quota (SPEC.md §3), so the limits say what a
+    // guest can create.
+    let slot = |shift: Option<u8>| 1u64 << shift.expect("within MAX_SEND_SGE and MAX_SEND_INLINE");
+    let send_slot = slot(send_wqe_shift(max_sge, max_inline));
+    let recv_slot = slot(recv_wqe_shift(max_sge));
     DeviceConfig {
         version: Le32::from(SPEC_VERSION),
         num_notify_queues: Le32::from(num_notify_queues.clamp(1, MAX_NOTIFY_QUEUES)),
@@ -115,16 +131,24 @@ pub fn advertised_config(
                 MAX_DOORBELL_BITS - host.max_srq.min(quotas.max_srq).min(MAX_DOORBELL_BITS / 2),
             ),
         ),
-        max_qp_wr: Le32::from(host.max_qp_wr),
-        max_sge: Le32::from(host.max_sge.min(MAX_SEND_SGE)),
+        max_qp_wr: Le32::from(prev_power_of_two(
+            host.max_qp_wr
+                .min(rings_within(quotas, send_slot + recv_slot)),
+        )),
+        max_sge: Le32::from(max_sge),
         max_cq: Le32::from(host.max_cq.min(quotas.max_cq)),
-        max_cqe: Le32::from(prev_power_of_two(host.max_cqe)),
+        // Each CQ's host CQ has twice its depth (a full ring's completions wait there).
+        max_cqe: Le32::from(prev_power_of_two(
+            (host.max_cqe / 2).min(rings_within(quotas, CQE_SIZE as u64)),
+        )),
         max_mr: Le32::from(host.max_mr.min(quotas.max_mr)),
         max_pd: Le32::from(host.max_pd.min(quotas.max_pd)),
         max_ah: Le32::from(host.max_ah.min(quotas.max_ah)),
         max_srq: Le32::from(host.max_srq.min(quotas.max_srq).min(MAX_DOORBELL_BITS / 2)),
-        max_srq_wr: Le32::from(prev_power_of_two(host.max_srq_wr)),
-        max_inline_data: Le32::from(host.max_inline_data.min(MAX_SEND_INLINE)),
+        max_srq_wr: Le32::from(prev_power_of_two(
+            host.max_srq_wr.min(rings_within(quotas, recv_slot)),
+        )),
+        max_inline_data: Le32::from(max_inline),
         max_qp_rd_atom: Le32::from(host.max_qp_rd_atom),
         max_qp_init_rd_atom: Le32::from(host.max_qp_init_rd_atom),
         phys_port_cnt: Le32::from(1),
@@ -258,8 +282,36 @@ mod tests {
         host.max_qp = 3;
         let config = advertised_config(&host, &Quotas::default(), 1);
         assert_eq!(config.max_qp.to_native(), 3);
-        assert_eq!(config.max_cqe.to_native(), 1 << 14);
+        assert_eq!(
+            config.max_cqe.to_native(),
+            1 << 13,
+            "half the host's, rounded down"
+        );
         assert!(config.max_srq_wr.to_native().is_power_of_two());
+    }
+
+    #[test]
+    fn one_queue_of_each_kind_at_the_advertised_limits_fits_the_ring_quota() {
+        for guests in [1, DEFAULT_GUESTS, 1 << 20] {
+            let quotas = Quotas::shared_by(guests);
+            let c = advertised_config(&rxe_like(), &quotas, 1);
+            let (max_sge, inline) = (c.max_sge.to_native(), c.max_inline_data.to_native());
+            let slot = |shift: Option<u8>| 1u64 << shift.unwrap();
+            let qp = u64::from(c.max_qp_wr.to_native())
+                * (slot(send_wqe_shift(max_sge, inline)) + slot(recv_wqe_shift(max_sge)));
+            let srq = u64::from(c.max_srq_wr.to_native()) * slot(recv_wqe_shift(max_sge));
+            let cq = u64::from(c.max_cqe.to_native()) * CQE_SIZE as u64;
+            for (what, bytes) in [("QP", qp), ("SRQ", srq), ("CQ", cq)] {
+                assert!(
+                    bytes <= quotas.max_ring_bytes,
+                    "{guests} guests: {what} {bytes}"
+                );
+                // Where the quota, not the host, is the bound: as deep as it holds.
+                if guests == DEFAULT_GUESTS && what != "CQ" {
+                    assert!(bytes > quotas.max_ring_bytes / 2, "{what}: {bytes}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -181,8 +181,28 @@ pub struct DeviceAttr {
     pub reserved: [Le32; 4],
 }
 
+/// ibverbs' device capability flags (`ibv_device_cap_flags`) the device can report in
+/// QUERY_DEVICE's `device_cap_flags` (SPEC.md §5.4): those it honours as the host does. It
+/// reports the ones its host has.
+pub mod device_cap {
+    /// A UD send's AH must name the QP's port.
+    pub const UD_AV_PORT_ENFORCE: u32 = 1 << 6;
+    /// PORT_ACTIVE events are raised (§8.4).
+    pub const PORT_ACTIVE_EVENT: u32 = 1 << 10;
+    /// `sys_image_guid` is meaningful.
+    pub const SYS_IMAGE_GUID: u32 = 1 << 11;
+    /// RC responders send RNR NAKs.
+    pub const RC_RNR_NAK_GEN: u32 = 1 << 12;
+    /// Every flag the device may report.
+    pub const HONOURED: u32 =
+        UD_AV_PORT_ENFORCE | PORT_ACTIVE_EVENT | SYS_IMAGE_GUID | RC_RNR_NAK_GEN;
+}
+
 /// The device's only port (SPEC.md §5.5).
 pub const PORT_NUM: u8 = 1;
+
+/// The port's virtual lanes, as ibverbs' `max_vl_num` counts them (`IBV_VL_VL0`): one.
+pub const PORT_MAX_VL_NUM: u8 = 1;
 
 /// The guest's GID table has one entry, at this index: the GID the operator assigned to the
 /// guest (SPEC.md §5.6). The host's own table and indexes stay hidden.

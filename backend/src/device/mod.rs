@@ -13,7 +13,7 @@ use vm_memory::GuestMemoryBackend;
 use vrdma_spec::codec::{doorbell_bitmap_bits, doorbell_bitmap_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
-    gid_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
+    device_cap, gid_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
     CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse,
     DeviceAttr as WireDeviceAttr, HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode,
     PortAttr as WirePortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
@@ -310,7 +310,7 @@ impl Device {
             hw_ver: Le32::from(h.hw_ver),
             max_qp: c.max_qp,
             max_qp_wr: c.max_qp_wr,
-            device_cap_flags: Le32::from(0),
+            device_cap_flags: Le32::from(h.device_cap_flags & device_cap::HONOURED),
             max_sge: c.max_sge,
             max_cq: c.max_cq,
             max_cqe: c.max_cqe,
@@ -474,7 +474,10 @@ impl Device {
         let ring = self.ring(mem, &req.ring, depth, CQE_SHIFT)?;
         let handle = self.objects.new_handle();
         let channel = self.data_path.completion_channel();
-        let cq = self.host.context.create_cq(depth, channel)?;
+        // Completions wait in the host CQ while the ring is full (SPEC.md §7.5): it must hold
+        // `depth` more. Asked for `depth`, rxe holds one less; twice the depth is within the
+        // host's limit, which `max_cqe` halves.
+        let cq = self.host.context.create_cq(2 * depth, channel)?;
         let data = Arc::new(CqData::new(handle, Arc::clone(&cq) as _, ring, doorbell));
         let entry = CqEntry {
             host: cq,

@@ -73,6 +73,7 @@ pub fn port_attr(wire: &PortAttr) -> ibv_port_attr {
     attr.active_speed = wire.active_speed;
     attr.phys_state = wire.phys_state;
     attr.link_layer = wire.link_layer;
+    attr.max_vl_num = vrdma_guest::spec::ctrl::PORT_MAX_VL_NUM;
     attr
 }
 
