@@ -351,6 +351,7 @@ impl Device {
             event_kind::CQ_ERROR => DeviceEvent::CqError(handle),
             event_kind::QP_FATAL => DeviceEvent::QpFatal(handle),
             event_kind::SRQ_LIMIT_REACHED => DeviceEvent::SrqLimitReached(handle),
+            event_kind::SRQ_ERROR => DeviceEvent::SrqError(handle),
             event_kind::DEVICE_FATAL => DeviceEvent::DeviceFatal,
             event_kind::PORT_ACTIVE | event_kind::PORT_ERROR if handle <= u32::from(u8::MAX) => {
                 let port = handle as u8;

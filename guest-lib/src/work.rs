@@ -131,6 +131,9 @@ pub enum DeviceEvent {
     /// A QP (its handle) entered the error state on its own.
     QpFatal(u32),
     SrqLimitReached(u32),
+    /// An SRQ (its handle) takes no more WQEs: one was malformed, or its ring unusable; the
+    /// QPs receiving from it failed too (each with its own [`DeviceEvent::QpFatal`]).
+    SrqError(u32),
     /// The device must be reset: every object is gone.
     DeviceFatal,
     /// The port (its number) became active.

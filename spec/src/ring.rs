@@ -217,6 +217,9 @@ pub mod event_kind {
     pub const PORT_ACTIVE: u16 = 6;
     /// The port left the active state (link down); `handle` is the port number.
     pub const PORT_ERROR: u16 = 7;
+    /// The device stopped taking WQEs from an SRQ (a malformed WQE, an unusable ring); every
+    /// QP receiving from it fails too; `handle` is the SRQ.
+    pub const SRQ_ERROR: u16 = 8;
 }
 
 /// An entry the device writes into a buffer of the event queue (SPEC.md §8.4).

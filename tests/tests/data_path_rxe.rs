@@ -420,6 +420,21 @@ fn an_armed_cq_raises_an_event_instead_of_being_polled() {
     assert_eq!(event, Some(DeviceEvent::CqCompletion(b.cq.handle())));
     let done = wait_for_guest_completions(&b.cq, 1);
     assert_eq!((done[0].wr_id, done[0].byte_len), (1, 7));
+    // SPEC.md §8.2: an arm for solicited completions only is served as one for the next
+    // completion: an unsolicited SEND raises the event too.
+    b.qp.post_recv(&[RecvWr {
+        wr_id: 3,
+        sges: &[b.sge(0, 64)],
+    }])
+    .unwrap();
+    b.cq.req_notify(true).unwrap();
+    assert_eq!(b.cq.poll(&mut none).unwrap(), 0);
+    let unsolicited = SendWr::new(4, SendOp::Send, Payload::Inline(b"no SE"));
+    assert!(!unsolicited.solicited);
+    a.qp.post_send(&[unsolicited]).unwrap();
+    let event = b.device.wait_event(Duration::from_secs(30)).unwrap();
+    assert_eq!(event, Some(DeviceEvent::CqCompletion(b.cq.handle())));
+    assert_eq!(wait_for_guest_completions(&b.cq, 1)[0].wr_id, 3);
 }
 
 #[test]
@@ -886,6 +901,57 @@ fn an_srq_below_its_limit_raises_one_event() {
         srq.set_limit(16).is_err(),
         "a limit must be below the depth"
     );
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn a_refused_srq_wqe_raises_srq_error_and_fails_the_qps_receiving_from_it() {
+    // SPEC.md §5.13 and §8.4: as a NIC's SRQ error, the driver learns of it and the QPs
+    // that receive from the SRQ enter the error state.
+    let backend = start_backend();
+    let (_a, b) = rc_pair(&backend, 1 << 16);
+    let srq = b.pd.create_srq(16, 1).unwrap();
+    let receivers: Vec<QueuePair> = (0..2)
+        .map(|_| {
+            QueuePair::builder(QpType::Rc, &b.cq)
+                .srq(&srq)
+                .build(&b.pd)
+                .unwrap()
+        })
+        .collect();
+    let (index, gid) = b.device.gid().unwrap();
+    for receiver in &receivers {
+        connect_guest_qp(receiver, index as u8, gid, b.qp.qp_num()).unwrap();
+    }
+    let good = [b.sge(0, 64)];
+    let bad = [Sge {
+        lkey: b.mr.lkey() ^ 0xff00,
+        ..b.sge(64, 64)
+    }];
+    srq.post_recv(&[
+        RecvWr {
+            wr_id: 1,
+            sges: &good,
+        },
+        RecvWr {
+            wr_id: 2,
+            sges: &bad,
+        },
+    ])
+    .unwrap();
+    let mut events = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while events.len() < 3 && Instant::now() < deadline {
+        events.extend(b.device.wait_event(Duration::from_millis(100)).unwrap());
+    }
+    events.sort_by_key(|e| format!("{e:?}"));
+    let mut expected: Vec<DeviceEvent> = receivers
+        .iter()
+        .map(|qp| DeviceEvent::QpFatal(qp.handle()))
+        .chain([DeviceEvent::SrqError(srq.handle())])
+        .collect();
+    expected.sort_by_key(|e| format!("{e:?}"));
+    assert_eq!(events, expected);
 }
 
 /// The threads of process `pid` whose name starts with `prefix`, with their allowed CPUs

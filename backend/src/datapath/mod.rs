@@ -644,6 +644,27 @@ impl Shared {
         }
     }
 
+    /// The QPs that receive from `srq`.
+    fn receivers_of(&self, srq: &SrqData) -> Vec<Arc<QpData>> {
+        let qp_nums: Vec<u32> = self
+            .srq_receivers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, receives_from)| std::ptr::eq(Arc::as_ptr(receives_from), srq))
+            .map(|(&qp_num, _)| qp_num)
+            .collect();
+        let objects = self.shard.objects.lock().unwrap_or_else(|e| e.into_inner());
+        objects
+            .queues
+            .values()
+            .filter_map(|rung| match rung {
+                Rung::Qp(qp) if qp_nums.contains(&qp.qp.qp_num()) => Some(Arc::clone(qp)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The guest handle of the first object `pick` finds in any shard.
     fn find_handle(&self, pick: impl Fn(&ShardObjects) -> Option<u32>) -> Option<u32> {
         pick(&self.shard.objects.lock().unwrap_or_else(|e| e.into_inner()))

@@ -368,6 +368,28 @@ impl Poller {
         self.post_event(event_kind::QP_FATAL, qp.handle);
     }
 
+    /// Takes no more WQEs from `srq` and fails the QPs receiving from it, as a NIC's SRQ
+    /// error does (SPEC.md §8.4): the driver learns of it from SRQ_ERROR, and each QP's
+    /// receives in flight flush.
+    fn fail_srq(&self, srq: &SrqData, reason: &str) {
+        self.shared.log.warn(|| {
+            format!(
+                "SRQ {:#x}: {reason}; no more WQEs are taken from it",
+                srq.handle
+            )
+        });
+        self.post_event(event_kind::SRQ_ERROR, srq.handle);
+        for qp in self.shared.receivers_of(srq) {
+            let mut visit = qp.progress.lock();
+            let in_error = &mut visit.progress.in_error;
+            self.fail_qp(
+                &qp,
+                in_error,
+                &format_args!("its SRQ {:#x} failed", srq.handle),
+            );
+        }
+    }
+
     /// Completes a refused WQE with `cqe` on `cq` and fails the QP; false (the WQE stays in
     /// its ring) while the CQ has no room: a guest that never polls keeps its refused WQEs,
     /// the backend keeps nothing for it.
@@ -673,13 +695,9 @@ impl Poller {
             refused.map(|(_, error)| error.to_string())
         };
         if let Some(reason) = refused {
-            self.shared.log.warn(|| {
-                format!(
-                    "SRQ {:#x}: {reason}; no more WQEs are taken from it",
-                    srq.handle
-                )
-            });
             progress.failed = true;
+            drop(visit);
+            self.fail_srq(srq, &reason);
             return Visit::WORKED;
         }
         Visit {

@@ -206,6 +206,7 @@ fn async_event_of(
             IBV_EVENT_SRQ_LIMIT_REACHED,
             Element::Srq(object(ObjectKind::Srq, h)?),
         ),
+        DeviceEvent::SrqError(h) => (IBV_EVENT_SRQ_ERR, Element::Srq(object(ObjectKind::Srq, h)?)),
         DeviceEvent::PortActive(port) => (IBV_EVENT_PORT_ACTIVE, Element::Port(port)),
         DeviceEvent::PortError(port) => (IBV_EVENT_PORT_ERR, Element::Port(port)),
         DeviceEvent::DeviceFatal => (IBV_EVENT_DEVICE_FATAL, Element::Device),
@@ -291,6 +292,10 @@ mod tests {
             (
                 DeviceEvent::SrqLimitReached(9),
                 event(IBV_EVENT_SRQ_LIMIT_REACHED, Element::Srq(0x3000)),
+            ),
+            (
+                DeviceEvent::SrqError(9),
+                event(IBV_EVENT_SRQ_ERR, Element::Srq(0x3000)),
             ),
             (
                 DeviceEvent::PortError(1),
