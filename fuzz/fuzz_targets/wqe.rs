@@ -27,6 +27,7 @@ fuzz_target!(|input: &[u8]| {
     let rules = QpRules {
         pd: 7,
         ud: flags & 1 != 0,
+        reliable: flags & 5 == 4,
         atomics: flags & 2 != 0,
         max_send_sge: u32::from(sges % 32),
         max_recv_sge: u32::from(sges / 8),

@@ -614,6 +614,8 @@ impl CompletionQueue {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QpType {
     Rc,
+    /// Unreliable connected: SEND and RDMA WRITE, no READ or atomics.
+    Uc,
     Ud,
 }
 
@@ -836,6 +838,7 @@ impl<'a> QueuePairBuilder<'a> {
             srq: Le32::from(self.srq.map_or(0, |srq| srq.inner.handle)),
             qp_type: match self.qp_type {
                 QpType::Rc => qp_type::RC,
+                QpType::Uc => qp_type::UC,
                 QpType::Ud => qp_type::UD,
             },
             sq_sig_all: self.sq_sig_all.into(),

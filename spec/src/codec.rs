@@ -139,6 +139,12 @@ impl SendOpcode {
         matches!(self, SendOpcode::CompareAndSwap | SendOpcode::FetchAndAdd)
     }
 
+    /// RDMA READ and the atomics: operations that need a reliable connection (RC), which an
+    /// unreliable one (UC) cannot carry.
+    pub const fn needs_reliable(self) -> bool {
+        matches!(self, SendOpcode::RdmaRead) || self.is_atomic()
+    }
+
     /// SEND and SEND_WITH_IMM: the only operations of a UD QP.
     pub fn is_send(self) -> bool {
         matches!(self, SendOpcode::Send | SendOpcode::SendWithImm)

@@ -344,6 +344,8 @@ pub struct RegMrResponse {
 /// QP types; ibverbs values (SPEC.md §5.9).
 pub mod qp_type {
     pub const RC: u8 = 2;
+    /// Unreliable connected: SEND and RDMA WRITE (with immediates), no READ or atomics.
+    pub const UC: u8 = 3;
     pub const UD: u8 = 4;
 }
 

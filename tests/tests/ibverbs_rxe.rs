@@ -473,6 +473,24 @@ fn ud_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
     pingpong("ibv_ud_pingpong", socket, Side::Native, Side::Vrdma, &args);
 }
 
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn uc_pingpong_and_perftest_run_between_vrdma_and_with_native_rxe() {
+    // SPEC.md §5.9 and §5.11: UC QPs, connected as RC ones without reads and retries. One
+    // packet per message (1 KiB at the pingpong's 1 KiB MTU): UC resends nothing.
+    let backend = start_backend();
+    let socket = backend.socket.to_str().unwrap();
+    let args = ["-c", "-s", "1024", "-n", "20"];
+    pingpong("ibv_uc_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
+    pingpong("ibv_uc_pingpong", socket, Side::Vrdma, Side::Native, &args);
+    pingpong("ibv_uc_pingpong", socket, Side::Native, Side::Vrdma, &args);
+    for (server, client) in [(Side::Vrdma, Side::Vrdma), (Side::Native, Side::Vrdma)] {
+        let args = ["-c", "UC", "-n", "100"];
+        let (output, _) = client_server("ib_write_bw", socket, server, client, &args);
+        assert!(has_result_row(&output), "ib_write_bw -c UC:\n{output}");
+    }
+}
+
 /// A perftest result row: "#bytes #iterations ..." with numbers.
 fn has_result_row(output: &str) -> bool {
     output.lines().any(|line| {

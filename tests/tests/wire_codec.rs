@@ -17,6 +17,7 @@ fn rules() -> QpRules {
     QpRules {
         pd: PD,
         ud: false,
+        reliable: true,
         atomics: true,
         max_send_sge: MAX_SGE,
         max_recv_sge: MAX_SGE,

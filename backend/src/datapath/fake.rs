@@ -237,6 +237,7 @@ impl Rig {
         let rules = QpRules {
             pd: PD,
             ud: false,
+            reliable: true,
             atomics: true,
             max_send_sge: 2,
             max_recv_sge: 2,

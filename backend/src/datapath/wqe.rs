@@ -19,6 +19,8 @@ pub enum WqeError {
     Format(#[from] WqeFormatError),
     #[error("UD QPs only send")]
     UdNotSend,
+    #[error("RDMA READ and atomics need an RC QP")]
+    NeedsReliable,
     #[error("atomics were not negotiated")]
     AtomicsNotNegotiated,
     #[error("INLINE only with SEND or RDMA WRITE")]
@@ -77,6 +79,8 @@ pub struct MrRange {
 pub struct QpRules {
     pub pd: u32,
     pub ud: bool,
+    /// RC: RDMA READ and atomics are allowed (not on UC or UD).
+    pub reliable: bool,
     pub atomics: bool,
     pub max_send_sge: u32,
     pub max_recv_sge: u32,
@@ -190,7 +194,11 @@ impl QpRules {
     /// Whether [`parse_common_send`] may take this QP's send WQEs: not UD (its sends name
     /// AHs), and slots that hold a header and an SGE.
     pub fn takes_common_sends(&self) -> bool {
-        !self.ud && self.max_send_sge >= 1 && sge_offset(SEND_WQE_HEADER, 1) <= self.sq_stride
+        // RC only: the common form includes RDMA READ, which UC refuses.
+        self.reliable
+            && !self.ud
+            && self.max_send_sge >= 1
+            && sge_offset(SEND_WQE_HEADER, 1) <= self.sq_stride
     }
 }
 
@@ -293,6 +301,9 @@ pub fn parse_send<'w, 'h: 'w>(
     let SendForm { opcode, payload } = wqe.form()?;
     if rules.ud && !opcode.is_send() {
         return Err(WqeError::UdNotSend);
+    }
+    if !rules.reliable && opcode.needs_reliable() {
+        return Err(WqeError::NeedsReliable);
     }
     if opcode.is_atomic() && !rules.atomics {
         return Err(WqeError::AtomicsNotNegotiated);
@@ -400,6 +411,7 @@ mod tests {
     const RULES: QpRules = QpRules {
         pd: 7,
         ud: false,
+        reliable: true,
         atomics: true,
         max_send_sge: 2,
         max_recv_sge: 2,
@@ -591,6 +603,23 @@ mod tests {
             send(&slot(write(0), &[]), &ud).unwrap_err(),
             WqeError::UdNotSend
         );
+        // UC: SEND and WRITE, no READ or atomics.
+        let uc = QpRules {
+            reliable: false,
+            ..RULES
+        };
+        assert!(send(&slot(write(0), &[(0x1000, 8, 1)]), &uc).is_ok());
+        let read = SendWqe {
+            opcode: wr_opcode::RDMA_READ,
+            ..write(1)
+        };
+        for wqe in [read, atomic] {
+            assert_eq!(
+                send(&slot(wqe, &[(0x1000, 8, 1)]), &uc).unwrap_err(),
+                WqeError::NeedsReliable
+            );
+        }
+        assert!(!uc.takes_common_sends(), "the common form includes READ");
     }
 
     #[test]
@@ -648,9 +677,10 @@ mod tests {
     proptest! {
         #[test]
         fn the_common_path_takes_only_what_parse_send_takes_into_the_same_request(
-            bytes in any_send_slot(), ud: bool, atomics: bool, max_send_sge in 0u32..3,
+            bytes in any_send_slot(), ud: bool, reliable: bool, atomics: bool,
+            max_send_sge in 0u32..3,
         ) {
-            let rules = QpRules { ud, atomics, max_send_sge, ..RULES };
+            let rules = QpRules { ud, reliable, atomics, max_send_sge, ..RULES };
             let Some(common) = parse_common_send(&bytes[..], &rules, &lookup) else {
                 return Ok(());
             };

@@ -609,7 +609,7 @@ impl Device {
         };
         let qp = Arc::new(pd.create_qp(&send_cq_host, &recv_cq_host, &init)?);
         let qp_num = qp.qp_num();
-        if shape.qp_type == QpType::Rc {
+        if shape.qp_type.is_connected() {
             self.peers.created(self.connection, &qp);
         }
         let handle = self.objects.new_handle();
@@ -617,6 +617,7 @@ impl Device {
         let rules = QpRules {
             pd: pd_handle,
             ud: shape.qp_type == QpType::Ud,
+            reliable: shape.qp_type == QpType::Rc,
             atomics: self.features & features::ATOMIC != 0,
             max_send_sge: caps.max_send_sge,
             max_recv_sge: caps.max_recv_sge,
@@ -682,6 +683,7 @@ impl Device {
         let rules = QpRules {
             pd: pd_handle,
             ud: false,
+            reliable: false,
             atomics: false,
             max_send_sge: 0,
             max_recv_sge: max_sge,
@@ -753,7 +755,7 @@ impl Device {
         // A destination on the backend's own GID is another QP of this backend's guests.
         let local_dest = mask & hostverbs::qp_attr_mask::DEST_QPN != 0
             && attr.ah_attr.dgid == self.host.gid
-            && entry.host.qp_type() == QpType::Rc;
+            && entry.host.qp_type().is_connected();
         if local_dest {
             let qp_num = entry.host.qp_num();
             self.peers

@@ -88,6 +88,7 @@ pub fn create_qp(
 ) -> Result<QpShape, Refusal> {
     let qp_type = match req.qp_type {
         qp_type::RC => QpType::Rc,
+        qp_type::UC => QpType::Uc,
         qp_type::UD if negotiated & features::UD != 0 => QpType::Ud,
         qp_type::UD => return Err(Refusal::NotNegotiated("UD")),
         other => return Err(Refusal::QpType(other)),

@@ -17,7 +17,15 @@ use super::{
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QpType {
     Rc,
+    Uc,
     Ud,
+}
+
+impl QpType {
+    /// RC and UC: connected to one peer QP.
+    pub fn is_connected(self) -> bool {
+        matches!(self, QpType::Rc | QpType::Uc)
+    }
 }
 
 /// QP states, with ibverbs values.
@@ -242,6 +250,7 @@ impl ProtectionDomain {
         attr.recv_cq = recv_cq.as_ptr();
         attr.qp_type = match init.qp_type {
             QpType::Rc => ibv_qp_type::IBV_QPT_RC,
+            QpType::Uc => ibv_qp_type::IBV_QPT_UC,
             QpType::Ud => ibv_qp_type::IBV_QPT_UD,
         };
         attr.sq_sig_all = init.sq_sig_all.into();

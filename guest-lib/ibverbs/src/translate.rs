@@ -79,6 +79,7 @@ const WC_WITH_IMM: u32 = 1 << 1;
 pub fn qp_type(value: ibv_qp_type::Type) -> Option<QpType> {
     match value {
         ibv_qp_type::IBV_QPT_RC => Some(QpType::Rc),
+        ibv_qp_type::IBV_QPT_UC => Some(QpType::Uc),
         ibv_qp_type::IBV_QPT_UD => Some(QpType::Ud),
         _ => None,
     }

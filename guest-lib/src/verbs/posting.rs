@@ -82,7 +82,7 @@ pub fn encode_send(
                 "a UD send needs a destination".into(),
             ))
         }
-        (QpType::Rc, _) => UdAddress::default(),
+        (QpType::Rc | QpType::Uc, _) => UdAddress::default(),
     };
     let payload = match wr.payload {
         Payload::Sges(sges) => {
