@@ -787,7 +787,7 @@ mod tests {
             needed,
         };
         let cases = [
-            (CreateQpRequest { qp_type: 3, ..r }, Refusal::QpType(3)),
+            (CreateQpRequest { qp_type: 1, ..r }, Refusal::QpType(1)),
             (
                 CreateQpRequest {
                     max_send_wr: Le32::from(48),
