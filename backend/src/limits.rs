@@ -100,6 +100,17 @@ impl Default for Quotas {
     }
 }
 
+/// A CQ's host CQ has this many times the CQ's depth: completions wait there while the
+/// guest's ring is full, and it must hold `depth` more (SPEC.md §7.5; asked for the depth,
+/// rxe holds one less). The ring quota counts a CQ's ring this many times over, as the host
+/// spends that much on it.
+pub const HOST_CQ_DEPTHS: u32 = 2;
+
+/// Bytes of the ring quota a CQ of `depth` takes.
+pub fn cq_quota_bytes(depth: u32) -> u64 {
+    u64::from(HOST_CQ_DEPTHS) * u64::from(depth) * CQE_SIZE as u64
+}
+
 /// Entries of `entry_bytes` (per depth) the guest's ring quota holds, as a depth limit.
 fn rings_within(quotas: &Quotas, entry_bytes: u64) -> u32 {
     u32::try_from(quotas.max_ring_bytes / entry_bytes).unwrap_or(u32::MAX)
@@ -137,9 +148,8 @@ pub fn advertised_config(
         )),
         max_sge: Le32::from(max_sge),
         max_cq: Le32::from(host.max_cq.min(quotas.max_cq)),
-        // Each CQ's host CQ has twice its depth (a full ring's completions wait there).
         max_cqe: Le32::from(prev_power_of_two(
-            (host.max_cqe / 2).min(rings_within(quotas, CQE_SIZE as u64)),
+            (host.max_cqe / HOST_CQ_DEPTHS).min(rings_within(quotas, cq_quota_bytes(1))),
         )),
         max_mr: Le32::from(host.max_mr.min(quotas.max_mr)),
         max_pd: Le32::from(host.max_pd.min(quotas.max_pd)),
@@ -300,7 +310,7 @@ mod tests {
             let qp = u64::from(c.max_qp_wr.to_native())
                 * (slot(send_wqe_shift(max_sge, inline)) + slot(recv_wqe_shift(max_sge)));
             let srq = u64::from(c.max_srq_wr.to_native()) * slot(recv_wqe_shift(max_sge));
-            let cq = u64::from(c.max_cqe.to_native()) * CQE_SIZE as u64;
+            let cq = cq_quota_bytes(c.max_cqe.to_native());
             for (what, bytes) in [("QP", qp), ("SRQ", srq), ("CQ", cq)] {
                 assert!(
                     bytes <= quotas.max_ring_bytes,

@@ -152,9 +152,9 @@ impl CqData {
         self.progress.lock().progress.failed = true;
     }
 
-    /// Bytes of the guest's ring, which the ring quota counts.
+    /// Bytes the ring quota counts for the CQ ([`crate::limits::cq_quota_bytes`]).
     pub fn ring_bytes(&self) -> u64 {
-        self.ring.bytes()
+        crate::limits::cq_quota_bytes(self.ring.depth)
     }
 
     pub(super) fn spans(&self) -> impl Iterator<Item = (u64, usize)> + '_ {

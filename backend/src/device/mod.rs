@@ -20,7 +20,7 @@ use vrdma_spec::ctrl::{
     QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
     SetNotifyAreaRequest, Status, GUEST_GID_INDEX, GUEST_GID_TABLE_LEN, PORT_NUM,
 };
-use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SHIFT, CQE_SIZE};
+use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SHIFT};
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::datapath::wqe::{MrRange, QpRules};
@@ -470,14 +470,15 @@ impl Device {
         }
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, CqDoorbell>(mem, "CQ doorbell", doorbell, 16)?;
-        self.check_ring_quota(u64::from(depth) * CQE_SIZE as u64)?;
+        self.check_ring_quota(limits::cq_quota_bytes(depth))?;
         let ring = self.ring(mem, &req.ring, depth, CQE_SHIFT)?;
         let handle = self.objects.new_handle();
         let channel = self.data_path.completion_channel();
-        // Completions wait in the host CQ while the ring is full (SPEC.md §7.5): it must hold
-        // `depth` more. Asked for `depth`, rxe holds one less; twice the depth is within the
-        // host's limit, which `max_cqe` halves.
-        let cq = self.host.context.create_cq(2 * depth, channel)?;
+        // Within the host's limit: `max_cqe` is at most its share of it.
+        let cq = self
+            .host
+            .context
+            .create_cq(limits::HOST_CQ_DEPTHS * depth, channel)?;
         let data = Arc::new(CqData::new(handle, Arc::clone(&cq) as _, ring, doorbell));
         let entry = CqEntry {
             host: cq,

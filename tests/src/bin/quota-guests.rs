@@ -102,8 +102,11 @@ fn guest_at_its_quotas(socket: &std::path::Path, quotas: &Quotas) -> Guest {
     assert_refused(too_much, "an MR past the registered-bytes quota");
     mrs.push(pd.reg_mr_range(buffer.addr(), MR_BYTES, all).unwrap());
 
-    // CQs: as deep as the ring quota lets each one be, until the count quota stops them.
-    let mut depth = 1024;
+    // CQs: as deep as the ring quota lets each one be, until the count quota stops them:
+    // from the depth at which the CQ quota's worth of CQs would fill the ring quota.
+    let per_entry = vrdma_backend::limits::cq_quota_bytes(1);
+    let fill_depth = quotas.max_ring_bytes / u64::from(quotas.max_cq) / per_entry;
+    let mut depth = 1u32 << fill_depth.max(2).ilog2();
     while cqs.len() < quotas.max_cq as usize {
         match device.create_cq(depth) {
             Ok(cq) => cqs.push(cq),
