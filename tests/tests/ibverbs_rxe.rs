@@ -432,6 +432,17 @@ fn pingpong(program: &str, socket: &str, server: Side, client: Side, args: &[&st
     }
 }
 
+/// [`pingpong`] vrdma <-> vrdma, then with native rxe0 as client, then as server.
+fn pingpong_every_pairing(program: &str, socket: &str, args: &[&str]) {
+    for (server, client) in [
+        (Side::Vrdma, Side::Vrdma),
+        (Side::Vrdma, Side::Native),
+        (Side::Native, Side::Vrdma),
+    ] {
+        pingpong(program, socket, server, client, args);
+    }
+}
+
 #[test]
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn rc_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
@@ -439,9 +450,7 @@ fn rc_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
     let socket = backend.socket.to_str().unwrap();
     for size in ["1", "4096", "65536"] {
         let args = ["-c", "-s", size, "-n", "20"];
-        pingpong("ibv_rc_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
-        pingpong("ibv_rc_pingpong", socket, Side::Vrdma, Side::Native, &args);
-        pingpong("ibv_rc_pingpong", socket, Side::Native, Side::Vrdma, &args);
+        pingpong_every_pairing("ibv_rc_pingpong", socket, &args);
     }
 }
 
@@ -452,9 +461,7 @@ fn completion_events_drive_rc_pingpong_and_perftest() {
     let socket = backend.socket.to_str().unwrap();
     // -e: each side sleeps in ibv_get_cq_event on a completion channel instead of polling.
     let args = ["-e", "-c", "-s", "4096", "-n", "20"];
-    pingpong("ibv_rc_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
-    pingpong("ibv_rc_pingpong", socket, Side::Vrdma, Side::Native, &args);
-    pingpong("ibv_rc_pingpong", socket, Side::Native, Side::Vrdma, &args);
+    pingpong_every_pairing("ibv_rc_pingpong", socket, &args);
     for test in ["ib_send_lat", "ib_send_bw"] {
         let (output, _) =
             client_server(test, socket, Side::Vrdma, Side::Vrdma, &["-e", "-n", "100"]);
@@ -468,9 +475,7 @@ fn ud_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
     let args = ["-c", "-s", "1024", "-n", "20"];
-    pingpong("ibv_ud_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
-    pingpong("ibv_ud_pingpong", socket, Side::Vrdma, Side::Native, &args);
-    pingpong("ibv_ud_pingpong", socket, Side::Native, Side::Vrdma, &args);
+    pingpong_every_pairing("ibv_ud_pingpong", socket, &args);
 }
 
 #[test]
@@ -481,9 +486,7 @@ fn uc_pingpong_and_perftest_run_between_vrdma_and_with_native_rxe() {
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
     let args = ["-c", "-s", "1024", "-n", "20"];
-    pingpong("ibv_uc_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
-    pingpong("ibv_uc_pingpong", socket, Side::Vrdma, Side::Native, &args);
-    pingpong("ibv_uc_pingpong", socket, Side::Native, Side::Vrdma, &args);
+    pingpong_every_pairing("ibv_uc_pingpong", socket, &args);
     for (server, client) in [(Side::Vrdma, Side::Vrdma), (Side::Native, Side::Vrdma)] {
         let args = ["-c", "UC", "-n", "100"];
         let (output, _) = client_server("ib_write_bw", socket, server, client, &args);
@@ -612,9 +615,7 @@ fn srq_pingpong_with_16_qps_checks_its_buffers_between_vrdma_and_with_native_rxe
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
     let args = ["-q", "16", "-c", "-s", "4096", "-n", "20"];
-    pingpong("ibv_srq_pingpong", socket, Side::Vrdma, Side::Vrdma, &args);
-    pingpong("ibv_srq_pingpong", socket, Side::Vrdma, Side::Native, &args);
-    pingpong("ibv_srq_pingpong", socket, Side::Native, Side::Vrdma, &args);
+    pingpong_every_pairing("ibv_srq_pingpong", socket, &args);
 }
 
 /// "VERSION symbol" for every default-versioned symbol `library` exports.
