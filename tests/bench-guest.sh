@@ -161,14 +161,14 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
       END { print posts + 0, polls + 0 }' <<<"$calls")
     read -r posts polls <<<"$split"
     provider=$((posts + polls))
-    # Visits of QPs and of CQs, with or without work: "> ...Poller::process_qp (N x)".
+    # Visits of QPs and of CQs, with or without work: "> ...Poller::process_qp_sends (N x)".
     visits() {
       awk -v name="Poller::$1 (" '$2 == ">" && index($0, name) {
           count = substr($0, index($0, name) + length(name)); sub(/x\).*/, "", count)
           gsub(",", "", count); n += count }
         END { print n + 0 }' <<<"$calls"
     }
-    visits="$(visits process_qp) QP visits and $(visits process_cq) CQ visits"
+    visits="$(visits process_qp_sends) QP visits and $(visits process_cq) CQ visits"
     # Where they go: the visits that take WQEs from QPs' rings and post them, and those
     # that write CQEs, each with the host call under it.
     # (A function's own line in the call tree: "N  *  file:function [object]".)
@@ -176,7 +176,7 @@ instructions_per_wqe() { # WRITES DEPTH HOW (how the WQEs are taken, for the rep
       awk -v name="$1 [" 'index($0, name) { gsub(",", "", $1); n += $1 } END { print n + 0 }' \
         <<<"$calls"
     }
-    sends=$(inclusive Poller::process_qp) completions=$(inclusive Poller::process_cq)
+    sends=$(inclusive Poller::process_qp_sends) completions=$(inclusive Poller::process_cq)
   fi
   kill -9 "$traced" "$server" 2>/dev/null
   wait "$traced" "$server" 2>/dev/null

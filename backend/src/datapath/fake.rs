@@ -50,6 +50,8 @@ pub struct FakeQp {
     pub gate: Mutex<()>,
     /// Posts of sends begun.
     pub posts: AtomicUsize,
+    /// The kind of each post, in order: "send" or "recv".
+    pub post_kinds: Mutex<Vec<&'static str>>,
 }
 
 impl Default for FakeQp {
@@ -62,6 +64,7 @@ impl Default for FakeQp {
             failed: AtomicBool::new(false),
             gate: Mutex::default(),
             posts: AtomicUsize::new(0),
+            post_kinds: Mutex::default(),
         }
     }
 }
@@ -73,6 +76,7 @@ impl HostQueuePair for FakeQp {
 
     fn post_send(&self, batch: &mut SendBatch) -> hostverbs::Result<()> {
         self.posts.fetch_add(1, Ordering::SeqCst);
+        self.post_kinds.lock().unwrap().push("send");
         drop(self.gate.lock().unwrap());
         let room = self.room.load(Ordering::Relaxed);
         let taken = batch.len().min(room);
@@ -90,6 +94,7 @@ impl HostQueuePair for FakeQp {
     }
 
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> hostverbs::Result<()> {
+        self.post_kinds.lock().unwrap().push("recv");
         self.receives
             .lock()
             .unwrap()
@@ -303,6 +308,20 @@ impl Rig {
             .write_slice(SendWqe::encode(&header).as_slice(), GuestAddress(slot))
             .unwrap();
         self.producer = self.producer.wrapping_add(1);
+    }
+
+    /// Writes a receive WQE of one 64-byte SGE into RQ slot `index` (the RQ is 16 deep), as a
+    /// driver would; [`Rig::store`] its producer index to publish it.
+    pub fn write_receive(&self, index: u32, wr_id: u64) {
+        let slot = RQ_RING + u64::from(index % 16) * 64;
+        let sge = WireSge::encode(MR_START, 64, LKEY);
+        self.mem
+            .write_slice(sge.as_slice(), GuestAddress(slot + 16))
+            .unwrap();
+        let wqe = vrdma_spec::ring::RecvWqe::encode(wr_id, 1);
+        self.mem
+            .write_slice(wqe.as_slice(), GuestAddress(slot))
+            .unwrap();
     }
 
     /// Publishes the SQ producer index and sets the QP's doorbell bit, as a driver does.

@@ -34,13 +34,6 @@ impl Visit {
         worked: true,
         more: false,
     };
-
-    fn and(self, other: Visit) -> Visit {
-        Visit {
-            worked: self.worked || other.worked,
-            more: self.more || other.more,
-        }
-    }
 }
 
 /// What a pool thread keeps for one connection it serves: the connection, its copy of the CQ
@@ -53,6 +46,11 @@ pub(super) struct Poller {
     batch: SendBatch,
     recv: Vec<(u64, usize)>,
     wcs: Vec<WorkCompletion>,
+    /// The memory snapshot of the pass under way.
+    pass_memory: Option<Arc<Memory>>,
+    /// Doorbell bits this pass took so far, with those of the queues the last pass left
+    /// WQEs in.
+    rung: Vec<u16>,
     /// The queues this pass visits, with their doorbell bits.
     visits: Vec<(u16, Rung)>,
     /// Doorbell bits of the queues the last pass left WQEs in.
@@ -188,6 +186,8 @@ impl Poller {
             ),
             recv: Vec::with_capacity(BATCH as usize),
             wcs: (0..BATCH).map(|_| WorkCompletion::default()).collect(),
+            pass_memory: None,
+            rung: Vec::new(),
             visits: Vec::new(),
             carried: Vec::new(),
             cq_full: false,
@@ -253,24 +253,84 @@ impl Poller {
         }
     }
 
-    /// One look at the connection's rung rings and at its CQs; true if anything moved.
+    /// One look at the connection's rung rings and at its CQs; true if anything moved. The
+    /// steps a pool thread takes over all its connections at once (see `PoolWorker::pass`).
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(super) fn pass(&mut self) -> bool {
-        let Some(mem) = self.memory() else {
+        if self.take_doorbells() {
+            self.take_doorbells();
+        }
+        let received = self.take_receive_work();
+        self.take_send_work() | received
+    }
+
+    /// A pass's first step: takes the doorbells rung since the last look. True if some queue
+    /// has work. Taken twice when any has: a receive made available before a send the
+    /// first look found is found by the second, wherever its bit lies (SPEC.md §8.5).
+    pub(super) fn take_doorbells(&mut self) -> bool {
+        if self.pass_memory.is_none() {
+            self.pass_memory = self.memory();
+            if self.pass_memory.is_none() {
+                return false;
+            }
+            self.rung.append(&mut self.carried);
+        }
+        let Some(mem) = self.pass_memory.as_deref() else {
             return false;
         };
-        let mut work = self.deliver_pending_events();
-        self.take_rung_queues(&mem);
-        let mut visits = std::mem::take(&mut self.visits);
-        // Each queue is let go of once visited: a queue the control path removed meanwhile
-        // was retired under its progress lock, so the visit found it failed and left it.
-        for (bit, rung) in visits.drain(..) {
-            let visit = match &rung {
-                Rung::Qp(qp) => self.process_qp(&mem, qp),
+        let objects = self
+            .shared
+            .shard
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let mut rung = std::mem::take(&mut self.rung);
+        self.take_rung_bits(mem, &objects, &mut rung);
+        self.rung = rung;
+        !self.rung.is_empty()
+    }
+
+    /// The pass's second step: the rung queues' receive WQEs go to the host before any send
+    /// WQE of this pass, so that a receive posted before a send is there when the send
+    /// arrives (a UD or UC message finding no receive is dropped; an RC one waits an RNR
+    /// timeout).
+    pub(super) fn take_receive_work(&mut self) -> bool {
+        let Some(mem) = self.pass_memory.clone() else {
+            return false;
+        };
+        self.plan_visits();
+        let mut work = false;
+        let visits = std::mem::take(&mut self.visits);
+        for (bit, rung) in &visits {
+            let visit = match rung {
+                Rung::Qp(qp) => self.process_qp_receives(&mem, qp),
                 Rung::Srq(srq) => self.process_srq(&mem, srq),
             };
             work |= visit.worked;
             if visit.more {
-                self.carried.push(bit);
+                self.carried.push(*bit);
+            }
+        }
+        self.visits = visits;
+        work
+    }
+
+    /// The pass's last step: the rung QPs' send WQEs, then the CQs; events owed.
+    pub(super) fn take_send_work(&mut self) -> bool {
+        let Some(mem) = self.pass_memory.take() else {
+            return false;
+        };
+        let mut work = self.deliver_pending_events();
+        let mut visits = std::mem::take(&mut self.visits);
+        // Each queue is let go of once visited: a queue the control path removed meanwhile
+        // was retired under its progress lock, so the visit found it failed and left it.
+        for (bit, rung) in visits.drain(..) {
+            if let Rung::Qp(qp) = &rung {
+                let visit = self.process_qp_sends(&mem, qp);
+                work |= visit.worked;
+                if visit.more {
+                    self.carried.push(bit);
+                }
             }
         }
         self.visits = visits;
@@ -283,12 +343,11 @@ impl Poller {
         work
     }
 
-    /// The queues to visit this pass: those whose doorbell bits the guest set since the last
-    /// pass (taken with one swap per word, SPEC.md §8.5), and those the last pass left work
-    /// in; and the connection's CQs, if they changed. The queue table's lock is held for this
-    /// only, not through the pass, so the control path adding or removing a queue never waits
-    /// for one.
-    fn take_rung_queues(&mut self, mem: &Memory) {
+    /// The queues to visit this pass: those whose doorbell bits were taken, and those the
+    /// last pass left work in; and the connection's CQs, if they changed. The queue table's
+    /// lock is held for this only, not through the pass, so the control path adding or
+    /// removing a queue never waits for one.
+    fn plan_visits(&mut self) {
         let shared = Arc::clone(&self.shared);
         let objects = shared
             .shard
@@ -299,8 +358,7 @@ impl Poller {
             self.cqs.clone_from(&objects.cqs);
             self.cqs_version = objects.cqs_version;
         }
-        let mut bits = std::mem::take(&mut self.carried);
-        self.take_rung_bits(mem, &objects, &mut bits);
+        let mut bits = std::mem::take(&mut self.rung);
         if bits.len() > 1 {
             bits.sort_unstable();
             bits.dedup();
@@ -314,7 +372,8 @@ impl Poller {
             bits.drain(..visited)
                 .filter_map(|bit| Some((bit, objects.queues.get(&bit)?.clone()))),
         );
-        self.carried = bits;
+        self.carried.append(&mut bits);
+        self.rung = bits;
     }
 
     fn take_rung_bits(&self, mem: &Memory, objects: &ShardObjects, bits: &mut Vec<u16>) {
@@ -415,19 +474,30 @@ impl Poller {
         true
     }
 
-    /// Takes what the QP's SQ and RQ hold, under one hold of its progress lock.
+    /// Takes what the QP's RQ holds.
     // Out of line: tests/bench-guest.sh counts the instructions spent in the process_*
     // functions per WQE.
     #[inline(never)]
-    fn process_qp(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
+    fn process_qp_receives(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
         let mut visit = qp.progress.lock();
         let Visited { progress, resolved } = &mut *visit;
         if progress.failed {
             return Visit::default();
         }
         let mapped = resolved.through(mem, || qp.spans());
-        let sends = self.take_sends(mem, mapped, qp, progress);
-        sends.and(self.take_receives(mem, mapped, qp, progress))
+        self.take_receives(mem, mapped, qp, progress)
+    }
+
+    /// Takes what the QP's SQ holds.
+    #[inline(never)]
+    fn process_qp_sends(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
+        let mut visit = qp.progress.lock();
+        let Visited { progress, resolved } = &mut *visit;
+        if progress.failed {
+            return Visit::default();
+        }
+        let mapped = resolved.through(mem, || qp.spans());
+        self.take_sends(mem, mapped, qp, progress)
     }
 
     #[inline(always)]

@@ -172,6 +172,10 @@ struct Served {
     /// Its wake-up eventfd (kicks, mostly) woke the thread since the last pass.
     kicked: bool,
     kicks: WastedWakeups,
+    /// Served by the pass under way (see [`WastedWakeups::due`]).
+    due: bool,
+    /// The pass under way moved something of it.
+    worked: bool,
 }
 
 /// Wake-ups a connection's driver caused that found nothing to do: a driver that kicks in a
@@ -282,22 +286,40 @@ impl PoolWorker {
         }
     }
 
-    /// One pass over every shard served; true if anything moved. A connection whose kick
-    /// woke the poller and whose pass found nothing wasted that wake-up; a storming one is
-    /// passed over but every [`STORMING_POLL_MS`], however often the others keep the thread
-    /// busy.
+    /// One pass over every shard served; true if anything moved. Each step of a pass is
+    /// taken for every connection before the next: the doorbells of all (twice, if any was
+    /// rung), then their receive WQEs, then their send WQEs and CQs, so that a receive made
+    /// available before a send, in any connection of this thread, reaches the host before it
+    /// (SPEC.md §8.5). A connection whose kick woke the poller and whose pass found nothing
+    /// wasted that wake-up; a storming one is passed over but every [`STORMING_POLL_MS`],
+    /// however often the others keep the thread busy.
     fn pass(&mut self) -> bool {
-        let mut work = false;
         let now = Instant::now();
+        let mut rung = false;
         for served in &mut self.connections {
-            if !served.kicks.due(now) {
-                continue;
+            served.due = served.kicks.due(now);
+            if served.due {
+                rung |= served.poller.take_doorbells();
             }
-            let worked = served.poller.pass();
-            if std::mem::take(&mut served.kicked) && !worked {
+        }
+        fn due(connections: &mut [Served]) -> impl Iterator<Item = &mut Served> {
+            connections.iter_mut().filter(|s| s.due)
+        }
+        if rung {
+            for served in due(&mut self.connections) {
+                served.poller.take_doorbells();
+            }
+        }
+        for served in due(&mut self.connections) {
+            served.worked = served.poller.take_receive_work();
+        }
+        let mut work = false;
+        for served in due(&mut self.connections) {
+            served.worked |= served.poller.take_send_work();
+            if std::mem::take(&mut served.kicked) && !served.worked {
                 served.kicks.wasted(now);
             }
-            work |= worked;
+            work |= served.worked;
         }
         work
     }
@@ -379,6 +401,8 @@ impl PoolWorker {
             poller: Poller::new(shared),
             kicked: false,
             kicks: WastedWakeups::default(),
+            due: false,
+            worked: false,
         });
         log::debug!("poller: serving {} connections", self.connections.len());
     }

@@ -4,12 +4,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use vm_memory::{Bytes, GuestAddress};
 use vrdma_spec::codec::ArmRequest;
 use vrdma_spec::ring::{
-    event_kind, wc_status, CqDoorbell, NotifyState, QpDoorbell, Sge as WireSge, NOTIFY_NEED_WAKEUP,
+    event_kind, wc_status, CqDoorbell, NotifyState, QpDoorbell, NOTIFY_NEED_WAKEUP,
 };
-use vrdma_spec::ByteValued;
 
 use super::*;
 
@@ -246,16 +244,8 @@ fn need_wakeup_is_set_before_the_poller_sleeps_and_cleared_when_it_wakes() {
 #[test]
 fn receives_reach_the_host_queue_pair() {
     let mut rig = Rig::new(4);
-    for wr_id in 0..3u64 {
-        let slot = RQ_RING + wr_id * 64;
-        let sge = WireSge::encode(MR_START, 64, LKEY);
-        rig.mem
-            .write_slice(sge.as_slice(), GuestAddress(slot + 16))
-            .unwrap();
-        let wqe = vrdma_spec::ring::RecvWqe::encode(wr_id + 100, 1);
-        rig.mem
-            .write_slice(wqe.as_slice(), GuestAddress(slot))
-            .unwrap();
+    for index in 0..3 {
+        rig.write_receive(index, u64::from(index) + 100);
     }
     rig.store(QP_DOORBELL + QpDoorbell::RQ_PRODUCER, 3);
     rig.set_doorbell_bit(QP_BIT);
@@ -263,6 +253,20 @@ fn receives_reach_the_host_queue_pair() {
     assert_eq!(*rig.qp.receives.lock().unwrap(), vec![100, 101, 102]);
     assert_eq!(rig.load(QP_DOORBELL + QpDoorbell::RQ_CONSUMER), 3);
     assert!(!rig.poller.pass());
+}
+
+/// SPEC.md §8.5: a receive made available before a send is on the host QP before the send
+/// is posted, as `ibv_post_recv` followed by `ibv_post_send` leaves a native QP. (Sends first,
+/// a UD message to this QP's own receive would be dropped.)
+#[test]
+fn receives_reach_the_host_before_the_sends_of_the_same_pass() {
+    let mut rig = Rig::new(4);
+    rig.write_receive(0, 100);
+    rig.store(QP_DOORBELL + QpDoorbell::RQ_PRODUCER, 1);
+    rig.write_send(7, LKEY);
+    rig.ring_sq();
+    assert!(rig.poller.pass());
+    assert_eq!(*rig.qp.post_kinds.lock().unwrap(), ["recv", "send"]);
 }
 
 #[test]
