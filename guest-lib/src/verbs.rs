@@ -6,7 +6,7 @@ mod posting;
 pub use posting::{encode_recv, encode_send, SendShape};
 
 use std::path::Path;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -796,15 +796,12 @@ impl<'a> QueuePairBuilder<'a> {
 
     pub fn build(self, pd: &ProtectionDomain) -> Result<QueuePair> {
         let device = &pd.inner.device;
-        let send_wr = self.max_send_wr.max(1).next_power_of_two();
+        let send_wr = ring_depth(self.max_send_wr, "send")?;
         let on_srq = self.srq.is_some();
         let (recv_wr, max_recv_sge) = if on_srq {
             (0, 0)
         } else {
-            (
-                self.max_recv_wr.max(1).next_power_of_two(),
-                self.max_recv_sge,
-            )
+            (ring_depth(self.max_recv_wr, "receive")?, self.max_recv_sge)
         };
         let too_large = || Error::InvalidArgument("WQEs too large for the largest slot".into());
         let sq_shift =
@@ -864,6 +861,7 @@ impl<'a> QueuePairBuilder<'a> {
             max_send_sge: self.max_send_sge,
             max_recv_sge,
             max_inline_data: self.max_inline_data,
+            state: AtomicU8::new(qp_state::RESET),
             pd: Arc::clone(&pd.inner),
             _cqs: [
                 Arc::clone(&self.send_cq.inner),
@@ -916,6 +914,9 @@ pub struct QueuePair {
     max_send_sge: u32,
     max_recv_sge: u32,
     max_inline_data: u32,
+    /// The [`qp_state`] the driver last moved the QP to (the device may have failed it since,
+    /// which only a later state is).
+    state: AtomicU8,
     pd: Arc<PdInner>,
     _cqs: [Arc<CqInner>; 2],
     _srq: Option<Arc<SrqInner>>,
@@ -981,6 +982,22 @@ impl QueuePair {
         self.pd
             .device
             .command::<_, Empty>(Opcode::ModifyQp, &request)?;
+        if mask & qp_attr_mask::STATE != 0 {
+            self.state.store(attr.qp_state, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Refuses to post to a queue the QP's state does not take work on yet, as verbs does
+    /// (`EINVAL`): receives before INIT, sends before RTS. Posted anyway, the host would
+    /// refuse them later and fail the QP.
+    fn check_state(&self, least: u8, queue: &str) -> Result<()> {
+        let state = self.state.load(Ordering::Relaxed);
+        if state < least {
+            return Err(Error::InvalidArgument(format!(
+                "a QP in state {state} takes no {queue} (it needs state {least} or later)"
+            )));
+        }
         Ok(())
     }
 
@@ -1107,11 +1124,21 @@ pub struct SharedReceiveQueue {
     inner: Arc<SrqInner>,
 }
 
+/// The depth of a ring for `wrs` work requests: the power of two at or above, refused past
+/// 2^31 (the device refuses depths past its own maximum).
+fn ring_depth(wrs: u32, ring: &str) -> Result<u32> {
+    wrs.max(1).checked_next_power_of_two().ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{wrs} {ring} work requests: more than any ring holds"
+        ))
+    })
+}
+
 impl ProtectionDomain {
     /// An SRQ of `max_wr` entries (rounded up to a power of two) of up to `max_sge` SGEs.
     pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<SharedReceiveQueue> {
         let device = &self.inner.device;
-        let depth = max_wr.max(1).next_power_of_two();
+        let depth = ring_depth(max_wr, "SRQ")?;
         let shift = recv_wqe_shift(max_sge).ok_or_else(|| {
             Error::InvalidArgument(format!("{max_sge} SGEs exceed the largest slot"))
         })?;
@@ -1227,4 +1254,22 @@ pub fn random_psn() -> u32 {
         bytes = nanos.to_le_bytes();
     }
     u32::from_le_bytes(bytes) & 0x00ff_ffff
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_depths_round_up_to_powers_of_two_and_huge_requests_are_refused_not_a_panic() {
+        assert_eq!(ring_depth(0, "send").unwrap(), 1);
+        assert_eq!(ring_depth(5, "send").unwrap(), 8);
+        assert_eq!(ring_depth(1 << 31, "send").unwrap(), 1 << 31);
+        for wrs in [(1 << 31) + 1, u32::MAX] {
+            assert!(matches!(
+                ring_depth(wrs, "receive"),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
 }

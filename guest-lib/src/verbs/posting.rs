@@ -232,6 +232,7 @@ impl QueuePair {
     /// Writes `wrs` into the SQ and rings the doorbell once. No call into the device unless
     /// its poller is asleep. On error, the requests before the failing one were posted.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        self.check_state(qp_state::RTS, "sends")?;
         let doorbell = Doorbell {
             record: &self.doorbell,
             producer_at: QpDoorbell::SQ_PRODUCER,
@@ -252,6 +253,7 @@ impl QueuePair {
             .rq
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument("this QP receives through its SRQ".into()))?;
+        self.check_state(qp_state::INIT, "receives")?;
         let doorbell = Doorbell {
             record: &self.doorbell,
             producer_at: QpDoorbell::RQ_PRODUCER,
