@@ -270,6 +270,7 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
     let mut verbs: verbs_context = unsafe { std::mem::zeroed() };
     verbs.sz = std::mem::size_of::<verbs_context>();
     verbs.query_port = Some(query_port_extended);
+    verbs.query_device_ex = Some(query_device_ex);
     verbs.create_qp_ex = Some(objects::create_qp_ex);
     verbs.create_cq_ex = Some(objects::create_cq_ex);
     // The verbs verbs.h inlines call these through the context.
@@ -281,7 +282,7 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
     verbs.context.device = device;
     verbs.context.cmd_fd = -1;
     verbs.context.async_fd = async_events.as_raw_fd();
-    verbs.context.num_comp_vectors = 1;
+    verbs.context.num_comp_vectors = objects::COMP_VECTORS;
     // __VERBS_ABI_IS_EXTENDED: tells verbs.h's inline functions that `verbs` surrounds the
     // context.
     verbs.context.abi_compat = usize::MAX as *mut c_void;
@@ -330,6 +331,44 @@ unsafe extern "C" fn ibv_query_device(
         }
         Err(e) => raise_errno(&e),
     }
+}
+
+/// `verbs_context.query_device_ex`: what verbs.h's `ibv_query_device_ex` calls. The
+/// extended attributes vrdma has are the plain ones, its device capability flags and its one
+/// port; every other field (ODP, TSO, RSS, timestamps, ...) is zero: not served.
+unsafe extern "C" fn query_device_ex(
+    context: *mut ibv_context,
+    _input: *const rdma_sys::ibv_query_device_ex_input,
+    attr: *mut rdma_sys::ibv_device_attr_ex,
+    attr_size: usize,
+) -> c_int {
+    // A caller built against older headers passes a smaller structure; anything shorter
+    // than the plain attributes is not one.
+    if context.is_null() || attr.is_null() || attr_size < std::mem::size_of::<ibv_device_attr>() {
+        return libc::EINVAL;
+    }
+    // SAFETY: a context from ibv_open_device, per the API contract.
+    let ours = unsafe { context_of(context) };
+    let wire = match ours.device.query_device() {
+        Ok(wire) => wire,
+        Err(e) => return raise_errno(&e),
+    };
+    // SAFETY: plain C data, valid as zero.
+    let mut extended: rdma_sys::ibv_device_attr_ex = unsafe { std::mem::zeroed() };
+    extended.orig_attr = attr::device_attr(&wire);
+    extended.device_cap_flags_ex = u64::from(extended.orig_attr.device_cap_flags);
+    extended.phys_port_cnt_ex = u32::from(extended.orig_attr.phys_port_cnt);
+    let size = attr_size.min(std::mem::size_of::<rdma_sys::ibv_device_attr_ex>());
+    // SAFETY: the caller's structure holds `attr_size` bytes, of which the first `size` are
+    // the fields both versions share.
+    unsafe {
+        ptr::copy_nonoverlapping(
+            (&extended as *const rdma_sys::ibv_device_attr_ex).cast::<u8>(),
+            attr.cast::<u8>(),
+            size,
+        );
+    }
+    0
 }
 
 fn port_attributes(context: &VrdmaContext, port: u8) -> Result<ibv_port_attr, c_int> {

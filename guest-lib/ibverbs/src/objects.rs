@@ -408,15 +408,18 @@ unsafe extern "C" fn ibv_create_cq(
     cqe: c_int,
     cq_context: *mut c_void,
     channel: *mut ibv_comp_channel,
-    _comp_vector: c_int,
+    comp_vector: c_int,
 ) -> *mut ibv_cq {
-    let Ok(cqe) = u32::try_from(cqe) else {
+    let (Ok(cqe), Ok(comp_vector)) = (u32::try_from(cqe), u32::try_from(comp_vector)) else {
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     };
     // SAFETY: the caller's context and channel, per the API contract.
-    unsafe { create_cq(context, cqe, cq_context, channel) }.cast()
+    unsafe { create_cq(context, cqe, cq_context, channel, comp_vector) }.cast()
 }
+
+/// Completion vectors a context has (`num_comp_vectors`): one, the device's event queue.
+pub(crate) const COMP_VECTORS: c_int = 1;
 
 /// `verbs_context.create_cq_ex`: a CQ with the `ibv_start_poll` API as well.
 pub(crate) unsafe extern "C" fn create_cq_ex(
@@ -440,7 +443,15 @@ pub(crate) unsafe extern "C" fn create_cq_ex(
         return ptr::null_mut();
     }
     // SAFETY: the caller's context and channel, per the API contract.
-    let created = unsafe { create_cq(context, attr.cqe, attr.cq_context, attr.channel) };
+    let created = unsafe {
+        create_cq(
+            context,
+            attr.cqe,
+            attr.cq_context,
+            attr.channel,
+            attr.comp_vector,
+        )
+    };
     if let Some(created) = NonNull::new(created) {
         // SAFETY: the CQ just made, not yet handed out.
         let cq = unsafe { &mut (*created.as_ptr()).cq };
@@ -461,7 +472,8 @@ pub(crate) unsafe extern "C" fn create_cq_ex(
     created.cast()
 }
 
-/// A CQ of at least `cqe` entries reporting to `channel` (may be NULL).
+/// A CQ of at least `cqe` entries reporting to `channel` (may be NULL) on completion vector
+/// `comp_vector` (below [`COMP_VECTORS`]).
 ///
 /// # Safety
 /// `context` and `channel` must be NULL or the program's live objects of this library.
@@ -470,8 +482,9 @@ unsafe fn create_cq(
     cqe: u32,
     cq_context: *mut c_void,
     channel: *mut ibv_comp_channel,
+    comp_vector: u32,
 ) -> *mut VrdmaCq {
-    if context.is_null() {
+    if context.is_null() || comp_vector >= COMP_VECTORS as u32 {
         set_errno(libc::EINVAL);
         return ptr::null_mut();
     }
@@ -716,13 +729,17 @@ pub(crate) unsafe extern "C" fn create_qp_ex(
     let attr = unsafe { &mut *attr };
     let with_pd = rdma_sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0;
     let with_send_ops = rdma_sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
+    // Creation flags are served only as none at all.
+    let with_create_flags = rdma_sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS.0;
     let send_ops = attr.comp_mask & with_send_ops != 0;
-    if attr.comp_mask & !(with_pd | with_send_ops) != 0
+    let create_flags = attr.comp_mask & with_create_flags != 0 && attr.create_flags != 0;
+    if attr.comp_mask & !(with_pd | with_send_ops | with_create_flags) != 0
+        || create_flags
         || (send_ops && attr.send_ops_flags & !SERVED_SEND_OPS != 0)
     {
         report_once(
             "create_qp_ex",
-            "ibv_create_qp_ex: vrdma serves a PD and the send ops SEND, SEND_WITH_IMM, RDMA_WRITE, RDMA_WRITE_WITH_IMM, RDMA_READ and the two atomics only",
+            "ibv_create_qp_ex: vrdma serves a PD and the send ops SEND, SEND_WITH_IMM, RDMA_WRITE, RDMA_WRITE_WITH_IMM, RDMA_READ and the two atomics only (no creation flags)",
         );
         set_errno(libc::EOPNOTSUPP);
         return ptr::null_mut();
@@ -755,7 +772,7 @@ unsafe fn create_qp(pd: *mut ibv_pd, init: &mut ibv_qp_init_attr, send_ops: bool
     // SAFETY: per the contract.
     let owner = unsafe { ours::<VrdmaPd>(pd) };
     let Some(qp_type) = translate::qp_type(init.qp_type) else {
-        report_once("qp_type", "vrdma serves RC and UD QPs only");
+        report_once("qp_type", "vrdma serves RC, UC and UD QPs only");
         set_errno(libc::EOPNOTSUPP);
         return ptr::null_mut();
     };
