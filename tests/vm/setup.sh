@@ -26,6 +26,8 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
   # to build the nested-VM tests' QEMU (tests/vm/qemu/build.sh)
   libglib2.0-dev libpixman-1-dev libfdt-dev libcap-ng-dev libattr1-dev ninja-build flex bison
   python3-venv patch
+  # rdma-core's own test suite, run on rxe0 and on vrdma0 (tests/rdma-core-suite.py)
+  python3-pyverbs
   # to count the backend's instructions per WQE in the benchmark (callgrind)
   valgrind)
 
