@@ -172,6 +172,31 @@ fn ibv_devices_lists_vrdma0_with_the_node_guid() {
     assert_ne!(guid, "0000000000000000", "the GUID comes from the device");
 }
 
+/// #32: a program that reads the node GUID (listing devices) and then opens the device
+/// connects to the backend once: the connection that asked for the GUID becomes the context's.
+#[test]
+#[ignore = "needs rdma_rxe and python3-pyverbs: run by tests/run-all.sh inside the VM harness"]
+fn reading_the_node_guid_then_opening_the_device_takes_one_connection() {
+    let socket = std::env::temp_dir().join(format!("vrdma-guid-{}.sock", std::process::id()));
+    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
+    // pyverbs lists the devices with their GUIDs, then opens the one named.
+    let program = "import pyverbs.device as d\n\
+                   devices = [(dev.name, dev.guid) for dev in d.get_device_list()]\n\
+                   print(devices, d.Context(name='vrdma0').query_device().node_guid)";
+    let output = run_on(socket.to_str().unwrap(), &["python3", "-c", program]);
+    assert!(
+        text(&output.stdout).contains("vrdma"),
+        "{}",
+        text(&output.stdout)
+    );
+    let log = vrdma_tests::wait_for_backend_log(&socket, "the connection's end", |log| {
+        log.contains("connection 1: closed")
+    });
+    let _ = backend.kill();
+    let _ = backend.wait();
+    assert!(!log.contains("connection 2"), "a second connection:\n{log}");
+}
+
 #[test]
 #[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn ibv_devinfo_shows_the_attributes_port_and_gid_of_vrdma0() {

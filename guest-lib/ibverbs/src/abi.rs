@@ -31,10 +31,15 @@ struct VrdmaDevice {
     /// The node GUID, once a context or `ibv_get_device_guid` has queried it: asked again,
     /// it needs no connection of its own (a backend may serve one connection at a time).
     node_guid: std::sync::OnceLock<u64>,
+    /// The connection `ibv_get_device_guid` opened to ask, kept for the next
+    /// `ibv_open_device`: a program that reads the GUID before it opens the device (most do,
+    /// listing devices) connects once, not twice.
+    unused_connection: Mutex<Option<Device>>,
 }
 
 // SAFETY: the C part is plain data written once, before the value is shared, and only read
-// afterwards; the target is an immutable String, the GUID a OnceLock.
+// afterwards; the target is an immutable String, the GUID a OnceLock, the kept connection
+// behind a Mutex.
 unsafe impl Sync for VrdmaDevice {}
 // SAFETY: as above.
 unsafe impl Send for VrdmaDevice {}
@@ -84,6 +89,7 @@ fn vrdma_device() -> Option<&'static VrdmaDevice> {
                     device,
                     target,
                     node_guid: std::sync::OnceLock::new(),
+                    unused_connection: Mutex::new(None),
                 })
             }
             Err(e) => {
@@ -205,11 +211,17 @@ unsafe extern "C" fn ibv_get_device_guid(device: *mut ibv_device) -> u64 {
     if let Some(&guid) = ours.node_guid.get() {
         return guid.to_be();
     }
-    match Device::open(&ours.target.target).and_then(|device| device.query_device()) {
-        Ok(attr) => ours
-            .node_guid
-            .get_or_init(|| attr.node_guid.to_native())
-            .to_be(),
+    let opened = Device::open(&ours.target.target);
+    match opened.and_then(|device| Ok((device.query_device()?, device))) {
+        Ok((attr, device)) => {
+            *ours
+                .unused_connection
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(device);
+            ours.node_guid
+                .get_or_init(|| attr.node_guid.to_native())
+                .to_be()
+        }
         Err(e) => {
             report_once("open", &open_failure(ours, &e));
             0
@@ -241,7 +253,12 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
         set_errno(libc::ENODEV);
         return ptr::null_mut();
     };
-    let opened = match Device::open(&ours.target.target) {
+    let kept = ours
+        .unused_connection
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    let opened = match kept.map_or_else(|| Device::open(&ours.target.target), Ok) {
         Ok(opened) => opened,
         Err(e) => {
             report_once("open", &open_failure(ours, &e));
