@@ -33,9 +33,9 @@ use std::time::Duration;
 pub use direct::DirectOptions;
 pub use shm::SharedBuffer;
 pub use verbs::{
-    access, qp_attr_mask, qp_state, random_psn, AddressHandle, AhAttr, CompletionQueue, Device,
-    MemoryRegion, ProtectionDomain, QpAttr, QpCaps, QpType, QueuePair, QueuePairBuilder, RcPeer,
-    SharedReceiveQueue,
+    access, qp_attr_mask, qp_state, random_psn, AddressHandle, AhAttr, Chain, CompletionQueue,
+    Device, MemoryRegion, ProtectionDomain, QpAttr, QpCaps, QpType, QueuePair, QueuePairBuilder,
+    RcPeer, SharedReceiveQueue,
 };
 pub use vrdma_spec as spec;
 pub use vrdma_spec::ctrl::{Opcode, Status};

@@ -3,7 +3,7 @@
 
 mod posting;
 
-pub use posting::{encode_recv, encode_send, SendShape};
+pub use posting::{encode_recv, encode_send, Chain, SendShape};
 
 use std::path::Path;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};

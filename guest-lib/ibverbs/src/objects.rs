@@ -18,8 +18,8 @@ use rdma_sys::{
     ibv_srq_init_attr, ibv_wc, ibv_wc_opcode,
 };
 use vrdma_guest::{
-    qp_attr_mask, AddressHandle, CompletionQueue, MemoryRegion, Payload, ProtectionDomain, QpCaps,
-    QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
+    qp_attr_mask, AddressHandle, Chain, CompletionQueue, MemoryRegion, Payload, ProtectionDomain,
+    QpCaps, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
 };
 
 use crate::abi::{context_of, raise_errno, report_once, set_errno};
@@ -75,18 +75,19 @@ impl VrdmaQp {
         self.staged.as_ref()
     }
 
-    /// Posts one send request; `flags` are `ibv_send_flags`, `ud` a UD QP's destination.
+    /// One send request as guest-lib posts it; `flags` are `ibv_send_flags`, `ud` a UD
+    /// QP's destination.
     ///
     /// # Safety
-    /// `ud`'s AH must be NULL or one of this library's, alive.
-    pub(crate) unsafe fn post(
+    /// `ud`'s AH must be NULL or one of this library's, alive while the request is.
+    pub(crate) unsafe fn send_wr<'p>(
         &self,
         wr_id: u64,
         op: SendOp,
-        payload: Payload<'_>,
+        payload: Payload<'p>,
         flags: u32,
         ud: Option<(*mut ibv_ah, u32, u32)>,
-    ) -> Result<(), c_int> {
+    ) -> Result<SendWr<'p>, c_int> {
         let is_ud = self.base().qp_type == rdma_sys::ibv_qp_type::IBV_QPT_UD;
         let ud = match ud {
             Some((ah, remote_qpn, remote_qkey)) if is_ud && !ah.is_null() => Some(UdDest {
@@ -98,7 +99,7 @@ impl VrdmaQp {
             None if !is_ud => None,
             _ => return Err(libc::EINVAL),
         };
-        let send = SendWr {
+        Ok(SendWr {
             wr_id,
             op,
             payload,
@@ -106,10 +107,54 @@ impl VrdmaQp {
             solicited: flags & send_flags::SOLICITED != 0,
             fence: flags & send_flags::FENCE != 0,
             ud,
-        };
-        self.inner
-            .post_send(std::slice::from_ref(&send))
-            .map_err(|e| raise_errno(&e))
+        })
+    }
+
+    pub(crate) fn inner(&self) -> &QueuePair {
+        &self.inner
+    }
+}
+
+/// Posts the program's list of requests from `first` on through `chain`, with one doorbell
+/// for all of them: 0, or an errno with `*bad_wr` at the first request not posted (those
+/// before it are posted, as verbs does).
+///
+/// # Safety
+/// `first` must be NULL or a valid list of requests that `next` walks, `bad_wr` NULL or
+/// writable.
+unsafe fn post_list<'c, F, R>(
+    chain: vrdma_guest::Result<Chain<'c, F>>,
+    first: *mut R,
+    bad_wr: *mut *mut R,
+    next: impl Fn(&R) -> *mut R,
+    mut push: impl FnMut(&mut Chain<'c, F>, &R) -> Result<(), c_int>,
+) -> c_int {
+    let fail = |at: *mut R, errno: c_int| {
+        if !bad_wr.is_null() {
+            // SAFETY: the caller passes NULL or a pointer to fill.
+            unsafe { *bad_wr = at };
+        }
+        errno
+    };
+    let mut chain = match chain {
+        Ok(chain) => chain,
+        Err(e) => return fail(first, raise_errno(&e)),
+    };
+    let mut result = 0;
+    let mut current = first;
+    while !current.is_null() {
+        // SAFETY: per the contract.
+        let request = unsafe { &*current };
+        if let Err(errno) = push(&mut chain, request) {
+            result = fail(current, errno);
+            break;
+        }
+        current = next(request);
+    }
+    match chain.post() {
+        Ok(()) => result,
+        // Nothing pushed was made available: the whole list failed.
+        Err(e) => fail(first, raise_errno(&e)),
     }
 }
 
@@ -936,37 +981,27 @@ pub(crate) unsafe extern "C" fn post_send(
     // SAFETY: a QP from ibv_create_qp, per the API contract.
     let ours_qp = unsafe { ours::<VrdmaQp>(qp) };
     let mut gathered = [0u8; MAX_GATHERED_INLINE];
-    let mut current = wr;
-    while !current.is_null() {
-        // SAFETY: the program's list of valid work requests, per the API contract.
-        let request = unsafe { &*current };
+    let push = |chain: &mut Chain<'_, _>, request: &ibv_send_wr| {
         // SAFETY: the request's own SGE list.
-        let posted = unsafe { sges(request.sg_list, request.num_sge) }.and_then(|list| {
-            let op = translate::send_op(request)?;
-            let payload = if request.send_flags & send_flags::INLINE != 0 {
-                // SAFETY: inline data is read from the program's buffers, which the SGEs
-                // describe and the program vouches for.
-                Payload::Inline(unsafe { inline_bytes(list, &mut gathered)? })
-            } else {
-                Payload::Sges(list)
-            };
-            // SAFETY: for UD QPs the program fills `wr.ud`, with an AH of this library.
-            let ud = unsafe { request.wr.ud };
-            let ud = Some((ud.ah, ud.remote_qpn, ud.remote_qkey))
-                .filter(|_| ours_qp.base().qp_type == rdma_sys::ibv_qp_type::IBV_QPT_UD);
-            // SAFETY: as above.
-            unsafe { ours_qp.post(request.wr_id, op, payload, request.send_flags, ud) }
-        });
-        if let Err(errno) = posted {
-            if !bad_wr.is_null() {
-                // SAFETY: the caller passes NULL or a pointer to fill.
-                unsafe { *bad_wr = current };
-            }
-            return errno;
-        }
-        current = request.next;
-    }
-    0
+        let list = unsafe { sges(request.sg_list, request.num_sge) }?;
+        let op = translate::send_op(request)?;
+        let payload = if request.send_flags & send_flags::INLINE != 0 {
+            // SAFETY: inline data is read from the program's buffers, which the SGEs
+            // describe and the program vouches for.
+            Payload::Inline(unsafe { inline_bytes(list, &mut gathered)? })
+        } else {
+            Payload::Sges(list)
+        };
+        // SAFETY: for UD QPs the program fills `wr.ud`, with an AH of this library.
+        let ud = unsafe { request.wr.ud };
+        let ud = Some((ud.ah, ud.remote_qpn, ud.remote_qkey))
+            .filter(|_| ours_qp.base().qp_type == rdma_sys::ibv_qp_type::IBV_QPT_UD);
+        // SAFETY: as above.
+        let send = unsafe { ours_qp.send_wr(request.wr_id, op, payload, request.send_flags, ud) }?;
+        chain.push(&send).map_err(|e| raise_errno(&e))
+    };
+    // SAFETY: the program's list of valid work requests, per the API contract.
+    unsafe { post_list(ours_qp.inner.send_chain(), wr, bad_wr, |r| r.next, push) }
 }
 
 /// The inline bytes the SGEs describe: in place for one SGE, gathered into `gathered` for
@@ -1001,40 +1036,33 @@ pub(crate) unsafe extern "C" fn post_recv(
     // SAFETY: a QP from ibv_create_qp, per the API contract.
     let ours_qp = unsafe { ours::<VrdmaQp>(qp) };
     // SAFETY: the program's list of receive requests, per the API contract.
-    unsafe { post_receives(wr, bad_wr, |recv| ours_qp.inner.post_recv(recv)) }
+    unsafe { post_receives(ours_qp.inner.recv_chain(), wr, bad_wr) }
 }
 
-/// Posts each request of the list at `wr` with `post`, where its SGEs are.
+/// Posts the program's list of receive requests at `wr` through `chain`, where their SGEs
+/// are.
 ///
 /// # Safety
 /// `wr` must be NULL or a valid list of receive requests, `bad_wr` NULL or writable.
-unsafe fn post_receives(
+unsafe fn post_receives<'c, F>(
+    chain: vrdma_guest::Result<Chain<'c, F>>,
     wr: *mut ibv_recv_wr,
     bad_wr: *mut *mut ibv_recv_wr,
-    post: impl Fn(&[RecvWr<'_>]) -> vrdma_guest::Result<()>,
-) -> c_int {
-    let mut current = wr;
-    while !current.is_null() {
-        // SAFETY: per the contract.
-        let request = unsafe { &*current };
+) -> c_int
+where
+    F: for<'s> Fn(u64, &RecvWr<'s>) -> vrdma_guest::Result<()>,
+{
+    let push = |chain: &mut Chain<'c, F>, request: &ibv_recv_wr| {
         // SAFETY: the request's own SGE list.
-        let posted = unsafe { sges(request.sg_list, request.num_sge) }.and_then(|list| {
-            let recv = RecvWr {
-                wr_id: request.wr_id,
-                sges: list,
-            };
-            post(std::slice::from_ref(&recv)).map_err(|e| raise_errno(&e))
-        });
-        if let Err(errno) = posted {
-            if !bad_wr.is_null() {
-                // SAFETY: per the contract.
-                unsafe { *bad_wr = current };
-            }
-            return errno;
-        }
-        current = request.next;
-    }
-    0
+        let list = unsafe { sges(request.sg_list, request.num_sge) }?;
+        let recv = RecvWr {
+            wr_id: request.wr_id,
+            sges: list,
+        };
+        chain.push(&recv).map_err(|e| raise_errno(&e))
+    };
+    // SAFETY: per the contract.
+    unsafe { post_list(chain, wr, bad_wr, |r| r.next, push) }
 }
 
 // ---- SRQ ---------------------------------------------------------------------------------
@@ -1145,5 +1173,5 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
     // SAFETY: an SRQ from ibv_create_srq, per the API contract.
     let queue = unsafe { ours::<VrdmaSrq>(srq) };
     // SAFETY: the program's list of receive requests, per the API contract.
-    unsafe { post_receives(wr, bad_wr, |recv| queue.inner.post_recv(recv)) }
+    unsafe { post_receives(queue.inner.recv_chain(), wr, bad_wr) }
 }

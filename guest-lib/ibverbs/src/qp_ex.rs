@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use rdma_sys::{ibv_ah, ibv_data_buf, ibv_qp_create_send_ops_flags as Ops, ibv_qp_ex, ibv_sge};
 use vrdma_guest::{Payload, SendOp, Sge};
 
+use crate::abi::raise_errno;
 use crate::objects::VrdmaQp;
 
 /// `enum ibv_qp_create_send_ops_flags` this library serves.
@@ -306,17 +307,27 @@ unsafe extern "C" fn wr_complete(qp_ex: *mut ibv_qp_ex) -> c_int {
         with_staged(qp_ex, |staged, _| {
             let result = match staged.error {
                 Some(errno) => Err(errno),
-                None => staged.wrs.iter().try_for_each(|wr| {
-                    let payload = match &wr.payload {
-                        StagedPayload::None => Payload::Sges(&[]),
-                        StagedPayload::Sges(range) => Payload::Sges(&staged.sges[range.clone()]),
-                        StagedPayload::Inline(range) => {
-                            Payload::Inline(&staged.inline[range.clone()])
-                        }
-                    };
-                    let ud = wr.ud.map(|(ah, qpn, qkey)| (ah as *mut ibv_ah, qpn, qkey));
-                    qp.post(wr.wr_id, wr.op, payload, wr.flags, ud)
-                }),
+                None => match qp.inner().send_chain() {
+                    Err(e) => Err(raise_errno(&e)),
+                    // One doorbell for the lot, as for a chain given to ibv_post_send.
+                    Ok(mut chain) => {
+                        let pushed = staged.wrs.iter().try_for_each(|wr| {
+                            let payload = match &wr.payload {
+                                StagedPayload::None => Payload::Sges(&[]),
+                                StagedPayload::Sges(range) => {
+                                    Payload::Sges(&staged.sges[range.clone()])
+                                }
+                                StagedPayload::Inline(range) => {
+                                    Payload::Inline(&staged.inline[range.clone()])
+                                }
+                            };
+                            let ud = wr.ud.map(|(ah, qpn, qkey)| (ah as *mut ibv_ah, qpn, qkey));
+                            let send = qp.send_wr(wr.wr_id, wr.op, payload, wr.flags, ud)?;
+                            chain.push(&send).map_err(|e| raise_errno(&e))
+                        });
+                        chain.post().map_err(|e| raise_errno(&e)).and(pushed)
+                    }
+                },
             };
             staged.clear();
             result.err().unwrap_or(0)

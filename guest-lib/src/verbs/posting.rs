@@ -15,45 +15,88 @@ struct Doorbell<'a> {
     bit: u16,
 }
 
-/// Writes `wrs` into `queue` with `write` (slot offset, request), then publishes the new
-/// producer index and rings the doorbell once (SPEC.md §8.1, §8.5). On error, the requests
-/// before the failing one were posted.
-fn post<W>(
-    queue: &WorkQueue,
-    doorbell: &Doorbell<'_>,
-    device: &DeviceInner,
-    wrs: &[W],
-    write: impl Fn(u64, &W) -> Result<()>,
-) -> Result<()> {
-    let mut producer = queue.producer.lock().unwrap_or_else(|e| e.into_inner());
-    let consumer = doorbell
-        .record
-        .atomic_u32(doorbell.consumer_at)?
-        .load(Ordering::Acquire);
-    let mut result = Ok(());
-    let mut posted = 0;
-    for wr in wrs {
-        if ring_pending(*producer, consumer) >= queue.depth {
-            result = Err(Error::QueueFull { posted });
-            break;
-        }
-        let slot = u64::from(ring_slot(*producer, queue.depth)) * queue.stride;
-        if let Err(e) = write(slot, wr) {
-            result = Err(e);
-            break;
-        }
-        *producer = producer.wrapping_add(1);
-        posted += 1;
-    }
-    if posted > 0 {
-        // Release: the WQEs are visible before the index that publishes them.
-        doorbell
+/// Work requests written into a queue one at a time and handed to the device together: one
+/// producer-index store and one doorbell for all of them (SPEC.md §8.1, §8.5), as for a chain
+/// posted with one `ibv_post_send`. Nothing pushed reaches the device before [`Chain::post`];
+/// a chain dropped unposted leaves the queue as it was.
+pub struct Chain<'a, F> {
+    queue: &'a WorkQueue,
+    doorbell: Doorbell<'a>,
+    device: &'a DeviceInner,
+    /// The queue's producer index, held for the chain's life: one chain at a time per queue.
+    producer: std::sync::MutexGuard<'a, u32>,
+    consumer: u32,
+    /// The producer index after the last request pushed.
+    next: u32,
+    /// Writes a request into the slot at the given offset of the ring.
+    write: F,
+}
+
+impl<'a, F> Chain<'a, F> {
+    fn begin(
+        queue: &'a WorkQueue,
+        doorbell: Doorbell<'a>,
+        device: &'a DeviceInner,
+        write: F,
+    ) -> Result<Self> {
+        let producer = queue.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let consumer = doorbell
             .record
-            .atomic_u32(doorbell.producer_at)?
-            .store(*producer, Ordering::Release);
-        device.ring_doorbell(doorbell.notify_queue, doorbell.bit)?;
+            .atomic_u32(doorbell.consumer_at)?
+            .load(Ordering::Acquire);
+        let next = *producer;
+        Ok(Chain {
+            queue,
+            doorbell,
+            device,
+            producer,
+            consumer,
+            next,
+            write,
+        })
     }
-    result
+
+    /// Writes `wr` into the next slot; [`Error::QueueFull`] (counting the requests pushed
+    /// before) when the queue has no free slot.
+    pub fn push<W: ?Sized>(&mut self, wr: &W) -> Result<()>
+    where
+        F: Fn(u64, &W) -> Result<()>,
+    {
+        if ring_pending(self.next, self.consumer) >= self.queue.depth {
+            return Err(Error::QueueFull {
+                posted: ring_pending(self.next, *self.producer) as usize,
+            });
+        }
+        let slot = u64::from(ring_slot(self.next, self.queue.depth)) * self.queue.stride;
+        (self.write)(slot, wr)?;
+        self.next = self.next.wrapping_add(1);
+        Ok(())
+    }
+
+    /// Publishes the requests pushed (release: written before the index that makes them
+    /// available) and rings the doorbell, once.
+    pub fn post(mut self) -> Result<()> {
+        if self.next == *self.producer {
+            return Ok(());
+        }
+        *self.producer = self.next;
+        self.doorbell
+            .record
+            .atomic_u32(self.doorbell.producer_at)?
+            .store(self.next, Ordering::Release);
+        self.device
+            .ring_doorbell(self.doorbell.notify_queue, self.doorbell.bit)
+    }
+}
+
+/// Posts `wrs` through `chain`: on error, the requests before the failing one were posted.
+fn post_all<F, W>(mut chain: Chain<'_, F>, wrs: &[W]) -> Result<()>
+where
+    F: Fn(u64, &W) -> Result<()>,
+{
+    let pushed = wrs.iter().try_for_each(|wr| chain.push(wr));
+    chain.post()?;
+    pushed
 }
 
 /// What a send queue accepts: what [`encode_send`] checks a request against.
@@ -232,6 +275,11 @@ impl QueuePair {
     /// Writes `wrs` into the SQ and rings the doorbell once. No call into the device unless
     /// its poller is asleep. On error, the requests before the failing one were posted.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        post_all(self.send_chain()?, wrs)
+    }
+
+    /// A chain of sends for this QP's SQ (see [`Chain`]); refused before RTS.
+    pub fn send_chain(&self) -> Result<Chain<'_, impl Fn(u64, &SendWr<'_>) -> Result<()> + '_>> {
         self.check_state(qp_state::RTS, "sends")?;
         let doorbell = Doorbell {
             record: &self.doorbell,
@@ -240,15 +288,25 @@ impl QueuePair {
             notify_queue: self.notify_queue,
             bit: self.doorbell_bit,
         };
-        post(&self.sq, &doorbell, &self.pd.device, wrs, |slot, wr| {
-            encode_send(wr, &self.send_shape(), |at, bytes| {
-                self.sq.ring.write(slot + at, bytes)
-            })
-        })
+        let shape = self.send_shape();
+        Chain::begin(
+            &self.sq,
+            doorbell,
+            &self.pd.device,
+            move |slot, wr: &SendWr<'_>| {
+                encode_send(wr, &shape, |at, bytes| self.sq.ring.write(slot + at, bytes))
+            },
+        )
     }
 
     /// Writes `wrs` into the RQ and rings the doorbell once.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        post_all(self.recv_chain()?, wrs)
+    }
+
+    /// A chain of receives for this QP's RQ (see [`Chain`]); refused before INIT, and for a
+    /// QP on an SRQ.
+    pub fn recv_chain(&self) -> Result<Chain<'_, impl Fn(u64, &RecvWr<'_>) -> Result<()> + '_>> {
         let rq = self
             .rq
             .as_ref()
@@ -261,11 +319,15 @@ impl QueuePair {
             notify_queue: self.notify_queue,
             bit: self.doorbell_bit,
         };
-        post(rq, &doorbell, &self.pd.device, wrs, |slot, wr| {
-            encode_recv(wr, self.max_recv_sge, |at, bytes| {
-                rq.ring.write(slot + at, bytes)
-            })
-        })
+        let max_sge = self.max_recv_sge;
+        Chain::begin(
+            rq,
+            doorbell,
+            &self.pd.device,
+            move |slot, wr: &RecvWr<'_>| {
+                encode_recv(wr, max_sge, |at, bytes| rq.ring.write(slot + at, bytes))
+            },
+        )
     }
 
     /// Receive WQEs posted but not yet taken by the device. Posting is asynchronous: a UD
@@ -294,6 +356,11 @@ impl QueuePair {
 impl SharedReceiveQueue {
     /// Writes `wrs` into the SRQ and rings the doorbell once.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        post_all(self.recv_chain()?, wrs)
+    }
+
+    /// A chain of receives for this SRQ (see [`Chain`]).
+    pub fn recv_chain(&self) -> Result<Chain<'_, impl Fn(u64, &RecvWr<'_>) -> Result<()> + '_>> {
         let srq = &self.inner;
         let doorbell = Doorbell {
             record: &srq.doorbell,
@@ -302,10 +369,16 @@ impl SharedReceiveQueue {
             notify_queue: srq.notify_queue,
             bit: srq.doorbell_bit,
         };
-        post(&srq.queue, &doorbell, &srq.pd.device, wrs, |slot, wr| {
-            encode_recv(wr, srq.max_sge, |at, bytes| {
-                srq.queue.ring.write(slot + at, bytes)
-            })
-        })
+        let max_sge = srq.max_sge;
+        Chain::begin(
+            &srq.queue,
+            doorbell,
+            &srq.pd.device,
+            move |slot, wr: &RecvWr<'_>| {
+                encode_recv(wr, max_sge, |at, bytes| {
+                    srq.queue.ring.write(slot + at, bytes)
+                })
+            },
+        )
     }
 }

@@ -1,0 +1,156 @@
+/* Chains of work requests given to one ibv_post_send / ibv_post_recv, as a program sees them.
+ * Written against libibverbs only; tests/tests/ibverbs_rxe.rs builds it and runs it on vrdma0
+ * through vrdma-run, then reads the backend's count of kicks.
+ * usage: post_list DEVICE GID_INDEX CHAINS
+ *   An RC QP connected to itself takes, CHAINS times: a chain of 16 receives, a chain of 16
+ *   SENDs whose last is refused at posting (more SGEs than the QP takes: EINVAL, *bad_wr at
+ *   it, the 15 before it posted) and one SEND alone; each after a 20 ms pause in which the
+ *   device's poller falls asleep. So a device that takes a chain with one doorbell is rung
+ *   3 x CHAINS times. Every completion is checked. Prints "post_list: ok" on success; exits
+ *   1 on any failure. */
+#include <infiniband/verbs.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define CHECK(cond, what)                                                                  \
+	do {                                                                               \
+		if (!(cond)) {                                                             \
+			perror(what);                                                      \
+			fprintf(stderr, "post_list: %s failed (line %d)\n", what, __LINE__);   \
+			exit(1);                                                           \
+		}                                                                          \
+	} while (0)
+
+#define CHAIN 16
+#define MESSAGE 64
+
+static struct ibv_cq *cq;
+
+/* Waits up to 10 s for `count` completions, each successful with wr_id below `limit`. */
+static void expect_completions(int count, uint64_t limit)
+{
+	for (int spins = 0; count > 0; spins++) {
+		struct ibv_wc wc[CHAIN];
+		int n = ibv_poll_cq(cq, CHAIN, wc);
+		CHECK(n >= 0, "ibv_poll_cq");
+		for (int i = 0; i < n; i++) {
+			CHECK(wc[i].status == IBV_WC_SUCCESS, ibv_wc_status_str(wc[i].status));
+			CHECK(wc[i].wr_id < limit, "a completion of a request that was posted");
+		}
+		count -= n;
+		CHECK(spins < 10000000 || count == 0, "completions within the time limit");
+		if (n == 0)
+			usleep(1);
+	}
+}
+
+static void connect_to_itself(struct ibv_qp *qp, union ibv_gid *gid, int gid_index)
+{
+	struct ibv_qp_attr attr = {
+		.qp_state = IBV_QPS_INIT, .port_num = 1, .pkey_index = 0,
+		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE,
+	};
+	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+					 IBV_QP_ACCESS_FLAGS), "modify to INIT");
+	memset(&attr, 0, sizeof attr);
+	attr.qp_state = IBV_QPS_RTR;
+	attr.path_mtu = IBV_MTU_1024;
+	attr.dest_qp_num = qp->qp_num;
+	attr.max_dest_rd_atomic = 1;
+	attr.min_rnr_timer = 12;
+	attr.ah_attr.is_global = 1;
+	attr.ah_attr.grh.dgid = *gid;
+	attr.ah_attr.grh.sgid_index = gid_index;
+	attr.ah_attr.grh.hop_limit = 1;
+	attr.ah_attr.port_num = 1;
+	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+					 IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+					 IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER),
+	      "modify to RTR");
+	memset(&attr, 0, sizeof attr);
+	attr.qp_state = IBV_QPS_RTS;
+	attr.timeout = 14;
+	attr.retry_cnt = 7;
+	attr.rnr_retry = 7;
+	attr.max_rd_atomic = 1;
+	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+					 IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+					 IBV_QP_MAX_QP_RD_ATOMIC),
+	      "modify to RTS");
+}
+
+int main(int argc, char **argv)
+{
+	CHECK(argc == 4, "usage: post_list DEVICE GID_INDEX CHAINS");
+	int gid_index = atoi(argv[2]), chains = atoi(argv[3]), num;
+	struct ibv_device **list = ibv_get_device_list(&num);
+	CHECK(list, "ibv_get_device_list");
+	struct ibv_context *ctx = NULL;
+	for (int i = 0; i < num; i++)
+		if (!strcmp(ibv_get_device_name(list[i]), argv[1]))
+			ctx = ibv_open_device(list[i]);
+	CHECK(ctx, "ibv_open_device");
+	struct ibv_pd *pd = ibv_alloc_pd(ctx);
+	CHECK(pd, "ibv_alloc_pd");
+	cq = ibv_create_cq(ctx, 4 * CHAIN, NULL, NULL, 0);
+	CHECK(cq, "ibv_create_cq");
+	static uint8_t buf[2 * CHAIN * MESSAGE] __attribute__((aligned(4096)));
+	struct ibv_mr *mr = ibv_reg_mr(pd, buf, sizeof buf, IBV_ACCESS_LOCAL_WRITE);
+	CHECK(mr, "ibv_reg_mr");
+	struct ibv_qp_init_attr init = {
+		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC, .sq_sig_all = 1,
+		.cap = { .max_send_wr = CHAIN, .max_recv_wr = CHAIN, .max_send_sge = 1,
+			 .max_recv_sge = 1 },
+	};
+	struct ibv_qp *qp = ibv_create_qp(pd, &init);
+	CHECK(qp, "ibv_create_qp");
+	union ibv_gid gid;
+	CHECK(!ibv_query_gid(ctx, 1, gid_index, &gid), "ibv_query_gid");
+	connect_to_itself(qp, &gid, gid_index);
+
+	for (int c = 0; c < chains; c++) {
+		struct ibv_sge sge[CHAIN];
+		struct ibv_recv_wr recv[CHAIN], *bad_recv = NULL;
+		for (int i = 0; i < CHAIN; i++) {
+			sge[i] = (struct ibv_sge){ (uintptr_t)buf + (CHAIN + i) * MESSAGE, MESSAGE,
+						   mr->lkey };
+			recv[i] = (struct ibv_recv_wr){ .wr_id = i, .sg_list = &sge[i], .num_sge = 1,
+							.next = i + 1 < CHAIN ? &recv[i + 1] : NULL };
+		}
+		usleep(20000);
+		CHECK(!ibv_post_recv(qp, recv, &bad_recv), "ibv_post_recv of a chain");
+
+		/* The last SEND has more SGEs than the QP takes: refused at posting, with the
+		 * ones before it posted. */
+		struct ibv_sge send_sge[CHAIN + 1];
+		struct ibv_send_wr send[CHAIN], *bad_send = NULL;
+		for (int i = 0; i <= CHAIN; i++)
+			send_sge[i] = (struct ibv_sge){ (uintptr_t)buf + (i % CHAIN) * MESSAGE,
+							 MESSAGE, mr->lkey };
+		for (int i = 0; i < CHAIN; i++)
+			send[i] = (struct ibv_send_wr){ .wr_id = i, .sg_list = &send_sge[i],
+							.num_sge = i + 1 < CHAIN ? 1 : 2,
+							.opcode = IBV_WR_SEND,
+							.next = i + 1 < CHAIN ? &send[i + 1] : NULL };
+		usleep(20000);
+		CHECK(ibv_post_send(qp, send, &bad_send) == EINVAL, "EINVAL for too many SGEs");
+		CHECK(bad_send == &send[CHAIN - 1], "bad_wr at the refused request");
+		expect_completions(2 * (CHAIN - 1), CHAIN);
+		/* One receive is left: a last SEND of its own takes it. */
+		send[0].next = NULL;
+		CHECK(!ibv_post_send(qp, send, &bad_send), "ibv_post_send of one");
+		expect_completions(2, CHAIN);
+	}
+	ibv_destroy_qp(qp);
+	ibv_dereg_mr(mr);
+	ibv_destroy_cq(cq);
+	ibv_dealloc_pd(pd);
+	ibv_close_device(ctx);
+	ibv_free_device_list(list);
+	printf("post_list: ok\n");
+	return 0;
+}
