@@ -8,22 +8,8 @@
  *        async_events DEVICE fatal      prints "ready", then waits for IBV_EVENT_DEVICE_FATAL
  *                                       (the backend goes away); prints "device-fatal: ok"
  * Each wait gives up after 30 seconds; any failure exits 1. */
-#include <infiniband/verbs.h>
+#include "checks.h"
 #include <poll.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define CHECK(cond, what)                                                                  \
-	do {                                                                               \
-		if (!(cond)) {                                                             \
-			perror(what);                                                      \
-			fprintf(stderr, "async_events: %s failed (line %d)\n", what,       \
-				__LINE__);                                                 \
-			exit(1);                                                           \
-		}                                                                          \
-	} while (0)
 
 /* The next asynchronous event, waiting on async_fd first as an event loop would. */
 static void next_event(struct ibv_context *context, struct ibv_async_event *event)
@@ -57,6 +43,10 @@ static void qp_fatal(struct ibv_context *context)
 	};
 	struct ibv_qp *qp = ibv_create_qp(pd, &init);
 	CHECK(qp, "ibv_create_qp");
+	/* Connected (to itself), so that the send is taken and then refused by the device. */
+	union ibv_gid gid;
+	CHECK(!ibv_query_gid(context, 1, 0, &gid), "ibv_query_gid");
+	connect_rc_qp(qp, qp->qp_num, &gid, 0);
 	static char buffer[64];
 	struct ibv_sge sge = { .addr = (uintptr_t)buffer, .length = sizeof buffer,
 			       .lkey = 0xdead00 };

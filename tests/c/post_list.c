@@ -8,22 +8,8 @@
  *   device's poller falls asleep. So a device that takes a chain with one doorbell is rung
  *   3 x CHAINS times. Every completion is checked. Prints "post_list: ok" on success; exits
  *   1 on any failure. */
-#include <infiniband/verbs.h>
-#include <errno.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#include "checks.h"
 #include <unistd.h>
-
-#define CHECK(cond, what)                                                                  \
-	do {                                                                               \
-		if (!(cond)) {                                                             \
-			perror(what);                                                      \
-			fprintf(stderr, "post_list: %s failed (line %d)\n", what, __LINE__);   \
-			exit(1);                                                           \
-		}                                                                          \
-	} while (0)
 
 #define CHAIN 16
 #define MESSAGE 64
@@ -46,41 +32,6 @@ static void expect_completions(int count, uint64_t limit)
 		if (n == 0)
 			usleep(1);
 	}
-}
-
-static void connect_to_itself(struct ibv_qp *qp, union ibv_gid *gid, int gid_index)
-{
-	struct ibv_qp_attr attr = {
-		.qp_state = IBV_QPS_INIT, .port_num = 1, .pkey_index = 0,
-		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE,
-	};
-	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-					 IBV_QP_ACCESS_FLAGS), "modify to INIT");
-	memset(&attr, 0, sizeof attr);
-	attr.qp_state = IBV_QPS_RTR;
-	attr.path_mtu = IBV_MTU_1024;
-	attr.dest_qp_num = qp->qp_num;
-	attr.max_dest_rd_atomic = 1;
-	attr.min_rnr_timer = 12;
-	attr.ah_attr.is_global = 1;
-	attr.ah_attr.grh.dgid = *gid;
-	attr.ah_attr.grh.sgid_index = gid_index;
-	attr.ah_attr.grh.hop_limit = 1;
-	attr.ah_attr.port_num = 1;
-	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
-					 IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-					 IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER),
-	      "modify to RTR");
-	memset(&attr, 0, sizeof attr);
-	attr.qp_state = IBV_QPS_RTS;
-	attr.timeout = 14;
-	attr.retry_cnt = 7;
-	attr.rnr_retry = 7;
-	attr.max_rd_atomic = 1;
-	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-					 IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-					 IBV_QP_MAX_QP_RD_ATOMIC),
-	      "modify to RTS");
 }
 
 int main(int argc, char **argv)
@@ -110,7 +61,7 @@ int main(int argc, char **argv)
 	CHECK(qp, "ibv_create_qp");
 	union ibv_gid gid;
 	CHECK(!ibv_query_gid(ctx, 1, gid_index, &gid), "ibv_query_gid");
-	connect_to_itself(qp, &gid, gid_index);
+	connect_rc_qp(qp, qp->qp_num, &gid, gid_index);
 
 	for (int c = 0; c < chains; c++) {
 		struct ibv_sge sge[CHAIN];

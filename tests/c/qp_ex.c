@@ -5,22 +5,8 @@
  * through the ibv_cq_ex poll API (and ibv_poll_cq on the same CQ). Written against libibverbs
  * only; tests/tests/ibverbs_rxe.rs builds it and runs it on vrdma0 through vrdma-run.
  * usage: qp_ex DEVICE GID_INDEX; prints "qp_ex: ok" and exits 0 when every check holds. */
-#include <infiniband/verbs.h>
+#include "checks.h"
 #include <endian.h>
-#include <errno.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define CHECK(cond, what)                                                                  \
-	do {                                                                               \
-		if (!(cond)) {                                                             \
-			perror(what);                                                      \
-			fprintf(stderr, "qp_ex: %s failed (line %d)\n", what, __LINE__);   \
-			exit(1);                                                           \
-		}                                                                          \
-	} while (0)
 
 enum { BUF = 8192, SEND_AT = 0, RECV_AT = 4096, WRITE_AT = 5000, READ_AT = 6000,
        ATOMIC_AT = 7000, RESULT_AT = 7100, IOVA_WRITE_AT = 7400 };
@@ -61,42 +47,6 @@ static uint32_t wait_completions(int n, uint32_t received_len)
 	struct ibv_wc wc;
 	CHECK(ibv_poll_cq(ibv_cq_ex_to_cq(cq), 1, &wc) == 0, "an empty CQ");
 	return imm;
-}
-
-static void connect_qp(struct ibv_qp *qp, uint32_t remote_qpn, union ibv_gid *gid, int gid_index)
-{
-	struct ibv_qp_attr attr = {
-		.qp_state = IBV_QPS_INIT, .port_num = 1, .pkey_index = 0,
-		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-				   IBV_ACCESS_REMOTE_ATOMIC,
-	};
-	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-					 IBV_QP_ACCESS_FLAGS), "modify to INIT");
-	memset(&attr, 0, sizeof attr);
-	attr.qp_state = IBV_QPS_RTR;
-	attr.path_mtu = IBV_MTU_1024;
-	attr.dest_qp_num = remote_qpn;
-	attr.max_dest_rd_atomic = 1;
-	attr.min_rnr_timer = 12;
-	attr.ah_attr.is_global = 1;
-	attr.ah_attr.grh.dgid = *gid;
-	attr.ah_attr.grh.sgid_index = gid_index;
-	attr.ah_attr.grh.hop_limit = 1;
-	attr.ah_attr.port_num = 1;
-	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
-					 IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-					 IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER),
-	      "modify to RTR");
-	memset(&attr, 0, sizeof attr);
-	attr.qp_state = IBV_QPS_RTS;
-	attr.timeout = 14;
-	attr.retry_cnt = 7;
-	attr.rnr_retry = 7;
-	attr.max_rd_atomic = 1;
-	CHECK(!ibv_modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-					 IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-					 IBV_QP_MAX_QP_RD_ATOMIC),
-	      "modify to RTS");
 }
 
 int main(int argc, char **argv)
@@ -143,8 +93,8 @@ int main(int argc, char **argv)
 	}
 	union ibv_gid gid;
 	CHECK(!ibv_query_gid(ctx, 1, gid_index, &gid), "ibv_query_gid");
-	connect_qp(qp[0], qp[1]->qp_num, &gid, gid_index);
-	connect_qp(qp[1], qp[0]->qp_num, &gid, gid_index);
+	connect_rc_qp(qp[0], qp[1]->qp_num, &gid, gid_index);
+	connect_rc_qp(qp[1], qp[0]->qp_num, &gid, gid_index);
 	receiver_qpn = qp[1]->qp_num;
 	struct ibv_qp_ex *qpx = ibv_qp_to_qp_ex(qp[0]);
 	CHECK(qpx, "ibv_qp_to_qp_ex");
