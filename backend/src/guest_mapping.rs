@@ -117,7 +117,8 @@ struct RegionSpan<'a> {
 // SAFETY: plain shared memory of a guest RAM mapping; accesses go through raw pointers, as
 // for any MR's memory.
 unsafe impl Send for RegionSpan<'_> {}
-// SAFETY: as above.
+// SAFETY: `&self` gives no access but through raw pointers into shared guest memory, which
+// other threads and the guest may touch at any time anyway.
 unsafe impl Sync for RegionSpan<'_> {}
 
 impl<'a> RegionSpan<'a> {
@@ -183,7 +184,8 @@ pub struct GuestPagesMapping {
 // SAFETY: the mapping is plain shared memory owned by this value; accesses go through raw
 // pointers (the NIC, bounds-checked copies), as for any MR's memory.
 unsafe impl Send for GuestPagesMapping {}
-// SAFETY: as above.
+// SAFETY: `&self` gives no access but through raw pointers (and bounds-checked copies) into
+// shared memory that the NIC and the guest touch at any time anyway.
 unsafe impl Sync for GuestPagesMapping {}
 
 impl GuestPagesMapping {

@@ -23,7 +23,8 @@ pub struct Bar {
 // SAFETY: the mapping is device memory that every access reaches through volatile, bounds- and
 // alignment-checked loads and stores; it is not tied to a thread.
 unsafe impl Send for Bar {}
-// SAFETY: as above.
+// SAFETY: `&self` methods are single volatile loads and stores of device registers, checked
+// for bounds and alignment, which the device serialises; no state is cached in the value.
 unsafe impl Sync for Bar {}
 
 impl Bar {

@@ -153,7 +153,8 @@ pub struct Region {
 // SAFETY: the mapping is plain shared memory; all access goes through bounds-checked copies or
 // atomics, and the free list is behind a mutex.
 unsafe impl Send for Region {}
-// SAFETY: as above.
+// SAFETY: `&self` methods copy with bounds checks or use atomics on shared memory the device
+// writes at any time anyway, and take the mutex for the free list.
 unsafe impl Sync for Region {}
 
 /// A memfd of `len` bytes (backed by 2 MiB huge pages with `huge`) whose size is sealed: a
@@ -835,16 +836,16 @@ mod tests {
             unsafe { Region::share_in_place(start, len) }
         };
         // Bytes 100..4200: pages 0 and 1.
-        // SAFETY: as above.
+        // SAFETY: the test's own mapping, which nothing else uses or writes meanwhile.
         unsafe { set.share(addr + 100, 4100, share).unwrap() };
         // Pages 1..4 next: only 2 and 3 are new.
-        // SAFETY: as above.
+        // SAFETY: the test's own mapping, which nothing else uses or writes meanwhile.
         unsafe { set.share(addr + PAGE_SIZE, 3 * PAGE_SIZE, share).unwrap() };
         assert_eq!(
             *made.borrow(),
             vec![(addr, 2 * PAGE_SIZE), (addr + 2 * PAGE_SIZE, 2 * PAGE_SIZE)]
         );
-        // SAFETY: as above.
+        // SAFETY: bytes 5000..5004 of the 4 pages mapped above, now over the memfd.
         let kept = unsafe { std::slice::from_raw_parts(bytes.add(5000), 4) };
         assert_eq!(kept, b"kept", "contents survive the remap");
         // The memfd now backs the program's memory: a write to the file shows there.
@@ -855,7 +856,7 @@ mod tests {
             .write_all_at(b"NIC", 5000)
             .unwrap();
         drop(regions);
-        // SAFETY: as above.
+        // SAFETY: bytes 5000..5003 of the 4 pages mapped above, now over the memfd.
         let seen = unsafe { std::slice::from_raw_parts(bytes.add(5000), 3) };
         assert_eq!(seen, b"NIC");
         // One page list across both regions, at the program's own addresses.
@@ -874,7 +875,7 @@ mod tests {
             "program memory is never handed out"
         );
         drop(set);
-        // SAFETY: as above: the program's memory outlives the regions.
+        // SAFETY: bytes of the test's own mapping, which outlives the regions dropped above.
         let after = unsafe { std::slice::from_raw_parts(bytes.add(5000), 3) };
         assert_eq!(after, b"NIC");
         // SAFETY: the test's own mapping, no longer used.
@@ -900,7 +901,7 @@ mod tests {
             .err()
             .unwrap();
         assert!(matches!(err, Error::SharedMemory(_)), "{err}");
-        // SAFETY: as above.
+        // SAFETY: the address is refused for its alignment before anything is touched.
         let unaligned = unsafe { Region::share_in_place(addr + 1, PAGE_SIZE) };
         assert!(unaligned.is_err(), "unaligned");
         // SAFETY: the test's own mapping, no longer used.

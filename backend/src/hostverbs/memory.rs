@@ -61,7 +61,8 @@ pub struct AnonymousMemory {
 // SAFETY: the mapping is plain memory owned by this value; concurrent access through raw
 // pointers is the NIC's and callers' business, exactly as for an MR's memory in C.
 unsafe impl Send for AnonymousMemory {}
-// SAFETY: as above; `&self` methods only copy through raw pointers with bounds checks.
+// SAFETY: `&self` methods only copy through raw pointers with bounds checks, into memory
+// the NIC may write at any time anyway; nothing is cached in the value.
 unsafe impl Sync for AnonymousMemory {}
 
 impl AnonymousMemory {

@@ -89,7 +89,8 @@ macro_rules! verbs_object_is_thread_safe {
             // SAFETY: libibverbs documents all verbs on an object as thread safe; the wrapper
             // owns the pointer exclusively and only frees it in Drop.
             unsafe impl Send for $ty {}
-            // SAFETY: as above; shared references only issue thread-safe verbs.
+            // SAFETY: shared references only issue verbs, which libibverbs documents as
+            // thread safe on one object.
             unsafe impl Sync for $ty {}
         )+
     };

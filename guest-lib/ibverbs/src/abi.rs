@@ -41,7 +41,8 @@ struct VrdmaDevice {
 // afterwards; the target is an immutable String, the GUID a OnceLock, the kept connection
 // behind a Mutex.
 unsafe impl Sync for VrdmaDevice {}
-// SAFETY: as above.
+// SAFETY: nothing in it belongs to a thread: the C part is plain data (its pointers are
+// unused and NULL), the rest are owned Rust values that are Send.
 unsafe impl Send for VrdmaDevice {}
 
 /// An open device: libibverbs' extended context (which ends with the `ibv_context` programs

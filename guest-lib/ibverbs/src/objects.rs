@@ -253,7 +253,8 @@ unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
     if !pd.is_null() && unsafe { ours::<VrdmaPd>(pd) }.inner.in_use() {
         return busy();
     }
-    // SAFETY: as above, deallocated once.
+    // SAFETY: a PD of this library that nothing uses any more (checked above), which the
+    // program deallocates once, per the API contract.
     unsafe { destroy::<VrdmaPd>(pd) }
 }
 
@@ -403,7 +404,8 @@ unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut ibv_comp_channel) ->
     if !channel.is_null() && unsafe { (*channel).refcnt } != 0 {
         return busy(); // CQs still report to it, as libibverbs refuses too
     }
-    // SAFETY: as above, destroyed once.
+    // SAFETY: a channel of this library that no CQ reports to (checked above), destroyed
+    // once, per the API contract.
     unsafe { destroy::<VrdmaChannel>(channel) }
 }
 
@@ -569,7 +571,8 @@ unsafe fn create_cq(
             // SAFETY: a channel from ibv_create_comp_channel, per the contract.
             let events = Arc::clone(&unsafe { ours::<VrdmaChannel>(channel) }.events);
             dispatcher.watch(handle, created as usize, events);
-            // SAFETY: as above; the dispatcher's lock serialises refcnt changes.
+            // SAFETY: the same live channel; the dispatcher's lock, held here, serialises
+            // every change of its refcnt.
             unsafe { (*channel).refcnt += 1 };
         }
     });
@@ -610,7 +613,8 @@ unsafe extern "C" fn start_poll(cq: *mut ibv_cq_ex, _attr: *mut ibv_poll_cq_attr
 }
 
 unsafe extern "C" fn next_poll(cq: *mut ibv_cq_ex) -> c_int {
-    // SAFETY: as above.
+    // SAFETY: a CQ from ibv_create_cq_ex that ibv_start_poll was called on, per the API
+    // contract.
     unsafe { advance(cq) }
 }
 
@@ -630,54 +634,30 @@ unsafe fn current<T>(cq: *mut ibv_cq_ex, field: impl FnOnce(&ibv_wc) -> T) -> T 
     )
 }
 
-unsafe extern "C" fn read_opcode(cq: *mut ibv_cq_ex) -> ibv_wc_opcode::Type {
-    // SAFETY: a CQ from ibv_create_cq_ex, per the API contract (and below).
-    unsafe { current(cq, |wc| wc.opcode) }
+/// The `ibv_cq_ex` accessors (`ibv_wc_read_*`): each reads one field of the completion the
+/// last `ibv_start_poll`/`ibv_next_poll` took.
+macro_rules! completion_field_readers {
+    ($($name:ident -> $ty:ty = |$wc:ident| $field:expr;)+) => {$(
+        unsafe extern "C" fn $name(cq: *mut ibv_cq_ex) -> $ty {
+            // SAFETY: libibverbs calls the accessors only on the CQ they were set on, one of
+            // create_cq_ex, which the program keeps alive while it polls (the API contract);
+            // every field is plain data, valid in any bit pattern.
+            unsafe { current(cq, |$wc| $field) }
+        }
+    )+};
 }
 
-unsafe extern "C" fn read_vendor_err(cq: *mut ibv_cq_ex) -> u32 {
-    // SAFETY: as above.
-    unsafe { current(cq, |wc| wc.vendor_err) }
-}
-
-unsafe extern "C" fn read_byte_len(cq: *mut ibv_cq_ex) -> u32 {
-    // SAFETY: as above.
-    unsafe { current(cq, |wc| wc.byte_len) }
-}
-
-unsafe extern "C" fn read_imm_data(cq: *mut ibv_cq_ex) -> u32 {
-    // SAFETY: as above; every bit pattern is a valid imm_data (a plain __be32).
-    unsafe { current(cq, |wc| wc.imm_data_invalidated_rkey_union.imm_data) }
-}
-
-unsafe extern "C" fn read_qp_num(cq: *mut ibv_cq_ex) -> u32 {
-    // SAFETY: as above.
-    unsafe { current(cq, |wc| wc.qp_num) }
-}
-
-unsafe extern "C" fn read_src_qp(cq: *mut ibv_cq_ex) -> u32 {
-    // SAFETY: as above.
-    unsafe { current(cq, |wc| wc.src_qp) }
-}
-
-unsafe extern "C" fn read_wc_flags(cq: *mut ibv_cq_ex) -> c_uint {
-    // SAFETY: as above.
-    unsafe { current(cq, |wc| wc.wc_flags) }
-}
-
-unsafe extern "C" fn read_slid(cq: *mut ibv_cq_ex) -> u32 {
-    // SAFETY: as above.
-    unsafe { current(cq, |wc| u32::from(wc.slid)) }
-}
-
-unsafe extern "C" fn read_sl(cq: *mut ibv_cq_ex) -> u8 {
-    // SAFETY: as above.
-    unsafe { current(cq, |wc| wc.sl) }
-}
-
-unsafe extern "C" fn read_dlid_path_bits(cq: *mut ibv_cq_ex) -> u8 {
-    // SAFETY: as above.
-    unsafe { current(cq, |wc| wc.dlid_path_bits) }
+completion_field_readers! {
+    read_opcode -> ibv_wc_opcode::Type = |wc| wc.opcode;
+    read_vendor_err -> u32 = |wc| wc.vendor_err;
+    read_byte_len -> u32 = |wc| wc.byte_len;
+    read_imm_data -> u32 = |wc| wc.imm_data_invalidated_rkey_union.imm_data;
+    read_qp_num -> u32 = |wc| wc.qp_num;
+    read_src_qp -> u32 = |wc| wc.src_qp;
+    read_wc_flags -> c_uint = |wc| wc.wc_flags;
+    read_slid -> u32 = |wc| u32::from(wc.slid);
+    read_sl -> u8 = |wc| wc.sl;
+    read_dlid_path_bits -> u8 = |wc| wc.dlid_path_bits;
 }
 
 #[no_mangle]
@@ -689,13 +669,14 @@ unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
     if unsafe { ours::<VrdmaCq>(cq) }.inner.in_use() {
         return busy();
     }
-    // SAFETY: as above.
+    // SAFETY: the same live CQ; these fields are plain data set at its creation.
     let (context, channel, handle) = unsafe { ((*cq).context, (*cq).channel, (*cq).handle) };
     // SAFETY: the CQ's context and channel outlive it, per the API contract.
     unsafe { context_of(context) }.with_dispatcher(|dispatcher| {
         dispatcher.forget(ObjectKind::Cq, handle);
         if !channel.is_null() {
-            // SAFETY: as above; the dispatcher's lock serialises refcnt changes.
+            // SAFETY: the CQ's channel, alive (it outlives the CQ); the dispatcher's lock,
+            // held here, serialises every change of its refcnt.
             unsafe { (*channel).refcnt -= 1 };
         }
     });
@@ -996,7 +977,8 @@ pub(crate) unsafe extern "C" fn post_send(
         let ud = unsafe { request.wr.ud };
         let ud = Some((ud.ah, ud.remote_qpn, ud.remote_qkey))
             .filter(|_| ours_qp.base().qp_type == rdma_sys::ibv_qp_type::IBV_QPT_UD);
-        // SAFETY: as above.
+        // SAFETY: the AH, for UD QPs, is the program's, one of this library's and alive while
+        // the request is posted, per the API contract.
         let send = unsafe { ours_qp.send_wr(request.wr_id, op, payload, request.send_flags, ud) }?;
         chain.push(&send).map_err(|e| raise_errno(&e))
     };

@@ -302,7 +302,8 @@ unsafe extern "C" fn wr_set_ud_addr(
 unsafe extern "C" fn wr_complete(qp_ex: *mut ibv_qp_ex) -> c_int {
     // SAFETY: the ibv_wr_* contract: a QP from ibv_qp_to_qp_ex.
     let qp = unsafe { &*qp_ex.cast::<VrdmaQp>() };
-    // SAFETY: as above.
+    // SAFETY: the same QP, which has a staging area (the ibv_wr_* functions are set only on
+    // QPs made with send ops); the staged AHs are the program's, alive while it posts.
     unsafe {
         with_staged(qp_ex, |staged, _| {
             let result = match staged.error {
