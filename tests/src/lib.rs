@@ -399,6 +399,16 @@ pub fn connect_guest_qp(
     qp.connect_rc(sgid_index, 0x1234, &peer)
 }
 
+/// Walks a guest-lib RC QP to RTS connected to itself (through the device's GID 0): a QP
+/// that takes sends with no peer, for tests of what the device does with the WQEs.
+pub fn connect_to_itself(
+    device: &vrdma_guest::Device,
+    qp: &vrdma_guest::QueuePair,
+) -> vrdma_guest::Result<()> {
+    let (gid, _) = device.query_gid(0)?;
+    connect_guest_qp(qp, 0, gid, qp.qp_num())
+}
+
 /// Polls a guest-lib CQ until `count` completions arrived.
 pub fn wait_for_guest_completions(
     cq: &vrdma_guest::CompletionQueue,

@@ -19,7 +19,8 @@ use vrdma_guest::{
     SharedBuffer,
 };
 use vrdma_tests::{
-    connect_guest_qp, spawn_backend_process, wait_for_backend_log, wait_for_guest_completions,
+    connect_guest_qp, connect_to_itself, spawn_backend_process, wait_for_backend_log,
+    wait_for_guest_completions,
 };
 
 const PAGE: u64 = 4096;
@@ -493,7 +494,11 @@ fn a_guest_failing_qps_in_a_loop_logs_within_its_budget() {
         let pd = device.alloc_pd().unwrap();
         let cq = device.create_cq(256).unwrap();
         let qps: Vec<QueuePair> = (0..FAILED)
-            .map(|_| QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap())
+            .map(|_| {
+                let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+                connect_to_itself(&device, &qp).unwrap();
+                qp
+            })
             .collect();
         let bogus = [Sge {
             addr: 0x1000,

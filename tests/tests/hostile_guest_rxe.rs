@@ -12,8 +12,8 @@ use vrdma_guest::{
     QpAttr, QpType, QueuePair, SendOp, SendWr, Sge, Status, WorkCompletion,
 };
 use vrdma_tests::{
-    control_request, response_status, spawn_backend_process, start_backend, start_backend_with,
-    test_device_name, wait_for_backend_log,
+    connect_to_itself, control_request, response_status, spawn_backend_process, start_backend,
+    start_backend_with, test_device_name, wait_for_backend_log,
 };
 
 const PAGE: u64 = 4096;
@@ -148,6 +148,7 @@ fn refused_wqes_wait_for_room_in_their_cq_instead_of_piling_up_in_the_backend() 
         .max_send_wr(64)
         .build(&pd)
         .unwrap();
+    connect_to_itself(&device, &qp).unwrap();
     let bogus = [Sge {
         addr: 0x1000,
         length: 8,
