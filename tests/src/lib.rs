@@ -248,7 +248,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
 /// The backend binary, `vhost-user-rdma`, as a process of its own on the test device,
 /// accepting guests on `socket` once this returns; `args` are added to its command line and its log
 /// (RUST_LOG=info) goes to [`backend_log`]`(socket)`. The test may signal or kill it.
-pub fn spawn_backend_process(socket: &std::path::Path, args: &[&str]) -> std::process::Child {
+pub fn spawn_backend_process(socket: &std::path::Path, args: &[&str]) -> BackendProcess {
     let binary = backend_binary();
     let _ = std::fs::remove_file(socket);
     let log = std::fs::File::create(backend_log(socket)).expect("create the backend's log");
@@ -268,7 +268,31 @@ pub fn spawn_backend_process(socket: &std::path::Path, args: &[&str]) -> std::pr
         }
         log.contains("accepting guests")
     });
-    backend
+    BackendProcess(backend)
+}
+
+/// A backend process a test started: killed when dropped, so that a test that fails leaves
+/// no backend behind holding the GID the tests after it need.
+pub struct BackendProcess(std::process::Child);
+
+impl std::ops::Deref for BackendProcess {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for BackendProcess {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for BackendProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Waits up to 10 s for the log of the backend on `socket` ([`backend_log`]) to satisfy `done`,

@@ -4,12 +4,14 @@
 //! sits on the veth end `va` with the host's address 192.168.77.1/24. The traffic itself
 //! under such addresses, between two hosts, is tests/cross-host.sh's.
 
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::Gid;
 use vrdma_guest::{access, AhAttr, Device, QpType, QueuePair, Status};
-use vrdma_tests::{backend_refuses, open_test_device, spawn_backend_process, wait_for_backend_log};
+use vrdma_tests::{
+    backend_refuses, open_test_device, spawn_backend_process, wait_for_backend_log, BackendProcess,
+};
 
 const NETDEV: &str = "va";
 
@@ -49,7 +51,7 @@ fn wait_for_host_gid(gid: Gid, present: bool) {
 }
 
 /// SIGTERM, as an operator (or systemd) stops the backend.
-fn stop(mut backend: Child) -> std::process::ExitStatus {
+fn stop(mut backend: BackendProcess) -> std::process::ExitStatus {
     let sent = Command::new("kill")
         .args(["-TERM", &backend.id().to_string()])
         .status()

@@ -20,7 +20,7 @@ use vrdma_guest::{
 };
 use vrdma_tests::{
     connect_guest_qp, connect_to_itself, spawn_backend_process, wait_for_backend_log,
-    wait_for_guest_completions,
+    wait_for_guest_completions, BackendProcess,
 };
 
 const PAGE: u64 = 4096;
@@ -151,7 +151,7 @@ type Attack = Box<dyn Fn(&mut Frontend) -> vhost::Result<()>>;
 
 /// Stops a backend the test started, which must still be running: nothing the test did
 /// may have ended it.
-fn stop_alive(mut backend: Child) {
+fn stop_alive(mut backend: BackendProcess) {
     assert_alive(&mut backend);
     backend.kill().unwrap();
     backend.wait().unwrap();
