@@ -78,15 +78,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "usage: async_events DEVICE qp-fatal|port|fatal\n");
 		return 2;
 	}
-	struct ibv_device **list = ibv_get_device_list(NULL);
-	CHECK(list, "ibv_get_device_list");
-	struct ibv_device *device = NULL;
-	for (int i = 0; list[i]; i++)
-		if (!strcmp(ibv_get_device_name(list[i]), argv[1]))
-			device = list[i];
-	CHECK(device, "find the device");
-	struct ibv_context *context = ibv_open_device(device);
-	CHECK(context, "ibv_open_device");
+	struct ibv_context *context = open_device_named(argv[1]);
 
 	if (!strcmp(argv[2], "qp-fatal")) {
 		qp_fatal(context);
@@ -107,6 +99,5 @@ int main(int argc, char **argv)
 	}
 	fflush(stdout);
 	ibv_close_device(context);
-	ibv_free_device_list(list);
 	return 0;
 }

@@ -22,6 +22,20 @@
 		}                                                                          \
 	} while (0)
 
+/* Opens the device called `name` (the list is freed: an open device stays usable). */
+static inline struct ibv_context *open_device_named(const char *name)
+{
+	struct ibv_device **list = ibv_get_device_list(NULL);
+	CHECK(list, "ibv_get_device_list");
+	struct ibv_context *context = NULL;
+	for (int i = 0; list[i] && !context; i++)
+		if (!strcmp(ibv_get_device_name(list[i]), name))
+			context = ibv_open_device(list[i]);
+	ibv_free_device_list(list);
+	CHECK(context, "ibv_open_device");
+	return context;
+}
+
 /* Walks `qp` RESET -> INIT -> RTR -> RTS towards QP `remote_qpn` at `gid`, sending from GID
  * `gid_index` of port 1, with remote writes, reads and atomics allowed. */
 static inline void connect_rc_qp(struct ibv_qp *qp, uint32_t remote_qpn, union ibv_gid *gid,

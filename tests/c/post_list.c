@@ -37,14 +37,8 @@ static void expect_completions(int count, uint64_t limit)
 int main(int argc, char **argv)
 {
 	CHECK(argc == 4, "usage: post_list DEVICE GID_INDEX CHAINS");
-	int gid_index = atoi(argv[2]), chains = atoi(argv[3]), num;
-	struct ibv_device **list = ibv_get_device_list(&num);
-	CHECK(list, "ibv_get_device_list");
-	struct ibv_context *ctx = NULL;
-	for (int i = 0; i < num; i++)
-		if (!strcmp(ibv_get_device_name(list[i]), argv[1]))
-			ctx = ibv_open_device(list[i]);
-	CHECK(ctx, "ibv_open_device");
+	int gid_index = atoi(argv[2]), chains = atoi(argv[3]);
+	struct ibv_context *ctx = open_device_named(argv[1]);
 	struct ibv_pd *pd = ibv_alloc_pd(ctx);
 	CHECK(pd, "ibv_alloc_pd");
 	cq = ibv_create_cq(ctx, 4 * CHAIN, NULL, NULL, 0);
@@ -101,7 +95,6 @@ int main(int argc, char **argv)
 	ibv_destroy_cq(cq);
 	ibv_dealloc_pd(pd);
 	ibv_close_device(ctx);
-	ibv_free_device_list(list);
 	printf("post_list: ok\n");
 	return 0;
 }

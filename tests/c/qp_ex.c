@@ -52,14 +52,8 @@ static uint32_t wait_completions(int n, uint32_t received_len)
 int main(int argc, char **argv)
 {
 	CHECK(argc == 3, "usage: qp_ex DEVICE GID_INDEX");
-	int gid_index = atoi(argv[2]), num;
-	struct ibv_device **list = ibv_get_device_list(&num);
-	CHECK(list, "ibv_get_device_list");
-	struct ibv_context *ctx = NULL;
-	for (int i = 0; i < num; i++)
-		if (!strcmp(ibv_get_device_name(list[i]), argv[1]))
-			ctx = ibv_open_device(list[i]);
-	CHECK(ctx, "ibv_open_device");
+	int gid_index = atoi(argv[2]);
+	struct ibv_context *ctx = open_device_named(argv[1]);
 	struct ibv_pd *pd = ibv_alloc_pd(ctx);
 	CHECK(pd, "ibv_alloc_pd");
 	struct ibv_cq_init_attr_ex cq_attr = {
@@ -219,7 +213,6 @@ int main(int argc, char **argv)
 	CHECK(!ibv_destroy_cq(ibv_cq_ex_to_cq(cq)), "ibv_destroy_cq");
 	CHECK(!ibv_dealloc_pd(pd), "ibv_dealloc_pd");
 	CHECK(!ibv_close_device(ctx), "ibv_close_device");
-	ibv_free_device_list(list);
 	printf("qp_ex: ok\n");
 	return 0;
 }
