@@ -479,25 +479,30 @@ impl Poller {
     // functions per WQE.
     #[inline(never)]
     fn process_qp_receives(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
-        let mut visit = qp.progress.lock();
-        let Visited { progress, resolved } = &mut *visit;
-        if progress.failed {
-            return Visit::default();
-        }
-        let mapped = resolved.through(mem, || qp.spans());
-        self.take_receives(mem, mapped, qp, progress)
+        self.visit_qp(mem, qp, Self::take_receives)
     }
 
     /// Takes what the QP's SQ holds.
     #[inline(never)]
     fn process_qp_sends(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
+        self.visit_qp(mem, qp, Self::take_sends)
+    }
+
+    /// Runs `take` on one of the QP's queues under its progress lock, unless the QP failed.
+    #[inline(always)]
+    fn visit_qp(
+        &mut self,
+        mem: &Arc<Memory>,
+        qp: &QpData,
+        take: impl FnOnce(&mut Self, &Arc<Memory>, Mapped<'_>, &QpData, &mut QpProgress) -> Visit,
+    ) -> Visit {
         let mut visit = qp.progress.lock();
         let Visited { progress, resolved } = &mut *visit;
         if progress.failed {
             return Visit::default();
         }
         let mapped = resolved.through(mem, || qp.spans());
-        self.take_sends(mem, mapped, qp, progress)
+        take(self, mem, mapped, qp, progress)
     }
 
     #[inline(always)]
