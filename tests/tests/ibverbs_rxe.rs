@@ -70,6 +70,19 @@ fn run_on(device: &str, program: &[&str]) -> Output {
     output
 }
 
+/// Runs `program` with `vrdma-run` against a backend process of its own (named after
+/// `name`), so that the backend's log is about this program alone: the program's output, and
+/// that log once the program's connection closed. The backend stops on return.
+fn run_on_a_backend_of_its_own(name: &str, program: &[&str]) -> (Output, String) {
+    let socket = std::env::temp_dir().join(format!("vrdma-{name}-{}.sock", std::process::id()));
+    let _backend = spawn_backend_process(&socket, &["--shared-gid"]);
+    let output = run_on(socket.to_str().unwrap(), program);
+    let log = vrdma_tests::wait_for_backend_log(&socket, "`connection 1: closed`", |log| {
+        log.contains("connection 1: closed")
+    });
+    (output, log)
+}
+
 /// A test program of tests/c/, compiled against the system's libibverbs; removed on drop.
 struct CProgram(PathBuf);
 
@@ -177,23 +190,16 @@ fn ibv_devices_lists_vrdma0_with_the_node_guid() {
 #[test]
 #[ignore = "needs rdma_rxe and python3-pyverbs: run by tests/run-all.sh inside the VM harness"]
 fn reading_the_node_guid_then_opening_the_device_takes_one_connection() {
-    let socket = std::env::temp_dir().join(format!("vrdma-guid-{}.sock", std::process::id()));
-    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
     // pyverbs lists the devices with their GUIDs, then opens the one named.
     let program = "import pyverbs.device as d\n\
                    devices = [(dev.name, dev.guid) for dev in d.get_device_list()]\n\
                    print(devices, d.Context(name='vrdma0').query_device().node_guid)";
-    let output = run_on(socket.to_str().unwrap(), &["python3", "-c", program]);
+    let (output, log) = run_on_a_backend_of_its_own("guid", &["python3", "-c", program]);
     assert!(
         text(&output.stdout).contains("vrdma"),
         "{}",
         text(&output.stdout)
     );
-    let log = vrdma_tests::wait_for_backend_log(&socket, "the connection's end", |log| {
-        log.contains("connection 1: closed")
-    });
-    let _ = backend.kill();
-    let _ = backend.wait();
     assert!(!log.contains("connection 2"), "a second connection:\n{log}");
 }
 
@@ -721,10 +727,8 @@ fn a_chain_of_work_requests_rings_one_doorbell_and_stops_at_a_refused_one() {
         "{}",
         text(&native.stderr)
     );
-    let socket = std::env::temp_dir().join(format!("vrdma-chain-{}.sock", std::process::id()));
-    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
-    let output = run_on(
-        socket.to_str().unwrap(),
+    let (output, log) = run_on_a_backend_of_its_own(
+        "chain",
         &[program.path(), "vrdma0", VRDMA_GID_INDEX, &chains],
     );
     assert!(
@@ -732,11 +736,6 @@ fn a_chain_of_work_requests_rings_one_doorbell_and_stops_at_a_refused_one() {
         "{}",
         text(&output.stderr)
     );
-    let log = vrdma_tests::wait_for_backend_log(&socket, "the connection's end", |log| {
-        log.contains("connection 1: closed")
-    });
-    let _ = backend.kill();
-    let _ = backend.wait();
     let summary = log
         .lines()
         .find(|line| line.contains("connection 1: closed"))
@@ -965,10 +964,10 @@ fn rdma_core_test_suite_passes_on_vrdma0_every_case_it_passes_on_rxe0() {
     // are two contexts of one process, and a receive posted before a send is on the host
     // first across the connections one poller thread serves (SPEC.md §8.5).
     let socket = std::env::temp_dir().join(format!("vrdma-suite-{}.sock", std::process::id()));
-    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
-    let vrdma = suite.run(&["--dev", "vrdma0", "--gid", "0"], Some(&socket));
-    let _ = backend.kill();
-    let _ = backend.wait();
+    let vrdma = {
+        let _backend = spawn_backend_process(&socket, &["--shared-gid"]);
+        suite.run(&["--dev", "vrdma0", "--gid", "0"], Some(&socket))
+    };
     let passes = |outcomes: &BTreeMap<String, String>| -> BTreeSet<String> {
         outcomes
             .iter()
