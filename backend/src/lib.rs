@@ -168,15 +168,15 @@ impl HostDevice {
 }
 
 /// Claims the GID the backend's guests send from ([`gid_claim`]), for as long as the claim is
-/// held: before listening, so that a backend refused for a GID leaves the socket alone.
-pub fn claim_guest_gid(config: &Config) -> Result<gid_claim::GidClaim, Error> {
+/// held: before listening, so that a backend refused for a GID leaves the socket alone. The
+/// loopback host needs none: its GID reaches only the guests of its own process.
+pub fn claim_guest_gid(config: &Config) -> Result<Option<gid_claim::GidClaim>, Error> {
     let device = HostDevice::open(config)?;
-    Ok(gid_claim::claim(
-        &config.device,
-        config.port,
-        device.gid,
-        config.shared_gid,
-    )?)
+    if hostverbs::loopback::is_loopback(&config.device) {
+        return Ok(None);
+    }
+    let claim = gid_claim::claim(&config.device, config.port, device.gid, config.shared_gid)?;
+    Ok(Some(claim))
 }
 
 /// The guest's address of `config`, put on the network interface of the host device's port

@@ -15,7 +15,9 @@ struct Args {
     /// vhost-user socket to listen on; every connection is one guest.
     #[arg(long, required_unless_present = "check")]
     socket_path: Option<std::path::PathBuf>,
-    /// Host RDMA device that serves the guests.
+    /// Host RDMA device that serves the guests; `loopback` is the backend's own software
+    /// device, which carries traffic between its guests only (a test and measurement
+    /// instrument: no NIC, no network).
     #[arg(long, default_value = "rxe0")]
     device: String,
     /// Port of the host device.
@@ -183,7 +185,7 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
     // that a backend refused for a GID another serves leaves that one's socket alone), the
     // socket (whose directory may be root's).
     let _claim = match &socket_path {
-        Some(_) => Some(vrdma_backend::claim_guest_gid(&config)?),
+        Some(_) => vrdma_backend::claim_guest_gid(&config)?,
         None => None,
     };
     let listener = socket_path.as_deref().map(vhost_user::listen).transpose()?;

@@ -537,12 +537,19 @@ impl Device {
         )?;
         let expected = pages_needed(offset, length, shift).ok_or(Refusal::Overflow("MR range"))?;
         let runs = mtt::resolve_page_list(mem, &req.pages, expected, &self.page_rules())?;
-        // Any mapping made lives only for the registration: the MR keeps the pages pinned,
-        // so the mappings a guest causes do not pile up with its MRs (SPEC.md §6).
-        let populated = &mut self.populated;
-        let mr = mtt::with_pages_contiguous(mem, &runs, page_size, populated, |memory| {
-            pd.reg_mr_pinned(memory, offset as usize, length as usize, virt_addr, access)
-        })??;
+        let mr = if pd.pins_pages() {
+            // Any mapping made lives only for the registration: the MR keeps the pages
+            // pinned, so the mappings a guest causes do not pile up with its MRs (SPEC.md §6).
+            let populated = &mut self.populated;
+            mtt::with_pages_contiguous(mem, &runs, page_size, populated, |memory| {
+                pd.reg_mr_pinned(memory, offset as usize, length as usize, virt_addr, access)
+            })??
+        } else {
+            // A host that reaches the pages through this process (the loopback) keeps a
+            // mapping of them of its own, from the same budget, for the MR's life.
+            let mapping = mtt::GuestPagesMapping::new(&runs, page_size)?;
+            pd.reg_mr_range(mapping, offset as usize, length as usize, virt_addr, access)?
+        };
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
         let handle = self.objects.insert_mr(MrEntry {
             mr,

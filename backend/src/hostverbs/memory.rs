@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use rdma_sys::*;
 
-use super::{last_error, verbs_object_is_thread_safe, Error, ProtectionDomain, Result};
+use super::{
+    last_error, loopback, verbs_object_is_thread_safe, Error, ProtectionDomain, Raw, Result,
+};
 
 /// Memory that stays mapped at one address for as long as the value lives, so that a host MR
 /// registered over it never outlives the mapping.
@@ -130,8 +132,10 @@ impl Drop for AnonymousMemory {
 
 /// A host memory region.
 pub struct MemoryRegion {
-    raw: NonNull<ibv_mr>,
+    /// The loopback's region: its key (lkey and rkey both).
+    raw: Raw<ibv_mr, loopback::Handle>,
     iova: u64,
+    len: usize,
     /// The mapping registered over, kept while the MR lives; `None` for [`reg_mr_pinned`]
     /// regions, whose pages the kernel holds pinned without it.
     ///
@@ -165,10 +169,23 @@ impl ProtectionDomain {
         iova: u64,
         access: u32,
     ) -> Result<MemoryRegion> {
-        let raw = self.register(&*memory, offset, len, iova, access)?;
+        let raw = match &self.raw {
+            Raw::Verbs(pd) => {
+                Raw::Verbs(register(pd.as_ptr(), &*memory, offset, len, iova, access)?)
+            }
+            Raw::Loopback(pd) => {
+                check_registration(&*memory, offset, len, iova)?;
+                let memory = Arc::clone(&memory);
+                let key = pd
+                    .device
+                    .reg_mr(pd.id, memory, (offset, len), iova, access)?;
+                Raw::Loopback(pd.with_id(key))
+            }
+        };
         Ok(MemoryRegion {
             raw,
             iova,
+            len,
             _memory: Some(memory),
             _pd: Arc::clone(self),
         })
@@ -180,7 +197,7 @@ impl ProtectionDomain {
     /// process's address space. So the mapping may go as soon as this returns, and the NIC
     /// keeps reading and writing the same pages (for guest memory: the guest's RAM) until
     /// the MR is deregistered. The backend uses this to register guest pages without holding
-    /// a mapping per MR.
+    /// a mapping per MR. Only where [`ProtectionDomain::pins_pages`].
     pub fn reg_mr_pinned(
         self: &Arc<Self>,
         memory: &dyn PinnedMemory,
@@ -194,64 +211,82 @@ impl ProtectionDomain {
                 "an on-demand-paging MR does not pin its pages".into(),
             ));
         }
-        let raw = self.register(memory, offset, len, iova, access)?;
+        let Raw::Verbs(pd) = &self.raw else {
+            return Err(Error::InvalidArgument(
+                "the loopback host pins no pages: register memory it may keep mapped".into(),
+            ));
+        };
+        let raw = Raw::Verbs(register(pd.as_ptr(), memory, offset, len, iova, access)?);
         Ok(MemoryRegion {
             raw,
             iova,
+            len,
             _memory: None,
             _pd: Arc::clone(self),
         })
     }
+}
 
-    fn register(
-        &self,
-        memory: &dyn PinnedMemory,
-        offset: usize,
-        len: usize,
-        iova: u64,
-        access: u32,
-    ) -> Result<NonNull<ibv_mr>> {
-        if len == 0 {
-            return Err(Error::InvalidArgument("cannot register zero bytes".into()));
-        }
-        check_range(memory.len(), offset, len)?;
-        if iova.checked_add(len as u64).is_none() {
-            return Err(Error::InvalidArgument(format!(
-                "IOVA {iova:#x} + {len} overflows"
-            )));
-        }
-        // SAFETY: the PD is alive; `offset..offset + len` is inside the memory (checked
-        // above), mapped for the duration of the call (the caller holds it). Afterwards the
-        // MR either keeps the mapping (reg_mr_range) or, pinned, needs none (reg_mr_pinned).
-        NonNull::new(unsafe {
-            ibv_reg_mr_iova2(
-                self.as_ptr(),
-                memory.as_ptr().add(offset).cast(),
-                len,
-                iova,
-                access,
-            )
-        })
-        .ok_or_else(|| last_error("ibv_reg_mr_iova2"))
+/// Whether `len` bytes of `memory` from `offset` may be registered at `iova`.
+fn check_registration(
+    memory: &dyn PinnedMemory,
+    offset: usize,
+    len: usize,
+    iova: u64,
+) -> Result<()> {
+    if len == 0 {
+        return Err(Error::InvalidArgument("cannot register zero bytes".into()));
     }
+    check_range(memory.len(), offset, len)?;
+    if iova.checked_add(len as u64).is_none() {
+        return Err(Error::InvalidArgument(format!(
+            "IOVA {iova:#x} + {len} overflows"
+        )));
+    }
+    Ok(())
+}
+
+/// Registers `len` bytes of `memory` from `offset` in the libibverbs PD `pd`, at `iova`.
+fn register(
+    pd: *mut ibv_pd,
+    memory: &dyn PinnedMemory,
+    offset: usize,
+    len: usize,
+    iova: u64,
+    access: u32,
+) -> Result<NonNull<ibv_mr>> {
+    check_registration(memory, offset, len, iova)?;
+    // SAFETY: the PD is alive (the caller's); `offset..offset + len` is inside the memory
+    // (checked above), mapped for the duration of the call (the caller holds it).
+    // Afterwards the MR either keeps the mapping (reg_mr_range) or, pinned, needs none
+    // (reg_mr_pinned).
+    NonNull::new(unsafe {
+        ibv_reg_mr_iova2(pd, memory.as_ptr().add(offset).cast(), len, iova, access)
+    })
+    .ok_or_else(|| last_error("ibv_reg_mr_iova2"))
 }
 
 impl MemoryRegion {
     pub fn lkey(&self) -> u32 {
-        // SAFETY: the MR is alive; lkey is set at registration and never changes.
-        unsafe { (*self.raw.as_ptr()).lkey }
+        match &self.raw {
+            // SAFETY: the MR is alive; lkey is set at registration and never changes.
+            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).lkey },
+            Raw::Loopback(mr) => mr.id,
+        }
     }
     pub fn rkey(&self) -> u32 {
-        // SAFETY: as for lkey.
-        unsafe { (*self.raw.as_ptr()).rkey }
+        match &self.raw {
+            // SAFETY: the MR is alive; rkey is set at registration and never changes.
+            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).rkey },
+            Raw::Loopback(mr) => mr.id,
+        }
     }
     /// The address work requests use for the first byte of the region.
     pub fn iova(&self) -> u64 {
         self.iova
     }
     pub fn len(&self) -> usize {
-        // SAFETY: as for lkey.
-        unsafe { (*self.raw.as_ptr()).length }
+        self.len
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -260,9 +295,13 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(key) => return key.device.dereg_mr(key.id),
+        };
         // SAFETY: the MR was registered by `register` and is deregistered once; a mapping it
         // keeps is dropped only after this.
-        let ret = unsafe { ibv_dereg_mr(self.raw.as_ptr()) };
+        let ret = unsafe { ibv_dereg_mr(raw) };
         if ret != 0 {
             log::error!("ibv_dereg_mr failed: {ret}");
         }

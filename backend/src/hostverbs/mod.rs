@@ -1,9 +1,13 @@
-//! Safe wrappers over the host's libibverbs: the only module that touches `rdma-sys`.
+//! The host's verbs: safe wrappers over libibverbs (the only module that touches
+//! `rdma-sys`) or, for the device named [`loopback::NAME`], over the loopback host, a
+//! software RDMA device inside the process. This is the seam under the device: the same
+//! objects and calls serve the control path and the data path whichever host is under them.
 //!
 //! Every verbs object is an RAII value that destroys its host object on drop and holds an
 //! `Arc` of what it depends on (a QP keeps its PD and CQs alive, an MR its PD and the memory
 //! it covers), so no drop order can free a parent while a child still uses it.
 
+pub mod loopback;
 mod memory;
 mod qp;
 
@@ -80,6 +84,12 @@ fn check(call: &'static str, ret: c_int) -> Result<()> {
             source: io::Error::from_raw_os_error(r),
         }),
     }
+}
+
+/// Which host an object lives in: libibverbs' object, or the loopback's (by its handle).
+enum Raw<T, L> {
+    Verbs(NonNull<T>),
+    Loopback(L),
 }
 
 /// libibverbs objects may be used from any thread (the library serialises internally).
@@ -283,15 +293,21 @@ fn set_nonblocking(fd: std::os::fd::RawFd) -> io::Result<()> {
 
 /// An open host RDMA device.
 pub struct Context {
-    raw: NonNull<ibv_context>,
+    raw: Raw<ibv_context, loopback::Context>,
     name: String,
 }
 
 verbs_object_is_thread_safe!(Context);
 
 impl Context {
-    /// Opens the host device called `name` (e.g. `rxe0`).
+    /// Opens the host device called `name` (e.g. `rxe0`, or [`loopback::NAME`]).
     pub fn open(name: &str) -> Result<Arc<Context>> {
+        if loopback::is_loopback(name) {
+            return Ok(Arc::new(Context {
+                raw: Raw::Loopback(loopback::Context::open(name)?),
+                name: name.to_string(),
+            }));
+        }
         let mut count: c_int = 0;
         // SAFETY: `count` is a valid out-pointer; the list is freed before returning.
         let list = unsafe { ibv_get_device_list(&mut count) };
@@ -334,7 +350,7 @@ impl Context {
             Some(None) => Err(last_error("ibv_open_device")),
             Some(Some(raw)) => {
                 let context = Context {
-                    raw,
+                    raw: Raw::Verbs(raw),
                     name: name.to_string(),
                 };
                 set_nonblocking(context.async_fd()).map_err(|source| Error::Verbs {
@@ -348,20 +364,27 @@ impl Context {
 
     /// Readable when the device has an asynchronous event; non-blocking.
     pub fn async_fd(&self) -> std::os::fd::RawFd {
-        // SAFETY: the context is open; async_fd is set when it is opened.
-        unsafe { (*self.as_ptr()).async_fd }
+        match &self.raw {
+            // SAFETY: the context is open; async_fd is set when it is opened.
+            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).async_fd },
+            Raw::Loopback(context) => context.async_fd(),
+        }
     }
 
     /// Takes the next pending asynchronous event and hands it to `route` before
     /// acknowledging it: until then the host cannot destroy the QP, CQ or SRQ it names, so
     /// its number or id is unambiguous. False when none is pending.
     pub fn take_async_event(&self, route: impl FnOnce(AsyncEvent)) -> bool {
+        let context = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(context) => return context.take_async_event().map(route).is_some(),
+        };
         let mut raw = RawAsyncEvent {
             element: 0,
             event_type: 0,
         };
         // SAFETY: the context is open and `raw` has ibv_async_event's layout.
-        if unsafe { ibv_get_async_event(self.as_ptr(), &mut raw) } != 0 {
+        if unsafe { ibv_get_async_event(context, &mut raw) } != 0 {
             return false;
         }
         // SAFETY: `raw` was just filled and is not acknowledged yet.
@@ -375,18 +398,26 @@ impl Context {
         &self.name
     }
 
-    pub(crate) fn as_ptr(&self) -> *mut ibv_context {
-        self.raw.as_ptr()
+    /// The loopback context, when the device is the loopback host.
+    pub(crate) fn loopback(&self) -> Option<&loopback::Context> {
+        match &self.raw {
+            Raw::Verbs(_) => None,
+            Raw::Loopback(context) => Some(context),
+        }
     }
 
     /// The device's attributes, with the inline limit [`Context::max_inline_data`] finds.
     pub fn query_device(self: &Arc<Self>) -> Result<DeviceAttr> {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(_) => return Ok(loopback::device_attr()),
+        };
         let max_inline_data = self.max_inline_data()?;
         // SAFETY: all-zero is a valid ibv_device_attr (integers and byte arrays).
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the context is open and `attr` is a valid out-pointer.
         check("ibv_query_device", unsafe {
-            ibv_query_device(self.as_ptr(), &mut attr)
+            ibv_query_device(raw, &mut attr)
         })?;
         // SAFETY: fw_ver is a NUL-terminated string inside the struct.
         let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) };
@@ -465,11 +496,15 @@ impl Context {
     }
 
     pub fn query_port(&self, port: u8) -> Result<PortAttr> {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(_) => return loopback::port_attr(port),
+        };
         // SAFETY: all-zero is a valid ibv_port_attr (integers only).
         let mut attr: ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the context is open and `attr` is a valid, correctly sized out-pointer.
         check("ibv_query_port", unsafe {
-            ___ibv_query_port(self.as_ptr(), port, &mut attr)
+            ___ibv_query_port(raw, port, &mut attr)
         })?;
         Ok(PortAttr {
             state: attr.state,
@@ -489,6 +524,9 @@ impl Context {
 
     /// The GID at `index` of `port` and its type. An unused entry is an error (ENODATA).
     pub fn query_gid(&self, port: u8, index: u32) -> Result<(Gid, GidType)> {
+        if self.loopback().is_some() {
+            return loopback::query_gid(port, index);
+        }
         let entry = self.query_gid_entry(port, index)?;
         let gid_type = match entry.gid_type {
             IBV_GID_TYPE_ROCE_V1 => GidType::RoceV1,
@@ -500,12 +538,24 @@ impl Context {
     }
 
     fn query_gid_entry(&self, port: u8, index: u32) -> Result<ibv_gid_entry> {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            // The loopback's one entry, on no network device.
+            Raw::Loopback(_) => {
+                let (gid, _) = loopback::query_gid(port, index)?;
+                // SAFETY: all-zero is a valid ibv_gid_entry (integers and a byte union).
+                let mut entry: ibv_gid_entry = unsafe { std::mem::zeroed() };
+                entry.gid.raw = gid.0;
+                entry.gid_type = IBV_GID_TYPE_ROCE_V2;
+                return Ok(entry);
+            }
+        };
         // SAFETY: all-zero is a valid ibv_gid_entry (integers and a byte union).
         let mut entry: ibv_gid_entry = unsafe { std::mem::zeroed() };
         // SAFETY: the context is open; `entry` is a valid out-pointer of the size passed.
         check("ibv_query_gid_ex", unsafe {
             _ibv_query_gid_ex(
-                self.as_ptr(),
+                raw,
                 port.into(),
                 index,
                 &mut entry,
@@ -562,9 +612,14 @@ impl Context {
     }
 
     pub fn alloc_pd(self: &Arc<Self>) -> Result<Arc<ProtectionDomain>> {
-        // SAFETY: the context is open.
-        let raw = NonNull::new(unsafe { ibv_alloc_pd(self.as_ptr()) })
-            .ok_or_else(|| last_error("ibv_alloc_pd"))?;
+        let raw = match &self.raw {
+            // SAFETY: the context is open.
+            Raw::Verbs(raw) => Raw::Verbs(
+                NonNull::new(unsafe { ibv_alloc_pd(raw.as_ptr()) })
+                    .ok_or_else(|| last_error("ibv_alloc_pd"))?,
+            ),
+            Raw::Loopback(context) => Raw::Loopback(context.alloc_pd()),
+        };
         Ok(Arc::new(ProtectionDomain {
             raw,
             context: Arc::clone(self),
@@ -580,13 +635,31 @@ impl Context {
     ) -> Result<Arc<CompletionQueue>> {
         let cqe = c_int::try_from(depth)
             .map_err(|_| Error::InvalidArgument(format!("CQ depth {depth} too large")))?;
-        let channel_ptr = channel.map_or(std::ptr::null_mut(), |c| c.raw.as_ptr());
-        // SAFETY: the context (and the channel, if any) are alive and outlive the CQ, which
-        // holds Arcs of both; no user context is passed.
-        let raw = NonNull::new(unsafe {
-            ibv_create_cq(self.as_ptr(), cqe, std::ptr::null_mut(), channel_ptr, 0)
-        })
-        .ok_or_else(|| last_error("ibv_create_cq"))?;
+        let raw = match (&self.raw, channel.map(|c| &c.raw)) {
+            (Raw::Verbs(context), channel) => {
+                let channel_ptr = match channel {
+                    None => std::ptr::null_mut(),
+                    Some(Raw::Verbs(channel)) => channel.as_ptr(),
+                    Some(Raw::Loopback(_)) => return Err(other_host("ibv_create_cq")),
+                };
+                // SAFETY: the context (and the channel, if any) are alive and outlive the CQ,
+                // which holds Arcs of both; no user context is passed.
+                Raw::Verbs(
+                    NonNull::new(unsafe {
+                        ibv_create_cq(context.as_ptr(), cqe, std::ptr::null_mut(), channel_ptr, 0)
+                    })
+                    .ok_or_else(|| last_error("ibv_create_cq"))?,
+                )
+            }
+            (Raw::Loopback(context), channel) => {
+                let channel = match channel {
+                    None => None,
+                    Some(Raw::Loopback(channel)) => Some(Arc::clone(channel)),
+                    Some(Raw::Verbs(_)) => return Err(other_host("ibv_create_cq")),
+                };
+                Raw::Loopback(context.create_cq(depth, channel)?)
+            }
+        };
         Ok(Arc::new(CompletionQueue {
             raw,
             _channel: channel.cloned(),
@@ -596,9 +669,14 @@ impl Context {
 
     /// A completion channel whose file descriptor is non-blocking, for epoll.
     pub fn create_comp_channel(self: &Arc<Self>) -> Result<Arc<CompletionChannel>> {
-        // SAFETY: the context is open.
-        let raw = NonNull::new(unsafe { ibv_create_comp_channel(self.as_ptr()) })
-            .ok_or_else(|| last_error("ibv_create_comp_channel"))?;
+        let raw = match &self.raw {
+            // SAFETY: the context is open.
+            Raw::Verbs(raw) => Raw::Verbs(
+                NonNull::new(unsafe { ibv_create_comp_channel(raw.as_ptr()) })
+                    .ok_or_else(|| last_error("ibv_create_comp_channel"))?,
+            ),
+            Raw::Loopback(_) => Raw::Loopback(loopback::Channel::new()?),
+        };
         let channel = CompletionChannel {
             raw,
             _context: Arc::clone(self),
@@ -613,7 +691,7 @@ impl Context {
 
 /// A completion event channel: readable when an armed CQ attached to it gets a completion.
 pub struct CompletionChannel {
-    raw: NonNull<ibv_comp_channel>,
+    raw: Raw<ibv_comp_channel, Arc<loopback::Channel>>,
     _context: Arc<Context>,
 }
 
@@ -621,18 +699,25 @@ verbs_object_is_thread_safe!(CompletionChannel);
 
 impl CompletionChannel {
     pub fn fd(&self) -> std::os::fd::RawFd {
-        // SAFETY: the channel is alive; fd is set at creation.
-        unsafe { (*self.raw.as_ptr()).fd }
+        match &self.raw {
+            // SAFETY: the channel is alive; fd is set at creation.
+            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).fd },
+            Raw::Loopback(channel) => channel.fd(),
+        }
     }
 
     /// Consumes and acknowledges every pending event; returns how many there were.
     pub fn drain(&self) -> usize {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(channel) => return channel.drain(),
+        };
         let mut count = 0;
         loop {
             let mut cq: *mut ibv_cq = std::ptr::null_mut();
             let mut context: *mut std::os::raw::c_void = std::ptr::null_mut();
             // SAFETY: the channel is alive and non-blocking; both out-pointers are valid.
-            if unsafe { ibv_get_cq_event(self.raw.as_ptr(), &mut cq, &mut context) } != 0 {
+            if unsafe { ibv_get_cq_event(raw, &mut cq, &mut context) } != 0 {
                 return count;
             }
             // SAFETY: `cq` was just returned by the channel, and CQs attached to this channel
@@ -645,8 +730,9 @@ impl CompletionChannel {
 
 impl Drop for CompletionChannel {
     fn drop(&mut self) {
+        let Raw::Verbs(raw) = &self.raw else { return };
         // SAFETY: CQs attached to the channel hold an Arc of it, so none is left.
-        if unsafe { ibv_destroy_comp_channel(self.raw.as_ptr()) } != 0 {
+        if unsafe { ibv_destroy_comp_channel(raw.as_ptr()) } != 0 {
             log::error!("ibv_destroy_comp_channel failed");
         }
     }
@@ -654,36 +740,55 @@ impl Drop for CompletionChannel {
 
 impl Drop for Context {
     fn drop(&mut self) {
+        let Raw::Verbs(raw) = &self.raw else { return };
         // SAFETY: every child holds an Arc of the context, so none is alive any more.
-        let ret = unsafe { ibv_close_device(self.raw.as_ptr()) };
+        let ret = unsafe { ibv_close_device(raw.as_ptr()) };
         if ret != 0 {
             log::error!("ibv_close_device({}) failed: {ret}", self.name);
         }
     }
 }
 
+/// An object of one host handed to a call on another (a loopback CQ to a verbs QP): a
+/// mistake of the caller, refused.
+fn other_host(call: &'static str) -> Error {
+    Error::InvalidArgument(format!("{call}: objects of two hosts mixed"))
+}
+
 /// A host protection domain.
 pub struct ProtectionDomain {
-    raw: NonNull<ibv_pd>,
+    raw: Raw<ibv_pd, loopback::Handle>,
     context: Arc<Context>,
 }
 
 verbs_object_is_thread_safe!(ProtectionDomain);
 
 impl ProtectionDomain {
-    pub(crate) fn as_ptr(&self) -> *mut ibv_pd {
-        self.raw.as_ptr()
-    }
-
     pub fn context(&self) -> &Arc<Context> {
         &self.context
+    }
+
+    /// Whether a registration in this PD pins the pages it covers, so that the memory it
+    /// was made over may be unmapped after ([`ProtectionDomain::reg_mr_pinned`]); the
+    /// loopback host reaches registered memory through the mapping itself.
+    pub fn pins_pages(&self) -> bool {
+        matches!(self.raw, Raw::Verbs(_))
     }
 }
 
 impl Drop for ProtectionDomain {
     fn drop(&mut self) {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw,
+            Raw::Loopback(_) => {
+                if let Some(context) = self.context.loopback() {
+                    context.dealloc_pd();
+                }
+                return;
+            }
+        };
         // SAFETY: MRs, QPs and AHs hold an Arc of their PD, so none is alive any more.
-        let ret = unsafe { ibv_dealloc_pd(self.raw.as_ptr()) };
+        let ret = unsafe { ibv_dealloc_pd(raw.as_ptr()) };
         if ret != 0 {
             log::error!("ibv_dealloc_pd failed: {ret}");
         }
@@ -692,7 +797,7 @@ impl Drop for ProtectionDomain {
 
 /// A host completion queue.
 pub struct CompletionQueue {
-    raw: NonNull<ibv_cq>,
+    raw: Raw<ibv_cq, Arc<loopback::Cq>>,
     _channel: Option<Arc<CompletionChannel>>,
     _context: Arc<Context>,
 }
@@ -791,23 +896,26 @@ impl fmt::Debug for WorkCompletion {
 }
 
 impl CompletionQueue {
-    pub(crate) fn as_ptr(&self) -> *mut ibv_cq {
-        self.raw.as_ptr()
-    }
-
     /// What names this CQ in an [`AsyncEvent`].
     pub fn id(&self) -> ObjectId {
-        self.raw.as_ptr() as ObjectId
+        match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr() as ObjectId,
+            Raw::Loopback(cq) => cq.id(),
+        }
     }
 
     /// Moves up to `out.len()` completions into `out`; returns how many.
     // Inlined into the data path's host seam, as `SendBatch::post` is.
     #[inline(always)]
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(cq) => return Ok(cq.poll(out)),
+        };
         let max = c_int::try_from(out.len()).unwrap_or(c_int::MAX);
         // SAFETY: the CQ is alive; `out` has room for `max` ibv_wc (WorkCompletion is a
         // transparent wrapper).
-        let n = unsafe { ibv_poll_cq(self.as_ptr(), max, out.as_mut_ptr().cast()) };
+        let n = unsafe { ibv_poll_cq(raw, max, out.as_mut_ptr().cast()) };
         if n < 0 {
             return Err(Error::Verbs {
                 call: "ibv_poll_cq",
@@ -819,23 +927,34 @@ impl CompletionQueue {
 
     /// Asks for one event on the CQ's channel at the next (solicited) completion.
     pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(cq) => {
+                cq.arm(solicited_only);
+                return Ok(());
+            }
+        };
         // SAFETY: the CQ is alive.
         check("ibv_req_notify_cq", unsafe {
-            ibv_req_notify_cq(self.as_ptr(), solicited_only.into())
+            ibv_req_notify_cq(raw, solicited_only.into())
         })
     }
 
     /// Capacity the provider actually allocated.
     pub fn depth(&self) -> u32 {
-        // SAFETY: the CQ is alive; `cqe` is set at creation and only changed by resize.
-        unsafe { (*self.as_ptr()).cqe.max(0) as u32 }
+        match &self.raw {
+            // SAFETY: the CQ is alive; `cqe` is set at creation and only changed by resize.
+            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).cqe.max(0) as u32 },
+            Raw::Loopback(cq) => cq.depth(),
+        }
     }
 }
 
 impl Drop for CompletionQueue {
     fn drop(&mut self) {
+        let Raw::Verbs(raw) = &self.raw else { return };
         // SAFETY: QPs hold an Arc of their CQs, so none still uses this one.
-        let ret = unsafe { ibv_destroy_cq(self.raw.as_ptr()) };
+        let ret = unsafe { ibv_destroy_cq(raw.as_ptr()) };
         if ret != 0 {
             log::error!("ibv_destroy_cq failed: {ret}");
         }

@@ -8,9 +8,10 @@ use std::sync::Arc;
 
 use rdma_sys::*;
 
+use super::loopback;
 use super::{
-    check, last_error, verbs_object_is_thread_safe, CompletionQueue, Error, Gid, ProtectionDomain,
-    Result,
+    check, last_error, other_host, verbs_object_is_thread_safe, CompletionQueue, Error, Gid,
+    ProtectionDomain, Raw, Result,
 };
 
 /// Transport of a QP.
@@ -226,7 +227,7 @@ impl From<&QpAttr> for ibv_qp_attr {
 
 /// A host queue pair.
 pub struct QueuePair {
-    raw: NonNull<ibv_qp>,
+    raw: Raw<ibv_qp, loopback::Handle>,
     qp_type: QpType,
     caps: QpCaps,
     _pd: Arc<ProtectionDomain>,
@@ -244,17 +245,70 @@ impl ProtectionDomain {
         recv_cq: &Arc<CompletionQueue>,
         init: &QpInit<'_>,
     ) -> Result<QueuePair> {
+        let (raw, caps) = match (&self.raw, &send_cq.raw, &recv_cq.raw) {
+            (Raw::Verbs(pd), Raw::Verbs(send), Raw::Verbs(recv)) => {
+                let srq = match init.srq.map(|srq| &srq.raw) {
+                    None => std::ptr::null_mut(),
+                    Some(Raw::Verbs(srq)) => srq.as_ptr(),
+                    Some(Raw::Loopback(_)) => return Err(other_host("ibv_create_qp")),
+                };
+                let (raw, caps) =
+                    create_verbs_qp(pd.as_ptr(), (send.as_ptr(), recv.as_ptr()), srq, init)?;
+                (Raw::Verbs(raw), caps)
+            }
+            (Raw::Loopback(pd), Raw::Loopback(send), Raw::Loopback(recv)) => {
+                let srq = match init.srq.map(|srq| &srq.raw) {
+                    None => None,
+                    Some(Raw::Loopback(srq)) => Some(srq.id),
+                    Some(Raw::Verbs(_)) => return Err(other_host("ibv_create_qp")),
+                };
+                let context = self
+                    .context()
+                    .loopback()
+                    .ok_or_else(|| other_host("ibv_create_qp"))?;
+                let setup = loopback::QpSetup {
+                    qp_type: init.qp_type,
+                    caps: init.caps,
+                    srq,
+                    sq_sig_all: init.sq_sig_all,
+                };
+                let (qpn, caps) = pd.device.create_qp(context, pd.id, (send, recv), setup)?;
+                (Raw::Loopback(pd.with_id(qpn)), caps)
+            }
+            _ => return Err(other_host("ibv_create_qp")),
+        };
+        Ok(QueuePair {
+            raw,
+            qp_type: init.qp_type,
+            caps,
+            _pd: Arc::clone(self),
+            _send_cq: Arc::clone(send_cq),
+            _recv_cq: Arc::clone(recv_cq),
+            _srq: init.srq.cloned(),
+        })
+    }
+}
+
+/// A libibverbs QP in `pd` over the CQs `send_cq` and `recv_cq` (and `srq`, or null), and the
+/// caps the provider granted.
+fn create_verbs_qp(
+    pd: *mut ibv_pd,
+    (send_cq, recv_cq): (*mut ibv_cq, *mut ibv_cq),
+    srq: *mut ibv_srq,
+    init: &QpInit<'_>,
+) -> Result<(NonNull<ibv_qp>, QpCaps)> {
+    {
         // SAFETY: all-zero is a valid ibv_qp_init_attr (null pointers and integers).
         let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        attr.send_cq = send_cq.as_ptr();
-        attr.recv_cq = recv_cq.as_ptr();
+        attr.send_cq = send_cq;
+        attr.recv_cq = recv_cq;
         attr.qp_type = match init.qp_type {
             QpType::Rc => ibv_qp_type::IBV_QPT_RC,
             QpType::Uc => ibv_qp_type::IBV_QPT_UC,
             QpType::Ud => ibv_qp_type::IBV_QPT_UD,
         };
         attr.sq_sig_all = init.sq_sig_all.into();
-        attr.srq = init.srq.map_or(std::ptr::null_mut(), |srq| srq.as_ptr());
+        attr.srq = srq;
         attr.cap = ibv_qp_cap {
             max_send_wr: init.caps.max_send_wr,
             max_recv_wr: init.caps.max_recv_wr,
@@ -262,19 +316,11 @@ impl ProtectionDomain {
             max_recv_sge: init.caps.max_recv_sge,
             max_inline_data: init.caps.max_inline_data,
         };
-        // SAFETY: PD and CQs are alive (and kept alive by the QP); `attr` is valid and the
-        // provider writes the granted caps back into it.
-        let raw = NonNull::new(unsafe { ibv_create_qp(self.as_ptr(), &mut attr) })
+        // SAFETY: PD and CQs (and the SRQ) are alive, and kept alive by the QP made of
+        // them; `attr` is valid and the provider writes the granted caps back into it.
+        let raw = NonNull::new(unsafe { ibv_create_qp(pd, &mut attr) })
             .ok_or_else(|| last_error("ibv_create_qp"))?;
-        Ok(QueuePair {
-            raw,
-            qp_type: init.qp_type,
-            caps: attr.cap.into(),
-            _pd: Arc::clone(self),
-            _send_cq: Arc::clone(send_cq),
-            _recv_cq: Arc::clone(recv_cq),
-            _srq: init.srq.cloned(),
-        })
+        Ok((raw, attr.cap.into()))
     }
 }
 
@@ -549,7 +595,11 @@ impl SendBatch {
         let ud = wr.ud.map(|dest| {
             self.ahs.push(Arc::clone(dest.ah));
             ud_t {
-                ah: dest.ah.raw.as_ptr(),
+                // The loopback names the AH by the batch's own reference to it.
+                ah: match &dest.ah.raw {
+                    Raw::Verbs(ah) => ah.as_ptr(),
+                    Raw::Loopback(_) => std::ptr::null_mut(),
+                },
                 remote_qpn: dest.remote_qpn,
                 remote_qkey: dest.remote_qkey,
             }
@@ -598,6 +648,74 @@ impl SendBatch {
         self.wrs[..self.len].iter().map(|raw| raw.wr_id)
     }
 
+    /// The batch's requests, in order, read back as a host takes them (the loopback host).
+    pub(super) fn requests(&self) -> impl Iterator<Item = BatchRequest<'_>> {
+        let ud = self.ahs.len() == self.len;
+        self.wrs[..self.len]
+            .iter()
+            .enumerate()
+            .map(move |(index, raw)| {
+                let flags = SendFlags(raw.send_flags);
+                // SAFETY: `sg_list` points at `num_sge` SGEs of the batch's own (`sges`, or the
+                // request's entry of `inline_sges`), written when the request was pushed and
+                // unchanged until the batch is cleared, which needs `&mut self`.
+                let sges = unsafe {
+                    std::slice::from_raw_parts(raw.sg_list.cast::<Sge>(), raw.num_sge as usize)
+                };
+                let payload = match sges {
+                    [sge] if raw.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 != 0 => {
+                        // SAFETY: an inline request's one SGE names its bytes in `inline`, the
+                        // batch's own, which stay as pushed while the batch is borrowed.
+                        Payload::Inline(unsafe {
+                            std::slice::from_raw_parts(sge.addr as *const u8, sge.length as usize)
+                        })
+                    }
+                    sges => Payload::Sges(sges),
+                };
+                let opcode = SEND_OPCODES
+                    .into_iter()
+                    .find(|&op| host_opcode(op) == raw.opcode)
+                    .expect("every request's opcode is written by write_request");
+                // SAFETY: every member of the unions is plain integers (and, for UD, a pointer
+                // not followed here); `write_request` wrote the one the request uses.
+                let (imm, wr) = unsafe { (raw.imm_data_invalidated_rkey_union.imm_data, &raw.wr) };
+                let mut operands = SendOperands {
+                    imm: u32::from_be(imm),
+                    ..SendOperands::default()
+                };
+                let dest = ud.then(|| {
+                    // SAFETY: as above: a batch with an AH for every request holds UD requests.
+                    let ud = unsafe { wr.ud };
+                    UdDest {
+                        ah: &self.ahs[index],
+                        remote_qpn: ud.remote_qpn,
+                        remote_qkey: ud.remote_qkey,
+                    }
+                });
+                if dest.is_none() && opcode.is_atomic() {
+                    // SAFETY: as above.
+                    let atomic = unsafe { wr.atomic };
+                    operands.remote_addr = atomic.remote_addr;
+                    operands.rkey = atomic.rkey;
+                    operands.compare_add = atomic.compare_add;
+                    operands.swap = atomic.swap;
+                } else if dest.is_none() {
+                    // SAFETY: as above.
+                    let rdma = unsafe { wr.rdma };
+                    operands.remote_addr = rdma.remote_addr;
+                    operands.rkey = rdma.rkey;
+                }
+                BatchRequest {
+                    wr_id: raw.wr_id,
+                    opcode,
+                    flags,
+                    operands,
+                    payload,
+                    ud: dest,
+                }
+            })
+    }
+
     /// Posts the batch on `qp` as one chain; on failure the error says how many requests
     /// the provider took before the one it refused.
     // Inlined into the data path's host seam, so that a post is one call frame besides the
@@ -612,6 +730,10 @@ impl SendBatch {
                 "UD send without a destination".into(),
             ));
         }
+        let raw_qp = match &qp.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(qpn) => return qpn.device.post_send(qpn.id, self),
+        };
         let base = self.wrs.as_mut_ptr();
         let last = self.len - 1;
         let after_last = std::mem::replace(&mut self.wrs[last].next, std::ptr::null_mut());
@@ -619,7 +741,7 @@ impl SendBatch {
         // SAFETY: the QP is alive; the chain covers exactly the batch's requests, and every SGE
         // list and inline payload and AH it points to is the batch's own (see `SendBatch`),
         // alive and unmoved for the call; the provider copies what it keeps.
-        let ret = unsafe { ibv_post_send(qp.raw.as_ptr(), base, &mut bad) };
+        let ret = unsafe { ibv_post_send(raw_qp, base, &mut bad) };
         self.wrs[last].next = after_last;
         if ret == 0 {
             return Ok(());
@@ -633,6 +755,27 @@ impl SendBatch {
         Err(post_error("ibv_post_send", accepted, ret))
     }
 }
+
+/// One request of a [`SendBatch`], read back.
+pub(super) struct BatchRequest<'b> {
+    pub wr_id: u64,
+    pub opcode: SendOpcode,
+    /// As pushed, with IBV_SEND_INLINE for an inline payload.
+    pub flags: SendFlags,
+    pub operands: SendOperands,
+    pub payload: Payload<'b>,
+    pub ud: Option<UdDest<'b>>,
+}
+
+const SEND_OPCODES: [SendOpcode; 7] = [
+    SendOpcode::RdmaWrite,
+    SendOpcode::RdmaWriteWithImm,
+    SendOpcode::Send,
+    SendOpcode::SendWithImm,
+    SendOpcode::RdmaRead,
+    SendOpcode::CompareAndSwap,
+    SendOpcode::FetchAndAdd,
+];
 
 /// Fills a request of the batch (its `next` is the batch's) with the fields the opcode uses.
 #[inline(always)]
@@ -692,8 +835,11 @@ fn post_error(call: &'static str, posted: usize, ret: c_int) -> Error {
 
 impl QueuePair {
     pub fn qp_num(&self) -> u32 {
-        // SAFETY: the QP is alive; qp_num never changes after creation.
-        unsafe { (*self.raw.as_ptr()).qp_num }
+        match &self.raw {
+            // SAFETY: the QP is alive; qp_num never changes after creation.
+            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).qp_num },
+            Raw::Loopback(qp) => qp.id,
+        }
     }
 
     pub fn qp_type(&self) -> QpType {
@@ -707,14 +853,22 @@ impl QueuePair {
 
     /// Applies the fields of `attr` selected by `mask` ([`qp_attr_mask`] bits).
     pub fn modify(&self, attr: &QpAttr, mask: u32) -> Result<()> {
+        let qp = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(qpn) => return qpn.device.modify_qp(qpn.id, attr, mask),
+        };
         let mut raw: ibv_qp_attr = attr.into();
         // SAFETY: the QP is alive and `raw` is a valid attribute struct.
         check("ibv_modify_qp", unsafe {
-            ibv_modify_qp(self.raw.as_ptr(), &mut raw, mask as c_int)
+            ibv_modify_qp(qp, &mut raw, mask as c_int)
         })
     }
 
     pub fn query(&self) -> Result<QpAttr> {
+        let qp = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(qpn) => return qpn.device.query_qp(qpn.id),
+        };
         // SAFETY: all-zero is valid for both structs (integers, null pointers, unions).
         let (mut raw, mut init): (ibv_qp_attr, ibv_qp_init_attr) =
             unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
@@ -738,7 +892,7 @@ impl QueuePair {
             | qp_attr_mask::DEST_QPN;
         // SAFETY: the QP is alive; both out-pointers are valid.
         check("ibv_query_qp", unsafe {
-            ibv_query_qp(self.raw.as_ptr(), &mut raw, mask as c_int, &mut init)
+            ibv_query_qp(qp, &mut raw, mask as c_int, &mut init)
         })?;
         Ok(QpAttr {
             qp_state: QpState::try_from(raw.qp_state).unwrap_or(QpState::Err),
@@ -782,9 +936,13 @@ impl QueuePair {
 
     /// Posts receive work requests in order, chained in batches.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        let qp = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(qpn) => return qpn.device.post_recv(qpn.id, wrs),
+        };
         post_recv_chains("ibv_post_recv", wrs, |first, bad| {
             // SAFETY: the QP is alive; the chain and its SGE slices live for the call.
-            unsafe { ibv_post_recv(self.raw.as_ptr(), first, bad) }
+            unsafe { ibv_post_recv(qp, first, bad) }
         })
     }
 }
@@ -831,7 +989,7 @@ fn post_recv_chains(
 
 /// A host shared receive queue.
 pub struct SharedReceiveQueue {
-    raw: NonNull<ibv_srq>,
+    raw: Raw<ibv_srq, loopback::Handle>,
     _pd: Arc<ProtectionDomain>,
 }
 
@@ -843,13 +1001,24 @@ impl ProtectionDomain {
         max_wr: u32,
         max_sge: u32,
     ) -> Result<Arc<SharedReceiveQueue>> {
+        let pd = match &self.raw {
+            Raw::Verbs(pd) => pd.as_ptr(),
+            Raw::Loopback(pd) => {
+                let srq = pd.device.create_srq(pd.id, max_wr, max_sge)?;
+                return Ok(Arc::new(SharedReceiveQueue {
+                    raw: Raw::Loopback(pd.with_id(srq)),
+                    _pd: Arc::clone(self),
+                }));
+            }
+        };
         // SAFETY: all-zero is a valid ibv_srq_init_attr (a null context and integers).
         let mut attr: ibv_srq_init_attr = unsafe { std::mem::zeroed() };
         attr.attr.max_wr = max_wr;
         attr.attr.max_sge = max_sge;
         // SAFETY: the PD is alive (kept alive by the SRQ) and `attr` is valid.
-        let raw = NonNull::new(unsafe { ibv_create_srq(self.as_ptr(), &mut attr) })
+        let raw = NonNull::new(unsafe { ibv_create_srq(pd, &mut attr) })
             .ok_or_else(|| last_error("ibv_create_srq"))?;
+        let raw = Raw::Verbs(raw);
         Ok(Arc::new(SharedReceiveQueue {
             raw,
             _pd: Arc::clone(self),
@@ -858,28 +1027,35 @@ impl ProtectionDomain {
 }
 
 impl SharedReceiveQueue {
-    pub(crate) fn as_ptr(&self) -> *mut ibv_srq {
-        self.raw.as_ptr()
-    }
-
     /// What names this SRQ in an [`super::AsyncEvent`].
     pub fn id(&self) -> super::ObjectId {
-        self.raw.as_ptr() as super::ObjectId
+        match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr() as super::ObjectId,
+            Raw::Loopback(srq) => srq.id as super::ObjectId,
+        }
     }
 
     /// Posts receive work requests in order, chained in batches.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        let srq = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(id) => return id.device.srq_post_recv(id.id, wrs),
+        };
         post_recv_chains("ibv_post_srq_recv", wrs, |first, bad| {
             // SAFETY: the SRQ is alive; the chain and its SGE slices live for the call.
-            unsafe { ibv_post_srq_recv(self.raw.as_ptr(), first, bad) }
+            unsafe { ibv_post_srq_recv(srq, first, bad) }
         })
     }
 }
 
 impl Drop for SharedReceiveQueue {
     fn drop(&mut self) {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(id) => return id.device.destroy_srq(id.id),
+        };
         // SAFETY: QPs using the SRQ hold an Arc of it, so none is left.
-        if unsafe { ibv_destroy_srq(self.raw.as_ptr()) } != 0 {
+        if unsafe { ibv_destroy_srq(raw) } != 0 {
             log::error!("ibv_destroy_srq failed");
         }
     }
@@ -887,9 +1063,13 @@ impl Drop for SharedReceiveQueue {
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(qpn) => return qpn.device.destroy_qp(qpn.id),
+        };
         // SAFETY: the QP was created by create_qp and is destroyed once; its PD and CQs are
         // still alive (their Arcs are dropped after this).
-        let ret = unsafe { ibv_destroy_qp(self.raw.as_ptr()) };
+        let ret = unsafe { ibv_destroy_qp(raw) };
         if ret != 0 {
             log::error!("ibv_destroy_qp failed: {ret}");
         }
@@ -898,7 +1078,7 @@ impl Drop for QueuePair {
 
 /// A host address handle (UD destination).
 pub struct AddressHandle {
-    raw: NonNull<ibv_ah>,
+    raw: Raw<ibv_ah, loopback::Handle>,
     _pd: Arc<ProtectionDomain>,
 }
 
@@ -906,16 +1086,26 @@ verbs_object_is_thread_safe!(AddressHandle);
 
 impl std::fmt::Debug for AddressHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("AddressHandle").field(&self.raw).finish()
+        let handle = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr() as usize,
+            Raw::Loopback(ah) => ah.id as usize,
+        };
+        f.debug_tuple("AddressHandle").field(&handle).finish()
     }
 }
 
 impl ProtectionDomain {
     pub fn create_ah(self: &Arc<Self>, attr: &AhAttr) -> Result<AddressHandle> {
-        let mut raw_attr: ibv_ah_attr = attr.into();
-        // SAFETY: the PD is alive and `raw_attr` is a valid address vector.
-        let raw = NonNull::new(unsafe { ibv_create_ah(self.as_ptr(), &mut raw_attr) })
-            .ok_or_else(|| last_error("ibv_create_ah"))?;
+        let raw = match &self.raw {
+            Raw::Verbs(pd) => {
+                let mut raw_attr: ibv_ah_attr = attr.into();
+                // SAFETY: the PD is alive and `raw_attr` is a valid address vector.
+                let raw = NonNull::new(unsafe { ibv_create_ah(pd.as_ptr(), &mut raw_attr) })
+                    .ok_or_else(|| last_error("ibv_create_ah"))?;
+                Raw::Verbs(raw)
+            }
+            Raw::Loopback(pd) => Raw::Loopback(pd.with_id(pd.device.create_ah(pd.id, attr)?)),
+        };
         Ok(AddressHandle {
             raw,
             _pd: Arc::clone(self),
@@ -923,10 +1113,24 @@ impl ProtectionDomain {
     }
 }
 
+impl AddressHandle {
+    /// The loopback's handle of this AH, when it is the loopback's.
+    pub(super) fn loopback_id(&self) -> Option<u32> {
+        match &self.raw {
+            Raw::Verbs(_) => None,
+            Raw::Loopback(ah) => Some(ah.id),
+        }
+    }
+}
+
 impl Drop for AddressHandle {
     fn drop(&mut self) {
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(id) => return id.device.destroy_ah(id.id),
+        };
         // SAFETY: created by create_ah, destroyed once; its PD is still alive.
-        let ret = unsafe { ibv_destroy_ah(self.raw.as_ptr()) };
+        let ret = unsafe { ibv_destroy_ah(raw) };
         if ret != 0 {
             log::error!("ibv_destroy_ah failed: {ret}");
         }

@@ -1,0 +1,950 @@
+//! The loopback host: a software RDMA device inside the backend process (`--device
+//! loopback`). It carries SEND/RECV (with immediate), WRITE (with immediate), READ, both
+//! atomics and UD between the QPs of this one backend, by copying between registered memory,
+//! with the error semantics verbs gives on rxe for keys, PDs, access flags, bounds, QP states
+//! and RNR. It is a test and measurement instrument: what a guest does on it costs what the
+//! relay costs, with no NIC, no wire and no kernel under it. rxe remains the real check.
+//!
+//! A device serves every context of the process opened by its name, so the guests of one
+//! backend reach each other through it, on its one GID (the IPv4-mapped 127.0.0.1).
+//! `loopback` is one device; `loopback-NAME` are others, each a fabric of its own (tests
+//! running side by side in one process each take one, so that they neither meet nor count
+//! each other's objects). A request is carried out when it
+//! is posted, under the device's lock; an RC SEND (or WRITE with immediate) that finds no
+//! receive waits on its QP, as a NIC retries after an RNR NAK, until a receive is posted or
+//! its RNR retries run out (a thread of the device keeps the time).
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use rdma_sys::{ibv_access_flags, ibv_wc_status};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+mod transfer;
+
+use transfer::completion;
+
+use super::qp::BatchRequest;
+use super::{
+    qp_attr_mask as mask, AhAttr, AsyncEvent, DeviceAttr, Error, Gid, GidType, ObjectId, Payload,
+    PinnedMemory, PortAttr, QpAttr, QpCaps, QpState, QpType, RecvWr, Result, SendBatch, SendFlags,
+    Sge, WorkCompletion,
+};
+use vrdma_spec::codec::{SendOpcode, SendOperands};
+
+/// The device name that selects the loopback host.
+pub const NAME: &str = "loopback";
+
+/// Whether `device` names a loopback device: `loopback` or `loopback-ANYTHING`.
+pub fn is_loopback(device: &str) -> bool {
+    device
+        .strip_prefix(NAME)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
+}
+
+/// The device's one GID: RoCEv2's for 127.0.0.1.
+pub fn gid() -> Gid {
+    Gid::from(std::net::Ipv4Addr::LOCALHOST)
+}
+
+const MAX_QP: u32 = 1 << 17;
+const MAX_WR: u32 = 1 << 15;
+const MAX_SGE: u32 = 32;
+const MAX_CQE: u32 = 1 << 20;
+const MAX_INLINE: u32 = 256;
+const MAX_RD_ATOMIC: u32 = 128;
+/// What one message may carry, as rxe's port says.
+const MAX_MSG: u64 = 1 << 31;
+/// `ibv_mtu` 4096: UD messages are at most this long.
+const MTU_4096: u32 = 5;
+const UD_MTU: u64 = 4096;
+/// Bytes of the GRH that heads every UD receive buffer.
+const GRH_LEN: usize = 40;
+/// `rnr_retry` that means retrying for ever.
+const RNR_FOREVER: u8 = 7;
+
+const LOCAL_WRITE: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+const REMOTE_WRITE: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+const REMOTE_READ: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+const REMOTE_ATOMIC: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+
+fn errno(call: &'static str, code: i32) -> Error {
+    Error::Verbs {
+        call,
+        source: io::Error::from_raw_os_error(code),
+    }
+}
+
+fn post_refused(call: &'static str, posted: usize, code: i32) -> Error {
+    Error::Post {
+        call,
+        posted,
+        source: io::Error::from_raw_os_error(code),
+    }
+}
+
+/// The device's attributes: rxe's shape, with the loopback's own limits.
+pub fn device_attr() -> DeviceAttr {
+    DeviceAttr {
+        fw_ver: env!("CARGO_PKG_VERSION").into(),
+        node_guid: 0x7672_646d_616c_6f6f,
+        sys_image_guid: 0x7672_646d_616c_6f6f,
+        max_mr_size: u64::MAX,
+        page_size_cap: 0xffff_f000,
+        vendor_id: 0,
+        vendor_part_id: 0,
+        hw_ver: 0,
+        max_qp: MAX_QP,
+        max_qp_wr: MAX_WR,
+        // IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_SRQ_RESIZE | IBV_DEVICE_N_NOTIFY_CQ, as rxe
+        device_cap_flags: (1 << 12) | (1 << 13) | (1 << 14),
+        max_sge: MAX_SGE,
+        max_cq: MAX_QP,
+        max_cqe: MAX_CQE,
+        max_mr: MAX_QP,
+        max_pd: MAX_QP,
+        max_qp_rd_atom: MAX_RD_ATOMIC,
+        max_qp_init_rd_atom: MAX_RD_ATOMIC,
+        max_ah: MAX_QP,
+        max_srq: MAX_QP,
+        max_srq_wr: MAX_WR,
+        max_srq_sge: MAX_SGE,
+        atomic_cap: rdma_sys::ibv_atomic_cap::IBV_ATOMIC_HCA,
+        phys_port_cnt: 1,
+        max_inline_data: MAX_INLINE,
+    }
+}
+
+/// Port 1, the only one: active, Ethernet, one GID.
+pub fn port_attr(port: u8) -> Result<PortAttr> {
+    if port != 1 {
+        return Err(errno("ibv_query_port", libc::EINVAL));
+    }
+    Ok(PortAttr {
+        state: super::PORT_ACTIVE,
+        max_mtu: MTU_4096,
+        active_mtu: MTU_4096,
+        gid_tbl_len: 1,
+        port_cap_flags: 0,
+        max_msg_sz: MAX_MSG as u32,
+        pkey_tbl_len: 1,
+        lid: 0,
+        active_width: 1,
+        active_speed: 1,
+        phys_state: 5, // LinkUp
+        link_layer: super::LINK_LAYER_ETHERNET,
+    })
+}
+
+/// Entry `index` of port `port`'s GID table.
+pub fn query_gid(port: u8, index: u32) -> Result<(Gid, GidType)> {
+    if port != 1 || index != 0 {
+        return Err(errno("ibv_query_gid_ex", libc::ENODATA));
+    }
+    Ok((gid(), GidType::RoceV2))
+}
+
+/// The asynchronous events of one context, behind a file descriptor that is readable while
+/// some are pending.
+struct EventQueue {
+    fd: EventFd,
+    queue: Mutex<VecDeque<AsyncEvent>>,
+}
+
+impl EventQueue {
+    fn push(&self, event: AsyncEvent) {
+        lock(&self.queue).push_back(event);
+        // A full counter (2^64 - 2 unread events) still leaves the fd readable.
+        let _ = self.fd.write(1);
+    }
+
+    fn take(&self) -> Option<AsyncEvent> {
+        if let Some(event) = lock(&self.queue).pop_front() {
+            return Some(event);
+        }
+        // Cleared before looking again: an event pushed after this read makes the fd
+        // readable again, one pushed before is found below.
+        let _ = self.fd.read();
+        lock(&self.queue).pop_front()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One open context of the loopback device.
+pub struct Context {
+    device: &'static Device,
+    events: Arc<EventQueue>,
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        self.device.state().contexts -= 1;
+    }
+}
+
+impl Context {
+    /// A context of the loopback device `name` ([`is_loopback`]).
+    pub fn open(name: &str) -> Result<Context> {
+        let fd = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::Verbs {
+            call: "eventfd",
+            source: e,
+        })?;
+        let device = Device::named(name);
+        device.state().contexts += 1;
+        Ok(Context {
+            device,
+            events: Arc::new(EventQueue {
+                fd,
+                queue: Mutex::default(),
+            }),
+        })
+    }
+
+    pub fn async_fd(&self) -> RawFd {
+        self.events.fd.as_raw_fd()
+    }
+
+    pub fn take_async_event(&self) -> Option<AsyncEvent> {
+        self.events.take()
+    }
+
+    pub fn alloc_pd(&self) -> Handle {
+        let mut state = self.device.state();
+        state.pds += 1;
+        Handle {
+            device: self.device,
+            id: state.new_id(),
+        }
+    }
+
+    pub fn dealloc_pd(&self) {
+        self.device.state().pds -= 1;
+    }
+
+    pub fn create_cq(&self, depth: u32, channel: Option<Arc<Channel>>) -> Result<Arc<Cq>> {
+        if depth == 0 || depth > MAX_CQE {
+            return Err(errno("ibv_create_cq", libc::EINVAL));
+        }
+        self.device.state().cqs += 1;
+        Ok(Arc::new(Cq {
+            depth,
+            state: Mutex::default(),
+            channel,
+            events: Arc::clone(&self.events),
+            device: self.device,
+        }))
+    }
+}
+
+/// An object of a loopback device: the device and the object's number there (a QP's number,
+/// an MR's key).
+#[derive(Clone, Copy)]
+pub struct Handle {
+    pub device: &'static Device,
+    pub id: u32,
+}
+
+impl Handle {
+    /// Another object of the same device.
+    pub fn with_id(self, id: u32) -> Handle {
+        Handle { id, ..self }
+    }
+}
+
+/// A completion channel: an event counter, readable while events are unread.
+pub struct Channel {
+    fd: EventFd,
+}
+
+impl Channel {
+    pub fn new() -> Result<Arc<Channel>> {
+        let fd = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::Verbs {
+            call: "eventfd",
+            source: e,
+        })?;
+        Ok(Arc::new(Channel { fd }))
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Takes every pending event; returns how many there were.
+    pub fn drain(&self) -> usize {
+        self.fd.read().map_or(0, |count| count as usize)
+    }
+}
+
+/// A completion queue.
+pub struct Cq {
+    depth: u32,
+    state: Mutex<CqState>,
+    channel: Option<Arc<Channel>>,
+    events: Arc<EventQueue>,
+    device: &'static Device,
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        self.device.state().cqs -= 1;
+    }
+}
+
+#[derive(Default)]
+struct CqState {
+    entries: VecDeque<WorkCompletion>,
+    /// Armed for one event: at the next completion, or (true) the next solicited one.
+    armed: Option<bool>,
+    overrun: bool,
+}
+
+impl Cq {
+    pub fn id(&self) -> ObjectId {
+        std::ptr::from_ref(self) as ObjectId
+    }
+
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
+        let mut state = lock(&self.state);
+        let n = out.len().min(state.entries.len());
+        for (slot, wc) in out.iter_mut().zip(state.entries.drain(..n)) {
+            *slot = wc;
+        }
+        n
+    }
+
+    pub fn arm(&self, solicited_only: bool) {
+        let mut state = lock(&self.state);
+        // Asking for "next" after "solicited" widens the request, never the reverse.
+        state.armed = Some(solicited_only && state.armed != Some(false));
+    }
+
+    /// Adds a completion; a full CQ overruns, as a NIC's does: the completion is lost and
+    /// the CQ's context gets CQ_ERR (once).
+    fn push(&self, wc: WorkCompletion, solicited: bool) {
+        let mut state = lock(&self.state);
+        if state.entries.len() >= self.depth as usize {
+            if !state.overrun {
+                state.overrun = true;
+                self.events.push(AsyncEvent::CqError(self.id()));
+            }
+            return;
+        }
+        let fire = match state.armed {
+            Some(solicited_only) => !solicited_only || solicited || !wc.is_success(),
+            None => false,
+        };
+        state.entries.push_back(wc);
+        if fire {
+            state.armed = None;
+            if let Some(channel) = &self.channel {
+                let _ = channel.fd.write(1);
+            }
+        }
+    }
+}
+
+/// The loopback device: every object of every context of the process.
+pub struct Device {
+    state: Mutex<State>,
+    /// Wakes the RNR clock when a send starts waiting.
+    clock: Condvar,
+}
+
+impl Device {
+    /// The device called `name`, made (with its RNR clock thread) on first use; it lives as
+    /// long as the process.
+    pub fn named(name: &str) -> &'static Device {
+        static DEVICES: OnceLock<Mutex<HashMap<String, &'static Device>>> = OnceLock::new();
+        let mut devices = lock(DEVICES.get_or_init(Mutex::default));
+        if let Some(device) = devices.get(name) {
+            return device;
+        }
+        let device: &'static Device = Box::leak(Box::new(Device {
+            state: Mutex::new(State::default()),
+            clock: Condvar::new(),
+        }));
+        let started = std::thread::Builder::new()
+            .name("vrdma-loopback".into())
+            .spawn(|| device.run_clock());
+        if let Err(e) = started {
+            log::error!("loopback device {name}: no RNR clock thread: {e}");
+        }
+        devices.insert(name.to_string(), device);
+        device
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    /// The objects alive, by kind (`rdma resource show`'s names): what tests compare
+    /// before and after to find leaks.
+    pub fn resource_counts(&self) -> std::collections::BTreeMap<String, u64> {
+        let state = self.state();
+        let counts = [
+            ("ctx", state.contexts),
+            ("pd", state.pds),
+            ("cq", state.cqs),
+            ("qp", state.qps.len()),
+            ("mr", state.mrs.len()),
+            ("srq", state.srqs.len()),
+            ("ah", state.ahs.len()),
+        ];
+        counts
+            .into_iter()
+            .map(|(kind, count)| (kind.to_string(), count as u64))
+            .collect()
+    }
+
+    /// Retries waiting sends, and fails those whose RNR retries ran out, at their deadlines
+    /// and at least every 10 ms while any waits (a peer's state may change meanwhile).
+    fn run_clock(&self) {
+        let mut state = self.state();
+        loop {
+            let now = Instant::now();
+            state.resume_waiting(now);
+            let wait = match state.waiting.is_empty() {
+                true => Duration::from_secs(3600),
+                false => state
+                    .next_deadline()
+                    .map_or(Duration::from_millis(10), |at| {
+                        at.saturating_duration_since(now)
+                            .min(Duration::from_millis(10))
+                    }),
+            };
+            state = self
+                .clock
+                .wait_timeout(state, wait)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    pub fn reg_mr(
+        &self,
+        pd: u32,
+        memory: Arc<dyn PinnedMemory>,
+        (offset, len): (usize, usize),
+        iova: u64,
+        access: u32,
+    ) -> Result<u32> {
+        let mut state = self.state();
+        let key = state.new_key();
+        state.mrs.insert(
+            key,
+            Mr {
+                pd,
+                memory,
+                offset,
+                len: len as u64,
+                iova,
+                access,
+            },
+        );
+        Ok(key)
+    }
+
+    pub fn dereg_mr(&self, key: u32) {
+        self.state().mrs.remove(&key);
+    }
+
+    pub fn create_qp(
+        &self,
+        context: &Context,
+        pd: u32,
+        (send_cq, recv_cq): (&Arc<Cq>, &Arc<Cq>),
+        init: QpSetup,
+    ) -> Result<(u32, QpCaps)> {
+        let c = init.caps;
+        let fits = c.max_send_wr <= MAX_WR
+            && c.max_recv_wr <= MAX_WR
+            && c.max_send_sge <= MAX_SGE
+            && c.max_recv_sge <= MAX_SGE
+            && c.max_inline_data <= MAX_INLINE;
+        if !fits {
+            return Err(errno("ibv_create_qp", libc::EINVAL));
+        }
+        let mut state = self.state();
+        if let Some(srq) = init.srq {
+            if !state.srqs.contains_key(&srq) {
+                return Err(errno("ibv_create_qp", libc::EINVAL));
+            }
+        }
+        if state.qps.len() >= MAX_QP as usize {
+            return Err(errno("ibv_create_qp", libc::ENOMEM));
+        }
+        let qpn = state.new_qpn();
+        state.qps.insert(
+            qpn,
+            Qp {
+                pd,
+                qp_type: init.qp_type,
+                caps: c,
+                send_cq: Arc::clone(send_cq),
+                recv_cq: Arc::clone(recv_cq),
+                srq: init.srq,
+                sq_sig_all: init.sq_sig_all,
+                attr: QpAttr {
+                    caps: c,
+                    ..Default::default()
+                },
+                rq: VecDeque::new(),
+                waiting: VecDeque::new(),
+                rnr_deadline: None,
+                _events: Arc::clone(&context.events),
+            },
+        );
+        Ok((qpn, c))
+    }
+
+    pub fn destroy_qp(&self, qpn: u32) {
+        let mut state = self.state();
+        state.qps.remove(&qpn);
+        state.waiting.retain(|&q| q != qpn);
+    }
+
+    pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, attr_mask: u32) -> Result<()> {
+        let mut state = self.state();
+        let qp = state
+            .qps
+            .get_mut(&qpn)
+            .ok_or_else(|| errno("ibv_modify_qp", libc::EINVAL))?;
+        let current = qp.attr.qp_state;
+        let next = if attr_mask & mask::STATE != 0 {
+            attr.qp_state
+        } else {
+            current
+        };
+        if !transition_allowed(qp.qp_type, current, next, attr_mask) {
+            return Err(errno("ibv_modify_qp", libc::EINVAL));
+        }
+        let bad_port = attr_mask & mask::PORT != 0 && attr.port_num != 1;
+        let bad_av = attr_mask & mask::AV != 0
+            && (attr.ah_attr.sgid_index != 0 || attr.ah_attr.port_num > 1);
+        if bad_port || bad_av {
+            return Err(errno("ibv_modify_qp", libc::EINVAL));
+        }
+        qp.apply(attr, attr_mask);
+        match next {
+            QpState::Reset => {
+                qp.rq.clear();
+                qp.waiting.clear();
+                qp.attr = QpAttr {
+                    caps: qp.caps,
+                    ..Default::default()
+                };
+            }
+            QpState::Err => state.fail_qp(qpn),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    pub fn query_qp(&self, qpn: u32) -> Result<QpAttr> {
+        let state = self.state();
+        let qp = state
+            .qps
+            .get(&qpn)
+            .ok_or_else(|| errno("ibv_query_qp", libc::EINVAL))?;
+        Ok(QpAttr {
+            cur_qp_state: qp.attr.qp_state,
+            caps: qp.caps,
+            ..qp.attr
+        })
+    }
+
+    /// Carries out the batch's requests in order; those that must wait for a receive wait
+    /// on the QP, and every later one behind them.
+    pub fn post_send(&self, qpn: u32, batch: &SendBatch) -> Result<()> {
+        const CALL: &str = "ibv_post_send";
+        let mut state = self.state();
+        let Some(qp) = state.qps.get(&qpn) else {
+            return Err(post_refused(CALL, 0, libc::EINVAL));
+        };
+        let (max_wr, max_sge, qp_type) = (qp.caps.max_send_wr, qp.caps.max_send_sge, qp.qp_type);
+        let ready = matches!(qp.attr.qp_state, QpState::Rts | QpState::Err);
+        let now = Instant::now();
+        for (posted, request) in batch.requests().enumerate() {
+            let sges = match request.payload {
+                Payload::Sges(sges) => sges.len(),
+                Payload::Inline(_) => 0,
+            };
+            let allowed = match qp_type {
+                QpType::Ud => request.opcode.is_send() && request.ud.is_some(),
+                QpType::Uc => !request.opcode.needs_reliable(),
+                QpType::Rc => true,
+            };
+            let waiting = state.qps.get(&qpn).map_or(0, |qp| qp.waiting.len());
+            if !ready || !allowed || sges > max_sge as usize {
+                return Err(post_refused(CALL, posted, libc::EINVAL));
+            }
+            if waiting >= max_wr as usize {
+                return Err(post_refused(CALL, posted, libc::ENOMEM));
+            }
+            let request = Request::from_batch(&request);
+            if waiting > 0 {
+                state.wait(qpn, request.into_owned(), None);
+            } else if let Err(request) = state.execute(qpn, request) {
+                let deadline = state.rnr_deadline(qpn, now);
+                state.wait(qpn, request.into_owned(), deadline);
+                self.clock.notify_one();
+            }
+        }
+        Ok(())
+    }
+
+    pub fn post_recv(&self, qpn: u32, wrs: &[RecvWr<'_>]) -> Result<()> {
+        const CALL: &str = "ibv_post_recv";
+        let mut state = self.state();
+        let Some(qp) = state.qps.get_mut(&qpn) else {
+            return Err(post_refused(CALL, 0, libc::EINVAL));
+        };
+        for (posted, wr) in wrs.iter().enumerate() {
+            let refused = match qp.attr.qp_state {
+                QpState::Reset => Some(libc::EINVAL),
+                _ if qp.srq.is_some() || wr.sges.len() > qp.caps.max_recv_sge as usize => {
+                    Some(libc::EINVAL)
+                }
+                _ if qp.rq.len() >= qp.caps.max_recv_wr as usize => Some(libc::ENOMEM),
+                _ => None,
+            };
+            if let Some(code) = refused {
+                return Err(post_refused(CALL, posted, code));
+            }
+            let recv = Recv {
+                wr_id: wr.wr_id,
+                sges: wr.sges.to_vec(),
+            };
+            if qp.attr.qp_state == QpState::Err {
+                let wc = completion(recv.wr_id, ibv_wc_status::IBV_WC_WR_FLUSH_ERR, qpn);
+                qp.recv_cq.push(wc, false);
+            } else {
+                qp.rq.push_back(recv);
+            }
+        }
+        state.resume_waiting(Instant::now());
+        Ok(())
+    }
+
+    pub fn create_srq(&self, pd: u32, max_wr: u32, max_sge: u32) -> Result<u32> {
+        if max_wr == 0 || max_wr > MAX_WR || max_sge > MAX_SGE {
+            return Err(errno("ibv_create_srq", libc::EINVAL));
+        }
+        let mut state = self.state();
+        let id = state.new_id();
+        state.srqs.insert(
+            id,
+            Srq {
+                pd,
+                max_wr,
+                max_sge,
+                queue: VecDeque::new(),
+            },
+        );
+        Ok(id)
+    }
+
+    pub fn destroy_srq(&self, id: u32) {
+        self.state().srqs.remove(&id);
+    }
+
+    pub fn srq_post_recv(&self, id: u32, wrs: &[RecvWr<'_>]) -> Result<()> {
+        const CALL: &str = "ibv_post_srq_recv";
+        let mut state = self.state();
+        let Some(srq) = state.srqs.get_mut(&id) else {
+            return Err(post_refused(CALL, 0, libc::EINVAL));
+        };
+        for (posted, wr) in wrs.iter().enumerate() {
+            if wr.sges.len() > srq.max_sge as usize {
+                return Err(post_refused(CALL, posted, libc::EINVAL));
+            }
+            if srq.queue.len() >= srq.max_wr as usize {
+                return Err(post_refused(CALL, posted, libc::ENOMEM));
+            }
+            srq.queue.push_back(Recv {
+                wr_id: wr.wr_id,
+                sges: wr.sges.to_vec(),
+            });
+        }
+        state.resume_waiting(Instant::now());
+        Ok(())
+    }
+
+    pub fn create_ah(&self, pd: u32, attr: &AhAttr) -> Result<u32> {
+        if attr.port_num > 1 || attr.sgid_index != 0 {
+            return Err(errno("ibv_create_ah", libc::EINVAL));
+        }
+        let mut state = self.state();
+        let id = state.new_id();
+        state.ahs.insert(
+            id,
+            Ah {
+                pd,
+                dgid: attr.dgid,
+            },
+        );
+        Ok(id)
+    }
+
+    pub fn destroy_ah(&self, id: u32) {
+        self.state().ahs.remove(&id);
+    }
+}
+
+/// What [`Device::create_qp`] needs besides the PD and the CQs.
+pub struct QpSetup {
+    pub qp_type: QpType,
+    pub caps: QpCaps,
+    pub srq: Option<u32>,
+    pub sq_sig_all: bool,
+}
+
+/// Whether a QP of `qp_type` may go from `from` to `to` with the attributes `attr_mask`
+/// names: the transitions and required attributes of the verbs specification, as rxe
+/// checks them.
+fn transition_allowed(qp_type: QpType, from: QpState, to: QpState, attr_mask: u32) -> bool {
+    use QpState::*;
+    let required = match (from, to, qp_type) {
+        (_, Reset | Err, _) => 0,
+        (Reset, Init, QpType::Ud) => mask::PKEY_INDEX | mask::PORT | mask::QKEY,
+        (Reset, Init, _) => mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS,
+        (Init, Init, _) | (Rts, Rts, _) | (Rtr, Rtr, _) => 0,
+        (Init, Rtr, QpType::Rc) => {
+            mask::AV
+                | mask::PATH_MTU
+                | mask::DEST_QPN
+                | mask::RQ_PSN
+                | mask::MAX_DEST_RD_ATOMIC
+                | mask::MIN_RNR_TIMER
+        }
+        (Init, Rtr, QpType::Uc) => mask::AV | mask::PATH_MTU | mask::DEST_QPN | mask::RQ_PSN,
+        (Init, Rtr, QpType::Ud) => 0,
+        (Rtr, Rts, QpType::Rc) => {
+            mask::SQ_PSN
+                | mask::TIMEOUT
+                | mask::RETRY_CNT
+                | mask::RNR_RETRY
+                | mask::MAX_QP_RD_ATOMIC
+        }
+        (Rtr, Rts, _) => mask::SQ_PSN,
+        _ => return false,
+    };
+    attr_mask & required == required
+}
+
+/// The RNR timer an encoded `min_rnr_timer` stands for (InfiniBand's table).
+fn rnr_timer(code: u8) -> Duration {
+    const MICROS: [u64; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560,
+        3_840, 5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880,
+        163_840, 245_760, 327_680, 491_520,
+    ];
+    Duration::from_micros(MICROS[usize::from(code & 31)])
+}
+
+#[derive(Default)]
+struct State {
+    /// Contexts, PDs and CQs alive (the objects that have no table here).
+    contexts: usize,
+    pds: usize,
+    cqs: usize,
+    next_id: u32,
+    next_qpn: u32,
+    next_key: u32,
+    mrs: HashMap<u32, Mr>,
+    qps: HashMap<u32, Qp>,
+    srqs: HashMap<u32, Srq>,
+    ahs: HashMap<u32, Ah>,
+    /// QPs with sends waiting for a receive, oldest first.
+    waiting: Vec<u32>,
+}
+
+struct Mr {
+    pd: u32,
+    memory: Arc<dyn PinnedMemory>,
+    /// Where the region starts in `memory`.
+    offset: usize,
+    len: u64,
+    iova: u64,
+    access: u32,
+}
+
+struct Qp {
+    pd: u32,
+    qp_type: QpType,
+    caps: QpCaps,
+    send_cq: Arc<Cq>,
+    recv_cq: Arc<Cq>,
+    srq: Option<u32>,
+    sq_sig_all: bool,
+    attr: QpAttr,
+    rq: VecDeque<Recv>,
+    /// Sends not carried out yet: the first waits for a receive at its destination.
+    waiting: VecDeque<Request<'static>>,
+    /// When the first waiting send runs out of RNR retries (none: it retries for ever).
+    rnr_deadline: Option<Instant>,
+    /// The context the QP belongs to, which its asynchronous events would go to.
+    _events: Arc<EventQueue>,
+}
+
+impl Qp {
+    fn apply(&mut self, a: &QpAttr, m: u32) {
+        let t = &mut self.attr;
+        let set = |bit: u32| m & bit != 0;
+        if set(mask::STATE) {
+            t.qp_state = a.qp_state;
+        }
+        if set(mask::ACCESS_FLAGS) {
+            t.qp_access_flags = a.qp_access_flags;
+        }
+        if set(mask::PKEY_INDEX) {
+            t.pkey_index = a.pkey_index;
+        }
+        if set(mask::PORT) {
+            t.port_num = a.port_num;
+        }
+        if set(mask::QKEY) {
+            t.qkey = a.qkey;
+        }
+        if set(mask::AV) {
+            t.ah_attr = a.ah_attr;
+        }
+        if set(mask::PATH_MTU) {
+            t.path_mtu = a.path_mtu;
+        }
+        if set(mask::TIMEOUT) {
+            t.timeout = a.timeout;
+        }
+        if set(mask::RETRY_CNT) {
+            t.retry_cnt = a.retry_cnt;
+        }
+        if set(mask::RNR_RETRY) {
+            t.rnr_retry = a.rnr_retry;
+        }
+        if set(mask::RQ_PSN) {
+            t.rq_psn = a.rq_psn;
+        }
+        if set(mask::SQ_PSN) {
+            t.sq_psn = a.sq_psn;
+        }
+        if set(mask::MAX_QP_RD_ATOMIC) {
+            t.max_rd_atomic = a.max_rd_atomic;
+        }
+        if set(mask::MAX_DEST_RD_ATOMIC) {
+            t.max_dest_rd_atomic = a.max_dest_rd_atomic;
+        }
+        if set(mask::MIN_RNR_TIMER) {
+            t.min_rnr_timer = a.min_rnr_timer;
+        }
+        if set(mask::DEST_QPN) {
+            t.dest_qp_num = a.dest_qp_num;
+        }
+    }
+
+    fn receiving(&self) -> bool {
+        matches!(self.attr.qp_state, QpState::Rtr | QpState::Rts)
+    }
+}
+
+struct Srq {
+    pd: u32,
+    max_wr: u32,
+    max_sge: u32,
+    queue: VecDeque<Recv>,
+}
+
+struct Ah {
+    pd: u32,
+    dgid: Gid,
+}
+
+struct Recv {
+    wr_id: u64,
+    sges: Vec<Sge>,
+}
+
+/// A send request as the device keeps it: borrowed from the batch while it is carried out
+/// at once, owned when it waits.
+struct Request<'a> {
+    wr_id: u64,
+    opcode: SendOpcode,
+    flags: SendFlags,
+    operands: SendOperands,
+    payload: OwnedOrBorrowed<'a>,
+    /// UD: the AH, the destination QP and its Q_Key.
+    ud: Option<(u32, u32, u32)>,
+}
+
+enum OwnedOrBorrowed<'a> {
+    Sges(std::borrow::Cow<'a, [Sge]>),
+    Inline(std::borrow::Cow<'a, [u8]>),
+}
+
+impl<'a> Request<'a> {
+    fn from_batch(r: &BatchRequest<'a>) -> Self {
+        Request {
+            wr_id: r.wr_id,
+            opcode: r.opcode,
+            flags: r.flags,
+            operands: r.operands,
+            payload: match r.payload {
+                Payload::Sges(s) => OwnedOrBorrowed::Sges(s.into()),
+                Payload::Inline(d) => OwnedOrBorrowed::Inline(d.into()),
+            },
+            ud: r
+                .ud
+                .as_ref()
+                .and_then(|ud| Some((ud.ah.loopback_id()?, ud.remote_qpn, ud.remote_qkey))),
+        }
+    }
+
+    fn into_owned(self) -> Request<'static> {
+        Request {
+            payload: match self.payload {
+                OwnedOrBorrowed::Sges(s) => OwnedOrBorrowed::Sges(s.into_owned().into()),
+                OwnedOrBorrowed::Inline(d) => OwnedOrBorrowed::Inline(d.into_owned().into()),
+            },
+            ..self
+        }
+    }
+
+    fn signaled(&self, qp: &Qp) -> bool {
+        qp.sq_sig_all || self.flags.signaled()
+    }
+}
+
+impl State {
+    fn new_id(&mut self) -> u32 {
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        self.next_id
+    }
+
+    fn new_key(&mut self) -> u32 {
+        loop {
+            self.next_key = self.next_key.wrapping_add(0x101).max(1);
+            if !self.mrs.contains_key(&self.next_key) {
+                return self.next_key;
+            }
+        }
+    }
+
+    fn new_qpn(&mut self) -> u32 {
+        loop {
+            // QP numbers are 24 bits; 0 and 1 are the special QPs.
+            self.next_qpn = (self.next_qpn + 1) & 0xff_ffff;
+            if self.next_qpn >= 0x11 && !self.qps.contains_key(&self.next_qpn) {
+                return self.next_qpn;
+            }
+        }
+    }
+}
