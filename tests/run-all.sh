@@ -29,7 +29,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "link vrdma's libibverbs.so.1 (for the unmodified-program tests)"
 guest-lib/ibverbs/link.sh >/dev/null
 
-step "unit tests (this machine)"
+step "unit tests, and the integration tests on the loopback host (this machine, no VM; about a minute)"
 cargo test --workspace --locked
 
 step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in README)"

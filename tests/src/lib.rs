@@ -1,20 +1,29 @@
 //! Helpers shared by the vrdma integration tests.
 //!
-//! Tests that need real RDMA are marked `#[ignore = "needs rdma_rxe ..."]` so that a plain
-//! `cargo test` on a machine without RDMA reports them as ignored; `tests/run-all.sh` runs
-//! them inside the VM harness with `--include-ignored`, where a missing rxe device fails them.
+//! Tests run on the test device ([`test_device_name`]): under plain `cargo test`, a loopback
+//! device of the test's own (the backend's software RDMA device, in this process), so that
+//! the control path, the data path and unmodified programs run with no VM; inside the VM
+//! harness, rxe0, where `tests/run-all.sh` runs every test again with `--include-ignored`.
+//! Tests that only rxe can run (native peers on rxe0, host links, pinned registrations,
+//! timings of a real NIC) are marked `#[ignore = "needs rdma_rxe: why"]`; in the VM a missing
+//! rxe device fails them all.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::{
-    qp_attr_mask as mask, AhAttr, CompletionQueue, Context, Gid, ProtectionDomain, QpAttr, QpCaps,
-    QpInit, QpState, QpType, QueuePair, WorkCompletion,
+    loopback, qp_attr_mask as mask, AhAttr, CompletionQueue, Context, Gid, ProtectionDomain,
+    QpAttr, QpCaps, QpInit, QpState, QpType, QueuePair, WorkCompletion,
 };
 
-/// The RDMA device the tests use: `$VRDMA_TEST_DEVICE`, or the harness's `rxe0`.
+/// The RDMA device the tests use: `$VRDMA_TEST_DEVICE` (the VM harness sets `rxe0`), or
+/// else a loopback device of the test's own, named after its thread: tests run side by side
+/// in one process, and must neither reach nor count each other's objects.
 pub fn test_device_name() -> String {
-    std::env::var("VRDMA_TEST_DEVICE").unwrap_or_else(|_| "rxe0".to_string())
+    std::env::var("VRDMA_TEST_DEVICE").unwrap_or_else(|_| match std::thread::current().name() {
+        Some(test) if test != "main" => format!("{}-{test}", loopback::NAME),
+        _ => loopback::NAME.to_string(),
+    })
 }
 
 /// Opens the test device; panics with the reason (naming rxe) when it is missing.
@@ -349,8 +358,13 @@ pub fn backend_log(socket: &std::path::Path) -> std::path::PathBuf {
     socket.with_extension("log")
 }
 
-/// Host object counts of the test device, from `rdma resource show` (pd, cq, qp, mr, ctx ...).
+/// Host object counts of the test device, from `rdma resource show` (pd, cq, qp, mr, ctx ...);
+/// on the loopback host, its own (of this process: test backends run in it).
 pub fn host_resource_counts() -> std::collections::BTreeMap<String, u64> {
+    let device = test_device_name();
+    if loopback::is_loopback(&device) {
+        return loopback::Device::named(&device).resource_counts();
+    }
     let output = std::process::Command::new("rdma")
         .args(["resource", "show"])
         .output()

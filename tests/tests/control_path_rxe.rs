@@ -1,5 +1,6 @@
-//! The control path end to end on rxe: guest-lib attached directly to the vhost-user backend,
-//! the backend on real host verbs. Runs inside the VM harness (see `vrdma_tests`).
+//! The control path end to end: guest-lib attached directly to the vhost-user backend, the
+//! backend on the test device's host verbs (see `vrdma_tests`: a loopback device under plain
+//! `cargo test`, rxe0 in the VM harness).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -30,7 +31,6 @@ fn read_line(reader: &mut impl BufRead) -> String {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn two_guest_processes_on_their_own_connections_reach_rts() {
     let backend = start_backend();
     let baseline = host_resource_counts();
@@ -129,14 +129,12 @@ fn native_peer_writes_into_guest_memory(options: DirectOptions, buffer_len: u64)
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_native_peer_writes_into_a_guest_mr_at_the_guest_address() {
     // 4 MiB of 4 KiB pages: 1024 pages, so REG_MR uses the indirect page list form.
     native_peer_writes_into_guest_memory(DirectOptions::default(), 4 << 20);
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_guest_mr_over_huge_pages_works_the_same() {
     std::fs::write("/proc/sys/vm/nr_hugepages", "64")
         .expect("reserve huge pages (root in the test guest)");
@@ -157,7 +155,6 @@ fn handle_request(handle: u32) -> HandleRequest {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn malformed_requests_get_the_spec_status_and_leak_nothing() {
     let backend = start_backend();
     let baseline = host_resource_counts();
@@ -310,7 +307,6 @@ fn malformed_requests_get_the_spec_status_and_leak_nothing() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn killing_a_guest_process_releases_every_host_object() {
     let backend = start_backend();
     let baseline = host_resource_counts();
@@ -334,14 +330,12 @@ fn killing_a_guest_process_releases_every_host_object() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn shared_memory_grows_with_add_mem_reg_and_registers_like_the_first_region() {
     // More than the first shared region holds: guest-lib adds a region with ADD_MEM_REG.
     native_peer_writes_into_guest_memory(DirectOptions::default(), 40 << 20);
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn ud_qps_and_address_handles() {
     let backend = start_backend();
     let baseline = host_resource_counts();
@@ -403,7 +397,6 @@ fn ud_qps_and_address_handles() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_device_not_yet_initialised_answers_not_ready() {
     use vrdma_guest::transport::Transport;
     let backend = start_backend();

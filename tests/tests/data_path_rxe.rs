@@ -1,6 +1,6 @@
 //! The data path end to end on rxe: guest-lib endpoints post WQEs into rings in their own
-//! memory and poll CQEs from it; the backend's pollers move them to and from the host NIC.
-//! Runs inside the VM harness (see `vrdma_tests`).
+//! memory and poll CQEs from it; the backend's pollers move them to and from the host device
+//! (see `vrdma_tests`: a loopback device under plain `cargo test`, rxe0 in the VM harness).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -77,7 +77,6 @@ fn rc_pair(backend: &TestBackend, buffer_len: u64) -> (Endpoint, Endpoint) {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn rc_send_recv_round_trips_carry_their_payload() {
     let backend = start_backend();
     let (a, b) = rc_pair(&backend, 1 << 16);
@@ -157,7 +156,6 @@ fn rc_send_recv_round_trips_carry_their_payload() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn two_guest_processes_make_10000_checked_round_trips() {
     const ROUND_TRIPS: u32 = 10_000;
     let backend = start_backend();
@@ -214,7 +212,6 @@ fn rdma(endpoint: &Endpoint, wr_id: u64, op: SendOp, local: Sge) -> vrdma_guest:
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn rdma_write_and_read_move_exact_bytes_from_1_byte_to_64_mib() {
     const SIZE: u64 = 64 << 20;
     let backend = start_backend();
@@ -250,7 +247,6 @@ fn rdma_write_and_read_move_exact_bytes_from_1_byte_to_64_mib() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn atomics_leave_an_exact_count() {
     let backend = start_backend();
     let a = Endpoint::new(&backend, QpType::Rc, 1 << 16);
@@ -296,7 +292,6 @@ fn atomics_leave_an_exact_count() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn ud_datagrams_arrive_behind_a_grh() {
     const QKEY: u32 = 0x1111_1111;
     const DATAGRAMS: u64 = 1000;
@@ -350,7 +345,6 @@ fn ud_datagrams_arrive_behind_a_grh() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_wrong_rkey_completes_with_a_remote_access_error() {
     let backend = start_backend();
     let (a, b) = rc_pair(&backend, 1 << 16);
@@ -370,7 +364,6 @@ fn a_wrong_rkey_completes_with_a_remote_access_error() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_wqe_naming_memory_outside_the_guests_mrs_fails_locally() {
     let backend = start_backend();
     let (a, _b) = rc_pair(&backend, 1 << 16);
@@ -402,7 +395,6 @@ fn a_wqe_naming_memory_outside_the_guests_mrs_fails_locally() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn an_armed_cq_raises_an_event_instead_of_being_polled() {
     let backend = start_backend();
     let (a, b) = rc_pair(&backend, 1 << 16);
@@ -438,7 +430,6 @@ fn an_armed_cq_raises_an_event_instead_of_being_polled() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_guest_and_a_native_ibverbs_program_exchange_data_both_ways() {
     let backend = start_backend();
     let guest = Endpoint::new(&backend, QpType::Rc, 1 << 16);
@@ -516,7 +507,6 @@ fn a_guest_and_a_native_ibverbs_program_exchange_data_both_ways() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn four_qps_share_one_srq() {
     const PER_QP: u64 = 50;
     const SLOT: u64 = 64;
@@ -672,7 +662,7 @@ impl TargetProcess {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: WRITEs still in flight when their target dies (the loopback carries each out at once)"]
 fn a_guest_killed_amid_large_writes_leaves_its_peer_error_completions_and_the_backend_serving() {
     const LEN: u64 = 64 << 20;
     const STREAM: u64 = 16;
@@ -758,7 +748,6 @@ fn a_guest_killed_amid_large_writes_leaves_its_peer_error_completions_and_the_ba
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_cq_overrun_by_its_driver_is_reported_not_silent() {
     // SPEC.md §7.5: a driver keeps no more completions outstanding than its CQ's depth. One
     // that does overflows the host CQ behind the ring; the device says so with CQ_ERROR.
@@ -793,7 +782,6 @@ fn a_cq_overrun_by_its_driver_is_reported_not_silent() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_cq_holds_twice_its_depth_before_its_driver_polls() {
     // SPEC.md §7.5: completions beyond the ring wait in the host CQ, which holds at least
     // `depth` more, so a driver that polls late loses none of 2 x depth.
@@ -848,7 +836,6 @@ fn a_cq_holds_twice_its_depth_before_its_driver_polls() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn an_srq_below_its_limit_raises_one_event() {
     let backend = start_backend();
     let (a, b) = rc_pair(&backend, 1 << 16);
@@ -904,7 +891,6 @@ fn an_srq_below_its_limit_raises_one_event() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_refused_srq_wqe_raises_srq_error_and_fails_the_qps_receiving_from_it() {
     // SPEC.md §5.13 and §8.4: as a NIC's SRQ error, the driver learns of it and the QPs
     // that receive from the SRQ enter the error state.
@@ -975,7 +961,6 @@ fn threads_and_cpus(pid: u32, prefix: &str) -> Vec<(String, String)> {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn pollers_run_on_the_cpus_given_and_an_unusable_cpu_is_refused() {
     let cpus = std::thread::available_parallelism().unwrap().get();
     assert!(cpus >= 2, "the harness guest has 2 vCPUs");

@@ -2,7 +2,7 @@
 //! of memory a front end could make fault under the backend's shared threads, and of guests
 //! past what the backend serves at once. Each runs the backend binary in a process of its own
 //! (with its system call filter), a victim guest that keeps working throughout, and a new guest
-//! served afterwards. Runs inside the VM harness.
+//! served afterwards. On the test device (see `vrdma_tests`).
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
@@ -171,7 +171,6 @@ fn assert_alive(backend: &mut Child) {
 /// die of SIGBUS, and every guest with it. Now a region is accepted only if its file covers it,
 /// is sealed against shrinking, and (on hugetlbfs) has its pages; guest-lib seals its own.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn memory_the_backend_could_fault_on_is_refused_and_every_guest_is_served_on() {
     let socket = socket("sigbus");
     let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
@@ -250,7 +249,6 @@ fn memory_the_backend_could_fault_on_is_refused_and_every_guest_is_served_on() {
 /// trust domain (--shared-gid); the next guest is refused clearly, and served once the first
 /// has gone.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_second_guest_on_an_unshared_gid_is_refused_and_served_once_the_first_is_gone() {
     let socket = socket("one-gid");
     let mut backend = spawn_backend_process(&socket, &[]);
@@ -279,7 +277,6 @@ fn a_second_guest_on_an_unshared_gid_is_refused_and_served_once_the_first_is_gon
 /// The admission's grace, seen from a program that opens the device again at once: a short
 /// connection (ibv_get_device_guid's, say) and the next one never collide.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_guest_that_reconnects_at_once_is_served_on_an_unshared_gid() {
     let socket = socket("reconnect");
     let backend = spawn_backend_process(&socket, &[]);
@@ -361,7 +358,6 @@ fn cpu_while_served(pid: u32, quiet: &Victim) -> (Duration, Duration, Duration) 
 /// the bound on the difference is far above what the storm now costs and far below what it
 /// cost.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_driver_ringing_every_doorbell_in_a_loop_costs_the_backend_little() {
     let socket = socket("storm");
     let backend = spawn_backend_process(&socket, &["--shared-gid"]);
@@ -418,7 +414,6 @@ fn a_driver_ringing_every_doorbell_in_a_loop_costs_the_backend_little() {
 /// its idle cost grew with its guests' CQs. Now an idle poller sleeps until something wakes
 /// it: guests holding CQs, QPs and armed CQs cost no wake-ups at all.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
     let socket = socket("idle");
     let backend = spawn_backend_process(&socket, &["--shared-gid"]);
@@ -458,7 +453,6 @@ fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
 /// the one it listened on, so the queue silently stopped. Now the new descriptor is taken: the
 /// control queue answers and doorbells are heard through the renewed descriptors.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn kick_descriptors_renewed_on_running_queues_are_taken() {
     let socket = socket("renew-kick");
     let backend = spawn_backend_process(&socket, &[]);
@@ -484,7 +478,6 @@ fn kick_descriptors_renewed_on_running_queues_are_taken() {
 /// guest failing QPs in a loop wrote a line each time. They now share the connection's budget
 /// with the control path's refusals: at most 10 lines a second, the rest counted.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_guest_failing_qps_in_a_loop_logs_within_its_budget() {
     let socket = socket("qp-loop");
     let backend = spawn_backend_process(&socket, &[]);
@@ -535,7 +528,6 @@ fn a_guest_failing_qps_in_a_loop_logs_within_its_budget() {
 /// events are made with the connection's backend, and the backend reserves what its guests
 /// may hold at start: a limit that cannot hold them is refused, saying what to change.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_descriptor_limit_that_cannot_hold_every_guest_is_refused_at_start() {
     let socket = socket("descriptors");
     // 100,000 guests at their quotas need more descriptors than any process may have.
@@ -554,7 +546,7 @@ fn a_descriptor_limit_that_cannot_hold_every_guest_is_refused_at_start() {
 /// connections. A backend now claims its GID: a second backend on it is refused unless both
 /// declare their guests one trust domain (--shared-gid).
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: backends claim a GID of a host device (each loopback device is its process's own)"]
 fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
     let (first_socket, second_socket) = (socket("gid-first"), socket("gid-second"));
     let mut first = spawn_backend_process(&first_socket, &[]);
@@ -586,7 +578,6 @@ fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
 /// not connected, or is connected back to it; a QP that connected in advance to a QP that then
 /// connects elsewhere is moved to the error state.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_qp_cannot_connect_to_another_guests_qp_that_is_connected_elsewhere() {
     use vrdma_guest::{qp_state, Status};
     let socket = socket("foreign-qp");

@@ -1,5 +1,6 @@
-//! What a hostile (or merely unusual) guest must not be able to do to the backend, on rxe: each
-//! test is the regression test of an attack that once worked. Runs inside the VM harness.
+//! What a hostile (or merely unusual) guest must not be able to do to the backend: each test
+//! is the regression test of an attack that once worked. On the test device (see
+//! `vrdma_tests`).
 
 use std::time::{Duration, Instant};
 use vrdma_backend::Quotas;
@@ -30,7 +31,7 @@ fn mapping_count() -> usize {
 /// the backing file. Registering ~70,000 scattered pages (within the MR quota) filled the
 /// process's 65,530 mappings, and the next guest to connect made the backend exit.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: registrations that pin their pages (the loopback keeps a mapping per MR)"]
 fn scattered_registrations_keep_no_mappings_and_the_next_guest_is_served() {
     let backend = start_backend();
     let device = Device::attach(&backend.socket).unwrap();
@@ -92,7 +93,6 @@ fn scattered_registrations_keep_no_mappings_and_the_next_guest_is_served() {
 /// Finding: MODIFY_QP with a transition the state machine forbids (RESET -> RTS) was answered
 /// HOST_ERROR, which says the host failed, not that the request was wrong (SPEC.md §5.11).
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn an_illegal_qp_state_transition_is_an_invalid_argument() {
     let backend = start_backend();
     let device = Device::attach(&backend.socket).unwrap();
@@ -112,7 +112,6 @@ fn an_illegal_qp_state_transition_is_an_invalid_argument() {
 /// Finding: the device advertised `max_inline_data` 4032, but CREATE_QP asking for it failed
 /// with HOST_ERROR on rxe, whose QPs take less: what is advertised must be creatable.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_qp_with_the_advertised_inline_limit_can_be_created_and_one_beyond_is_refused() {
     let backend = start_backend();
     let device = Device::attach(&backend.socket).unwrap();
@@ -138,7 +137,6 @@ fn a_qp_with_the_advertised_inline_limit_can_be_created_and_one_beyond_is_refuse
 /// error completion queued in the backend (unbounded) and two log lines. Now a refused WQE
 /// waits in the guest's ring until its CQ has room, and the QP fails (and says so) once.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn refused_wqes_wait_for_room_in_their_cq_instead_of_piling_up_in_the_backend() {
     let backend = start_backend();
     let device = Device::attach(&backend.socket).unwrap();
@@ -199,7 +197,6 @@ fn refused_wqes_wait_for_room_in_their_cq_instead_of_piling_up_in_the_backend() 
 /// for any failed vhost-user request, the connection of that front end ends (it sees a clear
 /// error, not a hang), and the backend serves the next one.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn memory_regions_past_the_advertised_slots_are_refused_and_the_backend_serves_on() {
     // Guest and backend share this process: two descriptors per region.
     vrdma_backend::hostverbs::raise_open_file_limit().unwrap();
@@ -248,7 +245,6 @@ fn memory_regions_past_the_advertised_slots_are_refused_and_the_backend_serves_o
 /// device raises DEVICE_FATAL, the backend serves on, and a reset device (here: a new
 /// attachment) works.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_broken_control_queue_raises_device_fatal_and_the_backend_serves_on() {
     let backend = start_backend();
     let bystander = Device::attach(&backend.socket).unwrap();
@@ -272,7 +268,6 @@ fn a_broken_control_queue_raises_device_fatal_and_the_backend_serves_on() {
 /// memory; quotas counted objects, not bytes. Now a ring's pages must be distinct (a guest
 /// pays for the rings it asks for) and the rings a guest holds are bounded in bytes.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn rings_over_one_repeated_page_are_refused() {
     let backend = start_backend();
     let device = Device::attach(&backend.socket).unwrap();
@@ -314,7 +309,6 @@ fn rings_over_one_repeated_page_are_refused() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn the_rings_a_guest_holds_are_bounded_in_bytes() {
     let quotas = Quotas {
         max_ring_bytes: 1 << 20,
@@ -339,7 +333,6 @@ fn the_rings_a_guest_holds_are_bounded_in_bytes() {
 /// host's log as fast as it could send requests. Refusals are now counted per connection by
 /// rule, at most 10 lines a second are logged, and the connection's end logs the counts.
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn refused_requests_are_counted_by_rule_and_logged_at_a_bounded_rate() {
     const UNKNOWN: usize = 2000;
     const BAD_GID: usize = 300;

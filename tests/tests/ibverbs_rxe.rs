@@ -1,7 +1,8 @@
 //! Unmodified libibverbs programs (Debian's binaries) on vrdma through vrdma's libibverbs.so.1,
-//! run with `vrdma-run`, against a backend on rxe. Runs inside the VM harness (all but the
-//! symbol check); the library is linked beforehand by guest-lib/ibverbs/link.sh
-//! (tests/run-all.sh does it).
+//! run with `vrdma-run`, against a backend on the test device (see `vrdma_tests`): those
+//! that pair vrdma with native rxe0 programs or need rxe otherwise run in the VM harness
+//! only. The library is linked beforehand by guest-lib/ibverbs/link.sh (tests/run-all.sh
+//! does it).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read};
@@ -12,8 +13,8 @@ use std::sync::Arc;
 
 use std::time::{Duration, Instant};
 
-use vrdma_backend::hostverbs::Context;
-use vrdma_tests::{spawn_backend_process, start_backend, start_backend_on};
+use vrdma_backend::hostverbs::{loopback, Context};
+use vrdma_tests::{spawn_backend_process, start_backend, start_backend_on, test_device_name};
 
 /// Where link.sh put libibverbs.so.1 for this build.
 fn library_dir() -> PathBuf {
@@ -171,7 +172,6 @@ fn text(bytes: &[u8]) -> String {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn ibv_devices_lists_vrdma0_with_the_node_guid() {
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
@@ -204,7 +204,7 @@ fn reading_the_node_guid_then_opening_the_device_takes_one_connection() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: compares vrdma0 with rxe0"]
 fn ibv_devinfo_shows_the_attributes_port_and_gid_of_vrdma0() {
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
@@ -257,7 +257,6 @@ fn ibv_devinfo_shows_the_attributes_port_and_gid_of_vrdma0() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn without_a_configured_device_programs_see_none_and_are_told_what_to_set() {
     let output = run(&[], &["ibv_devices"]);
     assert_eq!(output.status.code(), Some(0));
@@ -280,7 +279,6 @@ fn without_a_configured_device_programs_see_none_and_are_told_what_to_set() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn with_the_backend_down_opening_fails_with_the_socket_named() {
     let socket = std::env::temp_dir().join(format!("vrdma-nobody-{}.sock", std::process::id()));
     let socket = socket.to_str().unwrap();
@@ -301,7 +299,6 @@ fn with_the_backend_down_opening_fails_with_the_socket_named() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn perftest_and_its_provider_libraries_load_with_vrdmas_library() {
     // perftest links libmlx5, libefa and librdmacm, which import libibverbs' private ABI;
     // Debian links everything with BIND_NOW, so a missing symbol or version stops the loader.
@@ -476,7 +473,23 @@ fn pingpong_every_pairing(program: &str, socket: &str, args: &[&str]) {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn unmodified_pingpongs_and_perftest_run_between_two_vrdma_programs() {
+    // Needs no rxe: on a loopback device of its own under plain `cargo test`, on rxe0 in the
+    // VM harness.
+    let backend = start_backend();
+    let socket = backend.socket.to_str().unwrap();
+    let (vrdma, args) = (Side::Vrdma, ["-c", "-s", "4096", "-n", "100"]);
+    pingpong("ibv_rc_pingpong", socket, vrdma, vrdma, &args);
+    let args = ["-c", "-s", "1024", "-n", "100"];
+    pingpong("ibv_ud_pingpong", socket, vrdma, vrdma, &args);
+    for test in ["ib_write_bw", "ib_read_lat"] {
+        let (output, _) = client_server(test, socket, vrdma, vrdma, &["-n", "200"]);
+        assert!(has_result_row(&output), "{test}:\n{output}");
+    }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe: pairs vrdma with native programs on rxe0"]
 fn rc_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
@@ -487,7 +500,7 @@ fn rc_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: pairs vrdma with native programs on rxe0"]
 fn completion_events_drive_rc_pingpong_and_perftest() {
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
@@ -502,7 +515,7 @@ fn completion_events_drive_rc_pingpong_and_perftest() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: pairs vrdma with native programs on rxe0"]
 fn ud_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
@@ -511,7 +524,7 @@ fn ud_pingpong_checks_its_buffers_between_vrdma_and_with_native_rxe() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: pairs vrdma with native programs on rxe0"]
 fn uc_pingpong_and_perftest_run_between_vrdma_and_with_native_rxe() {
     // SPEC.md §5.9 and §5.11: UC QPs, connected as RC ones without reads and retries. One
     // packet per message (1 KiB at the pingpong's 1 KiB MTU): UC resends nothing.
@@ -535,7 +548,7 @@ fn has_result_row(output: &str) -> bool {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: pairs vrdma with native programs on rxe0"]
 fn perftest_runs_unmodified_on_vrdma_against_native_and_itself() {
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
@@ -599,7 +612,7 @@ impl Drop for CpuHog {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: reads rxe's counters"]
 fn rdma_between_two_vrdma_programs_under_a_cpu_hog_completes_without_remote_errors() {
     // Remote access and invalid-request errors were seen vrdma <-> vrdma on a loaded
     // machine. Both ends on vrdma, eight QPs on one CQ, every size up to 8 MiB, writes and
@@ -642,7 +655,7 @@ fn rxe_counter(name: &str) -> u64 {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: pairs vrdma with native programs on rxe0"]
 fn srq_pingpong_with_16_qps_checks_its_buffers_between_vrdma_and_with_native_rxe() {
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
@@ -689,7 +702,6 @@ fn every_symbol_of_the_system_libibverbs_is_exported_with_its_version() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn the_extended_qp_and_cq_apis_send_write_read_do_atomics_and_poll() {
     // A C program against libibverbs only (tests/c/qp_ex.c): no Debian binary uses the
     // ibv_wr_* API on a device like this one.
@@ -713,20 +725,21 @@ fn the_extended_qp_and_cq_apis_send_write_read_do_atomics_and_poll() {
 /// poller is still waking up: 25 kicks for 24 posts in the run that showed it, so this
 /// catches it when the wake-up is slow, not every time.)
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_chain_of_work_requests_rings_one_doorbell_and_stops_at_a_refused_one() {
     const CHAINS: u64 = 8;
     let program = CProgram::build("post_list");
     let chains = CHAINS.to_string();
-    let native = Command::new("timeout")
-        .args(["60", program.path(), "rxe0", NATIVE_GID_INDEX, &chains])
-        .output()
-        .expect("run the program on rxe0");
-    assert!(
-        text(&native.stdout).contains("post_list: ok"),
-        "{}",
-        text(&native.stderr)
-    );
+    if !loopback::is_loopback(&test_device_name()) {
+        let native = Command::new("timeout")
+            .args(["60", program.path(), "rxe0", NATIVE_GID_INDEX, &chains])
+            .output()
+            .expect("run the program on rxe0");
+        assert!(
+            text(&native.stdout).contains("post_list: ok"),
+            "{}",
+            text(&native.stderr)
+        );
+    }
     let (output, log) = run_on_a_backend_of_its_own(
         "chain",
         &[program.path(), "vrdma0", VRDMA_GID_INDEX, &chains],
@@ -754,7 +767,6 @@ fn a_chain_of_work_requests_rings_one_doorbell_and_stops_at_a_refused_one() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_refused_work_request_reaches_the_program_as_qp_fatal_on_its_qp() {
     let program = CProgram::build("async_events");
     let backend = start_backend();
@@ -785,7 +797,7 @@ fn ip(args: &[&str]) {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe: takes the host link under rxe0 down"]
 fn the_host_link_going_down_and_up_reaches_the_program_as_port_events() {
     // An rxe device of its own, so that flapping its link disturbs no other test. It stays
     // until the harness's guest powers off: the backend keeps a context open on it for its
@@ -832,7 +844,6 @@ fn the_host_link_going_down_and_up_reaches_the_program_as_port_events() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
 fn a_backend_that_goes_away_reaches_the_program_as_device_fatal() {
     // The real backend, in a process of its own that the test can kill.
     let socket = std::env::temp_dir().join(format!("vrdma-fatal-{}.sock", std::process::id()));

@@ -15,7 +15,8 @@
 #                   give the guest a network card (eth0, with ADDRESS) whose frames travel as
 #                   UDP datagrams from 127.0.0.1:PORT to 127.0.0.1:PEER_PORT, where another
 #                   guest's card listens (tests/vm/two-hosts.sh); rxe0 then sits on eth0
-# Environment passed into the guest: RUST_LOG, RUST_BACKTRACE, and every VRDMA_* variable;
+# Environment passed into the guest: RUST_LOG, RUST_BACKTRACE, and every VRDMA_* variable
+# (VRDMA_TEST_DEVICE is rxe0 unless given);
 # the command finds a writable folder shared with the machine in $VRDMA_VM_RUN_DIR.
 set -euo pipefail
 
@@ -85,6 +86,9 @@ trap 'rm -rf "$run"' EXIT
   echo "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp"
   echo "export RUST_BACKTRACE=${RUST_BACKTRACE:-0}"
   [ -n "${RUST_LOG:-}" ] && echo "export RUST_LOG=$(printf '%q' "$RUST_LOG")"
+  # The guest's RDMA device, for the tests and their helper programs (elsewhere they default
+  # to a loopback device of their own).
+  echo "export VRDMA_TEST_DEVICE=rxe0"  # overridden below when given
   while IFS='=' read -r name value; do
     echo "export $name=$(printf '%q' "$value")"
   done < <(env | grep '^VRDMA_' || true)
