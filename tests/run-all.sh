@@ -26,7 +26,10 @@ cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 step "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-step "link vrdma's libibverbs.so.1 (for the unmodified-program tests)"
+step "build the binaries, link vrdma's libibverbs.so.1 (for the unmodified-program tests)"
+# Before any test: integration tests run the backend binary and these programs as processes.
+cargo build --workspace --bins --examples --locked
+cc -Wall -Werror -O1 -o target/debug/rdma_check tests/c/rdma_check.c -libverbs
 guest-lib/ibverbs/link.sh >/dev/null
 
 step "unit tests, and the integration tests on the loopback host (this machine, no VM; about a minute)"
@@ -45,10 +48,6 @@ for line in sys.stdin:
             and m["target"]["kind"] == ["test"]:
         print(m["executable"])')
 [ ${#binaries[@]} -gt 0 ] || { echo "run-all: no integration test binaries were built" >&2; exit 1; }
-
-# The binaries too: some integration tests run the backend as a process of its own.
-cargo build --workspace --bins --examples --locked
-cc -Wall -Werror -O1 -o target/debug/rdma_check tests/c/rdma_check.c -libverbs
 
 step "integration tests with real RDMA (QEMU guest, rdma_rxe)"
 # 6 GiB: the quota stress test's 64 guests hold ~3 GiB of the backend and the host provider.
