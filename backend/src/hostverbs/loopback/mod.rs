@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 use rdma_sys::{ibv_access_flags, ibv_wc_status};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+#[cfg(test)]
+mod tests;
 mod transfer;
 
 use transfer::completion;
