@@ -132,7 +132,7 @@ impl Drop for AnonymousMemory {
 
 /// A host memory region.
 pub struct MemoryRegion {
-    /// The loopback's region: its key (lkey and rkey both).
+    /// libibverbs' MR, or the loopback's by its key (both its lkey and its rkey).
     raw: Raw<ibv_mr, loopback::Handle>,
     iova: u64,
     len: usize,

@@ -32,7 +32,7 @@ pub use vrdma_spec::Gid;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(
-        "RDMA device '{name}' not found (present: {}); is the rdma_rxe module loaded and an rxe link added?",
+        "RDMA device '{name}' not found (present: {}); is the rdma_rxe module loaded and an rxe link added? (`loopback` is the backend's own software device, for tests)",
         if present.is_empty() { "none".to_string() } else { present.join(", ") }
     )]
     DeviceNotFound { name: String, present: Vec<String> },

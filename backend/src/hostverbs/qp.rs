@@ -262,17 +262,13 @@ impl ProtectionDomain {
                     Some(Raw::Loopback(srq)) => Some(srq.id),
                     Some(Raw::Verbs(_)) => return Err(other_host("ibv_create_qp")),
                 };
-                let context = self
-                    .context()
-                    .loopback()
-                    .ok_or_else(|| other_host("ibv_create_qp"))?;
                 let setup = loopback::QpSetup {
                     qp_type: init.qp_type,
                     caps: init.caps,
                     srq,
                     sq_sig_all: init.sq_sig_all,
                 };
-                let (qpn, caps) = pd.device.create_qp(context, pd.id, (send, recv), setup)?;
+                let (qpn, caps) = pd.device.create_qp(pd.id, (send, recv), setup)?;
                 (Raw::Loopback(pd.with_id(qpn)), caps)
             }
             _ => return Err(other_host("ibv_create_qp")),

@@ -462,7 +462,6 @@ impl Device {
 
     pub fn create_qp(
         &self,
-        context: &Context,
         pd: u32,
         (send_cq, recv_cq): (&Arc<Cq>, &Arc<Cq>),
         init: QpSetup,
@@ -503,7 +502,6 @@ impl Device {
                 rq: VecDeque::new(),
                 waiting: VecDeque::new(),
                 rnr_deadline: None,
-                _events: Arc::clone(&context.events),
             },
         );
         Ok((qpn, c))
@@ -720,7 +718,7 @@ fn transition_allowed(qp_type: QpType, from: QpState, to: QpState, attr_mask: u3
         (_, Reset | Err, _) => 0,
         (Reset, Init, QpType::Ud) => mask::PKEY_INDEX | mask::PORT | mask::QKEY,
         (Reset, Init, _) => mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS,
-        (Init, Init, _) | (Rts, Rts, _) | (Rtr, Rtr, _) => 0,
+        (Init, Init, _) | (Rts, Rts, _) => 0,
         (Init, Rtr, QpType::Rc) => {
             mask::AV
                 | mask::PATH_MTU
@@ -795,8 +793,6 @@ struct Qp {
     waiting: VecDeque<Request<'static>>,
     /// When the first waiting send runs out of RNR retries (none: it retries for ever).
     rnr_deadline: Option<Instant>,
-    /// The context the QP belongs to, which its asynchronous events would go to.
-    _events: Arc<EventQueue>,
 }
 
 impl Qp {
