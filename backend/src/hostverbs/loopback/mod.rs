@@ -752,6 +752,30 @@ fn rnr_timer(code: u8) -> Duration {
     Duration::from_micros(MICROS[usize::from(code & 31)])
 }
 
+/// Hashes the numbers the device hands out (QP numbers, keys, handles): one multiply, where
+/// the default hasher's keyed hashing protects tables from keys chosen against them.
+#[derive(Default)]
+struct NumberHasher(u64);
+
+impl std::hash::Hasher for NumberHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, number: u32) {
+        self.0 = u64::from(number).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// The device's objects of one kind, by number.
+type Table<V> = HashMap<u32, V, std::hash::BuildHasherDefault<NumberHasher>>;
+
 #[derive(Default)]
 struct State {
     /// Contexts, PDs and CQs alive (the objects that have no table here).
@@ -761,10 +785,10 @@ struct State {
     next_id: u32,
     next_qpn: u32,
     next_key: u32,
-    mrs: HashMap<u32, Mr>,
-    qps: HashMap<u32, Qp>,
-    srqs: HashMap<u32, Srq>,
-    ahs: HashMap<u32, Ah>,
+    mrs: Table<Mr>,
+    qps: Table<Qp>,
+    srqs: Table<Srq>,
+    ahs: Table<Ah>,
     /// QPs with sends waiting for a receive, oldest first.
     waiting: Vec<u32>,
 }

@@ -18,6 +18,49 @@ struct Span {
     len: usize,
 }
 
+/// The spans of one request's SGEs (and a GRH ahead of them): the first few on the stack,
+/// where a request's usually all are.
+struct Spans {
+    first: [Span; Spans::INLINE],
+    len: usize,
+    more: Vec<Span>,
+}
+
+impl Spans {
+    const INLINE: usize = 4;
+
+    fn new() -> Spans {
+        let none = Span {
+            at: std::ptr::null_mut(),
+            len: 0,
+        };
+        Spans {
+            first: [none; Spans::INLINE],
+            len: 0,
+            more: Vec::new(),
+        }
+    }
+
+    fn of(span: Span) -> Spans {
+        let mut spans = Spans::new();
+        spans.push(span);
+        spans
+    }
+
+    fn push(&mut self, span: Span) {
+        match self.first.get_mut(self.len) {
+            Some(slot) => *slot = span,
+            None => self.more.push(span),
+        }
+        self.len += 1;
+    }
+
+    fn iter(&self) -> impl Iterator<Item = Span> + '_ {
+        let first = &self.first[..self.len.min(Spans::INLINE)];
+        first.iter().chain(&self.more).copied()
+    }
+}
+
 /// A work completion with the fields every completion has.
 pub(super) fn completion(wr_id: u64, status: u32, qp_num: u32) -> WorkCompletion {
     let mut wc = WorkCompletion::default();
@@ -233,29 +276,14 @@ impl State {
     }
 
     /// The spans of a list of SGEs of `pd`, each allowing `access`, and their total length.
-    fn sge_spans(&self, sges: &[Sge], pd: u32, access: u32) -> Option<(Vec<Span>, u64)> {
-        let mut total = 0u64;
-        let mut spans = Vec::with_capacity(sges.len());
+    fn sge_spans(&self, sges: &[Sge], pd: u32, access: u32) -> Option<(Spans, u64)> {
+        let (mut spans, mut total) = (Spans::new(), 0u64);
         for sge in sges.iter().filter(|sge| sge.length > 0) {
             let len = u64::from(sge.length);
             spans.push(self.span(sge.lkey, sge.addr, len, pd, access)?);
             total += len;
         }
         (total <= MAX_MSG).then_some((spans, total))
-    }
-
-    /// The request's own bytes: its gathered SGEs (local read), or its inline data.
-    fn source(&self, request: &Request<'_>, pd: u32) -> Option<(Vec<Span>, u64)> {
-        match &request.payload {
-            OwnedOrBorrowed::Sges(sges) => self.sge_spans(sges, pd, 0),
-            OwnedOrBorrowed::Inline(data) => Some((
-                vec![Span {
-                    at: data.as_ptr().cast_mut(),
-                    len: data.len(),
-                }],
-                data.len() as u64,
-            )),
-        }
     }
 
     /// Carries out the request's transfer, writing the receiver's completion if it has one.
@@ -270,7 +298,16 @@ impl State {
         };
         let local = match &request.payload {
             OwnedOrBorrowed::Sges(sges) => self.sge_spans(sges, pd, local_access),
-            OwnedOrBorrowed::Inline(_) => self.source(request, pd),
+            OwnedOrBorrowed::Inline(data) => {
+                let at = data.as_ptr().cast_mut();
+                Some((
+                    Spans::of(Span {
+                        at,
+                        len: data.len(),
+                    }),
+                    data.len() as u64,
+                ))
+            }
         };
         let Some((local, len)) = local else {
             return Outcome::Failed(Failure::sender(ibv_wc_status::IBV_WC_LOC_PROT_ERR));
@@ -336,14 +373,14 @@ impl State {
                 let Some(to) = remote(REMOTE_WRITE, len) else {
                     return access_error();
                 };
-                copy(&local, &[to]);
+                copy(local.iter(), [to]);
                 Outcome::Done { len }
             }
             SendOpcode::RdmaRead => {
                 let Some(from) = remote(REMOTE_READ, len) else {
                     return access_error();
                 };
-                copy(&[from], &local);
+                copy([from], local.iter());
                 Outcome::Done { len }
             }
             SendOpcode::CompareAndSwap | SendOpcode::FetchAndAdd => {
@@ -362,7 +399,7 @@ impl State {
                     at: bytes.as_ptr().cast_mut(),
                     len: 8,
                 };
-                copy(&[from], &local);
+                copy([from], local.iter());
                 Outcome::Done { len: 8 }
             }
             SendOpcode::RdmaWriteWithImm => {
@@ -375,7 +412,7 @@ impl State {
                         false => Outcome::Dropped { len },
                     };
                 };
-                copy(&local, &[to]);
+                copy(local.iter(), [to]);
                 let mut wc = completion(recv.wr_id, ibv_wc_status::IBV_WC_SUCCESS, target);
                 wc.0.opcode = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
                 wc.0.byte_len = len as u32;
@@ -410,16 +447,14 @@ impl State {
                         }
                     };
                 }
-                let mut from = Vec::with_capacity(local.len() + 1);
                 let grh_bytes = grh_header(len);
+                let mut from = Spans::new();
                 if grh {
-                    from.push(Span {
-                        at: grh_bytes.as_ptr().cast_mut(),
-                        len: GRH_LEN,
-                    });
+                    let at = grh_bytes.as_ptr().cast_mut();
+                    from.push(Span { at, len: GRH_LEN });
                 }
-                from.extend_from_slice(&local);
-                copy(&from, &to);
+                local.iter().for_each(|span| from.push(span));
+                copy(from.iter(), to.iter());
                 let mut wc = completion(recv.wr_id, ibv_wc_status::IBV_WC_SUCCESS, target);
                 wc.0.opcode = ibv_wc_opcode::IBV_WC_RECV;
                 wc.0.byte_len = (len + header) as u32;
@@ -493,8 +528,8 @@ fn grh_header(len: u64) -> [u8; GRH_LEN] {
 }
 
 /// Copies the bytes of `from` into `to`, span after span, as far as both reach.
-fn copy(from: &[Span], to: &[Span]) {
-    let (mut from, mut to) = (from.iter().copied(), to.iter().copied());
+fn copy(from: impl IntoIterator<Item = Span>, to: impl IntoIterator<Item = Span>) {
+    let (mut from, mut to) = (from.into_iter(), to.into_iter());
     let (mut a, mut b) = (from.next(), to.next());
     while let (Some(src), Some(dst)) = (a.as_mut(), b.as_mut()) {
         let n = src.len.min(dst.len);
