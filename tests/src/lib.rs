@@ -236,6 +236,14 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         shared_gid: true,
         unsealed_memory: vrdma_backend::memory_regions::UnsealedFiles::Refuse,
     };
+    serve_in_background(config, socket)
+}
+
+/// Starts a backend thread serving `config` on `socket`; returns once it listens.
+pub fn serve_in_background(
+    config: vrdma_backend::Config,
+    socket: std::path::PathBuf,
+) -> TestBackend {
     let path = socket.clone();
     std::thread::spawn(move || {
         if let Err(e) = vrdma_backend::vhost_user::serve(&config, &path) {
@@ -252,6 +260,14 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         std::thread::sleep(Duration::from_millis(10));
     }
     TestBackend { socket }
+}
+
+/// A size a benchmark takes from the environment variable `name`, or `default`.
+pub fn size_from_env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// The backend binary, `vhost-user-rdma`, as a process of its own on the test device,

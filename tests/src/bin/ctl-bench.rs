@@ -18,16 +18,11 @@ use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::{self, AnonymousMemory, PinnedMemory, QpCaps, QpInit, QpType};
 use vrdma_guest::{access, CompletionQueue, Device, DirectOptions, ProtectionDomain, QueuePair};
-use vrdma_tests::{connect_guest_qp, open_test_device, RcEndpoint, FULL_ACCESS, PORT};
+use vrdma_tests::{
+    connect_guest_qp, open_test_device, size_from_env, RcEndpoint, FULL_ACCESS, PORT,
+};
 
 const QPS_TIMED: u32 = 100;
-
-fn size_from_env(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

@@ -22,17 +22,10 @@ use vrdma_guest::{
     access, CompletionQueue, Device, MemoryRegion, Payload, QpType, QueuePair, RecvWr, SendOp,
     SendWr, Sge, SharedBuffer, WorkCompletion,
 };
-use vrdma_tests::connect_guest_qp;
+use vrdma_tests::{connect_guest_qp, serve_in_background, size_from_env};
 
 const MESSAGE: u32 = 8;
 const SQ_DEPTH: u32 = 256;
-
-fn size_from_env(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// Runs the calling thread on `cpu` only.
 fn pin_to(cpu: usize) {
@@ -241,18 +234,7 @@ fn start_loopback_backend(poller_cpu: usize) -> std::path::PathBuf {
         shared_gid: false,
         unsealed_memory: vrdma_backend::memory_regions::UnsealedFiles::Refuse,
     };
-    let path = socket.clone();
-    std::thread::spawn(move || {
-        if let Err(e) = vrdma_backend::vhost_user::serve(&config, &path) {
-            panic!("backend stopped: {e}");
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() {
-        assert!(Instant::now() < deadline, "the backend never listened");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    socket
+    serve_in_background(config, socket).socket
 }
 
 fn main() {
