@@ -6,8 +6,9 @@
  *   SENDs whose last is refused at posting (more SGEs than the QP takes: EINVAL, *bad_wr at
  *   it, the 15 before it posted) and one SEND alone; each after a 20 ms pause in which the
  *   device's poller falls asleep. So a device that takes a chain with one doorbell is rung
- *   3 x CHAINS times. Every completion is checked. Prints "post_list: ok" on success; exits
- *   1 on any failure. */
+ *   3 x CHAINS times. Then a chain of WRITEs one longer than the send queue: the last is
+ *   refused with ENOMEM, *bad_wr at it, the others posted. Every completion is checked.
+ *   Prints "post_list: ok" on success; exits 1 on any failure. */
 #include "checks.h"
 #include <unistd.h>
 
@@ -44,7 +45,8 @@ int main(int argc, char **argv)
 	cq = ibv_create_cq(ctx, 4 * CHAIN, NULL, NULL, 0);
 	CHECK(cq, "ibv_create_cq");
 	static uint8_t buf[2 * CHAIN * MESSAGE] __attribute__((aligned(4096)));
-	struct ibv_mr *mr = ibv_reg_mr(pd, buf, sizeof buf, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(pd, buf, sizeof buf,
+				       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
 	CHECK(mr, "ibv_reg_mr");
 	struct ibv_qp_init_attr init = {
 		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC, .sq_sig_all = 1,
@@ -90,6 +92,23 @@ int main(int argc, char **argv)
 		CHECK(!ibv_post_send(qp, send, &bad_send), "ibv_post_send of one");
 		expect_completions(2, CHAIN);
 	}
+
+	/* A chain one longer than the send queue the device granted: a full queue is ENOMEM,
+	 * as rxe and mlx5 say it, with the requests before it posted. */
+	int depth = init.cap.max_send_wr;
+	CHECK(depth >= CHAIN && depth < 2 * CHAIN, "a send queue of the depth asked for");
+	struct ibv_sge write_sge = { (uintptr_t)buf, MESSAGE, mr->lkey };
+	struct ibv_send_wr write[2 * CHAIN], *bad_write = NULL;
+	for (int i = 0; i <= depth; i++)
+		write[i] = (struct ibv_send_wr){
+			.wr_id = i, .sg_list = &write_sge, .num_sge = 1,
+			.opcode = IBV_WR_RDMA_WRITE, .next = i < depth ? &write[i + 1] : NULL,
+			.wr.rdma = { (uintptr_t)buf + CHAIN * MESSAGE, mr->rkey },
+		};
+	CHECK(ibv_post_send(qp, write, &bad_write) == ENOMEM, "ENOMEM past the send queue's room");
+	CHECK(bad_write == &write[depth], "bad_wr at the first request with no room");
+	expect_completions(depth, depth);
+
 	ibv_destroy_qp(qp);
 	ibv_dereg_mr(mr);
 	ibv_destroy_cq(cq);
