@@ -27,7 +27,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 mod tests;
 mod transfer;
 
-use transfer::completion;
+use transfer::receive_completion;
 
 use super::qp::BatchRequest;
 use super::{
@@ -626,8 +626,9 @@ impl Device {
                 sges: wr.sges.to_vec(),
             };
             if qp.attr.qp_state == QpState::Err {
-                let wc = completion(recv.wr_id, ibv_wc_status::IBV_WC_WR_FLUSH_ERR, qpn);
-                qp.recv_cq.push(wc, false);
+                let flush = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+                qp.recv_cq
+                    .push(receive_completion(recv.wr_id, flush, qpn), false);
             } else {
                 qp.rq.push_back(recv);
             }

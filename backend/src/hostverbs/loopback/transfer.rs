@@ -70,14 +70,24 @@ pub(super) fn completion(wr_id: u64, status: u32, qp_num: u32) -> WorkCompletion
     wc
 }
 
-fn sender_opcode(opcode: SendOpcode) -> u32 {
-    match opcode {
+/// The completion of a receive, with the fields every one has.
+pub(super) fn receive_completion(wr_id: u64, status: u32, qp_num: u32) -> WorkCompletion {
+    let mut wc = completion(wr_id, status, qp_num);
+    wc.0.opcode = ibv_wc_opcode::IBV_WC_RECV;
+    wc
+}
+
+/// The sender's completion of `request`.
+fn send_completion(request: &Request<'_>, status: u32, qp_num: u32) -> WorkCompletion {
+    let mut wc = completion(request.wr_id, status, qp_num);
+    wc.0.opcode = match request.opcode {
         SendOpcode::Send | SendOpcode::SendWithImm => ibv_wc_opcode::IBV_WC_SEND,
         SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => ibv_wc_opcode::IBV_WC_RDMA_WRITE,
         SendOpcode::RdmaRead => ibv_wc_opcode::IBV_WC_RDMA_READ,
         SendOpcode::CompareAndSwap => ibv_wc_opcode::IBV_WC_COMP_SWAP,
         SendOpcode::FetchAndAdd => ibv_wc_opcode::IBV_WC_FETCH_ADD,
-    }
+    };
+    wc
 }
 
 /// Why a request did not complete successfully: the sender's status, and for an error the
@@ -212,26 +222,20 @@ impl State {
         match result {
             Ok(len) => {
                 if request.signaled(qp) {
-                    let mut wc = completion(request.wr_id, ibv_wc_status::IBV_WC_SUCCESS, qpn);
-                    wc.0.opcode = sender_opcode(request.opcode);
+                    let success = ibv_wc_status::IBV_WC_SUCCESS;
+                    let mut wc = send_completion(request, success, qpn);
                     wc.0.byte_len = len as u32;
                     qp.send_cq.push(wc, false);
                 }
             }
             Err(failure) => {
-                let mut wc = completion(request.wr_id, failure.status, qpn);
-                wc.0.opcode = sender_opcode(request.opcode);
-                qp.send_cq.push(wc, false);
+                qp.send_cq
+                    .push(send_completion(request, failure.status, qpn), false);
                 if failure.status != ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
                     self.fail_qp(qpn);
                 }
                 if let Some((receiver, recv, status)) = failure.receiver {
-                    if let Some(peer) = self.qps.get(&receiver) {
-                        let mut wc = completion(recv.wr_id, status, receiver);
-                        wc.0.opcode = ibv_wc_opcode::IBV_WC_RECV;
-                        peer.recv_cq.push(wc, false);
-                    }
-                    self.fail_qp(receiver);
+                    self.fail_receive(receiver, recv, status);
                 }
             }
         }
@@ -246,14 +250,12 @@ impl State {
         qp.attr.qp_state = QpState::Err;
         let flush = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
         for recv in qp.rq.drain(..) {
-            let mut wc = completion(recv.wr_id, flush, qpn);
-            wc.0.opcode = ibv_wc_opcode::IBV_WC_RECV;
-            qp.recv_cq.push(wc, false);
+            qp.recv_cq
+                .push(receive_completion(recv.wr_id, flush, qpn), false);
         }
         for request in qp.waiting.drain(..) {
-            let mut wc = completion(request.wr_id, flush, qpn);
-            wc.0.opcode = sender_opcode(request.opcode);
-            qp.send_cq.push(wc, false);
+            qp.send_cq
+                .push(send_completion(&request, flush, qpn), false);
         }
         qp.rnr_deadline = None;
     }
@@ -455,8 +457,8 @@ impl State {
                 }
                 local.iter().for_each(|span| from.push(span));
                 copy(from.iter(), to.iter());
-                let mut wc = completion(recv.wr_id, ibv_wc_status::IBV_WC_SUCCESS, target);
-                wc.0.opcode = ibv_wc_opcode::IBV_WC_RECV;
+                let success = ibv_wc_status::IBV_WC_SUCCESS;
+                let mut wc = receive_completion(recv.wr_id, success, target);
                 wc.0.byte_len = (len + header) as u32;
                 if grh {
                     wc.0.wc_flags |= ibv_wc_flags::IBV_WC_GRH.0;
@@ -480,12 +482,11 @@ impl State {
         }
     }
 
-    /// A receive that failed on an unreliable QP: its error completion, and the QP fails.
+    /// A receive that failed: its error completion, and its QP fails.
     fn fail_receive(&mut self, qpn: u32, recv: Recv, status: u32) {
         if let Some(qp) = self.qps.get(&qpn) {
-            let mut wc = completion(recv.wr_id, status, qpn);
-            wc.0.opcode = ibv_wc_opcode::IBV_WC_RECV;
-            qp.recv_cq.push(wc, false);
+            qp.recv_cq
+                .push(receive_completion(recv.wr_id, status, qpn), false);
         }
         self.fail_qp(qpn);
     }
