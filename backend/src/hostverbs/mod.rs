@@ -92,15 +92,17 @@ enum Raw<T, L> {
     Loopback(L),
 }
 
-/// libibverbs objects may be used from any thread (the library serialises internally).
+/// libibverbs objects may be used from any thread (the library serialises internally); the
+/// loopback's are `Send` and `Sync` of themselves (handles into a device behind a lock).
 macro_rules! verbs_object_is_thread_safe {
     ($($ty:ty),+) => {
         $(
             // SAFETY: libibverbs documents all verbs on an object as thread safe; the wrapper
-            // owns the pointer exclusively and only frees it in Drop.
+            // owns the pointer exclusively and only frees it in Drop. A loopback object
+            // (the other `Raw` case) is thread safe by its own types.
             unsafe impl Send for $ty {}
             // SAFETY: shared references only issue verbs, which libibverbs documents as
-            // thread safe on one object.
+            // thread safe on one object, or calls into the loopback, which locks.
             unsafe impl Sync for $ty {}
         )+
     };

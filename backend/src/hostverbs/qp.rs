@@ -293,31 +293,29 @@ fn create_verbs_qp(
     srq: *mut ibv_srq,
     init: &QpInit<'_>,
 ) -> Result<(NonNull<ibv_qp>, QpCaps)> {
-    {
-        // SAFETY: all-zero is a valid ibv_qp_init_attr (null pointers and integers).
-        let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        attr.send_cq = send_cq;
-        attr.recv_cq = recv_cq;
-        attr.qp_type = match init.qp_type {
-            QpType::Rc => ibv_qp_type::IBV_QPT_RC,
-            QpType::Uc => ibv_qp_type::IBV_QPT_UC,
-            QpType::Ud => ibv_qp_type::IBV_QPT_UD,
-        };
-        attr.sq_sig_all = init.sq_sig_all.into();
-        attr.srq = srq;
-        attr.cap = ibv_qp_cap {
-            max_send_wr: init.caps.max_send_wr,
-            max_recv_wr: init.caps.max_recv_wr,
-            max_send_sge: init.caps.max_send_sge,
-            max_recv_sge: init.caps.max_recv_sge,
-            max_inline_data: init.caps.max_inline_data,
-        };
-        // SAFETY: PD and CQs (and the SRQ) are alive, and kept alive by the QP made of
-        // them; `attr` is valid and the provider writes the granted caps back into it.
-        let raw = NonNull::new(unsafe { ibv_create_qp(pd, &mut attr) })
-            .ok_or_else(|| last_error("ibv_create_qp"))?;
-        Ok((raw, attr.cap.into()))
-    }
+    // SAFETY: all-zero is a valid ibv_qp_init_attr (null pointers and integers).
+    let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    attr.send_cq = send_cq;
+    attr.recv_cq = recv_cq;
+    attr.qp_type = match init.qp_type {
+        QpType::Rc => ibv_qp_type::IBV_QPT_RC,
+        QpType::Uc => ibv_qp_type::IBV_QPT_UC,
+        QpType::Ud => ibv_qp_type::IBV_QPT_UD,
+    };
+    attr.sq_sig_all = init.sq_sig_all.into();
+    attr.srq = srq;
+    attr.cap = ibv_qp_cap {
+        max_send_wr: init.caps.max_send_wr,
+        max_recv_wr: init.caps.max_recv_wr,
+        max_send_sge: init.caps.max_send_sge,
+        max_recv_sge: init.caps.max_recv_sge,
+        max_inline_data: init.caps.max_inline_data,
+    };
+    // SAFETY: PD and CQs (and the SRQ) are alive, and kept alive by the QP made of
+    // them; `attr` is valid and the provider writes the granted caps back into it.
+    let raw = NonNull::new(unsafe { ibv_create_qp(pd, &mut attr) })
+        .ok_or_else(|| last_error("ibv_create_qp"))?;
+    Ok((raw, attr.cap.into()))
 }
 
 pub use vrdma_spec::codec::{SendOp, SendOpcode, SendOperands};
