@@ -643,7 +643,7 @@ impl SendBatch {
     }
 
     /// The batch's requests, in order, read back as a host takes them (the loopback host).
-    pub(super) fn requests(&self) -> impl Iterator<Item = BatchRequest<'_>> {
+    pub(super) fn requests(&self) -> impl Iterator<Item = SendWr<'_>> {
         let ud = self.ahs.len() == self.len;
         self.wrs[..self.len]
             .iter()
@@ -699,10 +699,12 @@ impl SendBatch {
                     operands.remote_addr = rdma.remote_addr;
                     operands.rkey = rdma.rkey;
                 }
-                BatchRequest {
+                SendWr {
                     wr_id: raw.wr_id,
                     opcode,
-                    flags,
+                    signaled: flags.signaled(),
+                    solicited: flags.solicited(),
+                    fence: flags.fence(),
                     operands,
                     payload,
                     ud: dest,
@@ -748,17 +750,6 @@ impl SendBatch {
         };
         Err(post_error("ibv_post_send", accepted, ret))
     }
-}
-
-/// One request of a [`SendBatch`], read back.
-pub(super) struct BatchRequest<'b> {
-    pub wr_id: u64,
-    pub opcode: SendOpcode,
-    /// As pushed, with IBV_SEND_INLINE for an inline payload.
-    pub flags: SendFlags,
-    pub operands: SendOperands,
-    pub payload: Payload<'b>,
-    pub ud: Option<UdDest<'b>>,
 }
 
 const SEND_OPCODES: [SendOpcode; 7] = [

@@ -29,10 +29,9 @@ mod transfer;
 
 use transfer::receive_completion;
 
-use super::qp::BatchRequest;
 use super::{
     qp_attr_mask as mask, AhAttr, AsyncEvent, DeviceAttr, Error, Gid, GidType, ObjectId, Payload,
-    PinnedMemory, PortAttr, QpAttr, QpCaps, QpState, QpType, RecvWr, Result, SendBatch, SendFlags,
+    PinnedMemory, PortAttr, QpAttr, QpCaps, QpState, QpType, RecvWr, Result, SendBatch, SendWr,
     Sge, WorkCompletion,
 };
 use vrdma_spec::codec::{SendOpcode, SendOperands};
@@ -901,7 +900,8 @@ struct Recv {
 struct Request<'a> {
     wr_id: u64,
     opcode: SendOpcode,
-    flags: SendFlags,
+    signaled: bool,
+    solicited: bool,
     operands: SendOperands,
     payload: OwnedOrBorrowed<'a>,
     /// UD: the AH, the destination QP and its Q_Key.
@@ -914,11 +914,12 @@ enum OwnedOrBorrowed<'a> {
 }
 
 impl<'a> Request<'a> {
-    fn from_batch(r: &BatchRequest<'a>) -> Self {
+    fn from_batch(r: &SendWr<'a>) -> Self {
         Request {
             wr_id: r.wr_id,
             opcode: r.opcode,
-            flags: r.flags,
+            signaled: r.signaled,
+            solicited: r.solicited,
             operands: r.operands,
             payload: match r.payload {
                 Payload::Sges(s) => OwnedOrBorrowed::Sges(s.into()),
@@ -942,7 +943,7 @@ impl<'a> Request<'a> {
     }
 
     fn signaled(&self, qp: &Qp) -> bool {
-        qp.sq_sig_all || self.flags.signaled()
+        qp.sq_sig_all || self.signaled
     }
 }
 

@@ -418,7 +418,7 @@ impl State {
                 let mut wc = completion(recv.wr_id, ibv_wc_status::IBV_WC_SUCCESS, target);
                 wc.0.opcode = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
                 wc.0.byte_len = len as u32;
-                self.deliver(target, qpn, wc, Some(ops.imm), request.flags.solicited());
+                self.deliver(target, qpn, wc, Some(ops.imm), request.solicited);
                 Outcome::Done { len }
             }
             SendOpcode::Send | SendOpcode::SendWithImm => {
@@ -464,7 +464,7 @@ impl State {
                     wc.0.wc_flags |= ibv_wc_flags::IBV_WC_GRH.0;
                 }
                 let imm = (request.opcode == SendOpcode::SendWithImm).then_some(ops.imm);
-                self.deliver(target, qpn, wc, imm, request.flags.solicited());
+                self.deliver(target, qpn, wc, imm, request.solicited);
                 Outcome::Done { len }
             }
         }
