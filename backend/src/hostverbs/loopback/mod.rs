@@ -9,10 +9,12 @@
 //! backend reach each other through it, on its one GID (the IPv4-mapped 127.0.0.1).
 //! `loopback` is one device; `loopback-NAME` are others, each a fabric of its own (tests
 //! running side by side in one process each take one, so that they neither meet nor count
-//! each other's objects). A request is carried out when it
-//! is posted, under the device's lock; an RC SEND (or WRITE with immediate) that finds no
-//! receive waits on its QP, as a NIC retries after an RNR NAK, until a receive is posted or
-//! its RNR retries run out (a thread of the device keeps the time).
+//! each other's objects). A request is carried out when it is posted, under the device's
+//! lock. An RC request whose destination QP does not receive yet waits on its QP, as a NIC
+//! retransmits an unanswered request, until the peer reaches RTR or the QP's `retry_cnt`
+//! transport timeouts pass (RETRY_EXC_ERR); an RC SEND (or WRITE with immediate) that finds
+//! no receive waits, as a NIC retries after an RNR NAK, until a receive is posted or its
+//! RNR retries run out (RNR_RETRY_EXC_ERR). A thread of the device keeps the time.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -27,7 +29,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 mod tests;
 mod transfer;
 
-use transfer::receive_completion;
+use transfer::{receive_completion, Retries, Wait};
 
 use super::{
     qp_attr_mask as mask, AhAttr, AsyncEvent, DeviceAttr, Error, Gid, GidType, ObjectId, Payload,
@@ -500,7 +502,7 @@ impl Device {
                 },
                 rq: VecDeque::new(),
                 waiting: VecDeque::new(),
-                rnr_deadline: None,
+                retries: None,
             },
         );
         Ok((qpn, c))
@@ -592,10 +594,10 @@ impl Device {
             }
             let request = Request::from_batch(&request);
             if waiting > 0 {
-                state.wait(qpn, request.into_owned(), None);
-            } else if let Err(request) = state.execute(qpn, request) {
-                let deadline = state.rnr_deadline(qpn, now);
-                state.wait(qpn, request.into_owned(), deadline);
+                // Behind a waiting request; its reason decides the retries.
+                state.wait(qpn, request.into_owned(), Wait::Receive, now);
+            } else if let Err((request, why)) = state.execute(qpn, request) {
+                state.wait(qpn, request.into_owned(), why, now);
                 self.clock.notify_one();
             }
         }
@@ -752,6 +754,12 @@ fn rnr_timer(code: u8) -> Duration {
     Duration::from_micros(MICROS[usize::from(code & 31)])
 }
 
+/// The transport timeout an encoded `timeout` stands for: 4.096 us times 2^timeout; none
+/// for 0, which InfiniBand defines as waiting for ever.
+fn transport_timeout(code: u8) -> Option<Duration> {
+    (code != 0).then(|| Duration::from_nanos(4096 << u32::from(code.min(31))))
+}
+
 /// Hashes the numbers the device hands out (QP numbers, keys, handles): one multiply, where
 /// the default hasher's keyed hashing protects tables from keys chosen against them.
 #[derive(Default)]
@@ -815,8 +823,8 @@ struct Qp {
     rq: VecDeque<Recv>,
     /// Sends not carried out yet: the first waits for a receive at its destination.
     waiting: VecDeque<Request<'static>>,
-    /// When the first waiting send runs out of RNR retries (none: it retries for ever).
-    rnr_deadline: Option<Instant>,
+    /// The first waiting send's retries (none while nothing waits).
+    retries: Option<Retries>,
 }
 
 impl Qp {

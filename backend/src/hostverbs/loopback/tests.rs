@@ -1,5 +1,5 @@
 //! The loopback's semantics that the integration tests (which also run on rxe) cannot reach:
-//! RNR retries running out, UD delivery and Q_Keys, solicited-only arming, CQ overrun.
+//! RNR and transport retries, UD delivery and Q_Keys, solicited-only arming, CQ overrun.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,8 +35,33 @@ fn qp(pd: &Arc<ProtectionDomain>, cq: &Arc<CompletionQueue>, qp_type: QpType) ->
     pd.create_qp(cq, cq, &init).unwrap()
 }
 
-/// Walks `qp` to RTS towards `dest` (ignored for UD), with `rnr_retry`.
+/// Walks `qp` to RTS towards `dest` (ignored for UD), with `rnr_retry`, retransmitting
+/// unanswered requests 3 times after 4.096 us * 2^4 (65 us).
 fn to_rts(qp: &QueuePair, dest: u32, rnr_retry: u8) {
+    to_init(qp);
+    to_rtr(qp, dest);
+    let ud = qp.qp_type() == QpType::Ud;
+    let rts = QpAttr {
+        qp_state: QpState::Rts,
+        rnr_retry,
+        timeout: 4,
+        retry_cnt: 3,
+        ..Default::default()
+    };
+    let rts_mask = if ud {
+        mask::STATE | mask::SQ_PSN
+    } else {
+        mask::STATE
+            | mask::SQ_PSN
+            | mask::TIMEOUT
+            | mask::RETRY_CNT
+            | mask::RNR_RETRY
+            | mask::MAX_QP_RD_ATOMIC
+    };
+    qp.modify(&rts, rts_mask).unwrap();
+}
+
+fn to_init(qp: &QueuePair) {
     let ud = qp.qp_type() == QpType::Ud;
     let init = QpAttr {
         qp_state: QpState::Init,
@@ -48,6 +73,10 @@ fn to_rts(qp: &QueuePair, dest: u32, rnr_retry: u8) {
     let third = if ud { mask::QKEY } else { mask::ACCESS_FLAGS };
     qp.modify(&init, mask::STATE | mask::PKEY_INDEX | mask::PORT | third)
         .unwrap();
+}
+
+fn to_rtr(qp: &QueuePair, dest: u32) {
+    let ud = qp.qp_type() == QpType::Ud;
     let rtr = QpAttr {
         qp_state: QpState::Rtr,
         path_mtu: MTU_4096,
@@ -73,22 +102,6 @@ fn to_rts(qp: &QueuePair, dest: u32, rnr_retry: u8) {
             | mask::MIN_RNR_TIMER
     };
     qp.modify(&rtr, rtr_mask).unwrap();
-    let rts = QpAttr {
-        qp_state: QpState::Rts,
-        rnr_retry,
-        ..Default::default()
-    };
-    let rts_mask = if ud {
-        mask::STATE | mask::SQ_PSN
-    } else {
-        mask::STATE
-            | mask::SQ_PSN
-            | mask::TIMEOUT
-            | mask::RETRY_CNT
-            | mask::RNR_RETRY
-            | mask::MAX_QP_RD_ATOMIC
-    };
-    qp.modify(&rts, rts_mask).unwrap();
 }
 
 fn registered(pd: &Arc<ProtectionDomain>, iova: u64) -> (Arc<AnonymousMemory>, MemoryRegion) {
@@ -144,6 +157,54 @@ fn a_send_whose_rnr_retries_run_out_fails_and_flushes_the_rest() {
         ibv_wc_status::IBV_WC_WR_FLUSH_ERR,
     );
     assert_eq!(statuses, [(1, rnr), (2, flush)]);
+    assert_eq!(a.query().unwrap().qp_state, QpState::Err);
+}
+
+#[test]
+fn a_send_to_a_peer_not_yet_receiving_waits_for_it_as_a_nic_retransmits() {
+    let context = open("peer-late");
+    let pd = context.alloc_pd().unwrap();
+    let cq = context.create_cq(64, None).unwrap();
+    let (a, b) = (qp(&pd, &cq, QpType::Rc), qp(&pd, &cq, QpType::Rc));
+    // The peer's program is slower: a sends while b is still in INIT.
+    to_rts(&a, b.qp_num(), 7);
+    to_init(&b);
+    let (_memory, mr) = registered(&pd, 0x1000);
+    let receives = [sge(&mr, 64)];
+    b.post_recv(&[RecvWr {
+        wr_id: 9,
+        sges: &receives,
+    }])
+    .unwrap();
+    let payload = [sge(&mr, 8)];
+    a.post_send(&[SendWr::new(1, SendOp::Send, Payload::Sges(&payload))])
+        .unwrap();
+    let mut none = [WorkCompletion::default()];
+    assert_eq!(cq.poll(&mut none).unwrap(), 0, "{none:?}");
+    to_rtr(&b, a.qp_num());
+    let done = poll(&cq, 2);
+    assert!(done.iter().all(|wc| wc.status() == 0), "{done:?}");
+}
+
+#[test]
+fn a_send_to_a_peer_that_never_receives_fails_when_its_retries_run_out() {
+    let context = open("peer-absent");
+    let pd = context.alloc_pd().unwrap();
+    let cq = context.create_cq(64, None).unwrap();
+    let a = qp(&pd, &cq, QpType::Rc);
+    to_rts(&a, 0xdead, 7);
+    let (_memory, mr) = registered(&pd, 0x1000);
+    let payload = [sge(&mr, 8)];
+    let send = |id| SendWr::new(id, SendOp::Send, Payload::Sges(&payload));
+    a.post_send(&[send(1), send(2)]).unwrap();
+    // Four tries of 65 us each: the clock thread fails the first soon after.
+    let done = poll(&cq, 2);
+    let statuses: Vec<_> = done.iter().map(|wc| (wc.wr_id(), wc.status())).collect();
+    let (retry, flush) = (
+        ibv_wc_status::IBV_WC_RETRY_EXC_ERR,
+        ibv_wc_status::IBV_WC_WR_FLUSH_ERR,
+    );
+    assert_eq!(statuses, [(1, retry), (2, flush)]);
     assert_eq!(a.query().unwrap().qp_state, QpState::Err);
 }
 

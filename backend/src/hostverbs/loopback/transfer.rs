@@ -117,62 +117,108 @@ enum Outcome {
         len: u64,
     },
     Failed(Failure),
-    /// No receive at the destination: try again later (RC).
-    NotReady,
+    /// Not carried out yet: try again later (RC).
+    NotReady(Wait),
+}
+
+/// Why an RC request waits, which decides how long its retries last and how it fails when
+/// they run out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Wait {
+    /// The destination has no receive posted (an RNR NAK on a wire).
+    Receive,
+    /// The destination QP does not exist or does not receive (no answer on a wire: the
+    /// request is retransmitted after the transport timeout).
+    Peer,
+}
+
+/// How long a waiting request's retries last.
+#[derive(Clone, Copy)]
+pub(super) struct Retries {
+    /// When the retries run out (none: they never do).
+    until: Option<Instant>,
+    /// The completion status the request fails with then.
+    status: u32,
 }
 
 impl State {
-    pub(super) fn wait(&mut self, qpn: u32, request: Request<'static>, deadline: Option<Instant>) {
+    /// Queues `request` behind the QP's waiting ones; `why` says why the first one waits,
+    /// when `request` is the first.
+    pub(super) fn wait(&mut self, qpn: u32, request: Request<'static>, why: Wait, now: Instant) {
+        let first = self.qps.get(&qpn).is_some_and(|qp| qp.waiting.is_empty());
+        let retries = first.then(|| self.retries(qpn, why, now));
         let Some(qp) = self.qps.get_mut(&qpn) else {
             return;
         };
-        if qp.waiting.is_empty() {
-            qp.rnr_deadline = deadline;
+        if first {
+            qp.retries = retries;
             self.waiting.push(qpn);
         }
         qp.waiting.push_back(request);
     }
 
-    pub(super) fn rnr_deadline(&self, qpn: u32, now: Instant) -> Option<Instant> {
-        let qp = self.qps.get(&qpn)?;
-        let retries = qp.attr.rnr_retry;
-        if retries >= RNR_FOREVER {
-            return None;
+    /// The retries a request of QP `qpn` that starts waiting at `now` for `why` gets, as the
+    /// QP's attributes set them: `rnr_retry` times the destination's RNR timer for a
+    /// receive, `retry_cnt` times the transport timeout for the peer (a timeout of 0 and an
+    /// `rnr_retry` of 7 retry for ever, as InfiniBand defines them).
+    fn retries(&self, qpn: u32, why: Wait, now: Instant) -> Retries {
+        let Some(qp) = self.qps.get(&qpn) else {
+            return Retries {
+                until: None,
+                status: ibv_wc_status::IBV_WC_WR_FLUSH_ERR,
+            };
+        };
+        let (each, count, status) = match why {
+            Wait::Receive => {
+                let timer = self
+                    .qps
+                    .get(&qp.attr.dest_qp_num)
+                    .map_or(Duration::ZERO, |peer| rnr_timer(peer.attr.min_rnr_timer));
+                let forever = qp.attr.rnr_retry >= RNR_FOREVER;
+                let status = ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR;
+                ((!forever).then_some(timer), qp.attr.rnr_retry, status)
+            }
+            Wait::Peer => {
+                let timeout = transport_timeout(qp.attr.timeout);
+                let status = ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
+                (timeout, qp.attr.retry_cnt, status)
+            }
+        };
+        Retries {
+            until: each.map(|each| now + each * (u32::from(count) + 1)),
+            status,
         }
-        let timer = self
-            .qps
-            .get(&qp.attr.dest_qp_num)
-            .map_or(Duration::ZERO, |peer| rnr_timer(peer.attr.min_rnr_timer));
-        Some(now + timer * (u32::from(retries) + 1))
     }
 
     pub(super) fn next_deadline(&self) -> Option<Instant> {
         self.waiting
             .iter()
-            .filter_map(|qpn| self.qps.get(qpn)?.rnr_deadline)
+            .filter_map(|qpn| self.qps.get(qpn)?.retries?.until)
             .min()
     }
 
-    /// Carries out what waits on every waiting QP, as far as receives allow; fails the first
-    /// waiting send of a QP whose RNR retries ran out by `now`.
+    /// Carries out what waits on every waiting QP, as far as receives and peers allow; fails
+    /// the first waiting send of a QP whose retries ran out by `now`.
     pub(super) fn resume_waiting(&mut self, now: Instant) {
         for qpn in std::mem::take(&mut self.waiting) {
             while let Some(request) = self.qps.get_mut(&qpn).and_then(|qp| qp.waiting.pop_front()) {
                 match self.execute(qpn, request) {
                     Ok(()) => {
-                        // The next waiting send's retries start now.
-                        let deadline = self.rnr_deadline(qpn, now);
+                        // The next waiting send's retries start when it first fails.
                         if let Some(qp) = self.qps.get_mut(&qpn) {
-                            qp.rnr_deadline = deadline;
+                            qp.retries = None;
                         }
                     }
-                    Err(request) => {
+                    Err((request, why)) => {
+                        let retries = self.retries(qpn, why, now);
                         let qp = self.qps.get_mut(&qpn).expect("executed on this QP");
                         qp.waiting.push_front(request);
-                        if qp.rnr_deadline.is_some_and(|at| at <= now) {
+                        let retries = *qp.retries.get_or_insert(retries);
+                        if retries.until.is_some_and(|at| at <= now) {
                             let request = qp.waiting.pop_front().expect("just pushed");
-                            let status = ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR;
-                            self.complete_send(qpn, &request, Err(Failure::sender(status)));
+                            qp.retries = None;
+                            let failure = Failure::sender(retries.status);
+                            self.complete_send(qpn, &request, Err(failure));
                             continue;
                         }
                         self.waiting.push(qpn);
@@ -183,13 +229,13 @@ impl State {
         }
     }
 
-    /// Carries out `request` on QP `qpn` and writes its completions; gives it back when it
-    /// must wait for a receive.
+    /// Carries out `request` on QP `qpn` and writes its completions; gives it back, with
+    /// the reason, when it must wait.
     pub(super) fn execute<'a>(
         &mut self,
         qpn: u32,
         request: Request<'a>,
-    ) -> std::result::Result<(), Request<'a>> {
+    ) -> std::result::Result<(), (Request<'a>, Wait)> {
         let Some(qp) = self.qps.get(&qpn) else {
             return Ok(());
         };
@@ -200,7 +246,7 @@ impl State {
         }
         let outcome = self.carry_out(qpn, &request);
         let result = match outcome {
-            Outcome::NotReady => return Err(request),
+            Outcome::NotReady(why) => return Err((request, why)),
             Outcome::Done { len } | Outcome::Dropped { len } => Ok(len),
             Outcome::Failed(failure) => Err(failure),
         };
@@ -257,7 +303,7 @@ impl State {
             qp.send_cq
                 .push(send_completion(&request, flush, qpn), false);
         }
-        qp.rnr_deadline = None;
+        qp.retries = None;
     }
 
     /// Where the bytes `addr..addr + len` of the region `key` names lie, if the region is
@@ -348,11 +394,7 @@ impl State {
                 match (connected, qp_type) {
                     (true, _) => (dest, false),
                     (false, QpType::Uc) => return Outcome::Dropped { len },
-                    (false, _) => {
-                        return Outcome::Failed(Failure::sender(
-                            ibv_wc_status::IBV_WC_RETRY_EXC_ERR,
-                        ))
-                    }
+                    (false, _) => return Outcome::NotReady(Wait::Peer),
                 }
             }
         };
@@ -410,7 +452,7 @@ impl State {
                 };
                 let Some((recv, _)) = self.take_receive(target) else {
                     return match reliable {
-                        true => Outcome::NotReady,
+                        true => Outcome::NotReady(Wait::Receive),
                         false => Outcome::Dropped { len },
                     };
                 };
@@ -424,7 +466,7 @@ impl State {
             SendOpcode::Send | SendOpcode::SendWithImm => {
                 let Some((recv, recv_pd)) = self.take_receive(target) else {
                     return match reliable {
-                        true => Outcome::NotReady,
+                        true => Outcome::NotReady(Wait::Receive),
                         false => Outcome::Dropped { len },
                     };
                 };
