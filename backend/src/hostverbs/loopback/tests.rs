@@ -137,27 +137,30 @@ fn sge(mr: &MemoryRegion, length: u32) -> Sge {
     }
 }
 
+/// Posts two sends on `a` (at RTS): the first fails with `status` once its retries run out
+/// (soon: the clock thread keeps their time), the second is flushed, and `a` is in error.
+fn two_sends_end_with(a: &QueuePair, cq: &CompletionQueue, mr: &MemoryRegion, status: u32) {
+    let payload = [sge(mr, 8)];
+    let send = |id| SendWr::new(id, SendOp::Send, Payload::Sges(&payload));
+    a.post_send(&[send(1), send(2)]).unwrap();
+    let done = poll(cq, 2);
+    let statuses: Vec<_> = done.iter().map(|wc| (wc.wr_id(), wc.status())).collect();
+    let flush = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+    assert_eq!(statuses, [(1, status), (2, flush)]);
+    assert_eq!(a.query().unwrap().qp_state, QpState::Err);
+}
+
 #[test]
 fn a_send_whose_rnr_retries_run_out_fails_and_flushes_the_rest() {
     let context = open("rnr");
     let pd = context.alloc_pd().unwrap();
     let cq = context.create_cq(64, None).unwrap();
     let (a, b) = (qp(&pd, &cq, QpType::Rc), qp(&pd, &cq, QpType::Rc));
+    // Three tries of b's 10 us RNR timer.
     to_rts(&a, b.qp_num(), 2);
     to_rts(&b, a.qp_num(), 2);
     let (_memory, mr) = registered(&pd, 0x1000);
-    let payload = [sge(&mr, 8)];
-    let send = |id| SendWr::new(id, SendOp::Send, Payload::Sges(&payload));
-    a.post_send(&[send(1), send(2)]).unwrap();
-    // Three tries of 10 us each: the clock thread fails the first soon after.
-    let done = poll(&cq, 2);
-    let statuses: Vec<_> = done.iter().map(|wc| (wc.wr_id(), wc.status())).collect();
-    let (rnr, flush) = (
-        ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR,
-        ibv_wc_status::IBV_WC_WR_FLUSH_ERR,
-    );
-    assert_eq!(statuses, [(1, rnr), (2, flush)]);
-    assert_eq!(a.query().unwrap().qp_state, QpState::Err);
+    two_sends_end_with(&a, &cq, &mr, ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR);
 }
 
 #[test]
@@ -192,20 +195,10 @@ fn a_send_to_a_peer_that_never_receives_fails_when_its_retries_run_out() {
     let pd = context.alloc_pd().unwrap();
     let cq = context.create_cq(64, None).unwrap();
     let a = qp(&pd, &cq, QpType::Rc);
+    // Four tries of 65 us each, towards a QP that does not exist.
     to_rts(&a, 0xdead, 7);
     let (_memory, mr) = registered(&pd, 0x1000);
-    let payload = [sge(&mr, 8)];
-    let send = |id| SendWr::new(id, SendOp::Send, Payload::Sges(&payload));
-    a.post_send(&[send(1), send(2)]).unwrap();
-    // Four tries of 65 us each: the clock thread fails the first soon after.
-    let done = poll(&cq, 2);
-    let statuses: Vec<_> = done.iter().map(|wc| (wc.wr_id(), wc.status())).collect();
-    let (retry, flush) = (
-        ibv_wc_status::IBV_WC_RETRY_EXC_ERR,
-        ibv_wc_status::IBV_WC_WR_FLUSH_ERR,
-    );
-    assert_eq!(statuses, [(1, retry), (2, flush)]);
-    assert_eq!(a.query().unwrap().qp_state, QpState::Err);
+    two_sends_end_with(&a, &cq, &mr, ibv_wc_status::IBV_WC_RETRY_EXC_ERR);
 }
 
 #[test]
