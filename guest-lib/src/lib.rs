@@ -33,8 +33,8 @@ use std::time::Duration;
 pub use direct::DirectOptions;
 pub use shm::SharedBuffer;
 pub use verbs::{
-    access, qp_attr_mask, qp_state, random_psn, AddressHandle, AhAttr, Chain, CompletionQueue,
-    Device, MemoryRegion, ProtectionDomain, QpAttr, QpCaps, QpType, QueuePair, QueuePairBuilder,
+    access, qp_attr_mask, random_psn, AddressHandle, AhAttr, Chain, CompletionQueue, Device,
+    MemoryRegion, ProtectionDomain, QpAttr, QpCaps, QpState, QpType, QueuePair, QueuePairBuilder,
     RcPeer, SharedReceiveQueue,
 };
 pub use vrdma_spec as spec;

@@ -16,11 +16,11 @@ use vrdma_spec::codec::{
 };
 use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::ctrl::{
-    qp_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
-    CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse, DeviceAttr,
-    HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode, PortAttr, QpAttr as WireQpAttr,
-    QueryGidRequest, QueryGidResponse, QueryPortRequest, RegMrRequest, RegMrResponse,
-    RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status,
+    qp_type, CreateAhRequest, CreateCqRequest, CreateQpRequest, CreateQpResponse, CreateSrqRequest,
+    CreateSrqResponse, CreatedResponse, DeviceAttr, HandleRequest, ModifyQpRequest,
+    ModifySrqRequest, Opcode, PortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
+    QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
+    SetNotifyAreaRequest, Status,
 };
 use vrdma_spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES, PAGE_LIST_ENTRIES_PER_PAGE};
 use vrdma_spec::ring::{
@@ -610,129 +610,9 @@ impl CompletionQueue {
     }
 }
 
-/// QP transports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QpType {
-    Rc,
-    /// Unreliable connected: SEND and RDMA WRITE, no READ or atomics.
-    Uc,
-    Ud,
-}
-
 /// MODIFY_QP mask bits (ibverbs values).
 pub use vrdma_spec::ctrl::qp_attr_mask;
-/// QP states (ibverbs values).
-pub use vrdma_spec::ctrl::qp_state;
-
-/// An address vector.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct AhAttr {
-    pub dgid: Gid,
-    pub flow_label: u32,
-    pub sgid_index: u8,
-    pub hop_limit: u8,
-    pub traffic_class: u8,
-    pub sl: u8,
-    pub is_global: bool,
-    pub port_num: u8,
-}
-
-impl From<&AhAttr> for WireAhAttr {
-    fn from(a: &AhAttr) -> Self {
-        WireAhAttr {
-            dgid: a.dgid.0,
-            flow_label: Le32::from(a.flow_label),
-            dlid: Le16::from(0),
-            sgid_index: a.sgid_index,
-            hop_limit: a.hop_limit,
-            traffic_class: a.traffic_class,
-            sl: a.sl,
-            is_global: a.is_global.into(),
-            port_num: a.port_num,
-            reserved: Le32::from(0),
-        }
-    }
-}
-
-/// QP attributes for [`QueuePair::modify`] (fields chosen by a [`qp_attr_mask`]) and from
-/// [`QueuePair::query`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct QpAttr {
-    /// A [`qp_state`] value.
-    pub qp_state: u8,
-    pub path_mtu: u8,
-    pub port_num: u8,
-    pub qp_access_flags: u32,
-    pub pkey_index: u16,
-    pub timeout: u8,
-    pub retry_cnt: u8,
-    pub rnr_retry: u8,
-    pub min_rnr_timer: u8,
-    pub max_rd_atomic: u8,
-    pub max_dest_rd_atomic: u8,
-    pub qkey: u32,
-    pub rq_psn: u32,
-    pub sq_psn: u32,
-    pub dest_qp_num: u32,
-    pub ah_attr: AhAttr,
-}
-
-impl From<&QpAttr> for WireQpAttr {
-    fn from(a: &QpAttr) -> Self {
-        WireQpAttr {
-            qp_state: a.qp_state,
-            cur_qp_state: 0,
-            path_mtu: a.path_mtu,
-            port_num: a.port_num,
-            qp_access_flags: Le32::from(a.qp_access_flags),
-            pkey_index: Le16::from(a.pkey_index),
-            timeout: a.timeout,
-            retry_cnt: a.retry_cnt,
-            rnr_retry: a.rnr_retry,
-            min_rnr_timer: a.min_rnr_timer,
-            max_rd_atomic: a.max_rd_atomic,
-            max_dest_rd_atomic: a.max_dest_rd_atomic,
-            qkey: Le32::from(a.qkey),
-            rq_psn: Le32::from(a.rq_psn),
-            sq_psn: Le32::from(a.sq_psn),
-            dest_qp_num: Le32::from(a.dest_qp_num),
-            ah_attr: (&a.ah_attr).into(),
-        }
-    }
-}
-
-impl From<&WireQpAttr> for QpAttr {
-    fn from(w: &WireQpAttr) -> Self {
-        let a = &w.ah_attr;
-        QpAttr {
-            qp_state: w.qp_state,
-            path_mtu: w.path_mtu,
-            port_num: w.port_num,
-            qp_access_flags: w.qp_access_flags.to_native(),
-            pkey_index: w.pkey_index.to_native(),
-            timeout: w.timeout,
-            retry_cnt: w.retry_cnt,
-            rnr_retry: w.rnr_retry,
-            min_rnr_timer: w.min_rnr_timer,
-            max_rd_atomic: w.max_rd_atomic,
-            max_dest_rd_atomic: w.max_dest_rd_atomic,
-            qkey: w.qkey.to_native(),
-            rq_psn: w.rq_psn.to_native(),
-            sq_psn: w.sq_psn.to_native(),
-            dest_qp_num: w.dest_qp_num.to_native(),
-            ah_attr: AhAttr {
-                dgid: Gid(a.dgid),
-                flow_label: a.flow_label.to_native(),
-                sgid_index: a.sgid_index,
-                hop_limit: a.hop_limit,
-                traffic_class: a.traffic_class,
-                sl: a.sl,
-                is_global: a.is_global != 0,
-                port_num: a.port_num,
-            },
-        }
-    }
-}
+pub use vrdma_spec::verbs::{AhAttr, QpAttr, QpCaps, QpState, QpType};
 
 /// The far end of an RC connection, as exchanged out of band.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -861,7 +741,7 @@ impl<'a> QueuePairBuilder<'a> {
             max_send_sge: self.max_send_sge,
             max_recv_sge,
             max_inline_data: self.max_inline_data,
-            state: AtomicU8::new(qp_state::RESET),
+            state: AtomicU8::new(QpState::Reset as u8),
             pd: Arc::clone(&pd.inner),
             _cqs: [
                 Arc::clone(&self.send_cq.inner),
@@ -891,17 +771,6 @@ struct WorkQueue {
     depth: u32,
     stride: u64,
     producer: Mutex<u32>,
-}
-
-/// What a QP was made with: depths as rounded up, the rest as requested.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct QpCaps {
-    pub max_send_wr: u32,
-    /// 0 when the QP receives through an SRQ.
-    pub max_recv_wr: u32,
-    pub max_send_sge: u32,
-    pub max_recv_sge: u32,
-    pub max_inline_data: u32,
 }
 
 /// A queue pair.
@@ -983,7 +852,7 @@ impl QueuePair {
             .device
             .command::<_, Empty>(Opcode::ModifyQp, &request)?;
         if mask & qp_attr_mask::STATE != 0 {
-            self.state.store(attr.qp_state, Ordering::Relaxed);
+            self.state.store(attr.qp_state as u8, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -991,11 +860,12 @@ impl QueuePair {
     /// Refuses to post to a queue the QP's state does not take work on yet, as verbs does
     /// (`EINVAL`): receives before INIT, sends before RTS. Posted anyway, the host would
     /// refuse them later and fail the QP.
-    fn check_state(&self, least: u8, queue: &str) -> Result<()> {
+    fn check_state(&self, least: QpState, queue: &str) -> Result<()> {
         let state = self.state.load(Ordering::Relaxed);
-        if state < least {
+        if state < least as u8 {
+            let state = QpState::try_from(u32::from(state)).unwrap_or_default();
             return Err(Error::InvalidArgument(format!(
-                "a QP in state {state} takes no {queue} (it needs state {least} or later)"
+                "a QP in state {state:?} takes no {queue} (it needs state {least:?} or later)"
             )));
         }
         Ok(())
@@ -1032,7 +902,7 @@ impl QueuePair {
         let config = device.transport.config();
         let reads = |limit: Le32| limit.to_native().clamp(1, 16) as u8;
         let init = QpAttr {
-            qp_state: qp_state::INIT,
+            qp_state: QpState::Init,
             port_num: 1,
             qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
             ..Default::default()
@@ -1045,7 +915,7 @@ impl QueuePair {
                 | qp_attr_mask::ACCESS_FLAGS,
         )?;
         let rtr = QpAttr {
-            qp_state: qp_state::RTR,
+            qp_state: QpState::Rtr,
             path_mtu,
             dest_qp_num: peer.qp_num,
             rq_psn: peer.psn,
@@ -1070,7 +940,7 @@ impl QueuePair {
             | qp_attr_mask::MIN_RNR_TIMER;
         self.modify(&rtr, m)?;
         let rts = QpAttr {
-            qp_state: qp_state::RTS,
+            qp_state: QpState::Rts,
             timeout: 14,
             retry_cnt,
             rnr_retry: 7,
@@ -1093,7 +963,10 @@ impl QueuePair {
             reserved: Le32::from(0),
         };
         let attr: WireQpAttr = self.pd.device.command(Opcode::QueryQp, &request)?;
-        Ok((&attr).into())
+        QpAttr::try_from(&attr).map_err(|_| Error::BadResponse {
+            opcode: Opcode::QueryQp,
+            len: std::mem::size_of::<WireQpAttr>(),
+        })
     }
 }
 

@@ -4,28 +4,10 @@ use vrdma_spec::ring::{wc_flags, Cqe};
 
 use crate::verbs::AddressHandle;
 
-/// A scatter/gather entry: `length` bytes at `addr` of the MR whose lkey is `lkey`.
-/// A scatter/gather element. `#[repr(C)]` with the layout of libibverbs' `struct ibv_sge`,
-/// so that a C program's SGE arrays can be used as they are.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Sge {
-    pub addr: u64,
-    pub length: u32,
-    pub lkey: u32,
-}
+pub use vrdma_spec::verbs::{Payload, RecvWr, Sge};
 
 /// What a send work request does.
 pub use vrdma_spec::codec::SendOp;
-
-/// Where a send's bytes come from.
-#[derive(Clone, Copy, Debug)]
-pub enum Payload<'a> {
-    /// Gathered from registered memory.
-    Sges(&'a [Sge]),
-    /// Carried in the WQE itself (at most the QP's `max_inline_data` bytes).
-    Inline(&'a [u8]),
-}
 
 /// Destination of a UD send.
 #[derive(Clone, Copy, Debug)]
@@ -62,13 +44,6 @@ impl<'a> SendWr<'a> {
             ud: None,
         }
     }
-}
-
-/// A receive work request.
-#[derive(Clone, Copy, Debug)]
-pub struct RecvWr<'a> {
-    pub wr_id: u64,
-    pub sges: &'a [Sge],
 }
 
 /// `ibv_wc_status` values.

@@ -11,6 +11,7 @@ pub mod config;
 pub mod ctrl;
 pub mod mem;
 pub mod ring;
+pub mod verbs;
 
 pub use vm_memory::endian::{Le16, Le32, Le64};
 pub use vm_memory::ByteValued;

@@ -35,7 +35,7 @@ pub fn open_test_device() -> Arc<Context> {
 /// The port every test uses.
 pub const PORT: u8 = 1;
 /// `ibv_mtu` 1024, the rxe-on-veth active MTU.
-pub const MTU_1024: u32 = 3;
+pub const MTU_1024: u8 = 3;
 /// Remote access every test QP grants.
 pub const FULL_ACCESS: u32 = 1 | 2 | 4 | 8;
 
@@ -473,9 +473,9 @@ pub fn wait_for_guest_completions(
 
 /// Walks a guest-lib UD QP to RTS with queue key `qkey` on port 1.
 pub fn ud_to_rts(qp: &vrdma_guest::QueuePair, qkey: u32) -> vrdma_guest::Result<()> {
-    use vrdma_guest::{qp_attr_mask as mask, qp_state, QpAttr};
+    use vrdma_guest::{qp_attr_mask as mask, QpAttr, QpState};
     let init = QpAttr {
-        qp_state: qp_state::INIT,
+        qp_state: QpState::Init,
         port_num: 1,
         qkey,
         ..Default::default()
@@ -484,7 +484,7 @@ pub fn ud_to_rts(qp: &vrdma_guest::QueuePair, qkey: u32) -> vrdma_guest::Result<
         &init,
         mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::QKEY,
     )?;
-    for (state, extra) in [(qp_state::RTR, 0), (qp_state::RTS, mask::SQ_PSN)] {
+    for (state, extra) in [(QpState::Rtr, 0), (QpState::Rts, mask::SQ_PSN)] {
         let attr = QpAttr {
             qp_state: state,
             ..Default::default()

@@ -11,7 +11,7 @@ use vrdma_guest::spec::ctrl::{HandleRequest, Opcode, RegMrRequest, RequestHeader
 use vrdma_guest::spec::mem::PageList;
 use vrdma_guest::spec::{ByteValued, Le16, Le32, Le64};
 use vrdma_guest::{
-    access, qp_attr_mask as mask, qp_state, AhAttr, Device, DirectOptions, Error, QpAttr, QpType,
+    access, qp_attr_mask as mask, AhAttr, Device, DirectOptions, Error, QpAttr, QpState, QpType,
     QueuePair, Status,
 };
 use vrdma_tests::{
@@ -55,7 +55,7 @@ fn two_guest_processes_on_their_own_connections_reach_rts() {
     let mut b_in = b.stdin.take().unwrap();
     writeln!(a_in, "{b_addr}").unwrap();
     writeln!(b_in, "{a_addr}").unwrap();
-    let rts = format!("state={}", qp_state::RTS);
+    let rts = format!("state={:?}", QpState::Rts);
     assert_eq!(read_line(&mut a_out), rts);
     assert_eq!(read_line(&mut b_out), rts);
     drop((a_in, b_in)); // the endpoints exit when stdin closes
@@ -91,7 +91,7 @@ fn native_peer_writes_into_guest_memory(options: DirectOptions, buffer_len: u64)
         let context = open_test_device();
         let native = RcEndpoint::new(&context);
         connect_guest_to_native(&device, &guest_qp, &native);
-        assert_eq!(guest_qp.query().unwrap().qp_state, qp_state::RTS);
+        assert_eq!(guest_qp.query().unwrap().qp_state, QpState::Rts);
 
         let source = Arc::new(vrdma_backend::hostverbs::AnonymousMemory::new(8192).unwrap());
         let source_mr = native
@@ -345,7 +345,7 @@ fn ud_qps_and_address_handles() {
         let cq = device.create_cq(16).unwrap();
         let qp = QueuePair::builder(QpType::Ud, &cq).build(&pd).unwrap();
         let init = QpAttr {
-            qp_state: qp_state::INIT,
+            qp_state: QpState::Init,
             port_num: 1,
             qkey: 0x1111,
             ..Default::default()
@@ -357,20 +357,20 @@ fn ud_qps_and_address_handles() {
         .unwrap();
         qp.modify(
             &QpAttr {
-                qp_state: qp_state::RTR,
+                qp_state: QpState::Rtr,
                 ..Default::default()
             },
             mask::STATE,
         )
         .unwrap();
         let rts = QpAttr {
-            qp_state: qp_state::RTS,
+            qp_state: QpState::Rts,
             sq_psn: 7,
             ..Default::default()
         };
         qp.modify(&rts, mask::STATE | mask::SQ_PSN).unwrap();
         let attr = qp.query().unwrap();
-        assert_eq!((attr.qp_state, attr.qkey), (qp_state::RTS, 0x1111));
+        assert_eq!((attr.qp_state, attr.qkey), (QpState::Rts, 0x1111));
 
         let (gid_index, gid) = device.gid().unwrap();
         let route = route_to(gid_index, gid);

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::{self, PinnedMemory};
 use vrdma_guest::{
-    access, qp_state, wc_opcode, wc_status, AhAttr, CompletionQueue, Device, DeviceEvent,
-    MemoryRegion, Payload, ProtectionDomain, QpType, QueuePair, RcPeer, RecvWr, SendOp, SendWr,
-    Sge, SharedBuffer, UdDest, WorkCompletion,
+    access, wc_opcode, wc_status, AhAttr, CompletionQueue, Device, DeviceEvent, MemoryRegion,
+    Payload, ProtectionDomain, QpState, QpType, QueuePair, RcPeer, RecvWr, SendOp, SendWr, Sge,
+    SharedBuffer, UdDest, WorkCompletion,
 };
 use vrdma_tests::{
     checksum, connect_guest_qp, host_gid_index, host_resource_counts, line_field, open_test_device,
@@ -184,8 +184,8 @@ fn two_guest_processes_make_10000_checked_round_trips() {
     let mut pong_in = pong.stdin.take().unwrap();
     writeln!(ping_in, "{pong_addr}").unwrap();
     writeln!(pong_in, "{ping_addr}").unwrap();
-    assert_eq!(line(&mut ping_out), format!("state={}", qp_state::RTS));
-    assert_eq!(line(&mut pong_out), format!("state={}", qp_state::RTS));
+    assert_eq!(line(&mut ping_out), format!("state={:?}", QpState::Rts));
+    assert_eq!(line(&mut pong_out), format!("state={:?}", QpState::Rts));
     let ping_done = line(&mut ping_out);
     let pong_done = line(&mut pong_out);
     println!("ping: {ping_done}; pong: {pong_done}");

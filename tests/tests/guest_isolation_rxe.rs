@@ -579,7 +579,7 @@ fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
 /// connects elsewhere is moved to the error state.
 #[test]
 fn a_qp_cannot_connect_to_another_guests_qp_that_is_connected_elsewhere() {
-    use vrdma_guest::{qp_state, Status};
+    use vrdma_guest::{QpState, Status};
     let socket = socket("foreign-qp");
     let backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let victim = Victim::attach(&socket);
@@ -612,7 +612,7 @@ fn a_qp_cannot_connect_to_another_guests_qp_that_is_connected_elsewhere() {
     connect_guest_qp(&lurker, sgid, gid, early.qp_num()).unwrap();
     connect_guest_qp(&early, sgid, gid, late.qp_num()).unwrap();
     connect_guest_qp(&late, sgid, gid, early.qp_num()).unwrap();
-    assert_eq!(lurker.query().unwrap().qp_state, qp_state::ERR);
+    assert_eq!(lurker.query().unwrap().qp_state, QpState::Err);
 
     // Two guests' QPs connected to each other, as ever.
     let mine = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();

@@ -9,8 +9,8 @@ use vrdma_guest::spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES};
 use vrdma_guest::spec::{Le16, Le32, Le64};
 
 use vrdma_guest::{
-    access, qp_attr_mask, qp_state, wc_status, Device, DeviceEvent, DirectOptions, Error, Payload,
-    QpAttr, QpType, QueuePair, SendOp, SendWr, Sge, Status, WorkCompletion,
+    access, qp_attr_mask, wc_status, Device, DeviceEvent, DirectOptions, Error, Payload, QpAttr,
+    QpState, QpType, QueuePair, SendOp, SendWr, Sge, Status, WorkCompletion,
 };
 use vrdma_tests::{
     connect_to_itself, control_request, response_status, spawn_backend_process, start_backend,
@@ -100,7 +100,7 @@ fn an_illegal_qp_state_transition_is_an_invalid_argument() {
     let cq = device.create_cq(16).unwrap();
     let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
     let to_rts = QpAttr {
-        qp_state: qp_state::RTS,
+        qp_state: QpState::Rts,
         ..Default::default()
     };
     match qp.modify(&to_rts, qp_attr_mask::STATE) {

@@ -13,19 +13,19 @@ use vm_memory::GuestMemoryBackend;
 use vrdma_spec::codec::{doorbell_bitmap_bits, doorbell_bitmap_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
-    device_cap, gid_type, AhAttr as WireAhAttr, CreateAhRequest, CreateCqRequest, CreateQpRequest,
-    CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse,
-    DeviceAttr as WireDeviceAttr, HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode,
-    PortAttr as WirePortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
-    QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
-    SetNotifyAreaRequest, Status, GUEST_GID_INDEX, GUEST_GID_TABLE_LEN, PORT_NUM,
+    device_cap, gid_type, CreateAhRequest, CreateCqRequest, CreateQpRequest, CreateQpResponse,
+    CreateSrqRequest, CreateSrqResponse, CreatedResponse, DeviceAttr as WireDeviceAttr,
+    HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode, PortAttr as WirePortAttr,
+    QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse, QueryPortRequest, RegMrRequest,
+    RegMrResponse, RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status, GUEST_GID_INDEX,
+    GUEST_GID_TABLE_LEN, PORT_NUM,
 };
 use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SHIFT};
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::datapath::wqe::{MrRange, QpRules};
 use crate::datapath::{CqData, DataPath, GuestRing, NotifyArea, PollerPool, QpData, SrqData};
-use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpCaps, QpInit, QpType};
+use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpAttr, QpCaps, QpInit, QpType};
 use crate::mtt::{self, pages_needed, PageListRules};
 use crate::{limits, Config, HostDevice};
 pub use local_peers::LocalPeers;
@@ -783,25 +783,16 @@ impl Device {
 
     fn query_qp(&self, req: HandleRequest) -> CommandResult {
         let a = self.objects.qp(req.handle.to_native())?.host.query()?;
-        reply(WireQpAttr {
-            qp_state: a.qp_state as u8,
-            cur_qp_state: a.cur_qp_state as u8,
-            path_mtu: a.path_mtu as u8,
-            port_num: a.port_num,
-            qp_access_flags: Le32::from(a.qp_access_flags),
-            pkey_index: Le16::from(a.pkey_index),
-            timeout: a.timeout,
-            retry_cnt: a.retry_cnt,
-            rnr_retry: a.rnr_retry,
-            min_rnr_timer: a.min_rnr_timer,
-            max_rd_atomic: a.max_rd_atomic,
-            max_dest_rd_atomic: a.max_dest_rd_atomic,
-            qkey: Le32::from(a.qkey),
-            rq_psn: Le32::from(a.rq_psn),
-            sq_psn: Le32::from(a.sq_psn),
-            dest_qp_num: Le32::from(a.dest_qp_num),
-            ah_attr: wire_ah_attr(&a.ah_attr),
-        })
+        // The host's GID index means nothing to the guest: a QP can only hold the guest's
+        // GID (MODIFY_QP checks it).
+        let guest_view = QpAttr {
+            ah_attr: AhAttr {
+                sgid_index: GUEST_GID_INDEX,
+                ..a.ah_attr
+            },
+            ..a
+        };
+        reply(WireQpAttr::from(&guest_view))
     }
 
     fn create_ah(&mut self, req: CreateAhRequest) -> CommandResult {
@@ -866,22 +857,6 @@ impl Device {
             doorbell_bitmap: bitmap,
         }));
         Ok(Vec::new())
-    }
-}
-
-fn wire_ah_attr(a: &AhAttr) -> WireAhAttr {
-    WireAhAttr {
-        dgid: a.dgid.0,
-        flow_label: Le32::from(a.flow_label),
-        dlid: Le16::from(a.dlid),
-        // A QP can only hold the guest's GID (MODIFY_QP checks it).
-        sgid_index: GUEST_GID_INDEX,
-        hop_limit: a.hop_limit,
-        traffic_class: a.traffic_class,
-        sl: a.sl,
-        is_global: a.is_global.into(),
-        port_num: a.port_num,
-        reserved: Le32::from(0),
     }
 }
 

@@ -5,7 +5,7 @@ use vm_memory::GuestMemoryBackend;
 use vrdma_spec::codec::{recv_slot_bytes, send_slot_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
-    access, qp_attr_mask as wire_mask, qp_state, qp_type, AhAttr as WireAhAttr, CreateQpRequest,
+    access, qp_attr_mask as wire_mask, qp_type, AhAttr as WireAhAttr, CreateQpRequest,
     CreateSrqRequest, ModifyQpRequest, ModifySrqRequest, GUEST_GID_INDEX, SRQ_ATTR_LIMIT,
 };
 use vrdma_spec::ring::{MAX_WQE_SHIFT, MIN_RQ_WQE_SHIFT, MIN_SQ_WQE_SHIFT};
@@ -298,9 +298,6 @@ pub fn ah_attr(a: &WireAhAttr, port: &PortAttr, host_gid_index: u8) -> Result<Ah
 }
 
 fn state(value: u8) -> Result<QpState, Refusal> {
-    if value > qp_state::ERR {
-        return Err(Refusal::NoSuchQpState(value.into()));
-    }
     QpState::try_from(u32::from(value)).map_err(Refusal::NoSuchQpState)
 }
 
@@ -330,7 +327,8 @@ pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u3
         // Like rxe, a path MTU above the port's active MTU is taken as the active MTU: the
         // link carries no more (`ibv_rc_pingpong -m 4096` on a 1500-byte link).
         let path_mtu = range("path MTU", a.path_mtu.into(), 1, IBV_MTU_4096)?;
-        attr.path_mtu = path_mtu.min(limits.port.active_mtu);
+        // Both are ibv_mtu values, 1 to 5.
+        attr.path_mtu = path_mtu.min(limits.port.active_mtu) as u8;
     }
     if has(wire_mask::PORT) && a.port_num != 1 {
         return Err(Refusal::NoSuchPort(a.port_num));
@@ -438,6 +436,7 @@ const _: () = {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vrdma_spec::ctrl::qp_state;
     use vrdma_spec::ctrl::QpAttr as WireQpAttr;
     use vrdma_spec::ctrl::Status;
     use vrdma_spec::{Le32, Le64};

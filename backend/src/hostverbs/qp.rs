@@ -10,101 +10,12 @@ use rdma_sys::*;
 
 use super::loopback;
 use super::{
-    check, last_error, other_host, verbs_object_is_thread_safe, CompletionQueue, Error, Gid,
+    check, last_error, other_host, verbs_object_is_thread_safe, CompletionQueue, Error,
     ProtectionDomain, Raw, Result,
 };
 
-/// Transport of a QP.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QpType {
-    Rc,
-    Uc,
-    Ud,
-}
-
-impl QpType {
-    /// RC and UC: connected to one peer QP.
-    pub fn is_connected(self) -> bool {
-        matches!(self, QpType::Rc | QpType::Uc)
-    }
-}
-
-/// QP states, with ibverbs values.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[repr(u32)]
-pub enum QpState {
-    #[default]
-    Reset = ibv_qp_state::IBV_QPS_RESET,
-    Init = ibv_qp_state::IBV_QPS_INIT,
-    Rtr = ibv_qp_state::IBV_QPS_RTR,
-    Rts = ibv_qp_state::IBV_QPS_RTS,
-    Sqd = ibv_qp_state::IBV_QPS_SQD,
-    Sqe = ibv_qp_state::IBV_QPS_SQE,
-    Err = ibv_qp_state::IBV_QPS_ERR,
-}
-
-impl TryFrom<u32> for QpState {
-    type Error = u32;
-    fn try_from(value: u32) -> std::result::Result<Self, u32> {
-        [
-            QpState::Reset,
-            QpState::Init,
-            QpState::Rtr,
-            QpState::Rts,
-            QpState::Sqd,
-            QpState::Sqe,
-            QpState::Err,
-        ]
-        .into_iter()
-        .find(|s| *s as u32 == value)
-        .ok_or(value)
-    }
-}
-
-/// Bits of the attribute mask of [`QueuePair::modify`]; ibverbs values.
-pub mod qp_attr_mask {
-    use rdma_sys::ibv_qp_attr_mask as m;
-    pub const STATE: u32 = m::IBV_QP_STATE.0;
-    pub const CUR_STATE: u32 = m::IBV_QP_CUR_STATE.0;
-    pub const ACCESS_FLAGS: u32 = m::IBV_QP_ACCESS_FLAGS.0;
-    pub const PKEY_INDEX: u32 = m::IBV_QP_PKEY_INDEX.0;
-    pub const PORT: u32 = m::IBV_QP_PORT.0;
-    pub const QKEY: u32 = m::IBV_QP_QKEY.0;
-    pub const AV: u32 = m::IBV_QP_AV.0;
-    pub const PATH_MTU: u32 = m::IBV_QP_PATH_MTU.0;
-    pub const TIMEOUT: u32 = m::IBV_QP_TIMEOUT.0;
-    pub const RETRY_CNT: u32 = m::IBV_QP_RETRY_CNT.0;
-    pub const RNR_RETRY: u32 = m::IBV_QP_RNR_RETRY.0;
-    pub const RQ_PSN: u32 = m::IBV_QP_RQ_PSN.0;
-    pub const MAX_QP_RD_ATOMIC: u32 = m::IBV_QP_MAX_QP_RD_ATOMIC.0;
-    pub const MIN_RNR_TIMER: u32 = m::IBV_QP_MIN_RNR_TIMER.0;
-    pub const SQ_PSN: u32 = m::IBV_QP_SQ_PSN.0;
-    pub const MAX_DEST_RD_ATOMIC: u32 = m::IBV_QP_MAX_DEST_RD_ATOMIC.0;
-    pub const CAP: u32 = m::IBV_QP_CAP.0;
-    pub const DEST_QPN: u32 = m::IBV_QP_DEST_QPN.0;
-}
-
-/// Queue sizes of a QP.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct QpCaps {
-    pub max_send_wr: u32,
-    pub max_recv_wr: u32,
-    pub max_send_sge: u32,
-    pub max_recv_sge: u32,
-    pub max_inline_data: u32,
-}
-
-impl From<ibv_qp_cap> for QpCaps {
-    fn from(c: ibv_qp_cap) -> Self {
-        QpCaps {
-            max_send_wr: c.max_send_wr,
-            max_recv_wr: c.max_recv_wr,
-            max_send_sge: c.max_send_sge,
-            max_recv_sge: c.max_recv_sge,
-            max_inline_data: c.max_inline_data,
-        }
-    }
-}
+pub use vrdma_spec::ctrl::qp_attr_mask;
+pub use vrdma_spec::verbs::{AhAttr, QpAttr, QpCaps, QpState, QpType};
 
 /// What [`ProtectionDomain::create_qp`] needs besides the CQs.
 #[derive(Clone, Copy)]
@@ -115,114 +26,6 @@ pub struct QpInit<'a> {
     pub srq: Option<&'a Arc<SharedReceiveQueue>>,
     /// Every send WR completes with a CQE, whatever its `signaled`.
     pub sq_sig_all: bool,
-}
-
-/// An address vector (RC path in MODIFY_QP, UD destination in an AH).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct AhAttr {
-    pub dgid: Gid,
-    pub flow_label: u32,
-    pub sgid_index: u8,
-    pub hop_limit: u8,
-    pub traffic_class: u8,
-    pub is_global: bool,
-    pub dlid: u16,
-    pub sl: u8,
-    pub port_num: u8,
-}
-
-impl From<&AhAttr> for ibv_ah_attr {
-    fn from(a: &AhAttr) -> Self {
-        ibv_ah_attr {
-            grh: ibv_global_route {
-                dgid: ibv_gid { raw: a.dgid.0 },
-                flow_label: a.flow_label,
-                sgid_index: a.sgid_index,
-                hop_limit: a.hop_limit,
-                traffic_class: a.traffic_class,
-            },
-            dlid: a.dlid,
-            sl: a.sl,
-            src_path_bits: 0,
-            static_rate: 0,
-            is_global: a.is_global.into(),
-            port_num: a.port_num,
-        }
-    }
-}
-
-impl From<&ibv_ah_attr> for AhAttr {
-    fn from(a: &ibv_ah_attr) -> Self {
-        AhAttr {
-            // SAFETY: every bit pattern of the GID union is a valid byte array.
-            dgid: Gid(unsafe { a.grh.dgid.raw }),
-            flow_label: a.grh.flow_label,
-            sgid_index: a.grh.sgid_index,
-            hop_limit: a.grh.hop_limit,
-            traffic_class: a.grh.traffic_class,
-            is_global: a.is_global != 0,
-            dlid: a.dlid,
-            sl: a.sl,
-            port_num: a.port_num,
-        }
-    }
-}
-
-/// QP attributes: the input of [`QueuePair::modify`] (fields chosen by the mask) and the
-/// output of [`QueuePair::query`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct QpAttr {
-    pub qp_state: QpState,
-    pub cur_qp_state: QpState,
-    /// `ibv_mtu` value (1 = 256 ... 5 = 4096).
-    pub path_mtu: u32,
-    pub qkey: u32,
-    pub rq_psn: u32,
-    pub sq_psn: u32,
-    pub dest_qp_num: u32,
-    pub qp_access_flags: u32,
-    pub ah_attr: AhAttr,
-    pub pkey_index: u16,
-    pub max_rd_atomic: u8,
-    pub max_dest_rd_atomic: u8,
-    pub min_rnr_timer: u8,
-    pub port_num: u8,
-    pub timeout: u8,
-    pub retry_cnt: u8,
-    pub rnr_retry: u8,
-    pub caps: QpCaps,
-}
-
-impl From<&QpAttr> for ibv_qp_attr {
-    fn from(a: &QpAttr) -> Self {
-        // SAFETY: all-zero is a valid ibv_qp_attr (integers, enums as integers, GID unions).
-        let mut raw: ibv_qp_attr = unsafe { std::mem::zeroed() };
-        raw.qp_state = a.qp_state as u32;
-        raw.cur_qp_state = a.cur_qp_state as u32;
-        raw.path_mtu = a.path_mtu;
-        raw.qkey = a.qkey;
-        raw.rq_psn = a.rq_psn;
-        raw.sq_psn = a.sq_psn;
-        raw.dest_qp_num = a.dest_qp_num;
-        raw.qp_access_flags = a.qp_access_flags;
-        raw.ah_attr = (&a.ah_attr).into();
-        raw.pkey_index = a.pkey_index;
-        raw.max_rd_atomic = a.max_rd_atomic;
-        raw.max_dest_rd_atomic = a.max_dest_rd_atomic;
-        raw.min_rnr_timer = a.min_rnr_timer;
-        raw.port_num = a.port_num;
-        raw.timeout = a.timeout;
-        raw.retry_cnt = a.retry_cnt;
-        raw.rnr_retry = a.rnr_retry;
-        raw.cap = ibv_qp_cap {
-            max_send_wr: a.caps.max_send_wr,
-            max_recv_wr: a.caps.max_recv_wr,
-            max_send_sge: a.caps.max_send_sge,
-            max_recv_sge: a.caps.max_recv_sge,
-            max_inline_data: a.caps.max_inline_data,
-        };
-        raw
-    }
 }
 
 /// A host queue pair.
@@ -304,45 +107,17 @@ fn create_verbs_qp(
     };
     attr.sq_sig_all = init.sq_sig_all.into();
     attr.srq = srq;
-    attr.cap = ibv_qp_cap {
-        max_send_wr: init.caps.max_send_wr,
-        max_recv_wr: init.caps.max_recv_wr,
-        max_send_sge: init.caps.max_send_sge,
-        max_recv_sge: init.caps.max_recv_sge,
-        max_inline_data: init.caps.max_inline_data,
-    };
+    attr.cap = (&init.caps).into();
     // SAFETY: PD and CQs (and the SRQ) are alive, and kept alive by the QP made of
     // them; `attr` is valid and the provider writes the granted caps back into it.
     let raw = NonNull::new(unsafe { ibv_create_qp(pd, &mut attr) })
         .ok_or_else(|| last_error("ibv_create_qp"))?;
-    Ok((raw, attr.cap.into()))
+    Ok((raw, (&attr.cap).into()))
 }
 
 pub use vrdma_spec::codec::{SendOp, SendOpcode, SendOperands};
 
-/// A scatter/gather entry: `length` bytes at `addr` in the MR's address space (its IOVA).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Sge {
-    pub addr: u64,
-    pub length: u32,
-    pub lkey: u32,
-}
-
-const _: () = {
-    assert!(std::mem::size_of::<Sge>() == std::mem::size_of::<ibv_sge>());
-    assert!(std::mem::offset_of!(Sge, length) == std::mem::offset_of!(ibv_sge, length));
-    assert!(std::mem::offset_of!(Sge, lkey) == std::mem::offset_of!(ibv_sge, lkey));
-};
-
-/// Where a send's bytes come from.
-#[derive(Clone, Copy, Debug)]
-pub enum Payload<'a> {
-    /// Gathered by the NIC from registered memory.
-    Sges(&'a [Sge]),
-    /// Copied out of this process's memory when posted (IBV_SEND_INLINE).
-    Inline(&'a [u8]),
-}
+pub use vrdma_spec::verbs::{Payload, RecvWr, Sge};
 
 /// Destination of a UD send.
 #[derive(Clone, Copy, Debug)]
@@ -440,13 +215,6 @@ impl OneSgeSend {
             ud: None,
         }
     }
-}
-
-/// A receive work request.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RecvWr<'a> {
-    pub wr_id: u64,
-    pub sges: &'a [Sge],
 }
 
 /// Why [`SendBatch::push_with`] added nothing.
@@ -842,7 +610,7 @@ impl QueuePair {
             Raw::Verbs(raw) => raw.as_ptr(),
             Raw::Loopback(qpn) => return qpn.device.modify_qp(qpn.id, attr, mask),
         };
-        let mut raw: ibv_qp_attr = attr.into();
+        let mut raw = ibv_qp_attr::from(attr);
         // SAFETY: the QP is alive and `raw` is a valid attribute struct.
         check("ibv_modify_qp", unsafe {
             ibv_modify_qp(qp, &mut raw, mask as c_int)
@@ -873,31 +641,16 @@ impl QueuePair {
             | qp_attr_mask::MIN_RNR_TIMER
             | qp_attr_mask::SQ_PSN
             | qp_attr_mask::MAX_DEST_RD_ATOMIC
-            | qp_attr_mask::CAP
             | qp_attr_mask::DEST_QPN;
         // SAFETY: the QP is alive; both out-pointers are valid.
         check("ibv_query_qp", unsafe {
             ibv_query_qp(qp, &mut raw, mask as c_int, &mut init)
         })?;
-        Ok(QpAttr {
-            qp_state: QpState::try_from(raw.qp_state).unwrap_or(QpState::Err),
-            cur_qp_state: QpState::try_from(raw.cur_qp_state).unwrap_or(QpState::Err),
-            path_mtu: raw.path_mtu,
-            qkey: raw.qkey,
-            rq_psn: raw.rq_psn,
-            sq_psn: raw.sq_psn,
-            dest_qp_num: raw.dest_qp_num,
-            qp_access_flags: raw.qp_access_flags,
-            ah_attr: (&raw.ah_attr).into(),
-            pkey_index: raw.pkey_index,
-            max_rd_atomic: raw.max_rd_atomic,
-            max_dest_rd_atomic: raw.max_dest_rd_atomic,
-            min_rnr_timer: raw.min_rnr_timer,
-            port_num: raw.port_num,
-            timeout: raw.timeout,
-            retry_cnt: raw.retry_cnt,
-            rnr_retry: raw.rnr_retry,
-            caps: raw.cap.into(),
+        QpAttr::from_ibv(&raw, mask).map_err(|state| Error::Verbs {
+            call: "ibv_query_qp",
+            source: io::Error::other(format!(
+                "the host reported QP state {state}, not one of ibverbs'"
+            )),
         })
     }
 
@@ -1083,7 +836,7 @@ impl ProtectionDomain {
     pub fn create_ah(self: &Arc<Self>, attr: &AhAttr) -> Result<AddressHandle> {
         let raw = match &self.raw {
             Raw::Verbs(pd) => {
-                let mut raw_attr: ibv_ah_attr = attr.into();
+                let mut raw_attr = ibv_ah_attr::from(attr);
                 // SAFETY: the PD is alive and `raw_attr` is a valid address vector.
                 let raw = NonNull::new(unsafe { ibv_create_ah(pd.as_ptr(), &mut raw_attr) })
                     .ok_or_else(|| last_error("ibv_create_ah"))?;

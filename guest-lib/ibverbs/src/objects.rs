@@ -18,8 +18,9 @@ use rdma_sys::{
     ibv_srq_init_attr, ibv_wc, ibv_wc_opcode,
 };
 use vrdma_guest::{
-    qp_attr_mask, AddressHandle, Chain, CompletionQueue, MemoryRegion, Payload, ProtectionDomain,
-    QpCaps, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue, UdDest, WorkCompletion,
+    qp_attr_mask, AddressHandle, AhAttr, Chain, CompletionQueue, MemoryRegion, Payload,
+    ProtectionDomain, QpAttr, QpCaps, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedReceiveQueue,
+    UdDest, WorkCompletion,
 };
 
 use crate::abi::{context_of, raise_errno, report_once, set_errno};
@@ -351,7 +352,7 @@ unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *
     }
     // SAFETY: a PD from ibv_alloc_pd and an attribute block the caller filled.
     let (owner, attr) = unsafe { (ours::<VrdmaPd>(pd), &*attr) };
-    match owner.inner.create_ah(&translate::ah_attr(attr)) {
+    match owner.inner.create_ah(&AhAttr::from(attr)) {
         Ok(inner) => into_c(VrdmaAh {
             ah: ibv_ah {
                 context: owner.pd.context,
@@ -832,7 +833,7 @@ unsafe fn create_qp(pd: *mut ibv_pd, init: &mut ibv_qp_init_attr, send_ops: bool
         }
     };
     let caps = inner.caps();
-    init.cap = translate::qp_cap(&caps);
+    init.cap = (&caps).into();
     // SAFETY: ibv_qp_ex is C data (an ibv_qp, integers, function pointers as Options) valid
     // as all-zero bytes (see ibv_cq).
     let mut qp_ex: ibv_qp_ex = unsafe { std::mem::zeroed() };
@@ -884,7 +885,14 @@ unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask
     // SAFETY: a QP from ibv_create_qp and an attribute block the caller filled.
     let (ours_qp, attr) = unsafe { (ours::<VrdmaQp>(qp), &*attr) };
     let mask = mask as u32;
-    match ours_qp.inner.modify(&translate::qp_attr(attr), mask) {
+    let Ok(ours_attr) = QpAttr::from_ibv(attr, mask) else {
+        report_once(
+            "modify_qp",
+            "ibv_modify_qp: a QP state that is none of ibverbs'",
+        );
+        return libc::EINVAL;
+    };
+    match ours_qp.inner.modify(&ours_attr, mask) {
         Ok(()) => {
             if mask & qp_attr_mask::STATE != 0 {
                 // SAFETY: `qp` is the program's live QP; `state` is the field libibverbs
@@ -919,7 +927,7 @@ unsafe extern "C" fn ibv_query_qp(
             init.send_cq = ours_qp.base().send_cq;
             init.recv_cq = ours_qp.base().recv_cq;
             init.srq = ours_qp.base().srq;
-            init.cap = translate::qp_cap(&ours_qp.caps);
+            init.cap = (&ours_qp.caps).into();
             init.qp_type = ours_qp.base().qp_type;
             init.sq_sig_all = ours_qp.sq_sig_all.into();
             0

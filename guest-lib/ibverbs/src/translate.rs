@@ -4,11 +4,8 @@
 use std::os::raw::c_int;
 
 use rdma_sys::ibv_rate;
-use rdma_sys::{
-    ibv_ah_attr, ibv_gid, ibv_global_route, ibv_qp_attr, ibv_qp_cap, ibv_qp_type, ibv_send_wr,
-    ibv_wc, ibv_wr_opcode,
-};
-use vrdma_guest::{AhAttr, Gid, QpAttr, QpCaps, QpType, SendOp, WorkCompletion};
+use rdma_sys::{ibv_qp_attr, ibv_qp_type, ibv_send_wr, ibv_wc, ibv_wr_opcode};
+use vrdma_guest::{QpAttr, QpCaps, QpType, SendOp, WorkCompletion};
 
 /// `enum ibv_send_flags` bits this library reads.
 pub mod send_flags {
@@ -85,94 +82,13 @@ pub fn qp_type(value: ibv_qp_type::Type) -> Option<QpType> {
     }
 }
 
-pub fn ah_attr(attr: &ibv_ah_attr) -> AhAttr {
-    AhAttr {
-        dgid: Gid(gid_bytes(&attr.grh.dgid)),
-        flow_label: attr.grh.flow_label,
-        sgid_index: attr.grh.sgid_index,
-        hop_limit: attr.grh.hop_limit,
-        traffic_class: attr.grh.traffic_class,
-        sl: attr.sl,
-        is_global: attr.is_global != 0,
-        port_num: attr.port_num,
-    }
-}
-
-pub fn ibv_ah_attr(attr: &AhAttr) -> ibv_ah_attr {
-    ibv_ah_attr {
-        grh: ibv_global_route {
-            dgid: ibv_gid { raw: attr.dgid.0 },
-            flow_label: attr.flow_label,
-            sgid_index: attr.sgid_index,
-            hop_limit: attr.hop_limit,
-            traffic_class: attr.traffic_class,
-        },
-        dlid: 0,
-        sl: attr.sl,
-        src_path_bits: 0,
-        static_rate: 0,
-        is_global: attr.is_global.into(),
-        port_num: attr.port_num,
-    }
-}
-
-fn gid_bytes(gid: &ibv_gid) -> [u8; 16] {
-    // SAFETY: ibv_gid is a union of plain byte and integer arrays of the same 16 bytes; any
-    // bit pattern is a valid [u8; 16].
-    unsafe { gid.raw }
-}
-
-pub fn qp_attr(attr: &ibv_qp_attr) -> QpAttr {
-    QpAttr {
-        qp_state: attr.qp_state as u8,
-        path_mtu: attr.path_mtu as u8,
-        port_num: attr.port_num,
-        qp_access_flags: attr.qp_access_flags,
-        pkey_index: attr.pkey_index,
-        timeout: attr.timeout,
-        retry_cnt: attr.retry_cnt,
-        rnr_retry: attr.rnr_retry,
-        min_rnr_timer: attr.min_rnr_timer,
-        max_rd_atomic: attr.max_rd_atomic,
-        max_dest_rd_atomic: attr.max_dest_rd_atomic,
-        qkey: attr.qkey,
-        rq_psn: attr.rq_psn,
-        sq_psn: attr.sq_psn,
-        dest_qp_num: attr.dest_qp_num,
-        ah_attr: ah_attr(&attr.ah_attr),
-    }
-}
-
-pub fn qp_cap(caps: &QpCaps) -> ibv_qp_cap {
-    ibv_qp_cap {
-        max_send_wr: caps.max_send_wr,
-        max_recv_wr: caps.max_recv_wr,
-        max_send_sge: caps.max_send_sge,
-        max_recv_sge: caps.max_recv_sge,
-        max_inline_data: caps.max_inline_data,
-    }
-}
-
 /// Fills `out` from a QP's attributes and capabilities, as `ibv_query_qp` reports them.
 pub fn fill_qp_attr(out: &mut ibv_qp_attr, attr: &QpAttr, caps: &QpCaps) {
-    out.qp_state = attr.qp_state.into();
-    out.cur_qp_state = attr.qp_state.into();
-    out.path_mtu = attr.path_mtu.into();
-    out.qkey = attr.qkey;
-    out.rq_psn = attr.rq_psn;
-    out.sq_psn = attr.sq_psn;
-    out.dest_qp_num = attr.dest_qp_num;
-    out.qp_access_flags = attr.qp_access_flags;
-    out.cap = qp_cap(caps);
-    out.ah_attr = ibv_ah_attr(&attr.ah_attr);
-    out.pkey_index = attr.pkey_index;
-    out.max_rd_atomic = attr.max_rd_atomic;
-    out.max_dest_rd_atomic = attr.max_dest_rd_atomic;
-    out.min_rnr_timer = attr.min_rnr_timer;
-    out.port_num = attr.port_num;
-    out.timeout = attr.timeout;
-    out.retry_cnt = attr.retry_cnt;
-    out.rnr_retry = attr.rnr_retry;
+    *out = ibv_qp_attr {
+        cur_qp_state: attr.qp_state as u32,
+        cap: caps.into(),
+        ..attr.into()
+    };
 }
 
 /// The operation of a send work request; `Err(EINVAL)` for opcodes vrdma does not carry.
@@ -264,6 +180,7 @@ pub fn wc(from: &WorkCompletion) -> ibv_wc {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vrdma_guest::QpState;
 
     fn zeroed<T>() -> T {
         // SAFETY: only used for the plain C structures below, valid as all-zero bytes.
@@ -271,37 +188,22 @@ mod tests {
     }
 
     #[test]
-    fn qp_attributes_go_both_ways() {
-        let mut attr: ibv_qp_attr = zeroed();
-        attr.qp_state = 3;
-        attr.path_mtu = 3;
-        attr.dest_qp_num = 0x123;
-        attr.rq_psn = 0xabcdef;
-        attr.max_dest_rd_atomic = 1;
-        attr.min_rnr_timer = 12;
-        attr.port_num = 1;
-        attr.ah_attr.is_global = 1;
-        attr.ah_attr.grh.hop_limit = 1;
-        attr.ah_attr.grh.sgid_index = 1;
-        attr.ah_attr.grh.dgid = ibv_gid { raw: [7; 16] };
-        let ours = qp_attr(&attr);
-        assert_eq!(
-            (ours.qp_state, ours.dest_qp_num, ours.rq_psn),
-            (3, 0x123, 0xabcdef)
-        );
-        assert!(ours.ah_attr.is_global);
-        assert_eq!(ours.ah_attr.dgid, Gid([7; 16]));
+    fn a_queried_qp_reports_its_state_as_current_and_its_capabilities() {
+        let attr = QpAttr {
+            qp_state: QpState::Rts,
+            dest_qp_num: 0x123,
+            ..Default::default()
+        };
         let caps = QpCaps {
             max_send_wr: 64,
             max_inline_data: 128,
             ..Default::default()
         };
         let mut back: ibv_qp_attr = zeroed();
-        fill_qp_attr(&mut back, &ours, &caps);
+        fill_qp_attr(&mut back, &attr, &caps);
+        assert_eq!((back.qp_state, back.cur_qp_state), (3, 3));
         assert_eq!(back.dest_qp_num, 0x123);
-        assert_eq!(back.min_rnr_timer, 12);
         assert_eq!((back.cap.max_send_wr, back.cap.max_inline_data), (64, 128));
-        assert_eq!(gid_bytes(&back.ah_attr.grh.dgid), [7; 16]);
     }
 
     #[test]

@@ -280,7 +280,7 @@ impl QueuePair {
 
     /// A chain of sends for this QP's SQ (see [`Chain`]); refused before RTS.
     pub fn send_chain(&self) -> Result<Chain<'_, impl Fn(u64, &SendWr<'_>) -> Result<()> + '_>> {
-        self.check_state(qp_state::RTS, "sends")?;
+        self.check_state(QpState::Rts, "sends")?;
         let doorbell = Doorbell {
             record: &self.doorbell,
             producer_at: QpDoorbell::SQ_PRODUCER,
@@ -311,7 +311,7 @@ impl QueuePair {
             .rq
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument("this QP receives through its SRQ".into()))?;
-        self.check_state(qp_state::INIT, "receives")?;
+        self.check_state(QpState::Init, "receives")?;
         let doorbell = Doorbell {
             record: &self.doorbell,
             producer_at: QpDoorbell::RQ_PRODUCER,

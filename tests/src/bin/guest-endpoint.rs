@@ -102,7 +102,7 @@ fn main() {
             };
             qp.connect_rc(gid_index as u8, address.psn, &far)
                 .expect("connect to the peer");
-            println!("state={}", qp.query().expect("query QP").qp_state);
+            println!("state={:?}", qp.query().expect("query QP").qp_state);
             let endpoint = Endpoint {
                 qp: &qp,
                 cq: &cq,

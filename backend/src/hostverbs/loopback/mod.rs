@@ -496,10 +496,7 @@ impl Device {
                 recv_cq: Arc::clone(recv_cq),
                 srq: init.srq,
                 sq_sig_all: init.sq_sig_all,
-                attr: QpAttr {
-                    caps: c,
-                    ..Default::default()
-                },
+                attr: QpAttr::default(),
                 rq: VecDeque::new(),
                 waiting: VecDeque::new(),
                 retries: None,
@@ -540,10 +537,7 @@ impl Device {
             QpState::Reset => {
                 qp.rq.clear();
                 qp.waiting.clear();
-                qp.attr = QpAttr {
-                    caps: qp.caps,
-                    ..Default::default()
-                };
+                qp.attr = QpAttr::default();
             }
             QpState::Err => state.fail_qp(qpn),
             _ => {}
@@ -559,7 +553,6 @@ impl Device {
             .ok_or_else(|| errno("ibv_query_qp", libc::EINVAL))?;
         Ok(QpAttr {
             cur_qp_state: qp.attr.qp_state,
-            caps: qp.caps,
             ..qp.attr
         })
     }

@@ -79,7 +79,7 @@ fn to_rtr(qp: &QueuePair, dest: u32) {
     let ud = qp.qp_type() == QpType::Ud;
     let rtr = QpAttr {
         qp_state: QpState::Rtr,
-        path_mtu: MTU_4096,
+        path_mtu: MTU_4096 as u8,
         dest_qp_num: dest,
         min_rnr_timer: 1, // 10 us
         ah_attr: AhAttr {
