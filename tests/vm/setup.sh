@@ -12,11 +12,14 @@ mkdir -p "$cache"
 
 log() { echo "vm-setup: $*" >&2; }
 
-# Modules the guest loads, in dependency order after resolution through modules.dep.
+# Modules the guest loads, in dependency order after resolution through modules.dep: those
+# every guest needs (the 9p root, the /tmp overlay, and uio_pci_generic, with which guest-lib's
+# PCI transport drives the vrdma device of a nested guest), then those only a guest with
+# rdma_rxe or a network card needs (a nested guest has neither and skips them: each module
+# costs seconds under emulation inside emulation).
 # crc32_generic: rxe needs the crc32 shash when a link is added (ENOENT otherwise).
-# uio_pci_generic: guest-lib's PCI transport drives the vrdma device of a nested guest with it.
-guest_modules=(crc32_generic veth 9p 9pnet_virtio overlay virtio_net ib_uverbs rdma_rxe
-  uio_pci_generic)
+base_modules=(9p 9pnet_virtio overlay uio_pci_generic)
+network_modules=(crc32_generic veth virtio_net ib_uverbs rdma_rxe)
 
 # QEMU comes from bookworm-backports (10.x: bookworm's 7.2 lacks vhost-user-device); the rest
 # from the main suite.
@@ -202,19 +205,25 @@ ensure_initramfs() {
   work="$cache/initramfs.tmp"
   rm -rf "$work" && mkdir -p "$work"/{bin,dev,proc,sys,newroot,modules}
   cp /bin/busybox "$work/bin/busybox"
-  local m
-  for m in "${guest_modules[@]}"; do resolve_module "$m" "$root/lib/modules/$version/modules.dep"; done
-  local n=0 path file
-  : >"$work/modules/order"
-  for path in "${ordered_modules[@]}"; do
-    n=$((n + 1))
-    file=$(printf '%02d-%s' "$n" "$(basename "${path%%.ko*}").ko")
-    case "$path" in
-      *.xz) xz -dc "$root/lib/modules/$version/$path" >"$work/modules/$file" ;;
-      *.zst) zstd -qdc "$root/lib/modules/$version/$path" >"$work/modules/$file" ;;
-      *) cp "$root/lib/modules/$version/$path" "$work/modules/$file" ;;
-    esac
-    echo "$file" >>"$work/modules/order"
+  # modules/base lists the modules every guest loads, modules/network the others (each in
+  # dependency order, the second after the first).
+  local m list n=0 path file
+  for list in base network; do
+    ordered_modules=()
+    local -n wanted="${list}_modules"
+    for m in "${wanted[@]}"; do resolve_module "$m" "$root/lib/modules/$version/modules.dep"; done
+    unset -n wanted
+    : >"$work/modules/$list"
+    for path in "${ordered_modules[@]}"; do
+      n=$((n + 1))
+      file=$(printf '%02d-%s' "$n" "$(basename "${path%%.ko*}").ko")
+      case "$path" in
+        *.xz) xz -dc "$root/lib/modules/$version/$path" >"$work/modules/$file" ;;
+        *.zst) zstd -qdc "$root/lib/modules/$version/$path" >"$work/modules/$file" ;;
+        *) cp "$root/lib/modules/$version/$path" "$work/modules/$file" ;;
+      esac
+      echo "$file" >>"$work/modules/$list"
+    done
   done
   cp "$repo/tests/vm/guest-init.sh" "$work/init"
   chmod +x "$work/init"
