@@ -64,7 +64,7 @@ VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENC
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 \
   tests/vm/two-hosts.sh -- tests/bench-cross-host.sh "$PWD/target/debug"
 
-step "nested VM end to end: guest-lib over the vrdma PCI device (about 5 minutes)"
+step "nested VM end to end: guest-lib over the vrdma PCI device (about 15 minutes)"
 tests/vm/run.sh -- tests/nested-e2e.sh "$PWD/target/debug"
 step "done"
 }
