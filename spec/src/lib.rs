@@ -5,6 +5,9 @@
 //! All multi-byte fields are little-endian ([`Le16`], [`Le32`], [`Le64`]); byte arrays (GIDs,
 //! immediate data) are in network order as on the wire. No type has implicit padding: every
 //! size is asserted at compile time against the size the specification states.
+//!
+//! Beside the wire format, [`verbs`] is the one verbs vocabulary both sides speak (QP types,
+//! states, attributes, address vectors, SGEs), with its wire forms.
 
 pub mod codec;
 pub mod config;
