@@ -207,23 +207,23 @@ ensure_initramfs() {
   cp /bin/busybox "$work/bin/busybox"
   # modules/base lists the modules every guest loads, modules/network the others (each in
   # dependency order, the second after the first).
-  local m list n=0 path file
-  for list in base network; do
-    ordered_modules=()
-    local -n wanted="${list}_modules"
-    for m in "${wanted[@]}"; do resolve_module "$m" "$root/lib/modules/$version/modules.dep"; done
-    unset -n wanted
-    : >"$work/modules/$list"
-    for path in "${ordered_modules[@]}"; do
-      n=$((n + 1))
-      file=$(printf '%02d-%s' "$n" "$(basename "${path%%.ko*}").ko")
-      case "$path" in
-        *.xz) xz -dc "$root/lib/modules/$version/$path" >"$work/modules/$file" ;;
-        *.zst) zstd -qdc "$root/lib/modules/$version/$path" >"$work/modules/$file" ;;
-        *) cp "$root/lib/modules/$version/$path" "$work/modules/$file" ;;
-      esac
-      echo "$file" >>"$work/modules/$list"
-    done
+  local m n=0 path file list
+  for m in "${base_modules[@]}"; do resolve_module "$m" "$root/lib/modules/$version/modules.dep"; done
+  local base_count=${#ordered_modules[@]}
+  for m in "${network_modules[@]}"; do resolve_module "$m" "$root/lib/modules/$version/modules.dep"; done
+  : >"$work/modules/base"
+  : >"$work/modules/network"
+  for path in "${ordered_modules[@]}"; do
+    n=$((n + 1))
+    list=network
+    [ "$n" -le "$base_count" ] && list=base
+    file=$(printf '%02d-%s' "$n" "$(basename "${path%%.ko*}").ko")
+    case "$path" in
+      *.xz) xz -dc "$root/lib/modules/$version/$path" >"$work/modules/$file" ;;
+      *.zst) zstd -qdc "$root/lib/modules/$version/$path" >"$work/modules/$file" ;;
+      *) cp "$root/lib/modules/$version/$path" "$work/modules/$file" ;;
+    esac
+    echo "$file" >>"$work/modules/$list"
   done
   cp "$repo/tests/vm/guest-init.sh" "$work/init"
   chmod +x "$work/init"
