@@ -210,10 +210,14 @@ impl State {
                         }
                     }
                     Err((request, why)) => {
-                        let retries = self.retries(qpn, why, now);
+                        // The retries the request got when it first waited, or from now on.
+                        let retries = match self.qps.get(&qpn).and_then(|qp| qp.retries) {
+                            Some(retries) => retries,
+                            None => self.retries(qpn, why, now),
+                        };
                         let qp = self.qps.get_mut(&qpn).expect("executed on this QP");
                         qp.waiting.push_front(request);
-                        let retries = *qp.retries.get_or_insert(retries);
+                        qp.retries = Some(retries);
                         if retries.until.is_some_and(|at| at <= now) {
                             let request = qp.waiting.pop_front().expect("just pushed");
                             qp.retries = None;
