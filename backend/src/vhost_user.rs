@@ -622,10 +622,11 @@ fn start_connection(
             drop(daemon);
             drop(serving); // the last reference: the device and its host objects go
             log::info!(
-                "connection {connection}: closed, {objects} objects released; {} WQEs, {} completions, {} kicks, {} WQEs refused",
+                "connection {connection}: closed, {objects} objects released; {} WQEs, {} completions, {} kicks, {} storms of kicks without work, {} WQEs refused",
                 stats.wqes,
                 stats.completions,
                 stats.kicks,
+                stats.storms,
                 stats.refused
             );
             if let Some(refusals) = refusals {

@@ -3,16 +3,20 @@
 //! host queues that record what they are given.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex};
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{
+    Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, VolatileMemory,
+};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_spec::codec::{
     doorbell_word, ring_slot, sge_offset, SendHeader, SendOp, UdAddress, WqePayload,
     SEND_WQE_HEADER,
 };
-use vrdma_spec::ring::{Cqe, Event, QpDoorbell, SendWqe, Sge as WireSge, CQE_SHIFT};
+use vrdma_spec::ring::{
+    Cqe, Event, NotifyState, QpDoorbell, SendWqe, Sge as WireSge, CQE_SHIFT, NOTIFY_NEED_WAKEUP,
+};
 use vrdma_spec::ByteValued;
 
 use super::host::{HostCompletionQueue, HostQueuePair};
@@ -50,8 +54,20 @@ pub struct FakeQp {
     pub gate: Mutex<()>,
     /// Posts of sends begun.
     pub posts: AtomicUsize,
-    /// The kind of each post, in order: "send" or "recv".
-    pub post_kinds: Mutex<Vec<&'static str>>,
+    /// Each WQE posted ("send" or "recv", its wr_id) with its post's place in
+    /// [`POST_CLOCK`], which orders posts to different QPs too.
+    pub posted_at: Mutex<Vec<(&'static str, u64, u64)>>,
+}
+
+/// Counts the posts to every fake QP of the process.
+pub static POST_CLOCK: AtomicU64 = AtomicU64::new(0);
+
+impl FakeQp {
+    fn record(&self, kind: &'static str, wr_ids: impl Iterator<Item = u64>) {
+        let now = POST_CLOCK.fetch_add(1, Ordering::SeqCst);
+        let mut posted = self.posted_at.lock().unwrap();
+        posted.extend(wr_ids.map(|wr_id| (kind, wr_id, now)));
+    }
 }
 
 impl Default for FakeQp {
@@ -64,7 +80,7 @@ impl Default for FakeQp {
             failed: AtomicBool::new(false),
             gate: Mutex::default(),
             posts: AtomicUsize::new(0),
-            post_kinds: Mutex::default(),
+            posted_at: Mutex::default(),
         }
     }
 }
@@ -76,11 +92,11 @@ impl HostQueuePair for FakeQp {
 
     fn post_send(&self, batch: &mut SendBatch) -> hostverbs::Result<()> {
         self.posts.fetch_add(1, Ordering::SeqCst);
-        self.post_kinds.lock().unwrap().push("send");
         drop(self.gate.lock().unwrap());
         let room = self.room.load(Ordering::Relaxed);
         let taken = batch.len().min(room);
         self.room.fetch_sub(taken, Ordering::Relaxed);
+        self.record("send", batch.wr_ids().take(taken));
         let mut sends = self.sends.lock().unwrap();
         sends.extend(batch.wr_ids().take(taken));
         if taken < batch.len() {
@@ -94,7 +110,7 @@ impl HostQueuePair for FakeQp {
     }
 
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> hostverbs::Result<()> {
-        self.post_kinds.lock().unwrap().push("recv");
+        self.record("recv", wrs.iter().map(|wr| wr.wr_id));
         self.receives
             .lock()
             .unwrap()
@@ -330,11 +346,20 @@ impl Rig {
         self.set_doorbell_bit(QP_BIT);
     }
 
+    /// Sets a doorbell bit as a driver does: an atomic OR, with release semantics.
     pub fn set_doorbell_bit(&self, bit: u16) {
         let (offset, mask) = doorbell_word(bit);
-        let at = GuestAddress(DOORBELL_BITMAP + offset);
-        let word: u64 = self.mem.read_obj(at).unwrap();
-        self.mem.write_obj(word | mask, at).unwrap();
+        let bitmap = self
+            .mem
+            .get_slice(GuestAddress(DOORBELL_BITMAP + offset), 8)
+            .unwrap();
+        let word = bitmap.get_atomic_ref::<AtomicU64>(0).unwrap();
+        word.fetch_or(mask, Ordering::Release);
+    }
+
+    /// Whether the connection's poller asks for kicks (NEED_WAKEUP is set: it sleeps).
+    pub fn asks_for_kicks(&self) -> bool {
+        self.load(NOTIFY_AREA + NotifyState::FLAGS) == NOTIFY_NEED_WAKEUP
     }
 
     pub fn store(&self, gpa: u64, value: u32) {

@@ -218,6 +218,9 @@ pub struct Stats {
     pub kicks: u64,
     /// WQEs the device refused (completed in error without reaching the host).
     pub refused: u64,
+    /// Times the driver's kicks kept bringing no work and it was no longer asked for them
+    /// for a while (SPEC.md §8.5).
+    pub storms: u64,
 }
 
 struct Shared {
@@ -240,6 +243,7 @@ struct Shared {
     wqes: AtomicU64,
     completions: AtomicU64,
     refused: AtomicU64,
+    storms: AtomicU64,
     /// Tells the host event thread to end.
     stop: AtomicBool,
     /// The connection's share of the log (also its control path's and event queue's).
@@ -428,6 +432,9 @@ impl DataPath {
             .remove_cq(handle);
         if let Some(cq) = removed {
             cq.retire();
+            // The poller holds its own list of the connection's CQs until its next pass: a
+            // sleeping one would keep the host CQ alive until the connection's next work.
+            let _ = shard.wake.write(1);
         }
     }
 
@@ -525,6 +532,7 @@ impl DataPath {
             wqes: self.shared.wqes.load(Ordering::Relaxed),
             completions: self.shared.completions.load(Ordering::Relaxed),
             refused: self.shared.refused.load(Ordering::Relaxed),
+            storms: self.shared.storms.load(Ordering::Relaxed),
             kicks: self
                 .shared
                 .kicks
@@ -564,6 +572,7 @@ impl Shared {
             wqes: AtomicU64::new(0),
             completions: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            storms: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             log: LogBudget::default(),
             asleep: AtomicBool::new(false),

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryBackend, VolatileMemory};
-use vrdma_spec::codec::{ring_pending, ArmRequest, MAX_SEND_INLINE, MAX_SEND_SGE};
+use vrdma_spec::codec::{
+    notify_state_offset, ring_pending, ArmRequest, MAX_SEND_INLINE, MAX_SEND_SGE,
+};
 use vrdma_spec::ring::{
     cqe_owner_for, event_kind, wc_opcode, CqDoorbell, Cqe, NotifyState, QpDoorbell, SrqDoorbell,
     CQE_SIZE, NOTIFY_NEED_WAKEUP,
@@ -36,6 +38,28 @@ impl Visit {
     };
 }
 
+/// A queue a pass visits: its doorbell bit, and which of its send WQEs the pass may take.
+struct Planned {
+    bit: u16,
+    rung: Rung,
+    sends: Sends,
+}
+
+/// Which send WQEs of a QP a pass may post (SPEC.md §8.5 "Receives before sends"). A send
+/// visible when the SQ producer index is read was made available after every receive posted
+/// before it, including their doorbell bits: the pass's second look at the bitmap, taken
+/// after that read, finds those bits, and the pass posts their receives first. A send made
+/// available after the read may follow a receive whose bit the second look missed: it waits
+/// for the next pass.
+#[derive(Clone, Copy)]
+enum Sends {
+    /// Those before this SQ producer index, read between the pass's two looks; `None`: the
+    /// doorbell record was unreadable then (the visit fails the QP).
+    Before(Option<u32>),
+    /// None: the second look found the queue; its sends wait for the next pass.
+    NextPass,
+}
+
 /// What a pool thread keeps for one connection it serves: the connection, its copy of the CQ
 /// list and reusable scratch space (no allocation per WQE).
 pub(super) struct Poller {
@@ -51,8 +75,8 @@ pub(super) struct Poller {
     /// Doorbell bits this pass took so far, with those of the queues the last pass left
     /// WQEs in.
     rung: Vec<u16>,
-    /// The queues this pass visits, with their doorbell bits.
-    visits: Vec<(u16, Rung)>,
+    /// The queues this pass visits.
+    visits: Vec<Planned>,
     /// Doorbell bits of the queues the last pass left WQEs in.
     carried: Vec<u16>,
     /// The last pass found a CQ's ring full with completions that may wait behind it in
@@ -98,6 +122,33 @@ fn mr_lookup<'a>(mrs: &'a MrTable, last: &'a LastMr) -> impl Fn(u32) -> Option<M
             len: last.len.get(),
         })
     }
+}
+
+/// The QP's SQ producer index as the driver published it (acquire: the WQEs before it, and
+/// what the driver did before writing them, are visible); `None` if its doorbell record is
+/// unreadable or the QP failed.
+fn sq_producer(mem: &Arc<Memory>, qp: &QpData) -> Option<u32> {
+    with_live_qp(mem, qp, |mapped, _| {
+        mapped.load(RECORD, QpDoorbell::SQ_PRODUCER, Ordering::Acquire)
+    })
+    .flatten()
+}
+
+/// Runs `f` on the QP's mapped rings and record under its progress lock; `None` if the QP
+/// failed.
+#[inline(always)]
+fn with_live_qp<T>(
+    mem: &Arc<Memory>,
+    qp: &QpData,
+    f: impl FnOnce(Mapped<'_>, &mut QpProgress) -> T,
+) -> Option<T> {
+    let mut visit = qp.progress.lock();
+    let Visited { progress, resolved } = &mut *visit;
+    if progress.failed {
+        return None;
+    }
+    let mapped = resolved.through(mem, || qp.spans());
+    Some(f(mapped, progress))
 }
 
 /// No lkey: [`LastMr::key`] when it names none.
@@ -244,7 +295,7 @@ impl Poller {
         };
         let Some(mem) = self.memory() else { return };
         for queue in 0..self.shared.num_notify_queues {
-            let state = area.states + u64::from(queue) * std::mem::size_of::<NotifyState>() as u64;
+            let state = area.states + notify_state_offset(queue);
             let flags = if sleeping { NOTIFY_NEED_WAKEUP } else { 0 };
             let kicks = self.shared.kicks[queue as usize].load(Ordering::Relaxed) as u32;
             // A guest that unmapped its notify area only loses its wake-ups.
@@ -258,6 +309,7 @@ impl Poller {
     #[cfg(any(test, feature = "fuzzing"))]
     pub(super) fn pass(&mut self) -> bool {
         if self.take_doorbells() {
+            self.bound_sends();
             self.take_doorbells();
         }
         let received = self.take_receive_work();
@@ -265,8 +317,9 @@ impl Poller {
     }
 
     /// A pass's first step: takes the doorbells rung since the last look. True if some queue
-    /// has work. Taken twice when any has: a receive made available before a send the
-    /// first look found is found by the second, wherever its bit lies (SPEC.md §8.5).
+    /// has work. Taken twice when any has, with [`Poller::bound_sends`] between the looks: a
+    /// receive made available before a send the pass posts is found by the second look,
+    /// wherever its bit lies (SPEC.md §8.5).
     pub(super) fn take_doorbells(&mut self) -> bool {
         if self.pass_memory.is_none() {
             self.pass_memory = self.memory();
@@ -290,7 +343,21 @@ impl Poller {
         !self.rung.is_empty()
     }
 
-    /// The pass's second step: the rung queues' receive WQEs go to the host before any send
+    /// Between a pass's two looks: the queues the first look found are planned, and each
+    /// QP's send WQEs bounded by its SQ producer index as of now (see [`Sends`]).
+    pub(super) fn bound_sends(&mut self) {
+        let Some(mem) = self.pass_memory.clone() else {
+            return;
+        };
+        self.plan_visits();
+        for planned in &mut self.visits {
+            if let Rung::Qp(qp) = &planned.rung {
+                planned.sends = Sends::Before(sq_producer(&mem, qp));
+            }
+        }
+    }
+
+    /// The pass's next step: the rung queues' receive WQEs go to the host before any send
     /// WQE of this pass, so that a receive posted before a send is there when the send
     /// arrives (a UD or UC message finding no receive is dropped; an RC one waits an RNR
     /// timeout).
@@ -298,17 +365,20 @@ impl Poller {
         let Some(mem) = self.pass_memory.clone() else {
             return false;
         };
-        self.plan_visits();
+        // Planned already by `bound_sends`, unless the second look found more.
+        if self.visits.is_empty() || !self.rung.is_empty() {
+            self.plan_visits();
+        }
         let mut work = false;
         let visits = std::mem::take(&mut self.visits);
-        for (bit, rung) in &visits {
-            let visit = match rung {
+        for planned in &visits {
+            let visit = match &planned.rung {
                 Rung::Qp(qp) => self.process_qp_receives(&mem, qp),
                 Rung::Srq(srq) => self.process_srq(&mem, srq),
             };
             work |= visit.worked;
             if visit.more {
-                self.carried.push(*bit);
+                self.carried.push(planned.bit);
             }
         }
         self.visits = visits;
@@ -324,13 +394,19 @@ impl Poller {
         let mut visits = std::mem::take(&mut self.visits);
         // Each queue is let go of once visited: a queue the control path removed meanwhile
         // was retired under its progress lock, so the visit found it failed and left it.
-        for (bit, rung) in visits.drain(..) {
-            if let Rung::Qp(qp) = &rung {
-                let visit = self.process_qp_sends(&mem, qp);
-                work |= visit.worked;
-                if visit.more {
-                    self.carried.push(bit);
+        for planned in visits.drain(..) {
+            let Rung::Qp(qp) = &planned.rung else {
+                continue;
+            };
+            match planned.sends {
+                Sends::Before(producer) => {
+                    let visit = self.process_qp_sends(&mem, qp, producer);
+                    work |= visit.worked;
+                    if visit.more {
+                        self.carried.push(planned.bit);
+                    }
                 }
+                Sends::NextPass => self.carried.push(planned.bit),
             }
         }
         self.visits = visits;
@@ -343,10 +419,11 @@ impl Poller {
         work
     }
 
-    /// The queues to visit this pass: those whose doorbell bits were taken, and those the
-    /// last pass left work in; and the connection's CQs, if they changed. The queue table's
-    /// lock is held for this only, not through the pass, so the control path adding or
-    /// removing a queue never waits for one.
+    /// The queues to visit this pass: those whose doorbell bits were taken since the last
+    /// plan (their sends for the next pass, unless [`Poller::bound_sends`] bounds them), and
+    /// those the last pass left work in; and the connection's CQs, if they changed. The
+    /// queue table's lock is held for this only, not through the pass, so the control path
+    /// adding or removing a queue never waits for one.
     fn plan_visits(&mut self) {
         let shared = Arc::clone(&self.shared);
         let objects = shared
@@ -363,15 +440,31 @@ impl Poller {
             bits.sort_unstable();
             bits.dedup();
         }
+        // A queue both looks found is visited once this pass, and again the next: what the
+        // second look found of it may be sends past its bound.
+        let planned = self.visits.len();
+        if planned > 0 {
+            let (visits, carried) = (&self.visits, &mut self.carried);
+            bits.retain(|&bit| {
+                let again = visits.iter().any(|p| p.bit == bit);
+                if again {
+                    carried.push(bit);
+                }
+                !again
+            });
+        }
         // Bits of queues destroyed since they were rung have no queue: they are dropped. At
         // most MAX_VISITS_PER_PASS queues are visited; the rest wait for the next pass, so a
         // driver ringing every doorbell it has holds up the poller's other connections no
         // longer than one that rings a few.
-        let visited = bits.len().min(MAX_VISITS_PER_PASS);
-        self.visits.extend(
-            bits.drain(..visited)
-                .filter_map(|bit| Some((bit, objects.queues.get(&bit)?.clone()))),
-        );
+        let visited = bits.len().min(MAX_VISITS_PER_PASS.saturating_sub(planned));
+        self.visits.extend(bits.drain(..visited).filter_map(|bit| {
+            Some(Planned {
+                bit,
+                rung: objects.queues.get(&bit)?.clone(),
+                sends: Sends::NextPass,
+            })
+        }));
         self.carried.append(&mut bits);
         self.rung = bits;
     }
@@ -482,10 +575,12 @@ impl Poller {
         self.visit_qp(mem, qp, Self::take_receives)
     }
 
-    /// Takes what the QP's SQ holds.
+    /// Takes what the QP's SQ holds before `producer` (`None`: its record was unreadable).
     #[inline(never)]
-    fn process_qp_sends(&mut self, mem: &Arc<Memory>, qp: &QpData) -> Visit {
-        self.visit_qp(mem, qp, Self::take_sends)
+    fn process_qp_sends(&mut self, mem: &Arc<Memory>, qp: &QpData, producer: Option<u32>) -> Visit {
+        self.visit_qp(mem, qp, |poller, mem, mapped, qp, progress| {
+            poller.take_sends(mem, mapped, qp, progress, producer)
+        })
     }
 
     /// Runs `take` on one of the QP's queues under its progress lock, unless the QP failed.
@@ -496,13 +591,10 @@ impl Poller {
         qp: &QpData,
         take: impl FnOnce(&mut Self, &Arc<Memory>, Mapped<'_>, &QpData, &mut QpProgress) -> Visit,
     ) -> Visit {
-        let mut visit = qp.progress.lock();
-        let Visited { progress, resolved } = &mut *visit;
-        if progress.failed {
-            return Visit::default();
-        }
-        let mapped = resolved.through(mem, || qp.spans());
-        take(self, mem, mapped, qp, progress)
+        with_live_qp(mem, qp, |mapped, progress| {
+            take(self, mem, mapped, qp, progress)
+        })
+        .unwrap_or_default()
     }
 
     #[inline(always)]
@@ -512,8 +604,9 @@ impl Poller {
         mapped: Mapped<'_>,
         qp: &QpData,
         progress: &mut QpProgress,
+        producer: Option<u32>,
     ) -> Visit {
-        let Some(producer) = mapped.load(RECORD, QpDoorbell::SQ_PRODUCER, Ordering::Acquire) else {
+        let Some(producer) = producer else {
             progress.failed = true;
             self.fail_qp(qp, &mut progress.in_error, &"doorbell record unreadable");
             return Visit::WORKED;

@@ -176,6 +176,10 @@ struct Served {
     due: bool,
     /// The pass under way moved something of it.
     worked: bool,
+    /// Something of it moved since its last wake-up: a wake-up that finds nothing after
+    /// one that brought work is a late kick (the vring worker passed it on after the
+    /// poller had taken the work it announced and gone back to sleep), not a wasted one.
+    worked_since_wakeup: bool,
 }
 
 /// Wake-ups a connection's driver caused that found nothing to do: a driver that kicks in a
@@ -200,9 +204,10 @@ const MAX_STORM_BACKOFF: Duration = Duration::from_secs(64);
 const STORMING_POLL_MS: i32 = 50;
 
 impl WastedWakeups {
-    fn wasted(&mut self, now: Instant) {
+    /// Counts a wake-up that found nothing; true if the connection storms from now on.
+    fn wasted(&mut self, now: Instant) -> bool {
         if self.wasted.note(now) <= WASTED_WAKEUPS_PER_SECOND || self.storming(now) {
-            return;
+            return false;
         }
         // Storming again within the last backoff: twice as long this time.
         let again = self
@@ -218,6 +223,7 @@ impl WastedWakeups {
             "poller: a driver's kicks bring no work; it is not asked for kicks for {:?}",
             self.backoff
         );
+        true
     }
 
     fn storming(&self, now: Instant) -> bool {
@@ -288,9 +294,9 @@ impl PoolWorker {
 
     /// One pass over every shard served; true if anything moved. Each step of a pass is
     /// taken for every connection before the next: the doorbells of all (twice, if any was
-    /// rung), then their receive WQEs, then their send WQEs and CQs, so that a receive made
-    /// available before a send, in any connection of this thread, reaches the host before it
-    /// (SPEC.md §8.5). A connection whose kick woke the poller and whose pass found nothing
+    /// rung, bounding the sends between the looks), then their receive WQEs, then their send
+    /// WQEs and CQs, so that a receive made available before a send, in any connection of
+    /// this thread, reaches the host before it (SPEC.md §8.5). A connection whose kick woke the poller and whose pass found nothing
     /// wasted that wake-up; a storming one is passed over but every [`STORMING_POLL_MS`],
     /// however often the others keep the thread busy.
     fn pass(&mut self) -> bool {
@@ -307,6 +313,9 @@ impl PoolWorker {
         }
         if rung {
             for served in due(&mut self.connections) {
+                served.poller.bound_sends();
+            }
+            for served in due(&mut self.connections) {
                 served.poller.take_doorbells();
             }
         }
@@ -316,9 +325,18 @@ impl PoolWorker {
         let mut work = false;
         for served in due(&mut self.connections) {
             served.worked |= served.poller.take_send_work();
-            if std::mem::take(&mut served.kicked) && !served.worked {
-                served.kicks.wasted(now);
+            if std::mem::take(&mut served.kicked) {
+                let earned = served.worked || served.worked_since_wakeup;
+                if !earned && served.kicks.wasted(now) {
+                    served
+                        .poller
+                        .shared()
+                        .storms
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                served.worked_since_wakeup = false;
             }
+            served.worked_since_wakeup |= served.worked;
             work |= served.worked;
         }
         work
@@ -403,6 +421,7 @@ impl PoolWorker {
             kicks: WastedWakeups::default(),
             due: false,
             worked: false,
+            worked_since_wakeup: false,
         });
         log::debug!("poller: serving {} connections", self.connections.len());
     }
