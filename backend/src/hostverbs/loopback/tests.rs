@@ -303,3 +303,37 @@ fn a_full_cq_overruns_with_one_cq_error_event() {
     assert_eq!(events, [AsyncEvent::CqError(cq.id())]);
     assert_eq!(poll(&cq, 2).len(), 2);
 }
+
+#[test]
+fn a_zero_length_rdma_write_or_read_needs_no_rkey_a_longer_one_does() {
+    let context = open("zero-length");
+    let pd = context.alloc_pd().unwrap();
+    let cq = context.create_cq(16, None).unwrap();
+    let a = qp(&pd, &cq, QpType::Rc);
+    to_rts(&a, a.qp_num(), 7);
+    let (_memory, mr) = registered(&pd, 0x1000);
+    let nowhere = SendOp::RdmaWrite {
+        remote_addr: 0,
+        rkey: 0,
+    };
+    let read_nowhere = SendOp::RdmaRead {
+        remote_addr: 0,
+        rkey: 0,
+    };
+    let payload = [sge(&mr, 8)];
+    a.post_send(&[
+        SendWr::new(1, nowhere, Payload::Sges(&[])),
+        SendWr::new(2, read_nowhere, Payload::Sges(&[])),
+        SendWr::new(3, nowhere, Payload::Sges(&payload)),
+    ])
+    .unwrap();
+    let statuses: Vec<_> = poll(&cq, 3)
+        .iter()
+        .map(|wc| (wc.wr_id(), wc.status()))
+        .collect();
+    let ok = ibv_wc_status::IBV_WC_SUCCESS;
+    assert_eq!(
+        statuses,
+        [(1, ok), (2, ok), (3, ibv_wc_status::IBV_WC_REM_ACCESS_ERR)]
+    );
+}

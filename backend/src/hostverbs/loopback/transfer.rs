@@ -406,11 +406,18 @@ impl State {
         let ops = request.operands;
         let peer = &self.qps[&target];
         let peer_pd = peer.pd;
+        // A zero-length RDMA READ or WRITE names no memory: its rkey and address are not
+        // checked (IBTA C9-88, as rxe does), only the QP's access flags.
         let remote = |access: u32, len: u64| {
             let allowed = peer.attr.qp_access_flags & access == access;
-            allowed
-                .then(|| self.span(ops.rkey, ops.remote_addr, len, peer_pd, access))
-                .flatten()
+            match (allowed, len) {
+                (false, _) => None,
+                (true, 0) if access != REMOTE_ATOMIC => Some(Span {
+                    at: std::ptr::NonNull::dangling().as_ptr(),
+                    len: 0,
+                }),
+                (true, _) => self.span(ops.rkey, ops.remote_addr, len, peer_pd, access),
+            }
         };
         let access_error = || match reliable {
             true => Outcome::Failed(Failure::sender(ibv_wc_status::IBV_WC_REM_ACCESS_ERR)),
@@ -583,8 +590,9 @@ fn copy(from: impl IntoIterator<Item = Span>, to: impl IntoIterator<Item = Span>
         // SAFETY: both spans lie inside memory that stays mapped while the device's lock is
         // held: a registered region's (checked by `State::span`, kept by its `Mr`), or the
         // request's own inline bytes or a local array, which the caller borrows for the
-        // call. They may overlap (a READ within one region), which `copy` allows. The guest
-        // may write the same bytes meanwhile, as it may under a NIC's DMA.
+        // call; or the empty span of a zero-length RDMA operation, which `n` 0 leaves
+        // untouched. They may overlap (a READ within one region), which `copy` allows. The
+        // guest may write the same bytes meanwhile, as it may under a NIC's DMA.
         unsafe { std::ptr::copy(src.at, dst.at, n) };
         src.at = src.at.wrapping_add(n);
         src.len -= n;
