@@ -3,7 +3,7 @@
 
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use vhost::vhost_user::message::{
@@ -77,13 +77,13 @@ fn region_info(region: &Region) -> VhostUserMemoryRegionInfo {
 
 impl DirectTransport {
     /// Adds `region` to the backend's memory table.
-    fn announce(&self, region: std::sync::Arc<Region>) -> Result<std::sync::Arc<Region>> {
+    fn announce(&self, region: Region) -> Result<Arc<Region>> {
         self.frontend
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .add_mem_region(&region_info(&region))
             .map_err(|e| Error::Attach(format!("adding shared memory: {e}")))?;
-        Ok(region)
+        Ok(Arc::new(region))
     }
 
     /// Attaches to the backend listening on `socket`.
@@ -256,7 +256,7 @@ impl Transport for DirectTransport {
     fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer> {
         self.memory
             .alloc_or_grow(len, align, self.options.region_size, |size| {
-                self.announce(Region::new(size, self.options.huge_pages)?)
+                self.announce(Region::create_with(size, self.options.huge_pages)?)
             })
     }
 
@@ -273,19 +273,25 @@ impl Transport for DirectTransport {
         self.memory.device_pages(addr, len)
     }
 
-    fn disconnected(&self) -> bool {
-        let fd = self
-            .frontend
+    fn adopt(&self, region: Region) -> Result<Arc<Region>> {
+        // Mapped here, so addressed by the device where this process maps it, as the
+        // transport's own regions are.
+        self.announce(region)
+    }
+
+    fn forget(&self, region: &Region) -> Result<()> {
+        self.frontend
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .as_raw_fd();
-        let mut poll = libc::pollfd {
-            fd,
-            events: libc::POLLRDHUP,
-            revents: 0,
-        };
-        // SAFETY: polls one descriptor this transport owns, without waiting.
-        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
-        ready > 0 && poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+            .remove_mem_region(&region_info(region))
+            .map_err(|e| Error::Attach(format!("removing shared memory: {e}")))
+    }
+
+    fn disconnected(&self) -> bool {
+        let frontend = self.frontend.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the descriptor is the frontend's socket, which the lock keeps open for
+        // the look.
+        let socket = unsafe { std::os::fd::BorrowedFd::borrow_raw(frontend.as_raw_fd()) };
+        crate::poll::hung_up(&socket)
     }
 }

@@ -4,6 +4,8 @@
 //! - direct attach ([`direct`]): the process is the vhost-user front end of a backend, sharing
 //!   its memory through memfd (a process or container on the host);
 //! - PCI ([`pci`]): inside a VM, the process drives the vrdma virtio-pci device from userspace.
+//! - the guest service ([`service`]): the device is owned by `vrdmad`, which shares it among
+//!   the programs of a VM or host; a program's data path still goes straight to the device.
 //!
 //! [`Device::open`] picks one at run time from a name (`pci`, or a socket path); the verbs API
 //! ([`verbs`]) is the same whatever the transport.
@@ -22,16 +24,29 @@
 pub mod direct;
 mod mmio;
 pub mod pci;
+mod poll;
+pub mod service;
 pub mod shm;
+pub mod target;
 pub mod transport;
 pub mod verbs;
 mod virtq;
-pub mod work;
 
 use std::time::Duration;
 
+/// The name programs see the device under (`ibv_get_device_name` in vrdma's libibverbs).
+pub const DEVICE_NAME: &str = "vrdma0";
+/// The device's node as programs that look for a kernel verbs device expect it (UCX keeps an
+/// IB device only if this is a character device it may open read-write). vrdma has no kernel
+/// driver: the node is only a marker, whose device is /dev/null's ([`DEVICE_NODE_NUMBERS`]),
+/// and vrdma's libibverbs never opens it. vrdmad makes it with its socket's group and mode.
+pub const DEVICE_NODE: &str = "/dev/infiniband/vrdma0";
+/// The marker node's major and minor numbers: /dev/null's, which no open of it can harm.
+pub const DEVICE_NODE_NUMBERS: (u64, u64) = (1, 3);
+
 pub use direct::DirectOptions;
 pub use shm::SharedBuffer;
+pub use verbs::work;
 pub use verbs::{
     access, qp_attr_mask, random_psn, AddressHandle, AhAttr, Chain, CompletionQueue, Device,
     MemoryRegion, ProtectionDomain, QpAttr, QpCaps, QpState, QpType, QueuePair, QueuePairBuilder,

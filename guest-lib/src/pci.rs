@@ -5,11 +5,14 @@
 //! is locked, and its guest-physical addresses come from `/proc/self/pagemap`; so this needs
 //! root.
 //!
-//! Completions of the control and event queues are polled (every 100 µs while waiting): the
-//! device's interrupts are not used.
+//! A driver waiting for the control or event queue sleeps on the device's INTx interrupt
+//! (`Interrupt`), or polls every 100 µs where it has none.
 
 use std::fs;
 use std::os::unix::fs::FileExt;
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +22,7 @@ use vrdma_spec::ring::Event;
 
 use crate::mmio::Bar;
 use crate::shm::{Region, RegionSet, SharedBuffer};
-use crate::transport::Transport;
+use crate::transport::{NotifyPort, Transport};
 use crate::virtq::{DeviceQueues, QueueSignal, SplitQueue, QUEUE_SIZE};
 use crate::{Error, Result};
 
@@ -83,6 +86,14 @@ pub struct VirtioCapabilities {
     pub notify: Location,
     pub notify_off_multiplier: u32,
     pub device: Location,
+    /// The ISR status register, which INTx interrupts need (optional: without it the
+    /// driver polls).
+    pub isr: Option<Location>,
+    /// A second notification structure, in an I/O BAR and with a multiplier of 0 (QEMU's
+    /// `modern-pio-notify=on`): one port where writing any queue's index notifies it. Such a
+    /// BAR holds nothing else, so the guest service can let its programs kick the device
+    /// through it without being able to do anything more (SPEC.md §12).
+    pub notify_port: Option<Location>,
 }
 
 /// Finds the virtio structures in a PCI configuration space (as the sysfs `config` file
@@ -99,7 +110,11 @@ pub fn parse_capabilities(config: &[u8]) -> Result<VirtioCapabilities> {
     if byte(0x06)? & STATUS_CAP_LIST == 0 {
         return Err(bad("no capability list"));
     }
-    let (mut common, mut notify, mut device) = (None, None, None);
+    // Bit 0 of a base address register: the BAR is I/O space (PCI spec §6.2.5.1).
+    let io_bar =
+        |bar: u8| -> Result<bool> { Ok(bar <= 5 && le32(0x10 + 4 * usize::from(bar))? & 1 == 1) };
+    let (mut common, mut notify, mut device, mut isr) = (None, None, None, None);
+    let mut notify_port = None;
     let mut at = usize::from(byte(0x34)? & !3);
     // 48 capabilities fill the 192 bytes after the header: more means a loop.
     for _ in 0..48 {
@@ -117,7 +132,15 @@ pub fn parse_capabilities(config: &[u8]) -> Result<VirtioCapabilities> {
             };
             match byte(at + 3)? {
                 1 => common = common.or(Some(location)),
-                2 => notify = notify.or(Some((location, le32(at + 16)?))),
+                2 => {
+                    let multiplier = le32(at + 16)?;
+                    if !io_bar(location.bar)? {
+                        notify = notify.or(Some((location, multiplier)));
+                    } else if multiplier == 0 && location.length >= 2 {
+                        notify_port = notify_port.or(Some(location));
+                    }
+                }
+                3 => isr = isr.or(Some(location)),
                 4 => device = device.or(Some(location)),
                 _ => {}
             }
@@ -131,6 +154,8 @@ pub fn parse_capabilities(config: &[u8]) -> Result<VirtioCapabilities> {
                 notify,
                 notify_off_multiplier,
                 device,
+                isr,
+                notify_port,
             })
         }
         _ => Err(bad("missing a virtio common, notify or device capability")),
@@ -138,6 +163,7 @@ pub fn parse_capabilities(config: &[u8]) -> Result<VirtioCapabilities> {
 }
 
 /// A mapped virtio structure.
+#[derive(Clone)]
 struct Structure {
     bar: Arc<Bar>,
     offset: u64,
@@ -179,11 +205,13 @@ impl Structure {
     }
 }
 
-/// A queue's notification register.
+/// A queue's notification register, and how its driver waits for used buffers.
 struct PciSignal {
     bar: Arc<Bar>,
     offset: u64,
     queue: u16,
+    /// The device's interrupt, for a queue the driver waits on; `None`: it polls.
+    interrupt: Option<Interrupt>,
 }
 
 impl QueueSignal for PciSignal {
@@ -192,24 +220,122 @@ impl QueueSignal for PciSignal {
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
-        std::thread::sleep(timeout.min(POLL_INTERVAL));
+        match &self.interrupt {
+            Some(interrupt) => interrupt.wait(timeout),
+            None => {
+                std::thread::sleep(timeout.min(POLL_INTERVAL));
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The device's INTx interrupt as `uio_pci_generic` hands it to userspace, for one waiting
+/// queue: each waiting queue reads its own descriptor of the uio node, as the kernel counts
+/// interrupts per open descriptor, so every waiter sees every interrupt.
+///
+/// INTx rather than MSI-X through vfio-pci's no-IOMMU mode: uio_pci_generic is what the
+/// driver binds already, needs no kernel option (no-IOMMU vfio taints the kernel and must be
+/// enabled by a module parameter), and the device raises INTx with no set-up beyond
+/// reading its ISR status register, while the driver's waits are few (control responses
+/// and events) and not on the data path, which never interrupts.
+struct Interrupt {
+    uio: fs::File,
+    /// The device's PCI configuration space (sysfs), whose command register masks INTx.
+    config: fs::File,
+    isr: Structure,
+    /// Whether INTx may be masked: the kernel masks it at each interrupt, which this waiter
+    /// then sees; a wait that timed out saw none, and leaves the next one nothing to unmask.
+    /// (Each config space access is a trap to the hypervisor: an idle wait makes none.)
+    may_be_masked: std::sync::atomic::AtomicBool,
+}
+
+/// The high byte of the PCI command register, and its INTx Disable bit (bit 10).
+const COMMAND_HIGH: u64 = 0x05;
+const INTX_DISABLE_HIGH: u8 = 1 << 2;
+
+impl Interrupt {
+    /// The interrupt of the device at `path`, when `uio_pci_generic` gave it a uio node
+    /// and the device has an ISR status register; `None` otherwise (the driver then polls).
+    fn open(path: &Path, isr: Option<&Structure>) -> Option<Interrupt> {
+        let isr = isr?.clone();
+        let node = fs::read_dir(path.join("uio"))
+            .ok()?
+            .filter_map(|entry| entry.ok())
+            .find_map(|entry| {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                name.starts_with("uio")
+                    .then(|| Path::new("/dev").join(name))
+            })?;
+        let open = |file: &Path| {
+            fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(file)
+                .map_err(|e| log::warn!("{}: {e}; the driver polls instead", file.display()))
+                .ok()
+        };
+        let uio = open(&node)?;
+        let config = open(&path.join("config"))?;
+        Some(Interrupt {
+            uio,
+            config,
+            isr,
+            may_be_masked: std::sync::atomic::AtomicBool::new(true),
+        })
+    }
+
+    /// Returns after an interrupt, or after `timeout`.
+    fn wait(&self, timeout: Duration) -> Result<()> {
+        use std::io::Read;
+        // uio_pci_generic masks INTx (the command register's INTx Disable) at each interrupt:
+        // unmask it. An interrupt the device raised meanwhile is pending on its line
+        // (level-triggered until its ISR is read) and comes now, so none is lost between the
+        // caller's look at its ring and this wait. (Other waiters may unmask it at the same
+        // time: every one of them clears the same bit.)
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.may_be_masked.swap(false, Relaxed) {
+            let mut command = [0u8];
+            self.config
+                .read_exact_at(&mut command, COMMAND_HIGH)
+                .map_err(Error::Transport)?;
+            if command[0] & INTX_DISABLE_HIGH != 0 {
+                self.config
+                    .write_all_at(&[command[0] & !INTX_DISABLE_HIGH], COMMAND_HIGH)
+                    .map_err(Error::Transport)?;
+            }
+        }
+        if crate::poll::readable(&self.uio, timeout).map_err(Error::Transport)? {
+            self.may_be_masked.store(true, Relaxed);
+            let mut count = [0u8; 4];
+            (&self.uio)
+                .read_exact(&mut count)
+                .map_err(Error::Transport)?;
+            // Reading the ISR lowers the line; the caller then looks at its ring.
+            self.isr.read8(0)?;
+        }
         Ok(())
     }
 }
 
 pub struct PciTransport {
+    /// This process's claim on the device, held while it drives it.
+    _claim: Flock<fs::File>,
     common: Structure,
     memory: RegionSet,
     queues: DeviceQueues,
     config: DeviceConfig,
     features: u64,
+    notify_port: Option<NotifyPort>,
 }
 
 impl PciTransport {
     /// Takes over the vrdma PCI device at `address` (`DDDD:BB:DD.F`), or the first one found.
-    /// Resets it first: whatever an earlier user left on it is gone.
+    /// Resets it first: whatever an earlier user left on it is gone. A device another process
+    /// drives (the guest service, usually) is refused, never reset under it.
     pub fn open(address: Option<&str>) -> Result<PciTransport> {
         let path = find_device(address)?;
+        let claim = claim(&path)?;
         bind_to_uio(&path)?;
         enable_bus_mastering(&path)?;
         let config_space = fs::read(path.join("config"))
@@ -240,6 +366,7 @@ impl PciTransport {
         let common = structure(capabilities.common)?;
         let notify = structure(capabilities.notify)?;
         let device = structure(capabilities.device)?;
+        let isr = capabilities.isr.map(&mut structure).transpose()?;
 
         reset(&common)?;
         common.write8(common::DEVICE_STATUS, status::ACKNOWLEDGE | status::DRIVER)?;
@@ -286,6 +413,9 @@ impl PciTransport {
             if max < QUEUE_SIZE {
                 return fail(&common, format!("queue {index} holds only {max} entries"));
             }
+            // The driver waits on the control and event queues; notification queues are
+            // only kicked.
+            let waited = index < FIRST_NOTIFY_QUEUE;
             let signal = PciSignal {
                 bar: Arc::clone(&notify.bar),
                 offset: notify.at(
@@ -294,7 +424,16 @@ impl PciTransport {
                     2,
                 )?,
                 queue: index,
+                interrupt: waited
+                    .then(|| Interrupt::open(&path, isr.as_ref()))
+                    .flatten(),
             };
+            if waited && signal.interrupt.is_none() {
+                log::info!(
+                    "no interrupt for queue {index} of {}: polling it",
+                    path.display()
+                );
+            }
             let queue = SplitQueue::new(&memory, QUEUE_SIZE, Box::new(signal))?;
             common.write16(common::QUEUE_SIZE, QUEUE_SIZE)?;
             common.write64(common::QUEUE_DESC, queue.desc_addr())?;
@@ -305,13 +444,26 @@ impl PciTransport {
         }
         common.write8(common::DEVICE_STATUS, negotiating | status::DRIVER_OK)?;
         let queues = DeviceQueues::new(&memory, queues)?;
-        log::info!("attached to the vrdma PCI device {}", path.display());
+        let notify_port = capabilities
+            .notify_port
+            .and_then(|location| open_notify_port(&path, location));
+        log::info!(
+            "attached to the vrdma PCI device {}{}",
+            path.display(),
+            if notify_port.is_some() {
+                ", which has a notification port"
+            } else {
+                ""
+            }
+        );
         Ok(PciTransport {
+            _claim: claim,
             common,
             memory,
             queues,
             config,
             features,
+            notify_port,
         })
     }
 
@@ -359,6 +511,10 @@ impl Transport for PciTransport {
         self.queues.notify(queue)
     }
 
+    fn notify_port(&self) -> Option<&NotifyPort> {
+        self.notify_port.as_ref()
+    }
+
     fn next_event(&self, timeout: Duration) -> Result<Option<Event>> {
         self.check_device()?;
         self.queues.next_event(timeout)
@@ -382,6 +538,32 @@ impl Transport for PciTransport {
 
     fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)> {
         self.memory.device_pages(addr, len)
+    }
+
+    fn adopt(&self, region: Region) -> Result<Arc<Region>> {
+        // The device reaches all guest RAM: locked pages need no announcing.
+        region.locked().map(Arc::new)
+    }
+
+    fn forget(&self, _region: &Region) -> Result<()> {
+        // Unlocked when the region is unmapped.
+        Ok(())
+    }
+}
+
+/// The device's notification port (in an I/O BAR, written through its sysfs file), opened
+/// for writing only; `None`, said in the log, when it cannot be.
+fn open_notify_port(path: &Path, location: Location) -> Option<NotifyPort> {
+    let file = path.join(format!("resource{}", location.bar));
+    match fs::OpenOptions::new().write(true).open(&file) {
+        Ok(opened) => Some(NotifyPort {
+            file: opened,
+            offset: location.offset,
+        }),
+        Err(e) => {
+            log::warn!("{}: {e}; its notification port is not used", file.display());
+            None
+        }
     }
 }
 
@@ -467,6 +649,25 @@ fn find_device(address: Option<&str>) -> Result<PathBuf> {
         Error::Attach(format!(
             "no vrdma PCI device ({VIRTIO_VENDOR:04x}:{VRDMA_DEVICE_ID:04x}) in this VM"
         ))
+    })
+}
+
+/// Claims the device at `path` for this process with an exclusive lock on its sysfs config
+/// file, which the kernel drops when the process ends, however it ends.
+fn claim(path: &Path) -> Result<Flock<fs::File>> {
+    let config = path.join("config");
+    let file = fs::File::open(&config)
+        .map_err(|e| Error::Attach(format!("opening {}: {e}", config.display())))?;
+    Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| {
+        Error::Attach(match errno {
+            Errno::EWOULDBLOCK => format!(
+                "the vrdma PCI device {} is driven by another process, which it would lose \
+                 were it opened here: when that is the vrdma service (vrdmad), use the device \
+                 `service` (its socket) instead",
+                path.display()
+            ),
+            errno => format!("locking {}: {errno}", config.display()),
+        })
     })
 }
 
@@ -562,10 +763,19 @@ mod tests {
                 (0x40, virtio_cap(0x50, 1, 4, 0x0000, 0x38)),
                 (0x50, vec![0x11, 0x60, 0, 0]), // MSI-X: skipped
                 (0x60, virtio_cap(0x78, 2, 4, 0x3000, 0x1000)),
-                (0x78, virtio_cap(0x00, 4, 4, 0x2000, 0x100)),
+                (0x78, virtio_cap(0x88, 4, 4, 0x2000, 0x100)),
+                (0x88, virtio_cap(0x00, 3, 4, 0x1000, 0x4)),
             ],
         );
         let caps = parse_capabilities(&config).unwrap();
+        assert_eq!(
+            caps.isr,
+            Some(Location {
+                bar: 4,
+                offset: 0x1000,
+                length: 4
+            })
+        );
         assert_eq!(
             caps.common,
             Location {
@@ -579,6 +789,51 @@ mod tests {
             (0x3000, 4)
         );
         assert_eq!(caps.device.offset, 0x2000);
+        let without_isr = config_space(
+            0x40,
+            &[
+                (0x40, virtio_cap(0x60, 1, 4, 0x0000, 0x38)),
+                (0x60, virtio_cap(0x78, 2, 4, 0x3000, 0x1000)),
+                (0x78, virtio_cap(0x00, 4, 4, 0x2000, 0x100)),
+            ],
+        );
+        assert_eq!(parse_capabilities(&without_isr).unwrap().isr, None);
+        assert_eq!(caps.notify_port, None);
+    }
+
+    #[test]
+    fn a_notification_structure_in_an_io_bar_is_the_notify_port() {
+        let mut port = virtio_cap(0x88, 2, 2, 0, 4);
+        port[16..20].copy_from_slice(&0u32.to_le_bytes());
+        let mut with_port = config_space(
+            0x40,
+            &[
+                (0x40, virtio_cap(0x60, 1, 4, 0x0000, 0x38)),
+                // Listed first: the driver still maps the one in the memory BAR.
+                (0x60, port.clone()),
+                (0x78, virtio_cap(0x00, 4, 4, 0x2000, 0x100)),
+                (0x88, virtio_cap(0x78, 2, 4, 0x3000, 0x1000)),
+            ],
+        );
+        with_port[0x18] = 0x01; // BAR 2: I/O space
+        let caps = parse_capabilities(&with_port).unwrap();
+        assert_eq!((caps.notify.bar, caps.notify.offset), (4, 0x3000));
+        assert_eq!(
+            caps.notify_port,
+            Some(Location {
+                bar: 2,
+                offset: 0,
+                length: 4
+            })
+        );
+        // A port whose queues notify at different offsets is not one port.
+        with_port[0x60 + 16] = 4;
+        assert_eq!(parse_capabilities(&with_port).unwrap().notify_port, None);
+        // Nor is a structure in a memory BAR.
+        with_port[0x60 + 16] = 0;
+        with_port[0x18] = 0;
+        let caps = parse_capabilities(&with_port).unwrap();
+        assert_eq!((caps.notify.bar, caps.notify_port), (2, None));
     }
 
     #[test]

@@ -188,17 +188,73 @@ impl Region {
         Self::map(len, huge).map(Arc::new)
     }
 
+    /// As [`Region::new`], not yet shared: the device's address of each page is given later
+    /// by whoever makes the region known to it ([`Region::with_device_pages`]).
+    pub fn create(len: u64) -> Result<Region> {
+        Self::map(len, false)
+    }
+
+    /// As [`Region::create`], with 2 MiB huge pages when `huge`.
+    pub fn create_with(len: u64, huge: bool) -> Result<Region> {
+        Self::map(len, huge)
+    }
+
+    /// Maps `file`, `len` bytes of memory another process shares (a memfd it passed), into
+    /// this process, at first addressed by the device where it is mapped here. The file must
+    /// be sealed against shrinking: a file the other process could shrink would fault this
+    /// one when it reads the memory.
+    pub fn from_file(file: File, len: u64) -> Result<Region> {
+        check_page_range(PAGE_SIZE, len)?;
+        // SAFETY: F_GET_SEALS only reads the descriptor's seals; the result is checked.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(Error::InvalidArgument(
+                "shared memory must be a memfd sealed against shrinking".into(),
+            ));
+        }
+        let size = file.metadata().map_err(Error::SharedMemory)?.len();
+        if size < len {
+            return Err(Error::InvalidArgument(format!(
+                "shared memory of {size} bytes, {len} announced"
+            )));
+        }
+        Ok(Region {
+            base: map_shared(&file, len, false)?,
+            file: Some(file),
+            len,
+            page_size: PAGE_SIZE,
+            addressing: DeviceAddressing::SameAsProcess,
+            // Nothing is allocated from another process's memory.
+            heap: Mutex::new(Heap::new(0)),
+            owned: true,
+        })
+    }
+
+    /// The region, addressed by the device at `pages`: the address of each of its pages.
+    pub fn with_device_pages(mut self, pages: Vec<u64>) -> Result<Region> {
+        if pages.len() as u64 != self.len / self.page_size {
+            return Err(Error::InvalidArgument(format!(
+                "{} device pages for a region of {} pages",
+                pages.len(),
+                self.len / self.page_size
+            )));
+        }
+        self.addressing = DeviceAddressing::Pages(pages);
+        Ok(self)
+    }
+
+    /// The region locked in RAM, addressed by the device at its pages' guest-physical
+    /// addresses (as [`Region::new_pinned`]).
+    pub fn locked(self) -> Result<Region> {
+        let pages = lock_and_locate(self.addr(), self.len, self.page_size)?;
+        self.with_device_pages(pages)
+    }
+
     /// As [`Region::new`], locked in RAM, with each page's guest-physical address looked up in
     /// `/proc/self/pagemap` (which needs CAP_SYS_ADMIN). Locked pages stay where they are, so
     /// the device may keep using these addresses for as long as the region lives.
     pub fn new_pinned(len: u64, huge: bool) -> Result<Arc<Region>> {
-        let mut region = Self::map(len, huge)?;
-        region.addressing = DeviceAddressing::Pages(lock_and_locate(
-            region.addr(),
-            region.len,
-            region.page_size,
-        )?);
-        Ok(Arc::new(region))
+        Self::map(len, huge)?.locked().map(Arc::new)
     }
 
     /// Makes `addr..addr + len` (page-aligned) of this process's memory shared with a
@@ -210,7 +266,7 @@ impl Region {
     /// The range must be memory of this process that nothing writes during the call (writes
     /// between the copy and the remap would be lost) and that the program does not unmap or
     /// remap while the device uses it.
-    pub unsafe fn share_in_place(addr: u64, len: u64) -> Result<Arc<Region>> {
+    pub unsafe fn share_in_place(addr: u64, len: u64) -> Result<Region> {
         check_page_range(addr, len)?;
         let file = sealed_memfd(c"vrdma-user-memory", len, false)?;
         let fd = file.as_raw_fd();
@@ -249,12 +305,12 @@ impl Region {
         if ptr == libc::MAP_FAILED {
             return Err(Error::SharedMemory(std::io::Error::last_os_error()));
         }
-        Ok(Arc::new(Self::program_memory(
+        Ok(Self::program_memory(
             Some(file),
             addr,
             len,
             DeviceAddressing::SameAsProcess,
-        )))
+        ))
     }
 
     /// Makes `addr..addr + len` (page-aligned) of this process's memory reachable by the
@@ -295,27 +351,9 @@ impl Region {
         let page_size = if huge { HUGE_PAGE_SIZE } else { PAGE_SIZE };
         let len = len.max(page_size).next_multiple_of(page_size);
         let file = sealed_memfd(c"vrdma-guest", len, huge)?;
-        // Huge pages are taken now, so that too few reserved fails here, not later as a
-        // SIGBUS. Base pages come as they are first touched: a region's memory is paid for by
-        // what uses it (a QP's rings), not all at once by whichever call made it grow.
-        let populate = if huge { libc::MAP_POPULATE } else { 0 };
-        // SAFETY: a shared mapping of the whole file at a kernel-chosen address; checked.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | populate,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::SharedMemory(std::io::Error::last_os_error()));
-        }
         Ok(Region {
+            base: map_shared(&file, len, huge)?,
             file: Some(file),
-            base: NonNull::new(ptr.cast()).expect("mmap never returns page 0"),
             len,
             page_size,
             addressing: DeviceAddressing::SameAsProcess,
@@ -372,6 +410,59 @@ impl Region {
         contiguous.then_some(first + offset % self.page_size)
     }
 
+    /// Each run of the region's pages that the device sees back to back, as `(device
+    /// address, offset in the region, length)`.
+    pub fn device_runs(&self) -> Vec<(u64, u64, u64)> {
+        let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+        for (index, page) in self.device_pages(0, self.len).enumerate() {
+            match runs.last_mut() {
+                Some((start, _, len)) if *start + *len == page => *len += self.page_size,
+                _ => runs.push((page, index as u64 * self.page_size, self.page_size)),
+            }
+        }
+        runs
+    }
+
+    /// Fails unless `offset..offset + len` lies inside the region.
+    fn check_span(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    /// Copies the bytes at `offset` out of the region.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.check_span(offset, out.len() as u64)?;
+        // SAFETY: `offset..offset + out.len()` is inside the mapping (checked), which cannot
+        // overlap `out`; the bytes are plain memory, whatever another process writes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base.as_ptr().add(offset as usize),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// A buffer over `offset..offset + len` of the region as it is, neither zeroed nor taken
+    /// from its heap: memory another process laid out, such as the service's notify area.
+    pub fn view(self: &Arc<Self>, offset: u64, len: u64) -> Result<SharedBuffer> {
+        self.check_span(offset, len)?;
+        Ok(SharedBuffer {
+            region: Arc::clone(self),
+            offset,
+            len,
+            align: 1,
+            pooled: false,
+        })
+    }
+
     /// A zeroed buffer of `len` bytes aligned to `align` (a power of two), if there is room.
     pub fn alloc(self: &Arc<Self>, len: u64, align: u64) -> Option<SharedBuffer> {
         let len = len.max(1).next_multiple_of(8);
@@ -385,6 +476,7 @@ impl Region {
             offset,
             len,
             align,
+            pooled: true,
         };
         buffer.zero();
         Some(buffer)
@@ -403,6 +495,31 @@ impl Drop for Region {
             unsafe { libc::munlock(self.base.as_ptr().cast(), self.len as usize) };
         }
     }
+}
+
+/// A shared mapping of the first `len` bytes of `file` (which cannot shrink below them) at an
+/// address the kernel chooses. With `populate`, its pages are taken now: huge pages, so that
+/// too few reserved fails here, not later as a SIGBUS. Base pages come as they are first
+/// touched: a region's memory is paid for by what uses it (a QP's rings), not all at once by
+/// whichever call made it grow.
+fn map_shared(file: &File, len: u64, populate: bool) -> Result<NonNull<u8>> {
+    let populate = if populate { libc::MAP_POPULATE } else { 0 };
+    // SAFETY: a new shared mapping at a kernel-chosen address, of a file the caller checked
+    // covers it; the result is checked.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | populate,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(Error::SharedMemory(std::io::Error::last_os_error()));
+    }
+    Ok(NonNull::new(ptr.cast()).expect("mmap never returns page 0"))
 }
 
 fn check_page_range(addr: u64, len: u64) -> Result<()> {
@@ -445,6 +562,8 @@ pub struct SharedBuffer {
     len: u64,
     /// The alignment it was allocated with, which says which pool it returns to.
     align: u64,
+    /// Whether it came from the region's heap (and goes back to it), or is a view.
+    pooled: bool,
 }
 
 impl std::fmt::Debug for SharedBuffer {
@@ -689,6 +808,9 @@ impl RegionSet {
 
 impl Drop for SharedBuffer {
     fn drop(&mut self) {
+        if !self.pooled {
+            return;
+        }
         self.region
             .heap
             .lock()
@@ -833,7 +955,7 @@ mod tests {
         let share = |start, len| {
             made.borrow_mut().push((start, len));
             // SAFETY: nothing else uses this test's memory.
-            unsafe { Region::share_in_place(start, len) }
+            unsafe { Region::share_in_place(start, len) }.map(Arc::new)
         };
         // Bytes 100..4200: pages 0 and 1.
         // SAFETY: the test's own mapping, which nothing else uses or writes meanwhile.

@@ -1,12 +1,15 @@
 //! How guest-lib reaches the device. Everything above this trait — the verbs API and the wire
 //! protocol — is the same for every transport.
 
+use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use vrdma_spec::config::DeviceConfig;
+use vrdma_spec::config::{DeviceConfig, FIRST_NOTIFY_QUEUE};
 use vrdma_spec::ring::Event;
 
-use crate::shm::SharedBuffer;
+use std::sync::Arc;
+
+use crate::shm::{Region, SharedBuffer};
 use crate::{Error, Result};
 
 pub trait Transport: Send + Sync {
@@ -43,6 +46,36 @@ pub trait Transport: Send + Sync {
     /// (entirely) in memory shared with the device.
     fn device_pages(&self, addr: u64, len: u64) -> Option<(u64, Vec<u64>)>;
 
+    /// Makes `region`, memory of another process mapped into this one (a memfd it passed,
+    /// [`Region::from_file`]), reachable by the device, for a driver that serves several
+    /// programs (the guest service): in direct attach it is added to the backend's memory
+    /// table, in a VM its pages are locked. The returned region knows the device's address of
+    /// each of its pages.
+    fn adopt(&self, _region: Region) -> Result<Arc<Region>> {
+        Err(Error::InvalidArgument(
+            "only the device's own driver can share another program's memory with it".into(),
+        ))
+    }
+
+    /// Undoes [`Transport::adopt`] once the device no longer uses the region.
+    fn forget(&self, _region: &Region) -> Result<()> {
+        Ok(())
+    }
+
+    /// The notify area and doorbell bitmap (SPEC.md §8.5) when the device's driver set them
+    /// up before this transport was handed out (a program served by the guest service);
+    /// `None` when whoever opens the device issues SET_NOTIFY_AREA itself.
+    fn notify_area(&self) -> Option<(SharedBuffer, SharedBuffer)> {
+        None
+    }
+
+    /// A way to kick the device that does nothing else, which a driver serving several
+    /// programs (the guest service) can hand them so that their kicks do not pass through it:
+    /// in a VM, the PCI device's notification port ([`NotifyPort`]), when it has one.
+    fn notify_port(&self) -> Option<&NotifyPort> {
+        None
+    }
+
     /// Whether the device is known to be gone for good (a direct attachment whose backend
     /// closed the socket). Cheap enough to ask whenever a wait for events times out.
     fn disconnected(&self) -> bool {
@@ -59,5 +92,27 @@ pub trait Transport: Send + Sync {
         Err(Error::InvalidArgument(
             "only a direct attachment has kick descriptors to renew".into(),
         ))
+    }
+}
+
+/// A file where writing a virtqueue's index (2 bytes, little-endian) at `offset` notifies that
+/// queue: the sysfs file of a PCI I/O BAR that holds only a virtio notification structure with
+/// a multiplier of 0 (the PCI transport finds it: `VirtioCapabilities::notify_port`).
+#[derive(Debug)]
+pub struct NotifyPort {
+    pub file: std::fs::File,
+    pub offset: u64,
+}
+
+impl NotifyPort {
+    /// Kicks notification queue `queue` (0-based).
+    pub fn kick(&self, queue: u32) -> Result<()> {
+        let index = u16::try_from(queue)
+            .ok()
+            .and_then(|queue| queue.checked_add(FIRST_NOTIFY_QUEUE))
+            .ok_or_else(|| Error::InvalidArgument(format!("no notification queue {queue}")))?;
+        self.file
+            .write_all_at(&index.to_le_bytes(), self.offset)
+            .map_err(Error::Transport)
     }
 }

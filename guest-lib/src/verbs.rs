@@ -2,6 +2,7 @@
 //! device when dropped. Children keep their parents alive (a QP its PD and CQs, an MR its PD).
 
 mod posting;
+pub mod work;
 
 pub use posting::{encode_recv, encode_send, Chain, SendShape};
 
@@ -11,30 +12,29 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use vrdma_spec::codec::{
-    doorbell_bitmap_bytes, doorbell_word, recv_wqe_shift, ring_pending, ring_slot, send_wqe_shift,
-    sge_offset, ArmRequest, SendHeader, UdAddress, WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
+    doorbell_bitmap_bytes, doorbell_word, notify_area_bytes, notify_state_offset, recv_wqe_shift,
+    ring_pending, ring_slot, send_wqe_shift, sge_offset, ArmRequest, SendHeader, UdAddress,
+    WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
 };
 use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::ctrl::{
     qp_type, CreateAhRequest, CreateCqRequest, CreateQpRequest, CreateQpResponse, CreateSrqRequest,
     CreateSrqResponse, CreatedResponse, DeviceAttr, HandleRequest, ModifyQpRequest,
     ModifySrqRequest, Opcode, PortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
-    QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
-    SetNotifyAreaRequest, Status,
+    QueryPortRequest, RegMrRequest, RegMrResponse, ResponseHeader, SetNotifyAreaRequest, Status,
 };
 use vrdma_spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES, PAGE_LIST_ENTRIES_PER_PAGE};
 use vrdma_spec::ring::{
-    cqe_is_valid, event_kind, CqDoorbell, Cqe, NotifyState, QpDoorbell, RecvWqe, SendWqe,
-    Sge as WireSge, SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
+    cqe_is_valid, event_kind, CqDoorbell, Cqe, QpDoorbell, RecvWqe, SendWqe, Sge as WireSge,
+    SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
 use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64, SPEC_VERSION};
 
 use crate::direct::{DirectOptions, DirectTransport};
-use crate::pci::PciTransport;
 use crate::shm::{SharedBuffer, PAGE_SIZE};
 use crate::transport::Transport;
-use crate::work::{DeviceEvent, Payload, RecvWr, SendWr, WorkCompletion};
 use crate::{Error, Result};
+use work::{DeviceEvent, Payload, RecvWr, SendWr, WorkCompletion};
 
 struct DeviceInner {
     transport: Box<dyn Transport>,
@@ -50,14 +50,7 @@ pub struct Device {
 }
 
 fn encode<T: ByteValued>(opcode: Opcode, request: &T) -> Vec<u8> {
-    let header = RequestHeader {
-        opcode: Le16::from(opcode as u16),
-        flags: Le16::from(0),
-        length: Le32::from(std::mem::size_of::<T>() as u32),
-    };
-    let mut bytes = header.as_slice().to_vec();
-    bytes.extend_from_slice(request.as_slice());
-    bytes
+    vrdma_spec::ctrl::request_bytes(opcode as u16, request.as_slice())
 }
 
 /// An empty request or response payload.
@@ -79,7 +72,7 @@ impl DeviceInner {
             .atomic_u64(offset)?
             .fetch_or(mask, Ordering::Release);
         fence(Ordering::SeqCst);
-        let offset = u64::from(queue) * std::mem::size_of::<NotifyState>() as u64;
+        let offset = notify_state_offset(queue);
         let flags = self.notify_area.atomic_u32(offset)?.load(Ordering::SeqCst);
         if flags & NOTIFY_NEED_WAKEUP != 0 {
             self.kicks.fetch_add(1, Ordering::Relaxed);
@@ -155,58 +148,74 @@ impl DeviceInner {
             .transport
             .device_pages(addr, len)
             .ok_or(Error::NotShared { addr, len })?;
-        let entries =
-            |pages: &[u64]| -> Vec<u8> { pages.iter().flat_map(|p| p.to_le_bytes()).collect() };
-        let list_page = |bytes: &[u8]| -> Result<SharedBuffer> {
-            let page = self.transport.alloc(PAGE_SIZE, PAGE_SIZE)?;
-            page.write(0, bytes)?;
-            Ok(page)
-        };
-        let npages = u32::try_from(pages.len())
-            .map_err(|_| Error::InvalidArgument("range too large".into()))?;
-        let mut keep = Vec::new();
-        let form = if npages <= MAX_DIRECT_PAGES {
-            keep.push(list_page(&entries(&pages))?);
-            PageListForm::Direct
-        } else {
-            let mut tops = Vec::new();
-            for chunk in pages.chunks(PAGE_LIST_ENTRIES_PER_PAGE as usize) {
-                let page = list_page(&entries(chunk))?;
-                tops.push(page.device_addr()?);
-                keep.push(page);
-            }
-            if tops.len() > PAGE_LIST_ENTRIES_PER_PAGE as usize {
-                return Err(Error::InvalidArgument(format!(
-                    "{npages} pages exceed one indirect list"
-                )));
-            }
-            keep.insert(0, list_page(&entries(&tops))?);
-            PageListForm::Indirect
-        };
-        let list = PageList {
-            addr: Le64::from(keep[0].device_addr()?),
-            npages: Le32::from(npages),
-            page_shift: page_size.trailing_zeros() as u8,
-            form: form as u8,
-            reserved: Le16::from(0),
-        };
-        Ok((list, keep))
+        page_list(&*self.transport, page_size, &pages)
     }
 }
 
-impl Device {
-    /// Opens the device `target` names, choosing the transport at run time:
-    /// - `pci`: the first vrdma PCI device of the VM this runs in (see [`PciTransport`]);
-    /// - `pci:DDDD:BB:DD.F`: the vrdma PCI device at that address;
-    /// - anything else: the path of a backend's vhost-user socket, attached directly.
-    pub fn open(target: &str) -> Result<Device> {
-        match target.strip_prefix("pci") {
-            Some("") => Self::with_transport(Box::new(PciTransport::open(None)?)),
-            Some(address) if address.starts_with(':') => {
-                Self::with_transport(Box::new(PciTransport::open(Some(&address[1..]))?))
-            }
-            _ => Self::attach(target),
+/// A page list (SPEC.md §6) of `pages`, each `page_size` bytes at the device address given,
+/// written into memory `transport` allocates; returns it with the list pages it lives in,
+/// which must be kept until the device has taken the command naming it.
+pub fn page_list(
+    transport: &dyn Transport,
+    page_size: u64,
+    pages: &[u64],
+) -> Result<(PageList, Vec<SharedBuffer>)> {
+    let entries =
+        |pages: &[u64]| -> Vec<u8> { pages.iter().flat_map(|p| p.to_le_bytes()).collect() };
+    let list_page = |bytes: &[u8]| -> Result<SharedBuffer> {
+        let page = transport.alloc(PAGE_SIZE, PAGE_SIZE)?;
+        page.write(0, bytes)?;
+        Ok(page)
+    };
+    let npages =
+        u32::try_from(pages.len()).map_err(|_| Error::InvalidArgument("range too large".into()))?;
+    let mut keep = Vec::new();
+    let form = if npages <= MAX_DIRECT_PAGES {
+        keep.push(list_page(&entries(pages))?);
+        PageListForm::Direct
+    } else {
+        let mut tops = Vec::new();
+        for chunk in pages.chunks(PAGE_LIST_ENTRIES_PER_PAGE as usize) {
+            let page = list_page(&entries(chunk))?;
+            tops.push(page.device_addr()?);
+            keep.push(page);
         }
+        if tops.len() > PAGE_LIST_ENTRIES_PER_PAGE as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{npages} pages exceed one indirect list"
+            )));
+        }
+        keep.insert(0, list_page(&entries(&tops))?);
+        PageListForm::Indirect
+    };
+    let list = PageList {
+        addr: Le64::from(keep[0].device_addr()?),
+        npages: Le32::from(npages),
+        page_shift: page_size.trailing_zeros() as u8,
+        form: form as u8,
+        reserved: Le16::from(0),
+    };
+    Ok((list, keep))
+}
+
+/// Zeroed memory for the notify area and doorbell bitmap of the device `transport` reaches.
+fn alloc_notify_area(transport: &dyn Transport) -> Result<(SharedBuffer, SharedBuffer)> {
+    let config = transport.config();
+    let notify_area = transport.alloc(
+        notify_area_bytes(config.num_notify_queues.to_native()),
+        PAGE_SIZE,
+    )?;
+    let doorbell_bitmap = transport.alloc(
+        doorbell_bitmap_bytes(config.max_qp.to_native(), config.max_srq.to_native()),
+        PAGE_SIZE,
+    )?;
+    Ok((notify_area, doorbell_bitmap))
+}
+
+impl Device {
+    /// Opens the device `target` names (see [`crate::target::open`]).
+    pub fn open(target: &str) -> Result<Device> {
+        Self::with_transport(crate::target::open(target)?)
     }
 
     /// Attaches directly to the backend's vhost-user socket (a process or container on the
@@ -230,16 +239,18 @@ impl Device {
                 "the device implements specification version {version}, this library version {SPEC_VERSION}"
             )));
         }
-        let queues = transport.config().num_notify_queues.to_native() as u64;
-        let notify_area = transport.alloc(
-            queues * std::mem::size_of::<NotifyState>() as u64,
-            PAGE_SIZE,
-        )?;
-        let config = transport.config();
-        let doorbell_bitmap = transport.alloc(
-            doorbell_bitmap_bytes(config.max_qp.to_native(), config.max_srq.to_native()),
-            PAGE_SIZE,
-        )?;
+        if let Some((notify_area, doorbell_bitmap)) = transport.notify_area() {
+            // The device's driver (the guest service) set the area up for every program.
+            return Ok(Device {
+                inner: Arc::new(DeviceInner {
+                    transport,
+                    notify_area,
+                    doorbell_bitmap,
+                    kicks: AtomicU64::new(0),
+                }),
+            });
+        }
+        let (notify_area, doorbell_bitmap) = alloc_notify_area(&*transport)?;
         let request = SetNotifyAreaRequest {
             addr: Le64::from(notify_area.device_addr()?),
             doorbell_bitmap: Le64::from(doorbell_bitmap.device_addr()?),

@@ -490,6 +490,16 @@ impl NotifyState {
     pub const KICKS: u64 = offset_of!(NotifyState, kicks) as u64;
 }
 
+/// Where notification queue `queue`'s state is in the notify area (§8.5).
+pub fn notify_state_offset(queue: u32) -> u64 {
+    u64::from(queue) * std::mem::size_of::<NotifyState>() as u64
+}
+
+/// Bytes of the notify area of a device with `num_notify_queues` (§8.5).
+pub fn notify_area_bytes(num_notify_queues: u32) -> u64 {
+    notify_state_offset(num_notify_queues)
+}
+
 /// Bits of the doorbell bitmap (§8.5): one per QP and SRQ the device allows, in whole
 /// 64-bit words.
 pub fn doorbell_bitmap_bits(max_qp: u32, max_srq: u32) -> u32 {

@@ -98,6 +98,17 @@ wire_enum! {
     }
 }
 
+/// A control request's bytes (SPEC.md §5.1): the header for `opcode` and `payload`, its
+/// `length` the payload's.
+pub fn request_bytes(opcode: u16, payload: &[u8]) -> Vec<u8> {
+    let header = RequestHeader {
+        opcode: Le16::from(opcode),
+        flags: Le16::from(0),
+        length: Le32::from(payload.len() as u32),
+    };
+    [crate::ByteValued::as_slice(&header), payload].concat()
+}
+
 impl Opcode {
     /// Payload size of the request, in bytes: `RequestHeader::length` must equal it.
     pub const fn request_size(self) -> usize {

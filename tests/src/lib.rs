@@ -359,14 +359,143 @@ pub fn backend_refuses(socket: &std::path::Path, args: &[&str]) -> String {
 
 /// The backend binary, `vhost-user-rdma`, as the workspace built it.
 pub fn backend_binary() -> std::path::PathBuf {
+    workspace_binary("vhost-user-rdma")
+}
+
+/// A binary of the workspace, `name`, as the workspace built it (debug).
+pub fn workspace_binary(name: &str) -> std::path::PathBuf {
     let binary = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/debug/vhost-user-rdma");
+        .join("../target/debug")
+        .join(name);
     assert!(
         binary.exists(),
         "no {}: build the workspace's binaries first (cargo build --workspace --bins)",
         binary.display()
     );
     binary
+}
+
+/// Copies of workspace files for programs the tests run as another user (nobody): the
+/// checkout may lie below a folder only its owner may enter (a home, or a `mktemp -d`
+/// folder), so such programs run from copies in a folder of the temporary directory that
+/// everyone may read. Removed when dropped.
+pub struct UnprivilegedCopies(std::path::PathBuf);
+
+impl UnprivilegedCopies {
+    pub fn new() -> UnprivilegedCopies {
+        use std::os::unix::fs::PermissionsExt;
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("vrdma-unprivileged-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the folder for unprivileged copies");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+            .expect("open the folder for unprivileged copies to all");
+        UnprivilegedCopies(dir)
+    }
+
+    /// A copy of `path` (a file, or a folder with what it holds), which everyone may read
+    /// and, where its owner may, execute.
+    pub fn copy(&self, path: &std::path::Path) -> std::path::PathBuf {
+        let name = path.file_name().expect("a file or folder name");
+        let copy = self.0.join(name);
+        let succeeds = |command: &mut std::process::Command| {
+            command.status().is_ok_and(|status| status.success())
+        };
+        let copied = succeeds(
+            std::process::Command::new("cp")
+                .arg("-r")
+                .arg(path)
+                .arg(&copy),
+        ) && succeeds(
+            std::process::Command::new("chmod")
+                .args(["-R", "a+rX"])
+                .arg(&copy),
+        );
+        assert!(
+            copied,
+            "copying {} for unprivileged use failed",
+            path.display()
+        );
+        copy
+    }
+}
+
+impl Default for UnprivilegedCopies {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for UnprivilegedCopies {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The guest service, `vrdmad`, as a process sharing the device behind `device` (a
+/// backend's socket) on a socket of its own, [`ServiceProcess::socket`]; `args` are added
+/// to its command line and its log goes to [`ServiceProcess::log`]. Killed when dropped.
+pub struct ServiceProcess {
+    pub child: std::process::Child,
+    pub socket: std::path::PathBuf,
+}
+
+impl ServiceProcess {
+    pub fn start(device: &std::path::Path, args: &[&str]) -> ServiceProcess {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let socket =
+            std::env::temp_dir().join(format!("vrdmad-test-{}-{n}.sock", std::process::id()));
+        let log = std::fs::File::create(socket.with_extension("log")).expect("create its log");
+        let child = std::process::Command::new(workspace_binary("vrdmad"))
+            .arg("--device")
+            .arg(device)
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stderr(log)
+            .spawn()
+            .expect("start vrdmad");
+        let mut service = ServiceProcess { child, socket };
+        service.wait_for_log("`listening on`", |log| log.contains("listening on"));
+        service
+    }
+
+    /// The device target programs name to reach the service.
+    pub fn target(&self) -> String {
+        format!("service:{}", self.socket.display())
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.socket.with_extension("log")).unwrap_or_default()
+    }
+
+    /// Waits up to 10 s for the service's log to satisfy `done`, and returns it; fails if
+    /// the service exits meanwhile.
+    pub fn wait_for_log(&mut self, awaited: &str, mut done: impl FnMut(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = self.log();
+            if done(&log) {
+                return log;
+            }
+            if let Some(status) = self.child.try_wait().expect("poll vrdmad") {
+                panic!("vrdmad exited ({status}) waiting for {awaited}:\n{log}");
+            }
+            assert!(Instant::now() < deadline, "no {awaited} in:\n{log}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for ServiceProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// Where [`spawn_backend_process`] writes the log of the backend listening on `socket`.
@@ -424,6 +553,22 @@ pub fn wait_for_host_counts_within(
     }
 }
 
+/// CPU time (user + system) the process (or thread: `PID/task/TID`) `pid` has used.
+pub fn cpu_time(pid: impl std::fmt::Display) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces), from field 3 on.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf reads a constant of the system.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis(ticks * 1000 / per_second)
+}
+
 /// A global route to `gid` from source GID index `sgid_index` on port 1, one hop.
 pub fn route_to(sgid_index: u32, gid: vrdma_guest::Gid) -> vrdma_guest::AhAttr {
     vrdma_guest::AhAttr {
@@ -461,6 +606,74 @@ pub fn connect_to_itself(
 ) -> vrdma_guest::Result<()> {
     let (gid, _) = device.query_gid(0)?;
     connect_guest_qp(qp, 0, gid, qp.qp_num())
+}
+
+/// A guest that checks it is still served: two QPs of its own connected to each other, and an
+/// RDMA WRITE between two pages of its MR whose bytes are checked where they land.
+pub struct WritingGuest {
+    pub qp: vrdma_guest::QueuePair,
+    _peer: vrdma_guest::QueuePair,
+    pub cq: vrdma_guest::CompletionQueue,
+    pub mr: vrdma_guest::MemoryRegion,
+    pub buffer: vrdma_guest::SharedBuffer,
+    pub device: vrdma_guest::Device,
+}
+
+impl WritingGuest {
+    const PAGE: u64 = 4096;
+
+    /// Sets it up on the device `target` names (see `Device::open`).
+    pub fn open(target: &str) -> WritingGuest {
+        use vrdma_guest::{access, QpType, QueuePair};
+        let device =
+            vrdma_guest::Device::open(target).unwrap_or_else(|e| panic!("opening {target}: {e}"));
+        let pd = device.alloc_pd().unwrap();
+        let cq = device.create_cq(16).unwrap();
+        let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+        let peer = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+        let (gid_index, gid) = device.gid().unwrap();
+        connect_guest_qp(&qp, gid_index as u8, gid, peer.qp_num()).unwrap();
+        connect_guest_qp(&peer, gid_index as u8, gid, qp.qp_num()).unwrap();
+        let buffer = device.alloc_buffer(2 * Self::PAGE).unwrap();
+        let mr = pd
+            .reg_mr(
+                &buffer,
+                access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ,
+            )
+            .unwrap();
+        WritingGuest {
+            qp,
+            _peer: peer,
+            cq,
+            mr,
+            buffer,
+            device,
+        }
+    }
+
+    /// Writes `seed`s from the first page to the second and checks them there.
+    pub fn still_served(&self, seed: u8) {
+        use vrdma_guest::{Payload, SendOp, SendWr, Sge};
+        let message = [seed; 64];
+        self.buffer.write(0, &message).unwrap();
+        let write = SendOp::RdmaWrite {
+            remote_addr: self.buffer.addr() + Self::PAGE,
+            rkey: self.mr.rkey(),
+        };
+        let sge = [Sge {
+            addr: self.buffer.addr(),
+            length: message.len() as u32,
+            lkey: self.mr.lkey(),
+        }];
+        self.qp
+            .post_send(&[SendWr::new(u64::from(seed), write, Payload::Sges(&sge))])
+            .unwrap();
+        let done = wait_for_guest_completions(&self.cq, 1);
+        assert!(done[0].is_success(), "write {seed}: {:?}", done[0]);
+        let mut landed = [0u8; 64];
+        self.buffer.read(Self::PAGE, &mut landed).unwrap();
+        assert_eq!(landed, message, "write {seed}");
+    }
 }
 
 /// Polls a guest-lib CQ until `count` completions arrived.
@@ -591,13 +804,7 @@ impl EndpointAddress {
 
 /// A raw control request: the header for `opcode`, then `payload`'s bytes.
 pub fn control_request<T: vrdma_guest::spec::ByteValued>(opcode: u16, payload: &T) -> Vec<u8> {
-    use vrdma_guest::spec::{ctrl::RequestHeader, ByteValued, Le16, Le32};
-    let header = RequestHeader {
-        opcode: Le16::from(opcode),
-        flags: Le16::from(0),
-        length: Le32::from(std::mem::size_of::<T>() as u32),
-    };
-    [header.as_slice(), payload.as_slice()].concat()
+    vrdma_guest::spec::ctrl::request_bytes(opcode, payload.as_slice())
 }
 
 /// The status of a raw control response.

@@ -14,13 +14,10 @@ use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures}
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo};
 use vrdma_guest::spec::config::features;
-use vrdma_guest::{
-    access, Device, Error, MemoryRegion, Payload, QpType, QueuePair, SendOp, SendWr, Sge,
-    SharedBuffer,
-};
+use vrdma_guest::{Device, Error, Payload, QpType, QueuePair, SendOp, SendWr, Sge};
 use vrdma_tests::{
-    connect_guest_qp, connect_to_itself, spawn_backend_process, wait_for_backend_log,
-    wait_for_guest_completions, BackendProcess,
+    connect_guest_qp, connect_to_itself, cpu_time, spawn_backend_process, wait_for_backend_log,
+    wait_for_guest_completions, BackendProcess, WritingGuest,
 };
 
 const PAGE: u64 = 4096;
@@ -32,63 +29,10 @@ fn socket(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("vrdma-{name}-{}.sock", std::process::id()))
 }
 
-/// A guest that checks it is still served: an RDMA WRITE between two of its own QPs, the
-/// bytes checked where they land.
-struct Victim {
-    qp: QueuePair,
-    _peer: QueuePair,
-    cq: vrdma_guest::CompletionQueue,
-    mr: MemoryRegion,
-    buffer: SharedBuffer,
-    device: Device,
-}
-
-impl Victim {
-    fn attach(socket: &Path) -> Victim {
-        let device = Device::attach(socket).expect("the victim attaches");
-        let pd = device.alloc_pd().unwrap();
-        let cq = device.create_cq(16).unwrap();
-        let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
-        let peer = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
-        let (gid_index, gid) = device.gid().unwrap();
-        connect_guest_qp(&qp, gid_index as u8, gid, peer.qp_num()).unwrap();
-        connect_guest_qp(&peer, gid_index as u8, gid, qp.qp_num()).unwrap();
-        let buffer = device.alloc_buffer(2 * PAGE).unwrap();
-        let mr = pd
-            .reg_mr(&buffer, access::LOCAL_WRITE | access::REMOTE_WRITE)
-            .unwrap();
-        Victim {
-            qp,
-            _peer: peer,
-            cq,
-            mr,
-            buffer,
-            device,
-        }
-    }
-
-    /// Writes `seed`s from the first page to the second and checks them there.
-    fn still_served(&self, seed: u8) {
-        let message = [seed; 64];
-        self.buffer.write(0, &message).unwrap();
-        let write = SendOp::RdmaWrite {
-            remote_addr: self.buffer.addr() + PAGE,
-            rkey: self.mr.rkey(),
-        };
-        let sge = [Sge {
-            addr: self.buffer.addr(),
-            length: message.len() as u32,
-            lkey: self.mr.lkey(),
-        }];
-        self.qp
-            .post_send(&[SendWr::new(u64::from(seed), write, Payload::Sges(&sge))])
-            .unwrap();
-        let done = wait_for_guest_completions(&self.cq, 1);
-        assert!(done[0].is_success(), "victim write {seed}: {:?}", done[0]);
-        let mut landed = [0u8; 64];
-        self.buffer.read(PAGE, &mut landed).unwrap();
-        assert_eq!(landed, message, "victim write {seed}");
-    }
+/// A guest attached to the backend on `socket` that checks it is still served (the victim,
+/// which keeps working throughout, or a newcomer).
+fn served_guest(socket: &Path) -> WritingGuest {
+    WritingGuest::open(socket.to_str().expect("a UTF-8 socket path"))
 }
 
 /// A front end of its own making, past vhost-user's feature negotiation, ready to send a
@@ -174,7 +118,7 @@ fn assert_alive(backend: &mut Child) {
 fn memory_the_backend_could_fault_on_is_refused_and_every_guest_is_served_on() {
     let socket = socket("sigbus");
     let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
-    let victim = Victim::attach(&socket);
+    let victim = served_guest(&socket);
     victim.still_served(1);
 
     let gpa = 1 << 32;
@@ -236,7 +180,7 @@ fn memory_the_backend_could_fault_on_is_refused_and_every_guest_is_served_on() {
     drop(frontend);
 
     // guest-lib's own memory is sealed the same way, so a guest-lib guest is served as ever.
-    let newcomer = Victim::attach(&socket);
+    let newcomer = served_guest(&socket);
     newcomer.still_served(10);
     victim.still_served(11);
     stop_alive(backend);
@@ -252,7 +196,7 @@ fn memory_the_backend_could_fault_on_is_refused_and_every_guest_is_served_on() {
 fn a_second_guest_on_an_unshared_gid_is_refused_and_served_once_the_first_is_gone() {
     let socket = socket("one-gid");
     let mut backend = spawn_backend_process(&socket, &[]);
-    let victim = Victim::attach(&socket);
+    let victim = served_guest(&socket);
     victim.still_served(1);
     let start = Instant::now();
     match Device::attach(&socket) {
@@ -269,7 +213,7 @@ fn a_second_guest_on_an_unshared_gid_is_refused_and_served_once_the_first_is_gon
     drop(victim);
     // The next guest is served as soon as the first is gone, even while it is being torn
     // down (a program that opens the device twice in a row).
-    let next = Victim::attach(&socket);
+    let next = served_guest(&socket);
     next.still_served(3);
     stop_alive(backend);
 }
@@ -287,22 +231,6 @@ fn a_guest_that_reconnects_at_once_is_served_on_an_unshared_gid() {
         assert!(Instant::now() < deadline);
     }
     stop_alive(backend);
-}
-
-/// CPU time (user + system) the process `pid` has used.
-fn cpu_time(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    // Fields after the command name (which may hold spaces), from field 3 on.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .unwrap()
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-    // SAFETY: sysconf reads a constant of the system.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
-    Duration::from_millis(ticks * 1000 / per_second)
 }
 
 /// CPU time by thread name, for the record.
@@ -339,7 +267,7 @@ fn poller_sleeps(pid: u32) -> u64 {
 
 /// The backend's CPU time while `quiet` does 50 checked writes, over 3 s at least; the time
 /// the writes took; the time it all took.
-fn cpu_while_served(pid: u32, quiet: &Victim) -> (Duration, Duration, Duration) {
+fn cpu_while_served(pid: u32, quiet: &WritingGuest) -> (Duration, Duration, Duration) {
     let (before, start) = (cpu_time(pid), Instant::now());
     for seed in 1..=50 {
         quiet.still_served(seed);
@@ -362,7 +290,7 @@ fn a_driver_ringing_every_doorbell_in_a_loop_costs_the_backend_little() {
     let socket = socket("storm");
     let backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let pid = backend.id();
-    let quiet = Victim::attach(&socket);
+    let quiet = served_guest(&socket);
     let stormer = Device::attach(&socket).unwrap();
     let pd = stormer.alloc_pd().unwrap();
     let cq = stormer.create_cq(16).unwrap();
@@ -420,7 +348,7 @@ fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
     let pid = backend.id();
     let guests: Vec<_> = (0..4)
         .map(|_| {
-            let victim = Victim::attach(&socket);
+            let victim = served_guest(&socket);
             victim.still_served(1);
             let cqs: Vec<_> = (0..32)
                 .map(|_| victim.device.create_cq(16).unwrap())
@@ -456,7 +384,7 @@ fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
 fn kick_descriptors_renewed_on_running_queues_are_taken() {
     let socket = socket("renew-kick");
     let backend = spawn_backend_process(&socket, &[]);
-    let guest = Victim::attach(&socket);
+    let guest = served_guest(&socket);
     guest.still_served(1);
     guest.device.renew_kick_descriptors().unwrap();
     // The control queue hears the new descriptor.
@@ -559,15 +487,15 @@ fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
     assert!(refused.contains("that does not share it"), "{refused}");
     // Started by mistake on the first one's socket, it is refused before it touches it.
     vrdma_tests::backend_refuses(&first_socket, &[]);
-    Victim::attach(&first_socket).still_served(1);
+    served_guest(&first_socket).still_served(1);
     first.kill().unwrap();
     first.wait().unwrap();
 
     // Backends that all share the GID serve side by side.
     let first = spawn_backend_process(&first_socket, &["--shared-gid"]);
     let second = spawn_backend_process(&second_socket, &["--shared-gid"]);
-    Victim::attach(&first_socket).still_served(2);
-    Victim::attach(&second_socket).still_served(3);
+    served_guest(&first_socket).still_served(2);
+    served_guest(&second_socket).still_served(3);
     stop_alive(first);
     stop_alive(second);
 }
@@ -582,7 +510,7 @@ fn a_qp_cannot_connect_to_another_guests_qp_that_is_connected_elsewhere() {
     use vrdma_guest::{QpState, Status};
     let socket = socket("foreign-qp");
     let backend = spawn_backend_process(&socket, &["--shared-gid"]);
-    let victim = Victim::attach(&socket);
+    let victim = served_guest(&socket);
     let attacker = Device::attach(&socket).unwrap();
     let pd = attacker.alloc_pd().unwrap();
     let cq = attacker.create_cq(16).unwrap();

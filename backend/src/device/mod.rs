@@ -10,7 +10,7 @@ pub mod validate;
 use std::sync::Arc;
 
 use vm_memory::GuestMemoryBackend;
-use vrdma_spec::codec::{doorbell_bitmap_bits, doorbell_bitmap_bytes};
+use vrdma_spec::codec::{doorbell_bitmap_bits, doorbell_bitmap_bytes, notify_area_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     device_cap, gid_type, CreateAhRequest, CreateCqRequest, CreateQpRequest, CreateQpResponse,
@@ -831,8 +831,7 @@ impl Device {
             return Err(Refusal::NotifyAreaSet.into());
         }
         let addr = req.addr.to_native();
-        let len = self.config.num_notify_queues.to_native() as u64
-            * std::mem::size_of::<NotifyState>() as u64;
+        let len = notify_area_bytes(self.config.num_notify_queues.to_native());
         if addr % 4096 + len > 4096 {
             return Err(Refusal::NotifyAreaCrossesPage.into());
         }

@@ -183,7 +183,7 @@ pub fn encode_recv(
 }
 
 fn write_sges(
-    sges: &[crate::work::Sge],
+    sges: &[super::work::Sge],
     header: usize,
     write: &mut impl FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<()> {

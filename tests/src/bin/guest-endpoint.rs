@@ -16,6 +16,13 @@
 //!        guest-endpoint pong DEVICE N  as `rc`, then echoes N messages, verifying each
 //!        guest-endpoint target DEVICE BYTES  a passive peer with a BYTES-long registered
 //!                                    buffer, driven line by line from stdin (see [`Target`])
+//!        guest-endpoint sleep DEVICE as `hold`, the QP connected to itself, then prints
+//!                                    `sleeping` and blocks in a wait for its armed CQ's
+//!                                    completion event; a line on stdin makes another thread
+//!                                    send the QP a message, whose completion wakes it: it
+//!                                    checks the message and prints `woken`; if the wait
+//!                                    fails (the device went), it prints `error: ...` and
+//!                                    exits with 1
 
 use std::io::BufRead;
 
@@ -24,7 +31,7 @@ use vrdma_guest::{
     QueuePair, RecvWr, SendOp, SendWr, Sge, SharedBuffer, SharedReceiveQueue,
 };
 use vrdma_tests::{
-    check_message, connect_guest_qp, ping_message, test_pattern, ud_to_rts,
+    check_message, connect_guest_qp, connect_to_itself, ping_message, test_pattern, ud_to_rts,
     wait_for_guest_completions, EndpointAddress, MESSAGE_LEN, RDMA_AREA,
 };
 
@@ -84,6 +91,39 @@ fn main() {
                 .expect("create QP");
             println!("reopened qpn={}", qp.qp_num());
         }
+        "sleep" => {
+            // Blocked in a completion-event wait on an armed CQ; on a line on stdin another
+            // thread sends the QP (connected to itself) a message, whose completion wakes it.
+            connect_to_itself(&device, &qp).expect("connect the QP to itself");
+            let endpoint = Endpoint::new(&qp, &cq, &buffer, &mr);
+            endpoint.post_recv(0);
+            cq.req_notify(false).expect("arm the CQ");
+            println!("sleeping");
+            std::thread::scope(|scope| {
+                scope.spawn(|| {
+                    let _ = std::io::stdin().lock().read_line(&mut String::new());
+                    endpoint.send(0, &ping_message(0));
+                });
+                loop {
+                    match device.wait_event(std::time::Duration::from_secs(3600)) {
+                        Ok(Some(vrdma_guest::DeviceEvent::CqCompletion(handle)))
+                            if handle == cq.handle() =>
+                        {
+                            break
+                        }
+                        Ok(_) => {}
+                        // The device went (a service restart): said and ended here, since
+                        // the scope would otherwise wait for the stdin reader forever.
+                        Err(e) => {
+                            println!("error: {e}");
+                            std::process::exit(1)
+                        }
+                    }
+                }
+            });
+            endpoint.receive(0);
+            println!("woken");
+        }
         "rc" | "ping" | "pong" => {
             let (gid_index, gid) = device.gid().expect("assigned GID");
             let address = EndpointAddress {
@@ -103,13 +143,7 @@ fn main() {
             qp.connect_rc(gid_index as u8, address.psn, &far)
                 .expect("connect to the peer");
             println!("state={:?}", qp.query().expect("query QP").qp_state);
-            let endpoint = Endpoint {
-                qp: &qp,
-                cq: &cq,
-                buffer: &buffer,
-                lkey: mr.lkey(),
-                addr: mr.addr(),
-            };
+            let endpoint = Endpoint::new(&qp, &cq, &buffer, &mr);
             match mode {
                 "ping" => endpoint.ping(count, &peer),
                 "pong" => endpoint.pong(count),
@@ -137,7 +171,22 @@ struct Endpoint<'a> {
 const SEND_AT: u64 = 0;
 const RECV_AT: u64 = 4096;
 
-impl Endpoint<'_> {
+impl<'a> Endpoint<'a> {
+    fn new(
+        qp: &'a QueuePair,
+        cq: &'a CompletionQueue,
+        buffer: &'a SharedBuffer,
+        mr: &MemoryRegion,
+    ) -> Endpoint<'a> {
+        Endpoint {
+            qp,
+            cq,
+            buffer,
+            lkey: mr.lkey(),
+            addr: mr.addr(),
+        }
+    }
+
     fn sge(&self, offset: u64, length: usize) -> Sge {
         Sge {
             addr: self.addr + offset,

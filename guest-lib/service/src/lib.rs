@@ -1,0 +1,547 @@
+//! vrdmad, the guest service: it owns the vrdma device of a VM (the PCI device) or one
+//! connection to a backend (on a host or in a container) and shares it among any number of
+//! programs, as a kernel driver with uverbs would.
+//!
+//! - A program connects to the service's unix socket (`vrdma_guest::service`); whoever may
+//!   open the socket may use RDMA.
+//! - The program's control requests pass through the service, which forwards them only when
+//!   every object they name is the program's and every page they name is memory the program
+//!   shared (`requests.rs`), and copies their page lists into its own memory, so that what it
+//!   checked is what the device reads.
+//! - The program's memory (memfds it passes) is made reachable by the device here; its rings,
+//!   doorbell records and CQs stay in that memory, so the data path never passes through the
+//!   service: the program posts and polls as it would with the device to itself.
+//! - The device's events go to the program whose object they name.
+//! - When a program goes (exit, crash, SIGKILL), everything it created is destroyed on the
+//!   device and its memory released; the other programs keep running.
+
+pub mod memory;
+mod program;
+pub mod requests;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use vrdma_guest::service::protocol::Welcome;
+use vrdma_guest::shm::{Region, PAGE_SIZE};
+use vrdma_guest::transport::Transport;
+use vrdma_spec::codec::doorbell_bitmap_bytes;
+use vrdma_spec::config::DeviceConfig;
+use vrdma_spec::ctrl::{DeviceAttr, Opcode, ResponseHeader, SetNotifyAreaRequest, Status};
+use vrdma_spec::ring::{event_kind, Event};
+use vrdma_spec::{read_wire, ByteValued, Le16, Le32, Le64};
+
+use requests::ObjectKind;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("opening the vrdma device {target}: {source}")]
+    Device {
+        target: String,
+        source: vrdma_guest::Error,
+    },
+    #[error("the vrdma device refused the notify area: {0:?}")]
+    NotifyArea(Status),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("another vrdma service already listens on {0}")]
+    AlreadyServed(PathBuf),
+    #[error("the vrdma device failed (DEVICE_FATAL) or went away: every program's objects are gone; restart the service")]
+    DeviceLost,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Io { what, source }
+}
+
+/// How the service shares the device out.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Each program may hold at most `1 / share` of each of the device's object limits.
+    pub share: u32,
+    /// Bytes of memory one program may share with the device.
+    pub max_program_memory: u64,
+    /// Programs served at once; more are refused.
+    pub max_programs: usize,
+}
+
+/// Puts the program's limits of `$limits` in the like-named fields of `$target` (the
+/// configuration space or QUERY_DEVICE's answer, which name them alike).
+macro_rules! with_program_limits {
+    ($limits:expr, $target:expr) => {{
+        let limit = |kind| Le32::from($limits.objects_per_program[&kind]);
+        $target.max_qp = limit(ObjectKind::Qp);
+        $target.max_srq = limit(ObjectKind::Srq);
+        $target.max_ah = limit(ObjectKind::Ah);
+        $target.max_mr = limit(ObjectKind::Mr);
+        $target.max_cq = limit(ObjectKind::Cq);
+        $target.max_pd = limit(ObjectKind::Pd);
+        let size = $target
+            .max_mr_size
+            .to_native()
+            .min($limits.bytes_per_program);
+        $target.max_mr_size = Le64::from(size);
+    }};
+}
+
+/// What the service shares out, and how much of it one program may hold.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Objects of each kind one program may hold at once.
+    pub objects_per_program: HashMap<ObjectKind, u32>,
+    /// Memory regions one program may share with the device.
+    pub regions_per_program: usize,
+    /// Bytes of memory one program may share with the device.
+    pub bytes_per_program: u64,
+    /// Programs served at once.
+    pub max_programs: usize,
+}
+
+impl Limits {
+    /// The configuration space a program is shown: the device's, with the program's limits.
+    pub fn program_config(&self, config: &DeviceConfig) -> DeviceConfig {
+        let mut config = *config;
+        with_program_limits!(self, config);
+        config
+    }
+
+    /// QUERY_DEVICE's answer as a program is given it: with the program's limits, which are
+    /// what it can create (SPEC.md §12).
+    pub fn program_device_attr(&self, attr: &mut DeviceAttr) {
+        with_program_limits!(self, attr);
+    }
+
+    /// A `1 / share` part of each of the device's limits (at least one of each object).
+    pub fn fair_share(config: &DeviceConfig, options: &Options) -> Limits {
+        let part = |max: u32| max.div_ceil(options.share.max(1)).max(1);
+        let objects_per_program = [
+            (ObjectKind::Qp, config.max_qp.to_native()),
+            (ObjectKind::Srq, config.max_srq.to_native()),
+            (ObjectKind::Ah, config.max_ah.to_native()),
+            (ObjectKind::Mr, config.max_mr.to_native()),
+            (ObjectKind::Cq, config.max_cq.to_native()),
+            (ObjectKind::Pd, config.max_pd.to_native()),
+        ]
+        .into_iter()
+        .map(|(kind, max)| (kind, part(max)))
+        .collect();
+        Limits {
+            objects_per_program,
+            regions_per_program: 1024,
+            bytes_per_program: options.max_program_memory,
+            max_programs: options.max_programs,
+        }
+    }
+}
+
+/// The service: the device, and the programs it serves.
+pub struct Service {
+    transport: Arc<dyn Transport>,
+    /// The notify area and doorbell bitmap every program maps: one memfd (kept alive here).
+    notify: Arc<Region>,
+    welcome: Welcome,
+    limits: Limits,
+    /// Which program owns each CQ, QP and SRQ, for routing the device's events.
+    owners: Mutex<HashMap<(ObjectKind, u32), u64>>,
+    /// Each program's event socket.
+    programs: Mutex<HashMap<u64, UnixStream>>,
+    next_program: AtomicU64,
+    /// Programs connected now (their threads).
+    connected: AtomicUsize,
+}
+
+impl Service {
+    /// Opens the device `target` names (`pci`, `pci:ADDRESS` or a backend's socket path),
+    /// resetting it (whatever an earlier instance left on it is gone), and sets up the
+    /// notify area every program will share.
+    pub fn open(target: &str, options: &Options) -> Result<Arc<Service>> {
+        let device_error = |source| Error::Device {
+            target: target.to_string(),
+            source,
+        };
+        let transport: Arc<dyn Transport> =
+            Arc::from(vrdma_guest::target::open(target).map_err(device_error)?);
+        let config = *transport.config();
+        let notify_bytes =
+            vrdma_spec::codec::notify_area_bytes(config.num_notify_queues.to_native());
+        let bitmap_bytes =
+            doorbell_bitmap_bytes(config.max_qp.to_native(), config.max_srq.to_native());
+        // The notify area in its own page, the bitmap after it: this memfd holds nothing else,
+        // so handing it to programs shows them nothing of the service's own queues.
+        let bitmap_offset = PAGE_SIZE;
+        let notify_len = (bitmap_offset + bitmap_bytes).next_multiple_of(PAGE_SIZE);
+        let region = Region::create(notify_len).map_err(device_error)?;
+        let notify = transport.adopt(region).map_err(device_error)?;
+        let area = notify.view(0, notify_bytes).map_err(device_error)?;
+        let bitmap = notify
+            .view(bitmap_offset, bitmap_bytes)
+            .map_err(device_error)?;
+        let request = SetNotifyAreaRequest {
+            addr: Le64::from(area.device_addr().map_err(device_error)?),
+            doorbell_bitmap: Le64::from(bitmap.device_addr().map_err(device_error)?),
+        };
+        let status = raw_command(&*transport, Opcode::SetNotifyArea, request.as_slice())
+            .map_err(device_error)?;
+        if status != Status::Ok {
+            return Err(Error::NotifyArea(status));
+        }
+        let notify_port = transport.notify_port().map(|port| port.offset);
+        log::info!(
+            "serving the vrdma device {target}: {} notification queues, up to {} QPs; programs kick it {}",
+            config.num_notify_queues.to_native(),
+            config.max_qp.to_native(),
+            if notify_port.is_some() {
+                "through its notification port"
+            } else {
+                "through the service"
+            }
+        );
+        let limits = Limits::fair_share(&config, options);
+        Ok(Arc::new(Service {
+            welcome: Welcome {
+                version: vrdma_guest::service::protocol::VERSION,
+                features: transport.features(),
+                notify_len,
+                bitmap_offset,
+                bitmap_len: bitmap_bytes,
+                notify_port,
+                config: limits.program_config(&config).as_slice().to_vec(),
+            },
+            limits,
+            transport,
+            notify,
+            owners: Mutex::default(),
+            programs: Mutex::default(),
+            next_program: AtomicU64::new(1),
+            connected: AtomicUsize::new(0),
+        }))
+    }
+
+    /// Serves programs connecting to `listener` until the device is lost.
+    pub fn serve(self: &Arc<Self>, listener: UnixListener) -> Result<()> {
+        let events = {
+            let service = Arc::clone(self);
+            std::thread::Builder::new()
+                .name("vrdmad-events".into())
+                .spawn(move || service.route_events())
+                .map_err(io_error("starting the event thread"))?
+        };
+        let accepting = {
+            let service = Arc::clone(self);
+            std::thread::Builder::new()
+                .name("vrdmad-accept".into())
+                .spawn(move || {
+                    for stream in listener.incoming() {
+                        match stream {
+                            Ok(stream) => service.start_program(stream),
+                            Err(e) => {
+                                // Out of descriptors, say: programs wait rather than the
+                                // service spinning on the error.
+                                log::error!("accepting a program: {e}");
+                                std::thread::sleep(Duration::from_millis(100));
+                            }
+                        }
+                    }
+                })
+                .map_err(io_error("starting the accept thread"))?
+        };
+        // Serving ends only when the device is lost.
+        let lost = events.join().unwrap_or(Err(Error::DeviceLost));
+        drop(accepting);
+        lost
+    }
+
+    fn start_program(self: &Arc<Self>, stream: UnixStream) {
+        let id = self.next_program.fetch_add(1, Ordering::Relaxed);
+        let service = Arc::clone(self);
+        let started = std::thread::Builder::new()
+            .name(format!("vrdmad-program-{id}"))
+            .spawn(move || program::serve(&service, id, stream));
+        if let Err(e) = started {
+            log::error!("starting a thread for program {id}: {e}");
+        }
+    }
+
+    /// Forwards the device's events: each to the program whose object it names; port and
+    /// device events to every program. Returns when the device is lost.
+    fn route_events(&self) -> Result<()> {
+        loop {
+            // Events wake the thread (an interrupt in a VM); the timeout only bounds how long
+            // a device gone without a word (a backend that vanished) goes unnoticed, while
+            // each wake-up costs an idle VM some CPU.
+            match self.transport.next_event(Duration::from_secs(10)) {
+                Ok(Some(event)) => {
+                    let kind = event.kind.to_native();
+                    if kind == event_kind::DEVICE_FATAL {
+                        self.broadcast(&event);
+                        return Err(Error::DeviceLost);
+                    }
+                    self.route(&event);
+                }
+                Ok(None) if self.transport.disconnected() => {
+                    self.broadcast_device_fatal();
+                    return Err(Error::DeviceLost);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    log::error!("reading the device's events: {e}");
+                    self.broadcast_device_fatal();
+                    return Err(Error::DeviceLost);
+                }
+            }
+        }
+    }
+
+    fn route(&self, event: &Event) {
+        let object = match event.kind.to_native() {
+            event_kind::CQ_COMPLETION | event_kind::CQ_ERROR => Some(ObjectKind::Cq),
+            event_kind::QP_FATAL => Some(ObjectKind::Qp),
+            event_kind::SRQ_LIMIT_REACHED | event_kind::SRQ_ERROR => Some(ObjectKind::Srq),
+            _ => None,
+        };
+        let Some(object) = object else {
+            self.broadcast(event);
+            return;
+        };
+        let owner = self
+            .owners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(object, event.handle.to_native()))
+            .copied();
+        // An event about an object destroyed meanwhile has no owner: dropped, as a driver
+        // drops it (SPEC.md §8.4).
+        if let Some(program) = owner {
+            if let Some(socket) = self
+                .programs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&program)
+            {
+                send_event(program, socket, event);
+            }
+        }
+    }
+
+    fn broadcast(&self, event: &Event) {
+        for (&program, socket) in self
+            .programs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            send_event(program, socket, event);
+        }
+    }
+
+    fn broadcast_device_fatal(&self) {
+        self.broadcast(&Event {
+            kind: Le16::from(event_kind::DEVICE_FATAL),
+            reserved: Le16::from(0),
+            handle: Le32::from(0),
+        });
+    }
+}
+
+/// Writes `event` to a program's event socket without waiting: a program that reads no
+/// events cannot stall the others' (the socket holds about 270 before one is dropped, whole:
+/// it is a seqpacket socket).
+fn send_event(program: u64, socket: &UnixStream, event: &Event) {
+    let written = (&*socket).write(event.as_slice());
+    match written {
+        Ok(n) if n == event.as_slice().len() => {}
+        Ok(_) | Err(_) => log::warn!(
+            "program {program} reads no events: one of kind {} dropped",
+            event.kind.to_native()
+        ),
+    }
+}
+
+/// Sends one control request to the device; returns its status (the response payload, which
+/// this caller does not need, is dropped).
+fn raw_command(
+    transport: &dyn Transport,
+    opcode: Opcode,
+    payload: &[u8],
+) -> vrdma_guest::Result<Status> {
+    let request = vrdma_spec::ctrl::request_bytes(opcode as u16, payload);
+    let mut response = vec![0u8; std::mem::size_of::<ResponseHeader>() + opcode.response_size()];
+    transport.control(&request, &mut response)?;
+    let header: ResponseHeader = read_wire(&response).expect("sized for the header");
+    Ok(Status::try_from(header.status.to_native()).unwrap_or(Status::HostError))
+}
+
+/// Binds the service's socket at `path`, with `mode` and, if given, `group`: who may open it
+/// may use RDMA. A socket left by an instance that is gone is replaced; one an instance still
+/// answers on is not. The device node ([`make_device_node`]) gets the same mode and group.
+pub fn bind(path: &Path, mode: u32, group: Option<u32>) -> Result<UnixListener> {
+    if UnixStream::connect(path).is_ok() {
+        return Err(Error::AlreadyServed(path.to_path_buf()));
+    }
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(io_error(format!(
+                "removing the stale socket {}",
+                path.display()
+            ))(e))
+        }
+        _ => {}
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
+    }
+    // Before the socket: a program that finds the socket finds the node too. Without the
+    // node only programs that look for one (UCX) miss vrdma0.
+    if let Err(e) = make_device_node(mode, group) {
+        log::warn!("{e}");
+    }
+    let listener =
+        UnixListener::bind(path).map_err(io_error(format!("binding {}", path.display())))?;
+    give_access(path, mode, group)?;
+    log::info!(
+        "listening on {} (mode {mode:o}{})",
+        path.display(),
+        group.map(|g| format!(", group {g}")).unwrap_or_default()
+    );
+    Ok(listener)
+}
+
+/// Gives `path` the `mode` and, if given, the `group` that decide who may use RDMA.
+fn give_access(path: &Path, mode: u32, group: Option<u32>) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(io_error(format!("setting the mode of {}", path.display())))?;
+    if let Some(gid) = group {
+        std::os::unix::fs::chown(path, None, Some(gid)).map_err(io_error(format!(
+            "giving {} to group {gid}",
+            path.display()
+        )))?;
+    }
+    Ok(())
+}
+
+/// Makes the device's marker node ([`vrdma_guest::DEVICE_NODE`]) with the socket's `mode`
+/// and `group`, so that programs that look for a device node (UCX) find vrdma0 exactly when
+/// they may use the service. A marker an earlier run left is made again; anything else at
+/// that path is left alone.
+pub fn make_device_node(mode: u32, group: Option<u32>) -> Result<()> {
+    use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let path = Path::new(vrdma_guest::DEVICE_NODE);
+    let (major, minor) = vrdma_guest::DEVICE_NODE_NUMBERS;
+    let marker = makedev(major, minor);
+    let failed = |what: &str| io_error(format!("{what} {}", path.display()));
+    match std::fs::symlink_metadata(path) {
+        Ok(found) if found.file_type().is_char_device() && found.rdev() == marker => {
+            std::fs::remove_file(path).map_err(failed("removing the old"))?
+        }
+        Ok(_) => {
+            log::warn!(
+                "{} exists and is not vrdma's marker node: left as it is",
+                path.display()
+            );
+            return Ok(());
+        }
+        Err(_) => {}
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
+    }
+    mknod(
+        path,
+        SFlag::S_IFCHR,
+        Mode::from_bits_truncate(0o600),
+        marker,
+    )
+    .map_err(|errno| failed("making")(errno.into()))?;
+    give_access(path, mode, group)
+}
+
+/// Tells systemd the service is ready (a `Type=notify` unit), when it runs under one.
+pub fn notify_systemd_ready() -> Result<()> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return Ok(());
+    };
+    let path = path.to_string_lossy().into_owned();
+    let address = match path.strip_prefix('@') {
+        Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
+        None => SocketAddr::from_pathname(&path),
+    }
+    .map_err(io_error(format!("NOTIFY_SOCKET {path}")))?;
+    let socket = UnixDatagram::unbound().map_err(io_error("a socket for systemd"))?;
+    socket
+        .send_to_addr(b"READY=1", &address)
+        .map_err(io_error(format!(
+            "telling systemd at {path} the service is ready"
+        )))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_program_is_shown_its_share_of_the_devices_limits() {
+        let config = DeviceConfig {
+            max_qp: Le32::from(256),
+            max_srq: Le32::from(3),
+            max_ah: Le32::from(1000),
+            max_mr: Le32::from(1024),
+            max_cq: Le32::from(512),
+            max_pd: Le32::from(1),
+            max_qp_wr: Le32::from(4096),
+            max_mr_size: Le64::from(4 << 30),
+            ..Default::default()
+        };
+        let options = Options {
+            share: 4,
+            max_program_memory: 1 << 30,
+            max_programs: 16,
+        };
+        let limits = Limits::fair_share(&config, &options);
+        let shown = limits.program_config(&config);
+        assert_eq!(
+            [
+                shown.max_qp,
+                shown.max_srq,
+                shown.max_ah,
+                shown.max_mr,
+                shown.max_cq,
+                shown.max_pd
+            ]
+            .map(|v| v.to_native()),
+            [64, 1, 250, 256, 128, 1],
+            "a quarter, rounded up, and at least one"
+        );
+        assert_eq!(shown.max_qp_wr.to_native(), 4096, "sizes are the device's");
+        assert_eq!(
+            shown.max_mr_size.to_native(),
+            1 << 30,
+            "no more than its memory"
+        );
+        let mut attr = DeviceAttr {
+            max_qp: Le32::from(256),
+            max_mr_size: Le64::from(4 << 30),
+            ..Default::default()
+        };
+        limits.program_device_attr(&mut attr);
+        assert_eq!(
+            (attr.max_qp.to_native(), attr.max_mr_size.to_native()),
+            (64, 1 << 30)
+        );
+    }
+}

@@ -1,0 +1,379 @@
+//! The guest service (`vrdmad`) sharing one device among programs: several programs at once
+//! over one backend connection, each isolated from the others as uverbs isolates processes
+//! (objects, memory, keys), everything of a program gone when it goes, unprivileged programs,
+//! and a service restart under running programs. On the test device (see `vrdma_tests`): the
+//! service attaches to a backend as a process on a host would; inside a VM it owns the PCI
+//! device instead (the nested-VM test).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+use vrdma_guest::spec::ctrl::{CreateCqRequest, HandleRequest, Opcode, RegMrRequest, Status};
+use vrdma_guest::spec::mem::{PageList, PageListForm};
+use vrdma_guest::spec::{Le16, Le32, Le64};
+use vrdma_guest::{
+    access, wc_status, Device, DeviceEvent, Error, Payload, QpState, QpType, QueuePair, SendOp,
+    SendWr, Sge,
+};
+use vrdma_tests::{
+    connect_to_itself, control_request, cpu_time, host_resource_counts, response_status,
+    start_backend, wait_for_guest_completions, wait_for_host_counts, ServiceProcess,
+    UnprivilegedCopies, WritingGuest,
+};
+
+const PAGE: u64 = 4096;
+
+fn handle_request(handle: u32) -> HandleRequest {
+    HandleRequest {
+        handle: Le32::from(handle),
+        reserved: Le32::from(0),
+    }
+}
+
+/// Sends `request` raw and returns its status.
+fn status_of(device: &Device, request: &[u8]) -> u16 {
+    response_status(&device.raw_control(request, 64).unwrap())
+}
+
+fn guest_endpoint(mode: &str, target: &str, count: u32) -> Command {
+    guest_endpoint_at(
+        Path::new(env!("CARGO_BIN_EXE_guest-endpoint")),
+        mode,
+        target,
+        count,
+    )
+}
+
+/// As [`guest_endpoint`], the binary at `program` (a copy another user may run).
+fn guest_endpoint_at(program: &Path, mode: &str, target: &str, count: u32) -> Command {
+    let mut command = Command::new(program);
+    command
+        .args([mode, target, &count.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    command
+}
+
+fn line(reader: &mut BufReader<ChildStdout>) -> String {
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    line.trim().to_string()
+}
+
+/// Runs a ping and a pong guest-endpoint, each made by `command`, for `round_trips`
+/// checked round trips against each other; both must finish them.
+fn ping_pong(round_trips: u32, command: impl Fn(&str) -> Command) {
+    let spawn = |mode: &str| command(mode).spawn().expect("start guest-endpoint");
+    let (mut ping, mut pong): (Child, Child) = (spawn("ping"), spawn("pong"));
+    let mut ping_out = BufReader::new(ping.stdout.take().unwrap());
+    let mut pong_out = BufReader::new(pong.stdout.take().unwrap());
+    let (ping_addr, pong_addr) = (line(&mut ping_out), line(&mut pong_out));
+    let mut ping_in = ping.stdin.take().unwrap();
+    let mut pong_in = pong.stdin.take().unwrap();
+    writeln!(ping_in, "{pong_addr}").unwrap();
+    writeln!(pong_in, "{ping_addr}").unwrap();
+    for out in [&mut ping_out, &mut pong_out] {
+        assert_eq!(line(out), format!("state={:?}", QpState::Rts));
+    }
+    for out in [&mut ping_out, &mut pong_out] {
+        let done = line(out);
+        assert!(done.starts_with(&format!("done {round_trips} ")), "{done}");
+    }
+    drop((ping_in, pong_in));
+    assert!(ping.wait().unwrap().success() && pong.wait().unwrap().success());
+}
+
+#[test]
+fn two_programs_make_checked_round_trips_over_one_device_the_service_shares() {
+    let backend = start_backend();
+    let mut service = ServiceProcess::start(&backend.socket, &[]);
+    let target = service.target();
+    ping_pong(10_000, |mode| guest_endpoint(mode, &target, 10_000));
+    // Both went through the service's one connection and, exiting, destroyed what they
+    // created themselves.
+    service.wait_for_log("both programs' summaries", |log| {
+        log.matches("gone: 0 objects destroyed").count() == 2
+    });
+}
+
+#[test]
+fn a_program_naming_another_programs_objects_or_memory_is_refused() {
+    let backend = start_backend();
+    let mut service = ServiceProcess::start(&backend.socket, &[]);
+    let victim = WritingGuest::open(&service.target());
+    victim.buffer.write(0, b"the victim's secret").unwrap();
+    let attacker = Device::open(&service.target()).unwrap();
+    let bad_handle = Status::BadHandle as u16;
+    // Every kind of object the victim holds, named by the attacker (SPEC.md §5.3.1: another
+    // instance's handle is unknown).
+    for (opcode, handle) in [
+        (Opcode::QueryQp, victim.qp.handle()),
+        (Opcode::DestroyQp, victim.qp.handle()),
+        (Opcode::DeregMr, victim.mr.handle()),
+        (Opcode::DestroyCq, victim.cq.handle()),
+    ] {
+        let request = control_request(opcode as u16, &handle_request(handle));
+        assert_eq!(status_of(&attacker, &request), bad_handle, "{opcode:?}");
+    }
+    // Registering the victim's pages (a list in the attacker's memory naming them), or
+    // putting a CQ's doorbell record in them, is naming memory not its own (SPEC.md §6).
+    let pd = attacker.alloc_pd().unwrap();
+    let list = attacker.alloc_buffer(PAGE).unwrap();
+    list.write(0, &victim.buffer.device_addr().unwrap().to_le_bytes())
+        .unwrap();
+    let page_list = PageList {
+        addr: Le64::from(list.device_addr().unwrap()),
+        npages: Le32::from(1),
+        page_shift: 12,
+        form: PageListForm::Direct as u8,
+        reserved: Le16::from(0),
+    };
+    let reg_mr = RegMrRequest {
+        pd: Le32::from(pd.handle()),
+        access: Le32::from(access::LOCAL_WRITE),
+        virt_addr: Le64::from(0x7000_0000),
+        length: Le64::from(PAGE),
+        pages: page_list,
+    };
+    let bad_address = Status::BadAddress as u16;
+    let request = control_request(Opcode::RegMr as u16, &reg_mr);
+    assert_eq!(status_of(&attacker, &request), bad_address, "REG_MR");
+    let ring = attacker.alloc_buffer(PAGE).unwrap();
+    list.write(0, &ring.device_addr().unwrap().to_le_bytes())
+        .unwrap();
+    let create_cq = CreateCqRequest {
+        cqe: Le32::from(16),
+        flags: Le32::from(0),
+        ring: page_list,
+        doorbell: Le64::from(victim.buffer.device_addr().unwrap()),
+    };
+    let request = control_request(Opcode::CreateCq as u16, &create_cq);
+    assert_eq!(status_of(&attacker, &request), bad_address, "CREATE_CQ");
+    // The notify area is the service's alone.
+    let notify = vrdma_guest::spec::ctrl::SetNotifyAreaRequest::default();
+    let request = control_request(Opcode::SetNotifyArea as u16, &notify);
+    assert_eq!(
+        status_of(&attacker, &request),
+        Status::InvalidArgument as u16
+    );
+
+    // The victim's keys in the attacker's WQEs: the host refuses them as a NIC does, and
+    // nothing of the victim's memory moves.
+    let cq = attacker.create_cq(16).unwrap();
+    let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+    connect_to_itself(&attacker, &qp).unwrap();
+    let own = attacker.alloc_buffer(PAGE).unwrap();
+    let own_mr = pd
+        .reg_mr(&own, access::LOCAL_WRITE | access::REMOTE_WRITE)
+        .unwrap();
+    let steal = Sge {
+        addr: victim.buffer.addr(),
+        length: 19,
+        lkey: victim.mr.lkey(),
+    };
+    let write = SendOp::RdmaWrite {
+        remote_addr: own.addr(),
+        rkey: own_mr.rkey(),
+    };
+    qp.post_send(&[SendWr::new(1, write, Payload::Sges(&[steal]))])
+        .unwrap();
+    let done = wait_for_guest_completions(&cq, 1);
+    assert_eq!(done[0].status, wc_status::LOC_PROT_ERR, "{:?}", done[0]);
+    let mut landed = [0u8; 19];
+    own.read(0, &mut landed).unwrap();
+    assert_eq!(landed, [0u8; 19], "nothing of the victim's memory was read");
+
+    victim.still_served(7);
+    let log = service.wait_for_log("the refusals", |log| log.contains("(refusal 7)"));
+    assert!(
+        log.contains("names Qp") && log.contains("not its memory"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_killed_program_leaves_nothing_on_the_device_and_the_others_keep_running() {
+    let backend = start_backend();
+    let mut service = ServiceProcess::start(&backend.socket, &[]);
+    let survivor = WritingGuest::open(&service.target());
+    let baseline = host_resource_counts();
+    let mut doomed = guest_endpoint("hold", &service.target(), 0)
+        .spawn()
+        .expect("start guest-endpoint");
+    let mut out = BufReader::new(doomed.stdout.take().unwrap());
+    assert_eq!(line(&mut out), "ready");
+    assert_ne!(
+        host_resource_counts(),
+        baseline,
+        "its objects are on the host"
+    );
+    survivor.still_served(1);
+    doomed.kill().unwrap();
+    doomed.wait().unwrap();
+    wait_for_host_counts(&baseline);
+    service.wait_for_log("its summary", |log| {
+        // Its PD, CQ, MR and QP.
+        log.contains("gone: 4 objects destroyed")
+    });
+    survivor.still_served(2);
+    // A new program is served beside the survivor.
+    WritingGuest::open(&service.target()).still_served(3);
+}
+
+/// A command that runs as user `nobody` in group `nogroup` (65534) and no other (std drops
+/// root's supplementary groups with its user).
+fn as_nobody(mut command: Command) -> Command {
+    command.uid(65534).gid(65534);
+    command
+}
+
+#[test]
+fn unprivileged_programs_use_rdma_through_the_service_and_others_cannot_reach_it() {
+    // Run as root, as CI does, the test drops to nobody for the programs.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test starts programs as another user: run it as root");
+    }
+    let backend = start_backend();
+    let service = ServiceProcess::start(&backend.socket, &["--group", "nogroup"]);
+    let target = service.target();
+    let copies = UnprivilegedCopies::new();
+    let endpoint = copies.copy(Path::new(env!("CARGO_BIN_EXE_guest-endpoint")));
+    // Members of the socket's group: served, with no capability.
+    ping_pong(100, |mode| {
+        as_nobody(guest_endpoint_at(&endpoint, mode, &target, 100))
+    });
+    // Others: refused by the socket itself, with the reason.
+    let refused = as_nobody(guest_endpoint_at(&endpoint, "rc", &target, 0))
+        .gid(65533)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("Permission denied"), "{stderr}");
+}
+
+#[test]
+fn a_service_restart_fails_its_programs_cleanly_and_serves_the_next_at_once() {
+    let backend = start_backend();
+    let mut service = ServiceProcess::start(&backend.socket, &[]);
+    let program = WritingGuest::open(&service.target());
+    program.still_served(1);
+    service.child.kill().unwrap();
+    service.child.wait().unwrap();
+    // The program learns it, from its next request and from its event wait; nothing hangs.
+    match program.device.alloc_pd() {
+        Err(Error::Disconnected | Error::Transport(_)) => {}
+        other => panic!("a request after the service went: {:?}", other.map(|_| ())),
+    }
+    match program.device.wait_event(Duration::from_secs(5)) {
+        Err(Error::Disconnected) | Ok(Some(DeviceEvent::DeviceFatal)) => {}
+        other => panic!("an event wait after the service went: {other:?}"),
+    }
+    drop(program);
+    // A new instance takes the device (the backend reaped the old connection's objects).
+    let service = ServiceProcess::start(&backend.socket, &[]);
+    WritingGuest::open(&service.target()).still_served(2);
+}
+
+#[test]
+fn started_as_its_systemd_unit_would_the_service_says_ready_once_programs_can_connect() {
+    let backend = start_backend();
+    let notify = std::env::temp_dir().join(format!("vrdmad-notify-{}", std::process::id()));
+    let _ = std::fs::remove_file(&notify);
+    let systemd = std::os::unix::net::UnixDatagram::bind(&notify).unwrap();
+    systemd
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let socket = notify.with_extension("sock");
+    let mut service = Command::new(vrdma_tests::workspace_binary("vrdmad"))
+        .arg("--device")
+        .arg(&backend.socket)
+        .arg("--socket")
+        .arg(&socket)
+        .env("NOTIFY_SOCKET", &notify)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut ready = [0u8; 64];
+    let len = systemd.recv(&mut ready).expect("READY=1 within 10 s");
+    assert_eq!(&ready[..len], b"READY=1");
+    WritingGuest::open(&format!("service:{}", socket.display())).still_served(1);
+    service.kill().unwrap();
+    service.wait().unwrap();
+    let _ = std::fs::remove_file(&notify);
+}
+
+#[test]
+fn a_program_holds_its_share_of_the_device_and_is_told_so() {
+    let backend = start_backend();
+    let service = ServiceProcess::start(&backend.socket, &["--share", "64"]);
+    let whole = Device::attach(&backend.socket)
+        .unwrap()
+        .query_device()
+        .unwrap();
+    let program = Device::open(&service.target()).unwrap();
+    let shown = program.query_device().unwrap();
+    let share = shown.max_pd.to_native();
+    assert_eq!(share, whole.max_pd.to_native().div_ceil(64));
+    assert_eq!(program.config().max_pd.to_native(), share);
+    let pds: Vec<_> = (0..share).map(|_| program.alloc_pd().unwrap()).collect();
+    let refused = program.alloc_pd().err().expect("one past its share");
+    assert_eq!(refused.status(), Some(Status::NoResources), "{refused}");
+    // Another program has a share of its own.
+    Device::open(&service.target()).unwrap().alloc_pd().unwrap();
+    drop(pds);
+    program.alloc_pd().expect("room again");
+}
+
+#[test]
+fn a_program_asleep_on_a_completion_event_and_its_service_spend_no_cpu_and_it_wakes() {
+    let backend = start_backend();
+    let service = ServiceProcess::start(&backend.socket, &[]);
+    let mut sleeper = guest_endpoint("sleep", &service.target(), 0)
+        .spawn()
+        .expect("start guest-endpoint");
+    let mut out = BufReader::new(sleeper.stdout.take().unwrap());
+    assert_eq!(line(&mut out), "sleeping");
+    let pids = [sleeper.id(), service.child.id()];
+    let before = pids.map(cpu_time);
+    std::thread::sleep(Duration::from_secs(10));
+    let spent = [0, 1].map(|i| cpu_time(pids[i]) - before[i]);
+    println!(
+        "10 s asleep in a completion-event wait: the program spent {:?} of CPU, vrdmad {:?}",
+        spent[0], spent[1]
+    );
+    // Under 1% of the interval each.
+    assert!(
+        spent.iter().all(|&cpu| cpu < Duration::from_millis(100)),
+        "{spent:?}"
+    );
+    writeln!(sleeper.stdin.take().unwrap(), "go").unwrap();
+    assert_eq!(line(&mut out), "woken");
+    assert!(sleeper.wait().unwrap().success());
+}
+
+#[test]
+fn programs_past_the_services_limit_are_refused_with_the_reason() {
+    let backend = start_backend();
+    let service = ServiceProcess::start(&backend.socket, &["--max-programs", "1"]);
+    let first = Device::open(&service.target()).unwrap();
+    let refused = Device::open(&service.target())
+        .err()
+        .expect("a second program");
+    assert!(
+        refused.to_string().contains("1 programs at most"),
+        "{refused}"
+    );
+    drop(first);
+    // Its place is free again once it has gone.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while Device::open(&service.target()).is_err() {
+        assert!(std::time::Instant::now() < deadline, "never served again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
