@@ -31,6 +31,8 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
   python3-venv patch
   # rdma-core's own test suite, run on rxe0 and on vrdma0 (tests/rdma-core-suite.py)
   python3-pyverbs
+  # UCX's tools (ucx_info, ucx_perftest), run on vrdma0 (tests/tests/ibverbs_rxe.rs)
+  ucx-utils
   # to count the backend's instructions per WQE in the benchmark (callgrind)
   valgrind)
 
@@ -132,7 +134,7 @@ verify_setup() {
     fail "this QEMU has no vhost-user devices" "install Debian's qemu-system-x86 from bookworm-backports"
   local tool
   for tool in rdma:iproute2 ibv_devinfo:ibverbs-utils ib_write_bw:perftest busybox:busybox-static \
-    cpio:cpio depmod:kmod valgrind:valgrind ninja:ninja-build; do
+    cpio:cpio depmod:kmod valgrind:valgrind ninja:ninja-build ucx_perftest:ucx-utils; do
     command -v "${tool%%:*}" >/dev/null || [ -x "/sbin/${tool%%:*}" ] ||
       fail "${tool%%:*} is missing" "apt-get install ${tool#*:}"
   done
