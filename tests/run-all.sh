@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Runs every vrdma check and test: formatting, clippy, unit tests on this machine, then the
-# integration tests that need real RDMA inside a QEMU guest with rdma_rxe (tests/vm/), the
-# cross-host tests (two such guests joined by an emulated Ethernet link, tests/cross-host.sh),
-# a benchmark smoke run, and the nested-VM end-to-end test (a VM with a vrdma PCI device inside
-# the rxe guest). Installs what it needs on first use (tests/vm/setup.sh, and the patched QEMU
-# of tests/vm/qemu/build.sh); caches under target/.
+# Runs every vrdma check and test: formatting, clippy, unit tests and the loopback-host
+# integration tests on this machine, a VM with a vrdma PCI device served by the loopback host
+# (tests/pci-e2e.sh), then the integration tests that need real RDMA inside a QEMU guest with
+# rdma_rxe (tests/vm/), the cross-host tests (two such guests joined by an emulated Ethernet
+# link, tests/cross-host.sh), a benchmark smoke run, and a nested VM with the vrdma PCI device
+# inside the rxe guest. Installs what it needs on first use (tests/vm/setup.sh, and the patched
+# QEMU of tests/vm/qemu/build.sh); caches under target/.
 #   VRDMA_VM_NO_RXE=1  boot the guest without rdma_rxe: the RDMA tests must then fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ step() { printf '\n=== [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"
 run_all() {
 set -euo pipefail # the caller turns errexit off around the pipeline; keep it on in here
 
-step "setup (packages, kernel, initramfs; the nested VM's QEMU: ~5 minutes the first time)"
+step "setup (packages, kernel, initramfs; the PCI device's QEMU: ~5 minutes the first time)"
 tests/vm/setup.sh >/dev/null
 tests/vm/qemu/build.sh >/dev/null
 
@@ -37,6 +38,9 @@ cargo test --workspace --locked
 
 step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in README)"
 fuzz/run.sh "${VRDMA_FUZZ_SECONDS:-20}"
+
+step "a VM with the vrdma PCI device, served by the loopback host on this machine (about 5 minutes)"
+tests/pci-e2e.sh "$PWD/target/debug" loopback
 
 step "build the integration tests"
 mapfile -t binaries < <(cargo test -p vrdma-tests --tests --no-run --locked --message-format=json 2>/dev/null |
@@ -64,8 +68,8 @@ VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENC
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 \
   tests/vm/two-hosts.sh -- tests/bench-cross-host.sh "$PWD/target/debug"
 
-step "nested VM end to end: guest-lib over the vrdma PCI device (about 15 minutes)"
-tests/vm/run.sh -- tests/nested-e2e.sh "$PWD/target/debug"
+step "a nested VM with the vrdma PCI device, served through rxe0 in the rxe guest (about 10 minutes)"
+tests/vm/run.sh -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
 step "done"
 }
 
@@ -76,9 +80,9 @@ run_all 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 # One closing line for every runner above: the totals of their "test result:" lines and of
-# the nested-VM and cross-host checks.
+# the PCI-device VM and cross-host checks.
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
-     /^(\[[ab]\] )?(nested-e2e|cross-host): .* ok( \([0-9]+ s\))?$/ { p++ }
-     /^(\[[ab]\] )?(nested-e2e|cross-host): .* FAILED( \([0-9]+ s\))?$/ { f++ }
+     /^(\[[ab]\] )?(pci-e2e|cross-host): .* ok( \([0-9]+ s\))?$/ { p++ }
+     /^(\[[ab]\] )?(pci-e2e|cross-host): .* FAILED( \([0-9]+ s\))?$/ { f++ }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"

@@ -3,7 +3,7 @@
 //! (objects, memory, keys), everything of a program gone when it goes, unprivileged programs,
 //! and a service restart under running programs. On the test device (see `vrdma_tests`): the
 //! service attaches to a backend as a process on a host would; inside a VM it owns the PCI
-//! device instead (the nested-VM test).
+//! device instead (tests/pci-e2e.sh).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;

@@ -4,7 +4,8 @@
 # there unchanged. Prints the command's output and exits with its exit code.
 #
 # usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--cpus N] [--timeout SECONDS] [--vrdma SOCKET]
-#                        [--host-net ADDRESS/PREFIX,PORT,PEER_PORT] -- COMMAND [ARG...]
+#                        [--host-net ADDRESS/PREFIX,PORT,PEER_PORT] [--run-in DIR]
+#                        -- COMMAND [ARG...]
 #   --no-rxe        boot without loading rdma_rxe (also VRDMA_VM_NO_RXE=1): RDMA tests must
 #                   then fail
 #   --cpus N        N vCPUs (2 by default; 1 in a nested guest)
@@ -15,6 +16,9 @@
 #                   give the guest a network card (eth0, with ADDRESS) whose frames travel as
 #                   UDP datagrams from 127.0.0.1:PORT to 127.0.0.1:PEER_PORT, where another
 #                   guest's card listens (tests/vm/two-hosts.sh); rxe0 then sits on eth0
+#   --run-in DIR    make the guest's writable folder (run.*) below DIR, where a caller
+#                   running beside the guest finds it, and leave it there for the caller to
+#                   read and remove (without this option it is removed when the guest ends)
 # Environment passed into the guest: RUST_LOG, RUST_BACKTRACE, and every VRDMA_* variable
 # (VRDMA_TEST_DEVICE is rxe0 unless given);
 # the command finds a writable folder shared with the machine in $VRDMA_VM_RUN_DIR.
@@ -22,7 +26,7 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 rxe=$([ "${VRDMA_VM_NO_RXE:-0}" = 1 ] && echo 0 || echo 1) mem=3072 limit=${VRDMA_VM_TIMEOUT:-1800}
-vrdma_socket= host_net= cpus=
+vrdma_socket= host_net= cpus= runs_in= keep_run=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-rxe) rxe=0; shift ;;
@@ -31,24 +35,27 @@ while [ $# -gt 0 ]; do
     --timeout) limit=$2; shift 2 ;;
     --vrdma) vrdma_socket=$2; shift 2 ;;
     --host-net) host_net=$2; shift 2 ;;
+    --run-in) runs_in=$2 keep_run=1; shift 2 ;;
     --) shift; break ;;
     -*) echo "run.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
 done
-[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] -- COMMAND [ARG...]" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] [--host-net ...] [--run-in DIR] -- COMMAND [ARG...]" >&2; exit 2; }
 
 qemu=(qemu-system-x86_64)
 if [ -n "$vrdma_socket" ]; then
   # The device's queues: control, event, and one notification queue per the backend's
   # --notify-queues (VRDMA_NOTIFY_QUEUES, default 1); its config space is 128 bytes (SPEC.md).
+  # modern-pio-notify: a notification port, through which the guest service's programs kick
+  # the device themselves (SPEC.md §12).
   queues=$((2 + ${VRDMA_NOTIFY_QUEUES:-1}))
   patched="$repo/target/qemu/build/qemu-system-x86_64"
   [ -x "$patched" ] || { echo "run.sh: --vrdma needs $patched: run tests/vm/qemu/build.sh" >&2; exit 2; }
   qemu=("$patched" -L /usr/share/qemu -L /usr/share/seabios
     -object "memory-backend-memfd,id=mem,size=${mem}M,share=on" -numa node,memdev=mem
     -chardev "socket,id=vrdma0,path=$vrdma_socket,reconnect-ms=1000"
-    -device "vhost-user-device-pci,chardev=vrdma0,virtio-id=42,num_vqs=$queues,config_size=128")
+    -device "vhost-user-device-pci,chardev=vrdma0,virtio-id=42,num_vqs=$queues,config_size=128,modern-pio-notify=on")
 fi
 
 nic=(-nic none) net_arg=
@@ -70,16 +77,16 @@ esac
 if [ -n "${VRDMA_VM_RUN_DIR:-}" ]; then
   # Inside a harness guest: the machine's root is read-only here and already set up; runs
   # go below this guest's own run folder. One vCPU: emulation inside emulation.
-  cache="$repo/target/vm" cpus=${cpus:-1}
-  run=$(mktemp -d "$VRDMA_VM_RUN_DIR/nested.XXXXXX")
+  cache="$repo/target/vm" cpus=${cpus:-1} runs_in=${runs_in:-$VRDMA_VM_RUN_DIR}
 else
   cpus=${cpus:-2}
   cache=$("$repo/tests/vm/setup.sh")
-  mkdir -p "$cache/runs"
-  run=$(mktemp -d "$cache/runs/run.XXXXXX")
+  runs_in=${runs_in:-$cache/runs}
 fi
+mkdir -p "$runs_in"
+run=$(mktemp -d "$runs_in/run.XXXXXX")
 case "$run" in *[[:space:]]*) echo "run.sh: the repository path must not contain spaces" >&2; exit 2 ;; esac
-trap 'rm -rf "$run"' EXIT
+[ "$keep_run" = 1 ] || trap 'rm -rf "$run"' EXIT
 
 {
   echo "cd $(printf '%q' "$PWD") || exit 125"

@@ -1,0 +1,303 @@
+#!/usr/bin/env bash
+# Boots a VM with a vrdma PCI device that a backend here serves, and checks guest-lib programs
+# in it (tests/pci-guest.sh, whose parts are named below) against peers here:
+#   DEVICE loopback, on this machine (no RDMA, no nesting: the backend's loopback host):
+#     service  the guest service (vrdmad) over the PCI device: an unprivileged user's program
+#              through it makes checked round trips and RDMA WRITE+READ with a guest-lib program
+#              attached directly to the same backend, kicking the device through its
+#              notification port; a program opening the device directly is refused, naming
+#              the service; the device node for UCX; idle, vrdmad and a program waiting for a
+#              completion event sleep, and the completion (the device's interrupt) wakes the
+#              program; two unprivileged users' unmodified ibv_rc_pingpong pair; a service
+#              restart ends a waiting program with an error and serves the next at once
+#     reopen   a backend restart under the running VM: guest-lib reports the device reset,
+#              opens the device again and creates a QP
+#   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one:
+#     native   real RDMA through the PCI device: guest-lib attached to it directly makes
+#              checked round trips and RDMA WRITE+READ with a native ibverbs program on rxe0,
+#              and an unmodified ibv_rc_pingpong through vrdma's libibverbs pairs with a
+#              native ibv_rc_pingpong; once the VM is shut down, every host object it had is
+#              released (`rdma resource`)
+# The parts are split for time: a nested VM is emulated inside an emulated guest, where
+# booting alone takes minutes and each process started costs seconds.
+# Prints one `pci-e2e: CHECK ok|FAILED (N s)` line per check; exits 1 if any failed.
+# usage: tests/pci-e2e.sh BIN_DIR loopback|rxe0   (BIN_DIR holds vhost-user-rdma, vrdmad,
+#            guest-endpoint, native-endpoint, vrdma-ibverbs/libibverbs.so.1)
+#   VRDMA_PCI_PARTS=PART,...   only these parts (to look into one)
+set -uo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+bin=$(cd "$1" && pwd)
+device=${2:-}
+case "$device" in
+  loopback) parts=${VRDMA_PCI_PARTS:-service,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100} ;;
+  rxe0)
+    [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
+    parts=${VRDMA_PCI_PARTS:-native} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20} ;;
+  *) echo "usage: $0 BIN_DIR loopback|rxe0" >&2; exit 2 ;;
+esac
+# Socket, logs, the peers' files, and copies of what the VM runs as other users: in a folder
+# anyone may enter and read (the checkout may lie below one only its owner may enter). The VM
+# sees this machine's (or the rxe guest's) root, /tmp included.
+work=$(mktemp -d /tmp/vrdma-pci-e2e.XXXXXX)
+chmod 0755 "$work"
+socket=$work/vrdma.sock logs=$work/logs unprivileged=$work/unprivileged runs=$work/runs
+mkdir -p "$logs" "$unprivileged" "$runs"
+failures=0
+
+# Each check's line says how long it took, so a slow one shows in CI's log.
+check() {
+  local name=$1 start=$SECONDS
+  shift
+  if "$@"; then
+    echo "pci-e2e: $name ok ($((SECONDS - start)) s)"
+  else
+    echo "pci-e2e: $name FAILED ($((SECONDS - start)) s)"
+    failures=$((failures + 1))
+  fi
+}
+
+# accepting FILE: how many times the backend logging to FILE said it was ready for guests.
+accepting() { grep -c "accepting guests" "$1" 2>/dev/null || true; }
+
+start_backend() {
+  local before
+  before=$(accepting "$logs/backend.log")
+  rm -f "$socket"
+  # The VM and its direct-attach peer are served at once, on the backend's one GID.
+  RUST_LOG=info "$bin/vhost-user-rdma" --device "$device" --socket-path "$socket" --shared-gid \
+    >>"$logs/backend.log" 2>&1 &
+  backend=$!
+  for _ in $(seq 300); do
+    [ "$(accepting "$logs/backend.log")" -gt "${before:-0}" ] && return 0
+    sleep 0.1
+  done
+  echo "pci-e2e: the backend did not start:" >&2
+  cat "$logs/backend.log" >&2
+  return 1
+}
+
+# wait_line FILE REGEX SECONDS: prints the first line of FILE matching REGEX, waiting for it.
+wait_line() {
+  local file=$1 pattern=$2 start=$SECONDS line
+  while [ $((SECONDS - start)) -lt "$3" ]; do
+    if [ -f "$file" ] && line=$(grep -m1 -E "$pattern" "$file"); then
+      echo "$line"
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "pci-e2e: no line matching '$pattern' in $file after $3 s" >&2
+  return 1
+}
+
+# The host objects on rxe0 (pd, cq, qp, mr, ctx ...), as `rdma resource show` counts them.
+host_objects() {
+  rdma resource show | awk '$2 == "rxe0:" { $1 = $2 = ""; print }'
+}
+
+show_logs() {
+  local name=$1 f
+  for f in "$work/$name.err" "$exchange/$name.vm-err" "$exchange/$name.from-vm"; do
+    [ -s "$f" ] && { echo "--- $f" >&2; tail -n 20 "$f" >&2; }
+  done
+  return 1
+}
+
+# pair NAME COMMAND...: runs COMMAND here against the VM's program of session NAME; they
+# trade address lines, then both must print `done`.
+pair() {
+  local name=$1 mine theirs peer
+  shift
+  local to="$exchange/$name.to-vm" from="$exchange/$name.from-vm" ok=0
+  mkfifo "$work/$name.in"
+  "$@" <"$work/$name.in" >"$work/$name.out" 2>"$work/$name.err" &
+  peer=$!
+  exec 7>"$work/$name.in"
+  # The first session also waits for the VM to boot (minutes for a nested one).
+  if mine=$(wait_line "$work/$name.out" '^qpn=' 120) && theirs=$(wait_line "$from" '^qpn=' 900); then
+    echo "$mine" >>"$to"
+    echo "$theirs" >&7
+    wait_line "$work/$name.out" '^done' 900 >/dev/null &&
+      wait_line "$from" '^done' 300 >/dev/null || ok=1
+  else
+    ok=1
+  fi
+  echo end >>"$to"
+  exec 7>&-
+  wait "$peer" || ok=1
+  wait_line "$exchange/$name.vm-rc" '^0$' 120 >/dev/null || ok=1
+  [ "$ok" = 0 ] || show_logs "$name"
+}
+
+# --- part service
+direct_open_refused() {
+  local rc err
+  rc=$(wait_line "$exchange/direct.vm-rc" '.' 60) || return 1
+  err=$(cat "$exchange/direct.vm-err")
+  echo "pci-e2e: opening the PCI device under vrdmad: exit $rc, $(grep -o 'the vrdma PCI device.*' <<<"$err" | head -c 200)"
+  [ "$rc" != 0 ] && grep -q 'vrdma service' <<<"$err"
+}
+# The first check's program kicked the device through the port (a kick that went nowhere
+# would have left its round trips waiting on a sleeping poller).
+notify_port_handed_over() {
+  grep -q "programs kick it through its notification port" "$exchange/vrdmad.log"
+}
+device_node_made() { wait_line "$exchange/node.vm" '^character-device$' 60 >/dev/null; }
+# Idle means asleep until something happens: how often the threads of vrdmad and of a program
+# blocked in a completion-event wait were woken in 10 idle seconds, a count the emulation's
+# speed does not change (a poll every 100 us would be 100000; at most 100 are allowed: runs
+# on a busy machine saw vrdmad's event thread woken 2 to 10 times, with no interrupt). Their
+# CPU time is printed, not checked: in an emulated guest, a thread that wakes is charged for
+# all the time the machine took its vCPU away meanwhile. The guest-service tests check CPU
+# time where it is measured truly.
+service_idle() {
+  local record who wakeups ticks failed=0
+  wait_line "$exchange/service-idle.vm" '^end$' 900 >/dev/null || return 1
+  record=$(cat "$exchange/service-idle.vm")
+  for who in vrdmad program; do
+    wakeups=$(awk -v who="$who" '$1 == "wake-ups" && $2 == who { print $3 }' <<<"$record")
+    ticks=$(awk -v who="$who" '$1 == "cpu-ticks" && $2 == who { print $3 * 10 }' <<<"$record")
+    echo "pci-e2e: $who in 10 idle seconds: ${wakeups:-?} wake-ups, ${ticks:-?} ms of CPU time"
+    [ -n "$wakeups" ] && [ "$wakeups" -le 100 ] || failed=1
+  done
+  grep -E '^(interrupts|thread) ' <<<"$record" | sed 's/^/pci-e2e:   /'
+  [ "$failed" = 0 ]
+}
+sleeper_woken() {
+  local rc
+  rc=$(wait_line "$exchange/sleeper.vm-rc" '.' 300) || return 1
+  [ "$rc" = 0 ] && grep -qx woken "$exchange/sleeper.from-vm"
+}
+# The pair's line in users.vm: NAME server RC client RC.
+users_pair() {
+  wait_line "$exchange/users.vm" '^end$' 1200 >/dev/null || return 1
+  grep -qx "pingpong server 0 client 0" "$exchange/users.vm" &&
+    # ibv_rc_pingpong -c checks every buffer it receives.
+    grep -q ' iters in ' "$exchange/pingpong-client.out" || {
+    cat "$exchange/users.vm" >&2
+    tail -n 5 "$exchange/pingpong-server.out" "$exchange/pingpong-client.out" >&2
+    return 1
+  }
+}
+service_restarted() {
+  wait_line "$exchange/restart.vm" '^end$' 600 >/dev/null || return 1
+  grep -qx "orphan 1" "$exchange/restart.vm" && grep -q '^error: ' "$exchange/orphan.out" &&
+    grep -qx "next 0" "$exchange/restart.vm" || {
+    cat "$exchange/restart.vm" "$exchange/orphan.out" >&2
+    tail -n 5 "$exchange/restart-next.out" >&2
+    return 1
+  }
+}
+check_service() {
+  check "an unprivileged program through vrdmad over the PCI device <-> guest-lib attached directly: $round_trips checked round trips, RDMA WRITE+READ" \
+    pair guest-peer "$bin/guest-endpoint" pong "$socket" "$round_trips"
+  check "a program opening the PCI device vrdmad drives is refused, naming the service" \
+    direct_open_refused
+  check "vrdmad's programs kick the device through its notification port, not through vrdmad" \
+    notify_port_handed_over
+  check "vrdmad made the device node programs like UCX look for (/dev/infiniband/vrdma0)" \
+    device_node_made
+  check "vrdmad and a program waiting for a completion event, idle over the PCI device: asleep (at most 10 wake-ups a second)" \
+    service_idle
+  check "the waiting program wakes when its completion arrives (the device's interrupt)" sleeper_woken
+  check "two unprivileged users' unmodified ibv_rc_pingpong -c pair through vrdmad" users_pair
+  check "a vrdmad restart ends a program waiting on it with an error, and the next program works" \
+    service_restarted
+}
+
+# --- part reopen: the backend is killed and started again under the running VM.
+restart_backend_under_the_vm() {
+  local to="$exchange/reopen.to-vm" from="$exchange/reopen.from-vm" attached error
+  wait_line "$from" '^ready' 600 >/dev/null || { show_logs reopen; return 1; }
+  kill -9 "$backend"
+  wait "$backend" 2>/dev/null
+  attached=$(grep -c "front end attached" "$logs/backend.log")
+  start_backend || return 1
+  # QEMU reconnects (reconnect-ms) and restarts the device on the new backend.
+  local start=$SECONDS
+  until [ "$(grep -c "front end attached" "$logs/backend.log")" -gt "$attached" ]; do
+    [ $((SECONDS - start)) -lt 120 ] || { echo "pci-e2e: QEMU did not reconnect" >&2; return 1; }
+    sleep 0.5
+  done
+  echo go >>"$to"
+  error=$(wait_line "$from" '^error' 300) || { show_logs reopen; return 1; }
+  echo "pci-e2e: the guest program saw: $error"
+  wait_line "$from" '^reopened' 300 >/dev/null || { show_logs reopen; return 1; }
+  echo end >>"$to"
+  wait_line "$exchange/reopen.vm-rc" '^0$' 120 >/dev/null || { show_logs reopen; return 1; }
+  [[ "$error" == *"device was reset"* ]]
+}
+check_reopen() {
+  check "backend restart under the VM: guest-lib reports the reset, reopens, creates a QP" \
+    restart_backend_under_the_vm
+}
+
+# --- part native: the native server here; its address exchange with the VM's client goes
+# through the relay files (see tests/pci-guest.sh).
+pingpong_with_native() {
+  local up="$exchange/pingpong.up" down="$exchange/pingpong.down" server relay ok=0
+  : >"$down"
+  stdbuf -oL timeout 900 ibv_rc_pingpong -d rxe0 -g 1 -c -s 4096 -n 50 -p 18515 \
+    >"$work/pingpong.out" 2>&1 &
+  server=$!
+  wait_line "$work/pingpong.out" 'local address' 60 >/dev/null || ok=1
+  busybox tail -c +1 -F -s 1 "$up" 2>/dev/null | busybox nc 127.0.0.1 18515 >"$down" &
+  relay=$!
+  wait "$server" || ok=1
+  wait_line "$exchange/pingpong.vm-rc" '^0$' 300 >/dev/null || ok=1
+  kill "$relay" 2>/dev/null
+  pkill -f "tail -c \+1 -F -s 1 $up"
+  grep -q ' iters in ' "$work/pingpong.out" && grep -q ' iters in ' "$exchange/pingpong.from-vm" || ok=1
+  [ "$ok" = 0 ] || {
+    tail -n 5 "$work/pingpong.out" >&2
+    show_logs pingpong
+  }
+}
+check_native() {
+  check "guest-lib on the PCI device of a nested VM <-> native ibverbs: $round_trips checked round trips, RDMA WRITE+READ" \
+    pair native-peer "$bin/native-endpoint" ping "$round_trips"
+  check "ibv_rc_pingpong -c in a nested VM (vrdma's libibverbs, PCI) <-> native ibv_rc_pingpong" \
+    pingpong_with_native
+}
+
+start_backend || exit 1
+[ "$device" = rxe0 ] && baseline=$(host_objects)
+cp -r "$bin/guest-endpoint" "$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" \
+  "$unprivileged/" && chmod -R a+rX "$unprivileged" || exit 1
+# The VM can write only to its own run folder (below $runs): that is the exchange.
+VRDMA_NOTIFY_QUEUES=1 "$repo/tests/vm/run.sh" --no-rxe --mem 768 --timeout 2400 --run-in "$runs" \
+  --vrdma "$socket" -- "$repo/tests/pci-guest.sh" "$bin" "$round_trips" "$unprivileged" "$parts" \
+  >"$logs/vm.log" 2>&1 &
+vm=$!
+until exchange=$(ls -d "$runs"/run.* 2>/dev/null); do
+  kill -0 "$vm" 2>/dev/null || { cat "$logs/vm.log" >&2; exit 1; }
+  sleep 0.2
+done
+
+IFS=, read -ra parts_to_check <<<"$parts"
+for part in "${parts_to_check[@]}"; do "check_$part"; done
+
+vm_ok() {
+  wait "$vm" || { echo "--- the VM's log" >&2; tail -n 30 "$logs/vm.log" >&2; return 1; }
+}
+check "the VM ran its programs and shut down" vm_ok
+objects_released() {
+  local start=$SECONDS now
+  while now=$(host_objects) && [ "$now" != "$baseline" ]; do
+    if [ $((SECONDS - start)) -gt 30 ]; then
+      echo "pci-e2e: host objects (pd cq qp mr) $now, before the VM $baseline" >&2
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+[ "$device" = rxe0 ] && check "every host object of the VM released after it shut down" objects_released
+kill "$backend" 2>/dev/null
+wait "$backend" 2>/dev/null
+if [ "$failures" = 0 ]; then
+  rm -rf "$work"
+else
+  echo "pci-e2e: logs kept in $work" >&2
+  exit 1
+fi

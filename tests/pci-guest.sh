@@ -1,0 +1,250 @@
+#!/usr/bin/env bash
+# Runs inside the VM that tests/pci-e2e.sh boots with a vrdma PCI device: guest-lib programs on
+# that device, one session after the other, each talking to a peer outside the VM through files
+# in this VM's run folder, the only one it can write to: the peer's lines arrive in
+# NAME.to-vm (a line `end` closes the session), the program's output goes to
+# NAME.from-vm and its exit code to NAME.vm-rc. PARTS (comma-separated, run in this
+# order) say which sessions run; tests/pci-e2e.sh checks the same parts:
+#   service  the guest service (vrdmad) owns the device: an unprivileged user's program
+#            through it (session guest-peer); a program opening the PCI device meanwhile is
+#            refused (direct.vm-rc, direct.vm-err); the device node it made
+#            (node.vm); a second unprivileged program asleep on a completion event
+#            (session sleeper): its and the service's wake-ups and CPU time over 10 idle
+#            seconds (service-idle.vm), then a completion wakes it; two users' unmodified
+#            ibv_rc_pingpong pair through the service (users.vm); a service restart under
+#            a waiting program: how that program ended and whether the next one works
+#            (restart.vm)
+#   reopen   a backend restart under the running VM (session reopen)
+#   native   guest-lib attached to the PCI device directly (session native-peer), then an
+#            unmodified ibv_rc_pingpong through vrdma's libibverbs; this VM has no network,
+#            so its TCP address exchange is relayed through pingpong.up / pingpong.down
+# usage: tests/pci-guest.sh BIN_DIR ROUND_TRIPS UNPRIVILEGED_DIR PARTS
+#   UNPRIVILEGED_DIR holds copies of guest-endpoint, vrdma-run and vrdma-ibverbs/ that any
+#   user may run (the checkout may lie below a folder only its owner may enter)
+set -uo pipefail
+exchange=${VRDMA_VM_RUN_DIR:?run me inside the VM harness} bin=$1 round_trips=$2
+unprivileged=$3 parts=$4
+repo=$(cd "$(dirname "$0")/.." && pwd)
+
+# A descriptor that never has input: `read -t` on it waits without starting a process. Every
+# process started here costs seconds (this VM is emulated inside an emulated guest) and takes
+# them from the program under test on the VM's one vCPU.
+exec {never}<> <(:)
+pause() { read -rt "$1" -u "$never" || true; }
+
+# Prints the lines of FILE as they are appended (9p has no inotify: polls), until `end`.
+follow() {
+  local file=$1 n=0 line lines
+  while :; do
+    if [ -f "$file" ]; then
+      mapfile -t lines <"$file"
+      while [ "$n" -lt "${#lines[@]}" ]; do
+        line=${lines[$n]}
+        n=$((n + 1))
+        [ "$line" = end ] && return 0
+        echo "$line"
+      done
+    fi
+    pause 0.2
+  done
+}
+
+# session NAME [RUNNER...] -- ARG...: guest-endpoint ARG..., started through RUNNER if given.
+session() {
+  local name=$1 runner=()
+  shift
+  while [ "$1" != -- ]; do runner+=("$1"); shift; done
+  shift
+  follow "$exchange/$name.to-vm" |
+    "${runner[@]}" "$unprivileged/guest-endpoint" "$@" >"$exchange/$name.from-vm" 2>"$exchange/$name.vm-err"
+  echo "${PIPESTATUS[1]}" >"$exchange/$name.vm-rc"
+}
+
+# CPU time (user + system, in 1/100 s) process $1 has spent.
+cpu_ticks() {
+  local stat
+  read -r stat <"/proc/$1/stat"
+  stat=${stat##*) } # fields from the 3rd on (the command name may hold spaces)
+  set -- $stat
+  echo $((${12} + ${13}))
+}
+
+# threads LABEL PID: each thread of process PID with its CPU time and voluntary context
+# switches (each one a sleep the thread was woken from).
+threads() {
+  local task name line switches
+  for task in /proc/"$2"/task/*; do
+    read -r name <"$task/comm"
+    switches=0
+    while read -r line; do
+      [[ $line == voluntary_ctxt_switches:* ]] && switches=${line##*[[:space:]]}
+    done <"$task/status"
+    echo "$1 ${task##*/} $name $(cpu_ticks "$2/task/${task##*/}") $switches"
+  done
+}
+
+# start_service [LOG]: vrdmad as its systemd unit starts it, with the socket's group nogroup
+# for the unprivileged users; returns once its socket is there.
+start_service() {
+  RUST_LOG=info "$bin/vrdmad" --device pci --group nogroup 2>"$exchange/$1" &
+  service=$!
+  for _ in $(seq 600); do [ -S /run/vrdma/vrdmad.sock ] && return 0; pause 0.5; done
+}
+
+stop_service() {
+  kill "$service"
+  wait "$service"
+}
+
+# Waits until vrdmad has released what its programs left: their threads have ended.
+service_settled() {
+  local departing task name
+  for _ in $(seq 240); do
+    departing=0
+    for task in /proc/"$service"/task/*; do
+      read -r name <"$task/comm" 2>/dev/null && [[ $name == vrdmad-program-* ]] && departing=1
+    done
+    [ "$departing" = 0 ] && return 0
+    pause 0.5
+  done
+}
+
+# wait_for_line FILE PREFIX: waits (at most 300 s) until FILE starts with PREFIX.
+wait_for_line() {
+  for _ in $(seq 600); do
+    [[ -f "$1" && $(<"$1") == "$2"* ]] && return 0
+    pause 0.5
+  done
+}
+
+# as_user UID PROGRAM ARG...: an unmodified program through vrdma's libibverbs and vrdmad, as
+# user UID in group nogroup.
+as_user() {
+  local uid=$1
+  shift
+  # Line-buffered, so that the server's "ready" line reaches its file while it waits.
+  setpriv --reuid="$uid" --regid=65534 --clear-groups -- \
+    env VRDMA_IBVERBS_DIR="$unprivileged/vrdma-ibverbs" "$unprivileged/vrdma-run" \
+    --device service -- stdbuf -oL "$@"
+}
+
+# users_pair NAME PORT PROGRAM ARG...: server as uid 65534, client as uid 65533; the client
+# starts once the server says it is ready. The exit codes go to users.vm
+# (`NAME server RC client RC`).
+users_pair() {
+  local name=$1 port=$2 server client_rc said
+  shift 2
+  said="$exchange/$name-server.out"
+  as_user 65534 "$@" -p "$port" >"$said" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do
+    [[ -f $said && $(<"$said") =~ local\ address ]] && break
+    kill -0 "$server" 2>/dev/null || break
+    pause 0.5
+  done
+  as_user 65533 "$@" -p "$port" 127.0.0.1 >"$exchange/$name-client.out" 2>&1
+  client_rc=$?
+  wait "$server"
+  echo "$name server $? client $client_rc" >>"$exchange/users.vm"
+}
+
+# An unprivileged program asleep on a completion event (guest-endpoint's `sleep` mode): its
+# and the service's wake-ups and CPU time over 10 idle seconds, then a line `go` makes it send
+# itself a message, whose completion event must wake it.
+idle_record() {
+  local sleeper_session sleeper process name record label tid ticks switches
+  local before_label before_tid before_ticks before_switches threads_before threads_after
+  local interrupts_before interrupts_after
+  session sleeper setpriv --reuid=65534 --regid=65534 --clear-groups -- sleep service 0 &
+  sleeper_session=$!
+  wait_for_line "$exchange/sleeper.from-vm" sleeping
+  for process in /proc/[0-9]*; do
+    read -r name <"$process/comm" 2>/dev/null && [ "$name" = guest-endpoint ] && sleeper=${process#/proc/}
+  done
+  declare -A idle_start=([vrdmad]=$(cpu_ticks "$service") [program]=$(cpu_ticks "$sleeper"))
+  threads_before=$(threads vrdmad "$service"; threads program "$sleeper")
+  read -r interrupts_before </sys/class/uio/uio0/event || interrupts_before=0
+  pause 10
+  read -r interrupts_after </sys/class/uio/uio0/event || interrupts_after=0
+  threads_after=$(threads vrdmad "$service"; threads program "$sleeper")
+  # /proc counts CPU time in USER_HZ, which is 100 on Linux. The record is written in one
+  # piece and ends in `end`: the peer reads it as soon as it is there.
+  record="cpu-ticks vrdmad $(($(cpu_ticks "$service") - idle_start[vrdmad]))"
+  record+=$'\n'"cpu-ticks program $(($(cpu_ticks "$sleeper") - idle_start[program]))"
+  record+=$'\n'"interrupts $((interrupts_after - interrupts_before))"
+  declare -A wakeups=([vrdmad]=0 [program]=0)
+  while read -r label tid name ticks switches; do
+    while read -r before_label before_tid _ before_ticks before_switches; do
+      [ "$before_label $before_tid" = "$label $tid" ] || continue
+      record+=$'\n'"thread $label $name ($tid): $((ticks - before_ticks)) ticks, $((switches - before_switches)) wake-ups"
+      wakeups[$label]=$((wakeups[$label] + switches - before_switches))
+    done <<<"$threads_before"
+  done <<<"$threads_after"
+  printf '%s\nwake-ups vrdmad %s\nwake-ups program %s\nend\n' \
+    "$record" "${wakeups[vrdmad]}" "${wakeups[program]}" >"$exchange/service-idle.vm"
+  printf 'go\nend\n' >>"$exchange/sleeper.to-vm"
+  wait "$sleeper_session"
+}
+
+# A service restart under a program waiting for an event (an unprivileged `sleep` program
+# whose stdin is never ready): it must end with an error (exit code 1), not hang; the next
+# program must work at once. restart.vm: `orphan RC` (or `orphan hung`), `next RC`, `end`.
+restart_record() {
+  local orphan orphan_rc=hung orphan_in next_rc
+  exec {orphan_in}<> <(:)
+  setpriv --reuid=65534 --regid=65534 --clear-groups -- "$unprivileged/guest-endpoint" \
+    sleep service <&"$orphan_in" >"$exchange/orphan.out" 2>&1 &
+  orphan=$!
+  wait_for_line "$exchange/orphan.out" sleeping
+  stop_service
+  start_service vrdmad-restarted.log
+  for _ in $(seq 240); do
+    kill -0 "$orphan" 2>/dev/null || { wait "$orphan"; orphan_rc=$?; break; }
+    pause 0.5
+  done
+  [ "$orphan_rc" = hung ] && kill -9 "$orphan"
+  as_user 65534 ibv_devinfo -d vrdma0 >"$exchange/restart-next.out" 2>&1
+  next_rc=$?
+  printf 'orphan %s\nnext %s\nend\n' "$orphan_rc" "$next_rc" >"$exchange/restart.vm"
+}
+
+part_service() {
+  start_service vrdmad.log
+  # The device's marker node, for programs that look for one (UCX): a character device.
+  [ -c /dev/infiniband/vrdma0 ] && echo character-device >"$exchange/node.vm"
+  # A second driver of the device: a second vrdmad, whose binary is loaded already.
+  "$bin/vrdmad" --device pci --socket /run/vrdma/second.sock 2>"$exchange/direct.vm-err"
+  echo $? >"$exchange/direct.vm-rc"
+  session guest-peer setpriv --reuid=65534 --regid=65534 --clear-groups -- ping service "$round_trips"
+  # Idle from when the service has released what the program left.
+  service_settled
+  idle_record
+  users_pair pingpong 18520 ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 20
+  echo end >>"$exchange/users.vm"
+  restart_record
+  stop_service
+}
+
+part_reopen() { session reopen -- reopen pci; }
+
+part_native() {
+  session native-peer -- pong pci "$round_trips"
+  # The pingpong's peer address is 127.0.0.1 here: a one-connection listener copies the
+  # socket into pingpong.up and pingpong.down into the socket.
+  busybox nc -l -p 18515 -e sh -c 'busybox tail -c +1 -F -s 1 "$2" & exec cat >>"$1"' \
+    relay "$exchange/pingpong.up" "$exchange/pingpong.down" &
+  pause 1
+  VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" --device pci -- \
+    ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 50 -p 18515 127.0.0.1 \
+    >"$exchange/pingpong.from-vm" 2>"$exchange/pingpong.vm-err"
+  echo $? >"$exchange/pingpong.vm-rc"
+}
+
+modprobe uio_pci_generic 2>/dev/null # the initramfs loaded it already, if it has it
+IFS=, read -ra parts_to_run <<<"$parts"
+for part in "${parts_to_run[@]}"; do
+  case "$part" in
+    service | reopen | native) "part_$part" ;;
+    *) echo "pci-guest.sh: unknown part '$part'" >&2; exit 2 ;;
+  esac
+done
