@@ -8,8 +8,10 @@
 #              notification port; a program opening the device directly is refused, naming
 #              the service; the device node for UCX; idle, vrdmad and a program waiting for a
 #              completion event sleep, and the completion (the device's interrupt) wakes the
-#              program; two unprivileged users' unmodified ibv_rc_pingpong pair; a service
-#              restart ends a waiting program with an error and serves the next at once
+#              program; two unprivileged users' unmodified ibv_rc_pingpong pair, then their
+#              ib_write_bw and ib_send_lat pairs at once beside a third pair whose client is
+#              killed with SIGKILL mid-stream (vrdmad destroys what it held); a service restart
+#              ends a waiting program with an error and serves the next at once
 #     reopen   a backend restart under the running VM: guest-lib reports the device reset,
 #              opens the device again and creates a QP
 #   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one:
@@ -180,6 +182,34 @@ users_pair() {
     return 1
   }
 }
+# perftest prints its result row (sizes, iterations, figures) only after a clean run.
+result_row() { grep -qE '^ *[0-9]+ +[0-9]+ +[0-9.]+' "$1"; }
+perftest_pairs() {
+  local name
+  wait_line "$exchange/users.vm" '^end$' 600 >/dev/null || return 1
+  for name in write_bw send_lat; do
+    grep -qx "$name server 0 client 0" "$exchange/users.vm" && result_row "$exchange/$name-client.out" || {
+      cat "$exchange/users.vm" >&2
+      tail -n 8 "$exchange/$name-server.out" "$exchange/$name-client.out" >&2
+      return 1
+    }
+  done
+}
+# The killed client's programs (a process may connect more than once) each went, their
+# objects destroyed, while the pairs above ran on.
+killed_program_reaped() {
+  local pid ids id gone destroyed=0
+  pid=$(awk '$1 == "killed" { print $2 }' "$exchange/users.vm")
+  [ -n "$pid" ] || { echo "pci-e2e: no killed client found" >&2; return 1; }
+  ids=$(grep -oE "program [0-9]+ connected \(pid $pid," "$exchange/vrdmad.log" | awk '{ print $2 }')
+  [ -n "$ids" ] || { echo "pci-e2e: vrdmad never served pid $pid" >&2; return 1; }
+  for id in $ids; do
+    gone=$(wait_line "$exchange/vrdmad.log" "program $id gone: " 60) || return 1
+    echo "pci-e2e: the killed client's ${gone#*program }"
+    destroyed=$((destroyed + $(awk '{ for (i = 1; i < NF; i++) if ($(i + 1) == "objects") print $i }' <<<"$gone")))
+  done
+  [ "$destroyed" -gt 0 ] && ! grep -q "program .*: destroying" "$exchange/vrdmad.log"
+}
 service_restarted() {
   wait_line "$exchange/restart.vm" '^end$' 600 >/dev/null || return 1
   grep -qx "orphan 1" "$exchange/restart.vm" && grep -q '^error: ' "$exchange/orphan.out" &&
@@ -202,6 +232,10 @@ check_service() {
     service_idle
   check "the waiting program wakes when its completion arrives (the device's interrupt)" sleeper_woken
   check "two unprivileged users' unmodified ibv_rc_pingpong -c pair through vrdmad" users_pair
+  check "two users' unmodified ib_write_bw and ib_send_lat pairs at once through vrdmad, beside a third pair" \
+    perftest_pairs
+  check "the third pair's client, killed with SIGKILL mid-stream: vrdmad destroyed all it held" \
+    killed_program_reaped
   check "a vrdmad restart ends a program waiting on it with an error, and the next program works" \
     service_restarted
 }

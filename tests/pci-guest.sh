@@ -7,13 +7,13 @@
 # order) say which sessions run; tests/pci-e2e.sh checks the same parts:
 #   service  the guest service (vrdmad) owns the device: an unprivileged user's program
 #            through it (session guest-peer); a program opening the PCI device meanwhile is
-#            refused (direct.vm-rc, direct.vm-err); the device node it made
-#            (node.vm); a second unprivileged program asleep on a completion event
-#            (session sleeper): its and the service's wake-ups and CPU time over 10 idle
-#            seconds (service-idle.vm), then a completion wakes it; two users' unmodified
-#            ibv_rc_pingpong pair through the service (users.vm); a service restart under
-#            a waiting program: how that program ended and whether the next one works
-#            (restart.vm)
+#            refused (direct.vm-rc, direct.vm-err); the device node it made (node.vm); a
+#            second unprivileged program asleep on a completion event (session sleeper): its
+#            and the service's wake-ups and CPU time over 10 idle seconds (service-idle.vm),
+#            then a completion wakes it; two users' unmodified ibv_rc_pingpong pair through
+#            the service, then an ib_write_bw and an ib_send_lat pair at once beside a third
+#            pair whose client is killed (users.vm); a service restart under a waiting
+#            program: how that program ended and whether the next one works (restart.vm)
 #   reopen   a backend restart under the running VM (session reopen)
 #   native   guest-lib attached to the PCI device directly (session native-peer), then an
 #            unmodified ibv_rc_pingpong through vrdma's libibverbs; this VM has no network,
@@ -109,10 +109,10 @@ service_settled() {
   done
 }
 
-# wait_for_line FILE PREFIX: waits (at most 300 s) until FILE starts with PREFIX.
+# wait_for_line FILE TEXT: waits (at most 300 s) until FILE holds TEXT.
 wait_for_line() {
   for _ in $(seq 600); do
-    [[ -f "$1" && $(<"$1") == "$2"* ]] && return 0
+    [[ -f "$1" && $(<"$1") == *"$2"* ]] && return 0
     pause 0.5
   done
 }
@@ -138,7 +138,8 @@ users_pair() {
   as_user 65534 "$@" -p "$port" >"$said" 2>&1 &
   server=$!
   for _ in $(seq 600); do
-    [[ -f $said && $(<"$said") =~ local\ address ]] && break
+    # What the pingpongs and perftest say once they wait for their client.
+    [[ -f $said && $(<"$said") =~ local\ address|Waiting\ for\ client ]] && break
     kill -0 "$server" 2>/dev/null || break
     pause 0.5
   done
@@ -146,6 +147,40 @@ users_pair() {
   client_rc=$?
   wait "$server"
   echo "$name server $? client $client_rc" >>"$exchange/users.vm"
+}
+
+# Three pairs of two users' perftest programs at once, streaming for a time each: an
+# ib_write_bw and an ib_send_lat pair for 8 seconds, and an ib_write_bw pair for a minute whose
+# client is killed with SIGKILL once all three stream: the two must finish. users.vm gets their
+# lines (see users_pair) and `killed PID`, the killed client's process (vrdmad's log tells its
+# programs).
+perftest_pairs_and_a_killed_one() {
+  local pid streaming name pairs=() killed_server
+  as_user 65534 ib_write_bw -d vrdma0 -x 0 -D 60 -p 18523 >"$exchange/killed-server.out" 2>&1 &
+  killed_server=$!
+  wait_for_line "$exchange/killed-server.out" "Waiting for client"
+  as_user 65533 ib_write_bw -d vrdma0 -x 0 -D 60 -p 18523 127.0.0.1 \
+    >"$exchange/killed-client.out" 2>&1 &
+  users_pair write_bw 18521 ib_write_bw -d vrdma0 -x 0 -D 8 &
+  pairs+=($!)
+  users_pair send_lat 18522 ib_send_lat -d vrdma0 -x 0 -D 8 &
+  pairs+=($!)
+  for _ in $(seq 600); do
+    streaming=0
+    for name in killed write_bw send_lat; do
+      [[ -f "$exchange/$name-client.out" && $(<"$exchange/$name-client.out") == *"#bytes"* ]] &&
+        streaming=$((streaming + 1))
+    done
+    [ "$streaming" = 3 ] && break
+    pause 0.5
+  done
+  pause 2
+  pid=$(pgrep -f -- "ib_write_bw -d vrdma0 -x 0 -D 60 -p 18523 127.0.0.1")
+  echo "killed $pid" >>"$exchange/users.vm"
+  kill -9 $pid
+  wait "${pairs[@]}"
+  # The killed client's server ends once it finds its peer gone, or after its minute.
+  wait "$killed_server"
 }
 
 # An unprivileged program asleep on a completion event (guest-endpoint's `sleep` mode): its
@@ -220,6 +255,7 @@ part_service() {
   service_settled
   idle_record
   users_pair pingpong 18520 ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 20
+  perftest_pairs_and_a_killed_one
   echo end >>"$exchange/users.vm"
   restart_record
   stop_service
