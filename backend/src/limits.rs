@@ -202,7 +202,11 @@ pub fn describe(config: &DeviceConfig) -> [(&'static str, u64); 18] {
 
 /// The device feature bits offered for a host device.
 pub fn offered_features(host: &DeviceAttr) -> u64 {
-    let mut bits = features::VERSION_1 | features::RC | features::UD | features::INDIRECT_PAGE_LIST;
+    let mut bits = features::VERSION_1
+        | features::RC
+        | features::UD
+        | features::INDIRECT_PAGE_LIST
+        | features::DOORBELL_AREAS;
     if host.max_srq > 0 {
         bits |= features::SRQ;
     }

@@ -737,6 +737,9 @@ impl<'a> QueuePairBuilder<'a> {
             max_send_sge: Le32::from(self.max_send_sge),
             max_recv_sge: Le32::from(max_recv_sge),
             max_inline_data: Le32::from(self.max_inline_data),
+            // The device's first area; the guest service puts its program's own area here
+            // (SPEC.md §8.6) when it forwards the request.
+            doorbell_area: Le32::from(0),
             reserved: Default::default(),
             sq_ring: sq_list,
             rq_ring: rq_list,
@@ -1039,7 +1042,8 @@ impl ProtectionDomain {
             max_sge: Le32::from(max_sge),
             srq_limit: Le32::from(0),
             wqe_shift: shift,
-            reserved: [0; 7],
+            reserved: [0; 3],
+            doorbell_area: Le32::from(0), // as CREATE_QP's
             ring: list,
             doorbell: Le64::from(doorbell.device_addr()?),
         };

@@ -521,6 +521,9 @@ pub fn doorbell_word(bit: u16) -> (u64, u64) {
 /// Most bits a doorbell bitmap has: bit numbers are 16 bits wide.
 pub const MAX_DOORBELL_BITS: u32 = 1 << 16;
 
+/// Most doorbell areas ADD_DOORBELL_AREA adds to a device (§8.6), numbered from 1.
+pub const MAX_DOORBELL_AREAS: u32 = 1024;
+
 /// An arm request of a CQ (§8.2): the event fires at the next completion, or the next
 /// solicited one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

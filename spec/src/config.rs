@@ -14,6 +14,9 @@ pub mod features {
     pub const ATOMIC: u64 = 1 << 3;
     /// Two-level page lists ([`crate::mem::PageListForm::Indirect`]).
     pub const INDIRECT_PAGE_LIST: u64 = 1 << 4;
+    /// Doorbell areas besides SET_NOTIFY_AREA's (ADD_DOORBELL_AREA, SPEC.md §8.6), for a
+    /// driver that shares the device among programs.
+    pub const DOORBELL_AREAS: u64 = 1 << 5;
     /// VIRTIO_F_VERSION_1: mandatory, the device is modern-only.
     pub const VERSION_1: u64 = 1 << 32;
 }

@@ -69,6 +69,8 @@ wire_enum! {
         ModifySrq = 17,
         DestroySrq = 18,
         SetNotifyArea = 19,
+        AddDoorbellArea = 20,
+        DestroyDoorbellArea = 21,
     }
 }
 
@@ -123,7 +125,8 @@ impl Opcode {
             | Self::QueryQp
             | Self::DestroyQp
             | Self::DestroyAh
-            | Self::DestroySrq => size_of::<HandleRequest>(),
+            | Self::DestroySrq
+            | Self::DestroyDoorbellArea => size_of::<HandleRequest>(),
             Self::CreateCq => size_of::<CreateCqRequest>(),
             Self::RegMr => size_of::<RegMrRequest>(),
             Self::CreateQp => size_of::<CreateQpRequest>(),
@@ -132,6 +135,7 @@ impl Opcode {
             Self::CreateSrq => size_of::<CreateSrqRequest>(),
             Self::ModifySrq => size_of::<ModifySrqRequest>(),
             Self::SetNotifyArea => size_of::<SetNotifyAreaRequest>(),
+            Self::AddDoorbellArea => size_of::<AddDoorbellAreaRequest>(),
         }
     }
 
@@ -142,7 +146,9 @@ impl Opcode {
             Self::QueryDevice => size_of::<DeviceAttr>(),
             Self::QueryPort => size_of::<PortAttr>(),
             Self::QueryGid => size_of::<QueryGidResponse>(),
-            Self::AllocPd | Self::CreateCq | Self::CreateAh => size_of::<CreatedResponse>(),
+            Self::AllocPd | Self::CreateCq | Self::CreateAh | Self::AddDoorbellArea => {
+                size_of::<CreatedResponse>()
+            }
             Self::RegMr => size_of::<RegMrResponse>(),
             Self::CreateQp => size_of::<CreateQpResponse>(),
             Self::QueryQp => size_of::<QpAttr>(),
@@ -155,7 +161,8 @@ impl Opcode {
             | Self::DestroyAh
             | Self::ModifySrq
             | Self::DestroySrq
-            | Self::SetNotifyArea => 0,
+            | Self::SetNotifyArea
+            | Self::DestroyDoorbellArea => 0,
         }
     }
 }
@@ -293,13 +300,14 @@ pub struct HandleRequest {
     pub reserved: Le32,
 }
 
-/// Response of ALLOC_PD, CREATE_CQ and CREATE_AH (SPEC.md §5.3).
+/// Response of ALLOC_PD, CREATE_CQ, CREATE_AH and ADD_DOORBELL_AREA (SPEC.md §5.3).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CreatedResponse {
-    /// The new object's handle; never zero.
+    /// The new object's handle (ADD_DOORBELL_AREA: the area's number); never zero.
     pub handle: Le32,
-    /// CREATE_CQ: the CQ depth granted (equals the request). Otherwise zero.
+    /// CREATE_CQ: the CQ depth granted (equals the request). ADD_DOORBELL_AREA: the area's
+    /// bits (equal the request). Otherwise zero.
     pub value: Le32,
 }
 
@@ -384,7 +392,10 @@ pub struct CreateQpRequest {
     pub max_send_sge: Le32,
     pub max_recv_sge: Le32,
     pub max_inline_data: Le32,
-    pub reserved: [Le32; 2],
+    /// The doorbell area (§8.6) holding the QP's doorbell bit: 0 for SET_NOTIFY_AREA's, else
+    /// an area ADD_DOORBELL_AREA returned. Non-zero only with `DOORBELL_AREAS` negotiated.
+    pub doorbell_area: Le32,
+    pub reserved: Le32,
     /// Pages holding `max_send_wr` WQEs of `1 << sq_wqe_shift` bytes.
     pub sq_ring: PageList,
     /// Pages holding `max_recv_wr` WQEs of `1 << rq_wqe_shift` bytes; `npages` 0 with an SRQ.
@@ -548,7 +559,9 @@ pub struct CreateSrqRequest {
     pub srq_limit: Le32,
     /// log2 of the WQE stride: 4..=12, large enough for `max_sge`.
     pub wqe_shift: u8,
-    pub reserved: [u8; 7],
+    pub reserved: [u8; 3],
+    /// The doorbell area (§8.6) holding the SRQ's doorbell bit, as in [`CreateQpRequest`].
+    pub doorbell_area: Le32,
     /// Pages holding `max_wr` receive WQEs.
     pub ring: PageList,
     /// GPA of the SRQ's [`crate::ring::SrqDoorbell`]; 16-byte aligned.
@@ -594,6 +607,21 @@ pub struct SetNotifyAreaRequest {
     pub doorbell_bitmap: Le64,
 }
 
+/// ADD_DOORBELL_AREA request (SPEC.md §8.6): a notify area and doorbell bitmap of their own
+/// for the QPs and SRQs created in it. Answered with a [`CreatedResponse`] naming the area.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AddDoorbellAreaRequest {
+    /// GPA of `num_notify_queues` [`crate::ring::NotifyState`] records, as SET_NOTIFY_AREA's.
+    pub addr: Le64,
+    /// GPA of the area's doorbell bitmap: `bits / 8` zeroed bytes, 64-byte aligned,
+    /// contiguous in guest-physical memory.
+    pub doorbell_bitmap: Le64,
+    /// Doorbell bits of the area: a multiple of 64, from 64 to the device's bitmap's bits.
+    pub bits: Le32,
+    pub reserved: Le32,
+}
+
 wire_struct!(
     DeviceAttr = 128,
     QueryPortRequest = 8,
@@ -615,6 +643,7 @@ wire_struct!(
     CreateSrqResponse = 16,
     ModifySrqRequest = 16,
     SetNotifyAreaRequest = 16,
+    AddDoorbellAreaRequest = 24,
 );
 
 #[cfg(test)]
@@ -623,18 +652,18 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip_and_unknown_values_are_rejected() {
-        for raw in 1..=19u16 {
+        for raw in 1..=21u16 {
             let op = Opcode::try_from(raw).unwrap();
             assert_eq!(op as u16, raw);
         }
         assert_eq!(Opcode::try_from(0), Err(0));
-        assert_eq!(Opcode::try_from(20), Err(20));
+        assert_eq!(Opcode::try_from(22), Err(22));
         assert_eq!(Opcode::try_from(u16::MAX), Err(u16::MAX));
     }
 
     #[test]
     fn every_request_and_response_size_is_a_multiple_of_eight() {
-        for raw in 1..=19u16 {
+        for raw in 1..=21u16 {
             let op = Opcode::try_from(raw).unwrap();
             assert_eq!(op.request_size() % 8, 0, "{op:?}");
             assert_eq!(op.response_size() % 8, 0, "{op:?}");

@@ -428,3 +428,88 @@ fn a_device_not_yet_initialised_answers_not_ready() {
     .concat();
     assert_eq!(status(&query), Status::Ok as u16, "queries need no set-up");
 }
+
+/// Doorbell areas (SPEC.md §8.6): one is added where its memory and size follow the rules,
+/// the rest are refused with the spec's status, and an area goes only as the spec allows.
+/// (That queues created in an area ring through it is what the guest service's tests show:
+/// each of its programs has one.)
+#[test]
+fn doorbell_areas_are_added_where_the_rules_allow_and_refused_elsewhere() {
+    use vrdma_guest::spec::ctrl::AddDoorbellAreaRequest;
+    let backend = start_backend();
+    let device = Device::attach(&backend.socket).unwrap();
+    let memory = device.alloc_buffer(3 * 4096).unwrap();
+    let (states, bitmap) = (memory.addr(), memory.addr() + 4096);
+    let add = |states: u64, bitmap: u64, bits: u32| {
+        let request = AddDoorbellAreaRequest {
+            addr: Le64::from(states),
+            doorbell_bitmap: Le64::from(bitmap),
+            bits: Le32::from(bits),
+            reserved: Le32::from(0),
+        };
+        device
+            .raw_control(
+                &control_request(Opcode::AddDoorbellArea as u16, &request),
+                64,
+            )
+            .unwrap()
+    };
+    let destroy = |area: u32| {
+        let request = control_request(Opcode::DestroyDoorbellArea as u16, &handle_request(area));
+        response_status(&device.raw_control(&request, 64).unwrap())
+    };
+    let added = add(states, bitmap, 128);
+    assert_eq!(response_status(&added), Status::Ok as u16);
+    let area = u32::from_le_bytes(added[8..12].try_into().unwrap());
+    let bits = u32::from_le_bytes(added[12..16].try_into().unwrap());
+    assert!(area >= 1, "area {area}: 0 is SET_NOTIFY_AREA's");
+    assert_eq!(bits, 128);
+    let refused = [
+        (add(states, bitmap, 0), Status::InvalidArgument, "no bits"),
+        (
+            add(states, bitmap, 96),
+            Status::InvalidArgument,
+            "not whole words",
+        ),
+        (
+            add(states, bitmap, 1 << 20),
+            Status::InvalidArgument,
+            "more bits than the device's",
+        ),
+        (
+            add(states + 8, bitmap, 64),
+            Status::BadAddress,
+            "states misaligned",
+        ),
+        (
+            add(states, bitmap + 8, 64),
+            Status::BadAddress,
+            "bitmap misaligned",
+        ),
+        (
+            add(states, 1 << 62, 64),
+            Status::BadAddress,
+            "bitmap outside guest memory",
+        ),
+        (
+            add(4096 - 64 + (1 << 62), bitmap, 64),
+            Status::BadAddress,
+            "states outside guest memory",
+        ),
+    ];
+    for (reply, status, what) in refused {
+        assert_eq!(response_status(&reply), status as u16, "{what}");
+    }
+    assert_eq!(
+        destroy(0),
+        Status::BadHandle as u16,
+        "area 0 goes only with a reset"
+    );
+    assert_eq!(
+        destroy(area + 1000),
+        Status::BadHandle as u16,
+        "no such area"
+    );
+    assert_eq!(destroy(area), Status::Ok as u16);
+    assert_eq!(destroy(area), Status::BadHandle as u16, "already gone");
+}

@@ -36,7 +36,7 @@ pub const CQ_DOORBELL: u64 = 0x40100;
 pub const NOTIFY_AREA: u64 = 0x41000;
 pub const DOORBELL_BITMAP: u64 = 0x42000;
 pub const DOORBELL_BITS: u32 = 1024;
-pub const QP_BIT: u16 = 0;
+pub const QP_BIT: DoorbellBit = DoorbellBit { area: 0, bit: 0 };
 pub const MR_START: u64 = 0x80000;
 pub const LKEY: u32 = 0x100;
 pub const PD: u32 = 1;
@@ -224,10 +224,13 @@ impl Rig {
         };
         let shared = Arc::new(Shared::new(shard, 1, DOORBELL_BITS));
         *shared.mem.write().unwrap() = Some(GuestMemoryAtomic::new(mem.clone()));
-        *shared.notify_area.lock().unwrap() = Some(NotifyArea {
-            states: NOTIFY_AREA,
-            doorbell_bitmap: DOORBELL_BITMAP,
-        });
+        shared.areas().set_first(
+            NotifyArea {
+                states: NOTIFY_AREA,
+                doorbell_bitmap: DOORBELL_BITMAP,
+            },
+            DOORBELL_BITS,
+        );
         let events = Arc::new(FakeEventQueue::default());
         *shared.sink.lock().unwrap() = Some(Arc::clone(&events) as _);
         shared.mrs.write().insert(
@@ -346,12 +349,14 @@ impl Rig {
         self.set_doorbell_bit(QP_BIT);
     }
 
-    /// Sets a doorbell bit as a driver does: an atomic OR, with release semantics.
-    pub fn set_doorbell_bit(&self, bit: u16) {
-        let (offset, mask) = doorbell_word(bit);
+    /// Sets a doorbell bit in its area's bitmap as a driver does: an atomic OR, with release
+    /// semantics.
+    pub fn set_doorbell_bit(&self, bit: DoorbellBit) {
+        let (offset, mask) = doorbell_word(bit.bit);
+        let area = self.shared.areas().get(bit.area).unwrap().place;
         let bitmap = self
             .mem
-            .get_slice(GuestAddress(DOORBELL_BITMAP + offset), 8)
+            .get_slice(GuestAddress(area.doorbell_bitmap + offset), 8)
             .unwrap();
         let word = bitmap.get_atomic_ref::<AtomicU64>(0).unwrap();
         word.fetch_or(mask, Ordering::Release);

@@ -32,14 +32,15 @@ use std::thread::JoinHandle;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-use vrdma_spec::codec::{doorbell_word, ring_pending};
+use vrdma_spec::codec::ring_pending;
 use vrdma_spec::ctrl::PORT_NUM;
 use vrdma_spec::ring::{event_kind, Event, SrqDoorbell};
 use vrdma_spec::{Le16, Le32};
 
 use crate::hostverbs::{self, AddressHandle, AsyncEvent, CompletionChannel, Context};
 use crate::log_budget::LogBudget;
-use doorbells::DoorbellBits;
+pub use doorbells::{AreaInUse, NoBit};
+use doorbells::{DoorbellAreas, DoorbellBit};
 use wqe::MrRange;
 
 type Memory = GuestMemoryMmap;
@@ -82,29 +83,29 @@ impl Rung {
 #[derive(Default)]
 struct ShardObjects {
     /// QPs and SRQs by doorbell bit.
-    queues: HashMap<u16, Rung>,
+    queues: HashMap<DoorbellBit, Rung>,
     /// Their doorbell bits by handle.
-    bits: HashMap<u32, u16>,
-    /// The bitmap words (byte offsets) holding their bits, with how many each: a pass reads
-    /// only these.
-    words: BTreeMap<u64, u32>,
+    bits: HashMap<u32, DoorbellBit>,
+    /// The bitmap words holding their bits (area, byte offset in its bitmap), with how many
+    /// each: a pass reads only these.
+    words: BTreeMap<(u32, u64), u32>,
     cqs: Vec<Arc<CqData>>,
     /// Changes with every CQ added or removed: pollers copy `cqs` when it does.
     cqs_version: u64,
 }
 
 impl ShardObjects {
-    fn insert(&mut self, bit: u16, rung: Rung) {
+    fn insert(&mut self, bit: DoorbellBit, rung: Rung) {
         self.bits.insert(rung.handle(), bit);
         self.queues.insert(bit, rung);
-        *self.words.entry(doorbell_word(bit).0).or_default() += 1;
+        *self.words.entry(bit.word()).or_default() += 1;
     }
 
     /// Takes out the queue with `handle`, with its bit.
-    fn remove(&mut self, handle: u32) -> Option<(u16, Rung)> {
+    fn remove(&mut self, handle: u32) -> Option<(DoorbellBit, Rung)> {
         let bit = self.bits.remove(&handle)?;
         let rung = self.queues.remove(&bit)?;
-        let word = doorbell_word(bit).0;
+        let word = bit.word();
         if let Some(count) = self.words.get_mut(&word) {
             *count -= 1;
             if *count == 0 {
@@ -141,7 +142,7 @@ impl ShardObjects {
     }
 }
 
-/// Where the guest's notification state is (SPEC.md §8.5).
+/// Where a doorbell area's notification states and bitmap are (SPEC.md §8.5, §8.6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NotifyArea {
     /// GPA of the `NotifyState` records.
@@ -230,12 +231,13 @@ struct Shared {
     ahs: parking_lot::RwLock<HashMap<u32, (u32, Arc<AddressHandle>)>>,
     shard: Shard,
     num_notify_queues: u32,
-    notify_area: Mutex<Option<NotifyArea>>,
+    /// Read by the poller every pass, changed by the control path.
+    doorbell_areas: Mutex<DoorbellAreas>,
     /// The SRQ each QP that receives through one takes its receives from, by QP number.
     srq_receivers: RwLock<HashMap<u32, Arc<SrqData>>>,
     /// `srq_receivers` is not empty: receive completions need counting.
     any_srq_receivers: AtomicBool,
-    /// Bits of the doorbell bitmap.
+    /// Bits of the doorbell bitmap of area 0 (SET_NOTIFY_AREA's).
     doorbell_bits: u32,
     sink: Mutex<Option<Arc<dyn EventSink>>>,
     pending_events: Mutex<VecDeque<Event>>,
@@ -256,8 +258,6 @@ struct Shared {
 /// serves, and the thread that forwards the host context's asynchronous events.
 pub struct DataPath {
     shared: Arc<Shared>,
-    /// Which doorbell bits are in use (the control path's).
-    bits: Mutex<DoorbellBits>,
     pool: Arc<PollerPool>,
     /// The pool thread serving the connection.
     pool_thread: usize,
@@ -286,7 +286,6 @@ impl DataPath {
             wake: EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
             channel: Some(context.create_comp_channel()?),
         };
-        let bits = DoorbellBits::new(doorbell_bits);
         let shared = Arc::new(Shared::new(shard, num_notify_queues, doorbell_bits));
         let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
         let stop_host_events = EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?;
@@ -303,7 +302,6 @@ impl DataPath {
         let pool_thread = pool.attach(&shared);
         Ok(DataPath {
             shared,
-            bits: Mutex::new(bits),
             pool: Arc::clone(pool),
             pool_thread,
             host_events: Some(host_events),
@@ -336,22 +334,34 @@ impl DataPath {
 
     /// The notify area the guest set (SPEC.md §8.5), if any since the last reset.
     pub fn notify_area(&self) -> Option<NotifyArea> {
-        *self
-            .shared
-            .notify_area
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.shared.areas().get(0).map(|area| area.place)
     }
 
+    /// Sets the notify area (area 0); `None` forgets it and every other doorbell area.
     pub fn set_notify_area(&self, area: Option<NotifyArea>) {
-        *self
-            .shared
-            .notify_area
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = area;
+        match area {
+            Some(place) => self
+                .shared
+                .areas()
+                .set_first(place, self.shared.doorbell_bits),
+            None => self.shared.areas().clear(),
+        }
         // A sleeping poller publishes NEED_WAKEUP in the new area before it sleeps again:
         // until then the driver would not know to kick.
         let _ = self.shared.shard.wake.write(1);
+    }
+
+    /// Adds a doorbell area of `bits` bits (SPEC.md §8.6); its number, or `None` when the
+    /// connection has as many as it may.
+    pub fn add_doorbell_area(&self, place: NotifyArea, bits: u32) -> Option<u32> {
+        let added = self.shared.areas().add(place, bits);
+        // As for the first area: a sleeping poller asks for kicks in it too.
+        let _ = self.shared.shard.wake.write(1);
+        added
+    }
+
+    pub fn remove_doorbell_area(&self, area: u32) -> Result<(), AreaInUse> {
+        self.shared.areas().remove(area)
     }
 
     /// A kick on notification queue `queue`; false if no poller was asleep to be woken (the
@@ -438,10 +448,9 @@ impl DataPath {
         }
     }
 
-    /// Serves the QP whenever its doorbell bit is rung; the bit, or `None` when its poller
-    /// has none left.
-    pub fn add_qp(&self, qp: Arc<QpData>) -> Option<u16> {
-        self.add_rung(Rung::Qp(qp))
+    /// Serves the QP whenever its doorbell bit in `area` is rung; the bit.
+    pub fn add_qp(&self, qp: Arc<QpData>, area: u32) -> Result<u16, NoBit> {
+        self.add_rung(Rung::Qp(qp), area)
     }
 
     /// Takes the QP out of its poller and frees its doorbell bit; once this returns, no pass
@@ -451,27 +460,23 @@ impl DataPath {
     }
 
     /// As [`DataPath::add_qp`], for an SRQ.
-    pub fn add_srq(&self, srq: Arc<SrqData>) -> Option<u16> {
-        self.add_rung(Rung::Srq(srq))
+    pub fn add_srq(&self, srq: Arc<SrqData>, area: u32) -> Result<u16, NoBit> {
+        self.add_rung(Rung::Srq(srq), area)
     }
 
     pub fn remove_srq(&self, handle: u32) {
         self.remove_rung(handle);
     }
 
-    fn add_rung(&self, rung: Rung) -> Option<u16> {
-        let bit = self
-            .bits
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .alloc()?;
+    fn add_rung(&self, rung: Rung, area: u32) -> Result<u16, NoBit> {
+        let bit = self.shared.areas().alloc(area)?;
         self.shared
             .shard
             .objects
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(bit, rung);
-        Some(bit)
+        Ok(bit.bit)
     }
 
     fn remove_rung(&self, handle: u32) {
@@ -483,10 +488,7 @@ impl DataPath {
             .remove(handle);
         if let Some((bit, rung)) = removed {
             rung.retire();
-            self.bits
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .free(bit);
+            self.shared.areas().free(bit);
         }
     }
 
@@ -514,8 +516,6 @@ impl DataPath {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
-        *self.bits.lock().unwrap_or_else(|e| e.into_inner()) =
-            DoorbellBits::new(self.shared.doorbell_bits);
         self.shared.mrs.write().clear();
         self.shared.ahs.write().clear();
         self.shared
@@ -555,6 +555,12 @@ impl Drop for DataPath {
 }
 
 impl Shared {
+    fn areas(&self) -> std::sync::MutexGuard<'_, DoorbellAreas> {
+        self.doorbell_areas
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
     fn new(shard: Shard, num_notify_queues: u32, doorbell_bits: u32) -> Shared {
         Shared {
             doorbell_bits,
@@ -563,7 +569,7 @@ impl Shared {
             ahs: parking_lot::RwLock::default(),
             shard,
             num_notify_queues,
-            notify_area: Mutex::new(None),
+            doorbell_areas: Mutex::default(),
             srq_receivers: RwLock::default(),
             any_srq_receivers: AtomicBool::new(false),
             sink: Mutex::new(None),

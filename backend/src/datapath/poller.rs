@@ -16,6 +16,7 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
+use super::doorbells::DoorbellBit;
 use super::guest_access::{store, Mapped, Slots};
 use super::queues::{CqData, CqProgress, QpData, QpProgress, SrqData, Visited, FIRST_PAGE, RECORD};
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
@@ -40,7 +41,7 @@ impl Visit {
 
 /// A queue a pass visits: its doorbell bit, and which of its send WQEs the pass may take.
 struct Planned {
-    bit: u16,
+    bit: DoorbellBit,
     rung: Rung,
     sends: Sends,
 }
@@ -74,11 +75,11 @@ pub(super) struct Poller {
     pass_memory: Option<Arc<Memory>>,
     /// Doorbell bits this pass took so far, with those of the queues the last pass left
     /// WQEs in.
-    rung: Vec<u16>,
+    rung: Vec<DoorbellBit>,
     /// The queues this pass visits.
     visits: Vec<Planned>,
     /// Doorbell bits of the queues the last pass left WQEs in.
-    carried: Vec<u16>,
+    carried: Vec<DoorbellBit>,
     /// The last pass found a CQ's ring full with completions that may wait behind it in
     /// the host CQ: they move once the driver polls, which it announces with no kick.
     cq_full: bool,
@@ -283,24 +284,20 @@ impl Poller {
         !self.carried.is_empty() || self.cq_full
     }
 
+    /// Sets or clears NEED_WAKEUP in every doorbell area's notify states: whichever area a
+    /// driver rings through, it learns there whether to kick (SPEC.md §8.5, §8.6).
     pub(super) fn set_need_wakeup(&self, sleeping: bool) {
         self.shared.asleep.store(sleeping, Ordering::SeqCst);
-        let Some(area) = *self
-            .shared
-            .notify_area
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-        else {
-            return;
-        };
         let Some(mem) = self.memory() else { return };
-        for queue in 0..self.shared.num_notify_queues {
-            let state = area.states + notify_state_offset(queue);
-            let flags = if sleeping { NOTIFY_NEED_WAKEUP } else { 0 };
-            let kicks = self.shared.kicks[queue as usize].load(Ordering::Relaxed) as u32;
-            // A guest that unmapped its notify area only loses its wake-ups.
-            let _ = store(&mem, flags, state + NotifyState::FLAGS, Ordering::SeqCst);
-            let _ = store(&mem, kicks, state + NotifyState::KICKS, Ordering::Relaxed);
+        let flags = if sleeping { NOTIFY_NEED_WAKEUP } else { 0 };
+        for area in self.shared.areas().places() {
+            for queue in 0..self.shared.num_notify_queues {
+                let state = area.states + notify_state_offset(queue);
+                let kicks = self.shared.kicks[queue as usize].load(Ordering::Relaxed) as u32;
+                // A guest that unmapped its notify area only loses its wake-ups.
+                let _ = store(&mem, flags, state + NotifyState::FLAGS, Ordering::SeqCst);
+                let _ = store(&mem, kicks, state + NotifyState::KICKS, Ordering::Relaxed);
+            }
         }
     }
 
@@ -469,23 +466,22 @@ impl Poller {
         self.rung = bits;
     }
 
-    fn take_rung_bits(&self, mem: &Memory, objects: &ShardObjects, bits: &mut Vec<u16>) {
-        let area = *self
-            .shared
-            .notify_area
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let Some(area) = area else { return };
-        let bitmap_len = u64::from(self.shared.doorbell_bits / 8);
-        // Checked contiguous at SET_NOTIFY_AREA; a memory table changed since costs the
-        // guest its doorbells, never the backend its safety.
-        let Ok(bitmap) = mem.get_slice(GuestAddress(area.doorbell_bitmap), bitmap_len as usize)
-        else {
-            return;
-        };
-        for &offset in objects.words.keys() {
-            let Ok(word) = bitmap.get_atomic_ref::<AtomicU64>(offset as usize) else {
-                return;
+    fn take_rung_bits(&self, mem: &Memory, objects: &ShardObjects, bits: &mut Vec<DoorbellBit>) {
+        let areas = self.shared.areas();
+        // The words come sorted by area: each area's bitmap is looked up once per pass.
+        let mut bitmap = None;
+        for &(area, offset) in objects.words.keys() {
+            if bitmap.as_ref().is_none_or(|(current, _)| *current != area) {
+                // Checked contiguous when the area was set; a memory table changed since
+                // costs the guest its doorbells, never the backend its safety.
+                bitmap = areas.get(area).and_then(|found| {
+                    let place = GuestAddress(found.place.doorbell_bitmap);
+                    Some((area, mem.get_slice(place, found.bitmap_bytes()).ok()?))
+                });
+            }
+            let Some((_, slice)) = &bitmap else { continue };
+            let Ok(word) = slice.get_atomic_ref::<AtomicU64>(offset as usize) else {
+                continue;
             };
             if word.load(Ordering::Relaxed) == 0 {
                 continue;
@@ -494,7 +490,10 @@ impl Poller {
             while rung != 0 {
                 let bit = rung.trailing_zeros();
                 rung &= rung - 1;
-                bits.push((offset * 8) as u16 + bit as u16);
+                bits.push(DoorbellBit {
+                    area,
+                    bit: (offset * 8) as u16 + bit as u16,
+                });
             }
         }
     }

@@ -10,21 +10,25 @@ pub mod validate;
 use std::sync::Arc;
 
 use vm_memory::GuestMemoryBackend;
-use vrdma_spec::codec::{doorbell_bitmap_bits, doorbell_bitmap_bytes, notify_area_bytes};
+use vrdma_spec::codec::{
+    doorbell_bitmap_bits, doorbell_bitmap_bytes, notify_area_bytes, MAX_DOORBELL_AREAS,
+};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
-    device_cap, gid_type, CreateAhRequest, CreateCqRequest, CreateQpRequest, CreateQpResponse,
-    CreateSrqRequest, CreateSrqResponse, CreatedResponse, DeviceAttr as WireDeviceAttr,
-    HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode, PortAttr as WirePortAttr,
-    QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse, QueryPortRequest, RegMrRequest,
-    RegMrResponse, RequestHeader, ResponseHeader, SetNotifyAreaRequest, Status, GUEST_GID_INDEX,
-    GUEST_GID_TABLE_LEN, PORT_NUM,
+    device_cap, gid_type, AddDoorbellAreaRequest, CreateAhRequest, CreateCqRequest,
+    CreateQpRequest, CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse,
+    DeviceAttr as WireDeviceAttr, HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode,
+    PortAttr as WirePortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
+    QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
+    SetNotifyAreaRequest, Status, GUEST_GID_INDEX, GUEST_GID_TABLE_LEN, PORT_NUM,
 };
 use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SHIFT};
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::datapath::wqe::{MrRange, QpRules};
-use crate::datapath::{CqData, DataPath, GuestRing, NotifyArea, PollerPool, QpData, SrqData};
+use crate::datapath::{
+    AreaInUse, CqData, DataPath, GuestRing, NoBit, NotifyArea, PollerPool, QpData, SrqData,
+};
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpAttr, QpCaps, QpInit, QpType};
 use crate::mtt::{self, pages_needed, PageListRules};
 use crate::{limits, Config, HostDevice};
@@ -81,8 +85,18 @@ fn reply<T: ByteValued>(value: T) -> CommandResult {
     Ok(value.as_slice().to_vec())
 }
 
-fn no_doorbell_bit() -> CommandError {
-    Refusal::NoDoorbellBit.into()
+fn no_doorbell_bit(area: u32) -> impl FnOnce(NoBit) -> CommandError {
+    move |why| match why {
+        NoBit::UnknownArea => unknown_doorbell_area(area).into(),
+        NoBit::Full => Refusal::NoDoorbellBit.into(),
+    }
+}
+
+fn unknown_doorbell_area(area: u32) -> Refusal {
+    Refusal::BadHandle {
+        kind: "doorbell area",
+        handle: area,
+    }
 }
 
 /// The framing of a control request (SPEC.md §5.1): its opcode and payload, given the bytes
@@ -291,6 +305,8 @@ impl Device {
             Opcode::CreateAh => self.create_ah(parse(payload)),
             Opcode::DestroyAh => self.destroy_ah(parse(payload)),
             Opcode::SetNotifyArea => self.set_notify_area(mem, parse(payload)),
+            Opcode::AddDoorbellArea => self.add_doorbell_area(mem, parse(payload)),
+            Opcode::DestroyDoorbellArea => self.destroy_doorbell_area(parse(payload)),
             Opcode::CreateSrq => self.create_srq(mem, parse(payload)),
             Opcode::DestroySrq => self.destroy_srq(parse(payload)),
             Opcode::ModifySrq => self.modify_srq(parse(payload)),
@@ -591,6 +607,7 @@ impl Device {
         let (send_cq, recv_cq) = (Arc::clone(&send_cq.data), Arc::clone(&recv_cq.data));
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, QpDoorbell>(mem, "QP doorbell", doorbell, 16)?;
+        let area = self.doorbell_area(req.doorbell_area.to_native())?;
         let srq_handle = Some(req.srq.to_native()).filter(|&h| h != 0);
         let (srq, srq_data) = match srq_handle {
             Some(h) => {
@@ -651,7 +668,10 @@ impl Device {
             recv_cq: recv_cq_handle,
             srq: srq_handle,
         };
-        let doorbell_bit = self.data_path.add_qp(data).ok_or_else(no_doorbell_bit)?;
+        let doorbell_bit = self
+            .data_path
+            .add_qp(data, area)
+            .map_err(no_doorbell_bit(area))?;
         if let Some(srq) = srq_data {
             self.data_path.receive_through(qp_num, srq);
         }
@@ -683,6 +703,7 @@ impl Device {
         let pd = Arc::clone(&self.objects.pd(pd_handle)?.pd);
         let doorbell = req.doorbell.to_native();
         validate::guest_record::<M, SrqDoorbell>(mem, "SRQ doorbell", doorbell, 16)?;
+        let area = self.doorbell_area(req.doorbell_area.to_native())?;
         self.check_ring_quota(u64::from(max_wr) << req.wqe_shift)?;
         let ring = self.ring(mem, &req.ring, max_wr, req.wqe_shift)?;
         let srq = pd.create_srq(max_wr, max_sge)?;
@@ -714,7 +735,10 @@ impl Device {
         };
         self.data_path
             .arm_srq_limit(&data, req.srq_limit.to_native());
-        let doorbell_bit = self.data_path.add_srq(data).ok_or_else(no_doorbell_bit)?;
+        let doorbell_bit = self
+            .data_path
+            .add_srq(data, area)
+            .map_err(no_doorbell_bit(area))?;
         self.objects.insert_srq(handle, entry);
         reply(CreateSrqResponse {
             handle: Le32::from(handle),
@@ -830,32 +854,114 @@ impl Device {
         if self.data_path.notify_area().is_some() {
             return Err(Refusal::NotifyAreaSet.into());
         }
-        let addr = req.addr.to_native();
-        let len = notify_area_bytes(self.config.num_notify_queues.to_native());
-        if addr % 4096 + len > 4096 {
-            return Err(Refusal::NotifyAreaCrossesPage.into());
-        }
-        validate::guest_record::<M, NotifyState>(mem, "notify area", addr, 64)?;
-        validate::guest_range(mem, addr, len)?;
-        let bitmap = req.doorbell_bitmap.to_native();
-        let bitmap_len = doorbell_bitmap_bytes(
+        let bitmap_bytes = doorbell_bitmap_bytes(
             self.config.max_qp.to_native(),
             self.config.max_srq.to_native(),
         );
+        let place =
+            self.doorbell_place(mem, req.addr.to_native(), req.doorbell_bitmap, bitmap_bytes)?;
+        self.data_path.set_notify_area(Some(place));
+        Ok(Vec::new())
+    }
+
+    /// ADD_DOORBELL_AREA (SPEC.md §8.6).
+    fn add_doorbell_area<M: GuestMemoryBackend>(
+        &mut self,
+        mem: &M,
+        req: AddDoorbellAreaRequest,
+    ) -> CommandResult {
+        if self.features & features::DOORBELL_AREAS == 0 {
+            return Err(Refusal::NotNegotiated("DOORBELL_AREAS").into());
+        }
+        let bits = req.bits.to_native();
+        let max_bits = doorbell_bitmap_bits(
+            self.config.max_qp.to_native(),
+            self.config.max_srq.to_native(),
+        );
+        if bits == 0 || !bits.is_multiple_of(64) || bits > max_bits {
+            return Err(Refusal::OutOfRange {
+                field: "doorbell area bits (a multiple of 64)",
+                value: bits.into(),
+                min: 64,
+                max: max_bits.into(),
+            }
+            .into());
+        }
+        let place = self.doorbell_place(
+            mem,
+            req.addr.to_native(),
+            req.doorbell_bitmap,
+            u64::from(bits / 8),
+        )?;
+        let area = self
+            .data_path
+            .add_doorbell_area(place, bits)
+            .ok_or(Refusal::Quota {
+                kind: "doorbell area",
+                max: MAX_DOORBELL_AREAS,
+            })?;
+        reply(CreatedResponse {
+            handle: Le32::from(area),
+            value: Le32::from(bits),
+        })
+    }
+
+    /// DESTROY_DOORBELL_AREA (SPEC.md §8.6).
+    fn destroy_doorbell_area(&mut self, req: HandleRequest) -> CommandResult {
+        if self.features & features::DOORBELL_AREAS == 0 {
+            return Err(Refusal::NotNegotiated("DOORBELL_AREAS").into());
+        }
+        let area = req.handle.to_native();
+        match self.data_path.remove_doorbell_area(area) {
+            Ok(()) => Ok(Vec::new()),
+            Err(AreaInUse::Unknown) => Err(unknown_doorbell_area(area).into()),
+            Err(AreaInUse::Busy(users)) => Err(Refusal::Busy {
+                kind: "doorbell area",
+                handle: area,
+                users,
+            }
+            .into()),
+        }
+    }
+
+    /// The doorbell area a CREATE_QP or CREATE_SRQ names (SPEC.md §8.6): 0, or one the
+    /// driver added (the field is reserved without DOORBELL_AREAS).
+    fn doorbell_area(&self, area: u32) -> Result<u32, Refusal> {
+        if area != 0 && self.features & features::DOORBELL_AREAS == 0 {
+            return Err(Refusal::Reserved);
+        }
+        Ok(area)
+    }
+
+    /// Checks a doorbell area's notify states at `states` and bitmap of `bitmap_bytes` at
+    /// `bitmap` (SPEC.md §8.5): where the pollers may store and swap.
+    fn doorbell_place<M: GuestMemoryBackend>(
+        &self,
+        mem: &M,
+        states: u64,
+        bitmap: Le64,
+        bitmap_bytes: u64,
+    ) -> Result<NotifyArea, CommandError> {
+        let len = notify_area_bytes(self.config.num_notify_queues.to_native());
+        if states % 4096 + len > 4096 {
+            return Err(Refusal::NotifyAreaCrossesPage.into());
+        }
+        validate::guest_record::<M, NotifyState>(mem, "notify area", states, 64)?;
+        validate::guest_range(mem, states, len)?;
+        let bitmap = bitmap.to_native();
         validate::guest_record::<M, u64>(mem, "doorbell bitmap", bitmap, 64)?;
-        validate::guest_range(mem, bitmap, bitmap_len)?;
+        validate::guest_range(mem, bitmap, bitmap_bytes)?;
         // Pollers take rung bits with atomic swaps on the backend's mapping of the bitmap.
         if mem
-            .get_slice(vm_memory::GuestAddress(bitmap), bitmap_len as usize)
+            .get_slice(vm_memory::GuestAddress(bitmap), bitmap_bytes as usize)
             .is_err()
         {
             return Err(Refusal::BitmapNotContiguous.into());
         }
-        self.data_path.set_notify_area(Some(NotifyArea {
-            states: addr,
+        Ok(NotifyArea {
+            states,
             doorbell_bitmap: bitmap,
-        }));
-        Ok(Vec::new())
+        })
     }
 }
 

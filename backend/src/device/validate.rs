@@ -165,7 +165,7 @@ pub fn create_qp(
             needed: rq_needed,
         });
     }
-    if req.reserved.iter().any(|r| r.to_native() != 0) {
+    if req.reserved.to_native() != 0 {
         return Err(Refusal::Reserved);
     }
     Ok(QpShape {
@@ -866,7 +866,7 @@ mod tests {
             ),
             (
                 CreateQpRequest {
-                    reserved: [Le32::from(1), Le32::from(0)],
+                    reserved: Le32::from(1),
                     ..r
                 },
                 Refusal::Reserved,
@@ -973,7 +973,7 @@ mod tests {
             ),
             (
                 CreateSrqRequest {
-                    reserved: [1, 0, 0, 0, 0, 0, 0],
+                    reserved: [1, 0, 0],
                     ..good
                 },
                 Refusal::Reserved,
