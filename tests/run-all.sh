@@ -39,7 +39,7 @@ cargo test --workspace --locked
 step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in README)"
 fuzz/run.sh "${VRDMA_FUZZ_SECONDS:-20}"
 
-step "a VM with the vrdma PCI device, served by the loopback host on this machine (about 5 minutes)"
+step "a VM with the vrdma PCI device, served by the loopback host on this machine (about a minute)"
 tests/pci-e2e.sh "$PWD/target/debug" loopback
 
 step "build the integration tests"

@@ -15,20 +15,13 @@ use vrdma_spec::config::{features, DeviceConfig, FIRST_NOTIFY_QUEUE, MAX_NOTIFY_
 use vrdma_spec::ring::Event;
 
 use crate::shm::{Region, RegionSet, SharedBuffer};
-use crate::transport::Transport;
+use crate::transport::{Transport, WANTED_FEATURES};
 use crate::virtq::{DeviceQueues, EventFdSignal, SplitQueue, QUEUE_SIZE};
 use crate::{Error, Result};
 
 /// VHOST_USER_F_PROTOCOL_FEATURES.
 const PROTOCOL_FEATURES: u64 = 1 << 30;
-/// Device features guest-lib knows how to use.
-const WANTED_FEATURES: u64 = features::VERSION_1
-    | features::RC
-    | features::UD
-    | features::SRQ
-    | features::ATOMIC
-    | features::INDIRECT_PAGE_LIST
-    | PROTOCOL_FEATURES;
+
 /// Default shared memory added at a time, unless a single allocation needs more.
 const REGION_SIZE: u64 = 32 << 20;
 
@@ -161,7 +154,7 @@ impl DirectTransport {
                 "the backend has {queue_num} queues, the device needs {num_queues}"
             )));
         }
-        let features = offered & WANTED_FEATURES;
+        let features = offered & (WANTED_FEATURES | PROTOCOL_FEATURES);
         frontend.set_features(features).map_err(vhost)?;
 
         let region = Region::new(options.region_size, options.huge_pages)?;

@@ -22,7 +22,7 @@ use vrdma_spec::ring::Event;
 
 use crate::mmio::Bar;
 use crate::shm::{Region, RegionSet, SharedBuffer};
-use crate::transport::{NotifyPort, Transport};
+use crate::transport::{NotifyPort, Transport, WANTED_FEATURES};
 use crate::virtq::{DeviceQueues, QueueSignal, SplitQueue, QUEUE_SIZE};
 use crate::{Error, Result};
 
@@ -32,13 +32,6 @@ pub const VIRTIO_VENDOR: u16 = 0x1af4;
 pub const VRDMA_DEVICE_ID: u16 = 0x106a;
 const SYSFS_DEVICES: &str = "/sys/bus/pci/devices";
 const UIO_DRIVER: &str = "uio_pci_generic";
-/// Device features guest-lib knows how to use.
-const WANTED_FEATURES: u64 = features::VERSION_1
-    | features::RC
-    | features::UD
-    | features::SRQ
-    | features::ATOMIC
-    | features::INDIRECT_PAGE_LIST;
 /// Shared memory locked at a time.
 const REGION_SIZE: u64 = 8 << 20;
 const POLL_INTERVAL: Duration = Duration::from_micros(100);

@@ -4,13 +4,22 @@
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use vrdma_spec::config::{DeviceConfig, FIRST_NOTIFY_QUEUE};
+use vrdma_spec::config::{features, DeviceConfig, FIRST_NOTIFY_QUEUE};
 use vrdma_spec::ring::Event;
 
 use std::sync::Arc;
 
 use crate::shm::{Region, SharedBuffer};
 use crate::{Error, Result};
+
+/// Device features guest-lib knows how to use, on every transport that negotiates them.
+pub(crate) const WANTED_FEATURES: u64 = features::VERSION_1
+    | features::RC
+    | features::UD
+    | features::SRQ
+    | features::ATOMIC
+    | features::INDIRECT_PAGE_LIST
+    | features::DOORBELL_AREAS;
 
 pub trait Transport: Send + Sync {
     /// The device configuration space, read at attach time.

@@ -86,6 +86,60 @@ fn ping_pong(round_trips: u32, command: impl Fn(&str) -> Command) {
     assert!(ping.wait().unwrap().success() && pong.wait().unwrap().success());
 }
 
+/// A program that zeroes every doorbell bit and notify state it can reach, over and over,
+/// reaches only its own doorbell area (SPEC.md §8.6): two other programs make their round
+/// trips as ever. (When every program shared the service's one area, it took their
+/// doorbells and their kicks' flag: their WQEs waited for a ring that never came.)
+#[test]
+fn a_program_zeroing_every_doorbell_it_can_reach_delays_no_other() {
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    use vrdma_guest::service::protocol::{self, Kind, Welcome};
+    let backend = start_backend();
+    let mut service = ServiceProcess::start(&backend.socket, &[]);
+    // The meddler speaks the service's protocol itself and maps what its WELCOME hands it.
+    let stream = std::os::unix::net::UnixStream::connect(&service.socket).unwrap();
+    protocol::send(&stream, Kind::Hello, &protocol::VERSION.to_le_bytes(), &[]).unwrap();
+    let mut welcome = protocol::recv(&stream, protocol::MAX_SERVICE_PAYLOAD)
+        .unwrap()
+        .unwrap();
+    assert_eq!(welcome.kind, Kind::Welcome);
+    let terms = Welcome::decode(&welcome.payload).unwrap();
+    let doorbells = std::sync::Arc::new(
+        vrdma_guest::shm::Region::from_file(welcome.files.remove(0), terms.notify_len).unwrap(),
+    );
+    let everything = doorbells.view(0, terms.notify_len).unwrap();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Relaxed) {
+                for offset in (0..terms.notify_len).step_by(8) {
+                    everything.atomic_u64(offset).unwrap().store(0, Relaxed);
+                }
+            }
+        });
+        // Stops the meddler however the round trips end: the scope waits for it.
+        struct Stop<'a>(&'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Relaxed);
+            }
+        }
+        let _stop = Stop(&stop);
+        let target = service.target();
+        ping_pong(2_000, |mode| guest_endpoint(mode, &target, 2_000));
+    });
+    // Each program had an area of its own, removed when it went.
+    let log = service.wait_for_log("both programs gone", |log| {
+        log.matches(" gone: ").count() == 2
+    });
+    let areas: std::collections::HashSet<&str> = log
+        .lines()
+        .filter_map(|line| line.split("rings through doorbell area ").nth(1))
+        .collect();
+    assert_eq!(areas.len(), 3, "{log}");
+    assert!(!log.contains("removing its doorbell area"), "{log}");
+}
+
 #[test]
 fn two_programs_make_checked_round_trips_over_one_device_the_service_shares() {
     let backend = start_backend();

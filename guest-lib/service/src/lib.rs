@@ -11,6 +11,8 @@
 //! - The program's memory (memfds it passes) is made reachable by the device here; its rings,
 //!   doorbell records and CQs stay in that memory, so the data path never passes through the
 //!   service: the program posts and polls as it would with the device to itself.
+//! - Each program rings the device through a doorbell area of its own (SPEC.md §8.6), so no
+//!   program can take or hide another's doorbells, where the device offers such areas.
 //! - The device's events go to the program whose object they name.
 //! - When a program goes (exit, crash, SIGKILL), everything it created is destroyed on the
 //!   device and its memory released; the other programs keep running.
@@ -30,9 +32,12 @@ use std::time::Duration;
 use vrdma_guest::service::protocol::Welcome;
 use vrdma_guest::shm::{Region, PAGE_SIZE};
 use vrdma_guest::transport::Transport;
-use vrdma_spec::codec::doorbell_bitmap_bytes;
-use vrdma_spec::config::DeviceConfig;
-use vrdma_spec::ctrl::{DeviceAttr, Opcode, ResponseHeader, SetNotifyAreaRequest, Status};
+use vrdma_spec::codec::{doorbell_bitmap_bits, notify_area_bytes};
+use vrdma_spec::config::{features, DeviceConfig};
+use vrdma_spec::ctrl::{
+    AddDoorbellAreaRequest, CreatedResponse, DeviceAttr, HandleRequest, Opcode, ResponseHeader,
+    SetNotifyAreaRequest, Status,
+};
 use vrdma_spec::ring::{event_kind, Event};
 use vrdma_spec::{read_wire, ByteValued, Le16, Le32, Le64};
 
@@ -145,11 +150,64 @@ impl Limits {
     }
 }
 
+/// Notify states and a doorbell bitmap (SPEC.md §8.5) in a memfd of their own: the states in
+/// the first page, the bitmap from the second, nothing else, so a program it is handed to
+/// sees nothing more.
+struct DoorbellRegion {
+    region: Arc<Region>,
+    bitmap_bytes: u64,
+}
+
+impl DoorbellRegion {
+    const BITMAP_OFFSET: u64 = PAGE_SIZE;
+
+    fn create(transport: &dyn Transport, bitmap_bytes: u64) -> vrdma_guest::Result<Self> {
+        let len = (Self::BITMAP_OFFSET + bitmap_bytes).next_multiple_of(PAGE_SIZE);
+        Ok(DoorbellRegion {
+            region: transport.adopt(Region::create(len)?)?,
+            bitmap_bytes,
+        })
+    }
+
+    /// The device addresses of the notify states (of `num_notify_queues`) and the bitmap.
+    fn device_addrs(&self, num_notify_queues: u32) -> vrdma_guest::Result<(Le64, Le64)> {
+        let states = self.region.view(0, notify_area_bytes(num_notify_queues))?;
+        let bitmap = self.region.view(Self::BITMAP_OFFSET, self.bitmap_bytes)?;
+        Ok((
+            Le64::from(states.device_addr()?),
+            Le64::from(bitmap.device_addr()?),
+        ))
+    }
+
+    /// `welcome` for a program that maps this region.
+    fn welcome(&self, welcome: &Welcome) -> Welcome {
+        Welcome {
+            notify_len: self.region.size(),
+            bitmap_offset: Self::BITMAP_OFFSET,
+            bitmap_len: self.bitmap_bytes,
+            ..welcome.clone()
+        }
+    }
+
+    fn file(&self) -> &std::fs::File {
+        self.region.file().expect("a doorbell region is a memfd")
+    }
+}
+
+/// A program's doorbell area (SPEC.md §8.6): its number on the device and its region.
+struct ProgramArea {
+    number: u32,
+    doorbells: DoorbellRegion,
+}
+
 /// The service: the device, and the programs it serves.
 pub struct Service {
     transport: Arc<dyn Transport>,
-    /// The notify area and doorbell bitmap every program maps: one memfd (kept alive here).
-    notify: Arc<Region>,
+    /// The device's first doorbell area (SET_NOTIFY_AREA's): every program's when the device
+    /// has no doorbell areas of programs' own, else only the service's.
+    notify: DoorbellRegion,
+    /// The doorbell bits of a program's own area; `None`: the device offers none.
+    program_area_bits: Option<u32>,
     welcome: Welcome,
     limits: Limits,
     /// Which program owns each CQ, QP and SRQ, for routing the device's events.
@@ -173,28 +231,35 @@ impl Service {
         let transport: Arc<dyn Transport> =
             Arc::from(vrdma_guest::target::open(target).map_err(device_error)?);
         let config = *transport.config();
-        let notify_bytes =
-            vrdma_spec::codec::notify_area_bytes(config.num_notify_queues.to_native());
-        let bitmap_bytes =
-            doorbell_bitmap_bytes(config.max_qp.to_native(), config.max_srq.to_native());
-        // The notify area in its own page, the bitmap after it: this memfd holds nothing else,
-        // so handing it to programs shows them nothing of the service's own queues.
-        let bitmap_offset = PAGE_SIZE;
-        let notify_len = (bitmap_offset + bitmap_bytes).next_multiple_of(PAGE_SIZE);
-        let region = Region::create(notify_len).map_err(device_error)?;
-        let notify = transport.adopt(region).map_err(device_error)?;
-        let area = notify.view(0, notify_bytes).map_err(device_error)?;
-        let bitmap = notify
-            .view(bitmap_offset, bitmap_bytes)
+        let num_notify_queues = config.num_notify_queues.to_native();
+        let device_bits =
+            doorbell_bitmap_bits(config.max_qp.to_native(), config.max_srq.to_native());
+        let notify = DoorbellRegion::create(&*transport, u64::from(device_bits / 8))
+            .map_err(device_error)?;
+        let (addr, doorbell_bitmap) = notify
+            .device_addrs(num_notify_queues)
             .map_err(device_error)?;
         let request = SetNotifyAreaRequest {
-            addr: Le64::from(area.device_addr().map_err(device_error)?),
-            doorbell_bitmap: Le64::from(bitmap.device_addr().map_err(device_error)?),
+            addr,
+            doorbell_bitmap,
         };
-        let status = raw_command(&*transport, Opcode::SetNotifyArea, request.as_slice())
+        let (status, _) = raw_command(&*transport, Opcode::SetNotifyArea, request.as_slice())
             .map_err(device_error)?;
         if status != Status::Ok {
             return Err(Error::NotifyArea(status));
+        }
+        let limits = Limits::fair_share(&config, options);
+        // A program's area holds a bit for each QP and SRQ it may hold.
+        let program_area_bits = (transport.features() & features::DOORBELL_AREAS != 0).then(|| {
+            let queues = limits.objects_per_program[&ObjectKind::Qp]
+                + limits.objects_per_program[&ObjectKind::Srq];
+            queues.next_multiple_of(64).min(device_bits)
+        });
+        if program_area_bits.is_none() {
+            log::warn!(
+                "the vrdma device {target} has no doorbell areas for programs: they share one, \
+                 and each can delay the others' doorbells (SPEC.md §12)"
+            );
         }
         let notify_port = transport.notify_port().map(|port| port.offset);
         log::info!(
@@ -207,25 +272,77 @@ impl Service {
                 "through the service"
             }
         );
-        let limits = Limits::fair_share(&config, options);
         Ok(Arc::new(Service {
             welcome: Welcome {
                 version: vrdma_guest::service::protocol::VERSION,
                 features: transport.features(),
-                notify_len,
-                bitmap_offset,
-                bitmap_len: bitmap_bytes,
+                notify_len: 0,
+                bitmap_offset: 0,
+                bitmap_len: 0,
                 notify_port,
                 config: limits.program_config(&config).as_slice().to_vec(),
             },
             limits,
             transport,
             notify,
+            program_area_bits,
             owners: Mutex::default(),
             programs: Mutex::default(),
             next_program: AtomicU64::new(1),
             connected: AtomicUsize::new(0),
         }))
+    }
+
+    /// A doorbell area of a program's own (SPEC.md §8.6); `None` where the device offers
+    /// none, and the program shares the service's.
+    fn add_program_area(&self) -> std::result::Result<Option<ProgramArea>, String> {
+        let Some(bits) = self.program_area_bits else {
+            return Ok(None);
+        };
+        let num_notify_queues = self.transport.config().num_notify_queues.to_native();
+        let doorbells = DoorbellRegion::create(&*self.transport, u64::from(bits / 8))
+            .map_err(|e| format!("its doorbell area: {e}"))?;
+        let (addr, doorbell_bitmap) = doorbells
+            .device_addrs(num_notify_queues)
+            .map_err(|e| format!("its doorbell area: {e}"))?;
+        let request = AddDoorbellAreaRequest {
+            addr,
+            doorbell_bitmap,
+            bits: Le32::from(bits),
+            reserved: Le32::from(0),
+        };
+        let added = raw_command(
+            &*self.transport,
+            Opcode::AddDoorbellArea,
+            request.as_slice(),
+        )
+        .map_err(|e| format!("ADD_DOORBELL_AREA: {e}"))?;
+        match added {
+            (Status::Ok, reply) => {
+                let created: CreatedResponse =
+                    read_wire(&reply).ok_or("ADD_DOORBELL_AREA: a short answer")?;
+                Ok(Some(ProgramArea {
+                    number: created.handle.to_native(),
+                    doorbells,
+                }))
+            }
+            (status, _) => Err(format!("ADD_DOORBELL_AREA: {status:?}")),
+        }
+    }
+
+    /// Removes a program's doorbell area once none of its queues rings through it.
+    fn remove_program_area(&self, area: ProgramArea) -> vrdma_guest::Result<Status> {
+        let request = HandleRequest {
+            handle: Le32::from(area.number),
+            reserved: Le32::from(0),
+        };
+        let (status, _) = raw_command(
+            &*self.transport,
+            Opcode::DestroyDoorbellArea,
+            request.as_slice(),
+        )?;
+        self.transport.forget(&area.doorbells.region)?;
+        Ok(status)
     }
 
     /// Serves programs connecting to `listener` until the device is lost.
@@ -370,16 +487,21 @@ fn send_event(program: u64, socket: &UnixStream, event: &Event) {
 
 /// Sends one control request to the device; returns its status (the response payload, which
 /// this caller does not need, is dropped).
+/// Sends the service's own request `opcode` with `payload`: the status, and the response
+/// payload.
 fn raw_command(
     transport: &dyn Transport,
     opcode: Opcode,
     payload: &[u8],
-) -> vrdma_guest::Result<Status> {
+) -> vrdma_guest::Result<(Status, Vec<u8>)> {
     let request = vrdma_spec::ctrl::request_bytes(opcode as u16, payload);
-    let mut response = vec![0u8; std::mem::size_of::<ResponseHeader>() + opcode.response_size()];
-    transport.control(&request, &mut response)?;
+    let header_len = std::mem::size_of::<ResponseHeader>();
+    let mut response = vec![0u8; header_len + opcode.response_size()];
+    let written = transport.control(&request, &mut response)?;
     let header: ResponseHeader = read_wire(&response).expect("sized for the header");
-    Ok(Status::try_from(header.status.to_native()).unwrap_or(Status::HostError))
+    let status = Status::try_from(header.status.to_native()).unwrap_or(Status::HostError);
+    response.truncate(written.max(header_len));
+    Ok((status, response.split_off(header_len)))
 }
 
 /// Binds the service's socket at `path`, with `mode` and, if given, `group`: who may open it

@@ -17,7 +17,7 @@ use vrdma_spec::{read_wire, ByteValued, Le16, Le32};
 
 use crate::memory::Regions;
 use crate::requests::{self, ObjectKind, ProgramMemory};
-use crate::{raw_command, Service};
+use crate::{raw_command, ProgramArea, Service};
 
 /// Refusals logged per program before only every thousandth is: a program cannot flood the
 /// log.
@@ -28,6 +28,8 @@ struct Program<'a> {
     id: u64,
     objects: HashMap<ObjectKind, HashSet<u32>>,
     memory: Regions,
+    /// Its own doorbell area, once given (where the device offers them).
+    area: Option<ProgramArea>,
     refusals: u64,
 }
 
@@ -51,6 +53,7 @@ pub(crate) fn serve(service: &Arc<Service>, id: u64, stream: UnixStream) {
         id,
         objects: HashMap::new(),
         memory: Regions::default(),
+        area: None,
         refusals: 0,
     };
     if let Err(e) = program.run(&stream) {
@@ -83,23 +86,34 @@ impl Program<'_> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(self.id, events);
-        let notify = self
-            .service
-            .notify
-            .file()
-            .expect("the notify area is a memfd");
+        self.area = match self.service.add_program_area() {
+            Ok(area) => area,
+            Err(why) => {
+                // Refused as a program past the service's limit is: told why, nothing held.
+                let why = format!("the vrdma service could not serve it: {why}");
+                protocol::send(stream, Kind::Failed, why.as_bytes(), &[])?;
+                return Err(io::Error::other(why));
+            }
+        };
+        let doorbells = match &self.area {
+            Some(area) => {
+                log::info!(
+                    "program {} rings through doorbell area {}",
+                    self.id,
+                    area.number
+                );
+                &area.doorbells
+            }
+            None => &self.service.notify,
+        };
         // The notification port only kicks the device: each program may have it.
         let port = self.service.transport.notify_port();
-        let files: Vec<_> = [notify.as_raw_fd(), theirs.as_raw_fd()]
+        let files: Vec<_> = [doorbells.file().as_raw_fd(), theirs.as_raw_fd()]
             .into_iter()
             .chain(port.map(|port| port.file.as_raw_fd()))
             .collect();
-        protocol::send(
-            stream,
-            Kind::Welcome,
-            &self.service.welcome.encode(),
-            &files,
-        )?;
+        let welcome = doorbells.welcome(&self.service.welcome);
+        protocol::send(stream, Kind::Welcome, &welcome.encode(), &files)?;
         drop(theirs);
         while let Some(frame) = protocol::recv(stream, protocol::MAX_PROGRAM_PAYLOAD)? {
             self.answer(stream, frame)?;
@@ -160,6 +174,9 @@ impl Program<'_> {
             }
         }
         let mut bytes = plan.bytes;
+        if let (Some(offset), Some(area)) = (plan.doorbell_area, &self.area) {
+            bytes[offset..offset + 4].copy_from_slice(&area.number.to_le_bytes());
+        }
         for &(offset, len) in &plan.records {
             let addr = requests::address_at(&bytes, offset);
             if !self.memory.owns(addr, len) {
@@ -334,8 +351,8 @@ impl Program<'_> {
                     kind.destroy_opcode(),
                     request.as_slice(),
                 ) {
-                    Ok(Status::Ok) => destroyed += 1,
-                    Ok(status) => log::error!(
+                    Ok((Status::Ok, _)) => destroyed += 1,
+                    Ok((status, _)) => log::error!(
                         "program {}: destroying {kind:?} {handle:#x}: {status:?}",
                         self.id
                     ),
@@ -348,6 +365,17 @@ impl Program<'_> {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&(kind, handle));
+            }
+        }
+        // Its queues are gone: nothing rings through its doorbell area any more.
+        if let Some(area) = self.area.take() {
+            match self.service.remove_program_area(area) {
+                Ok(Status::Ok) => {}
+                Ok(status) => log::error!(
+                    "program {}: removing its doorbell area: {status:?}",
+                    self.id
+                ),
+                Err(e) => log::error!("program {}: removing its doorbell area: {e}", self.id),
             }
         }
         let bytes = self.memory.bytes();

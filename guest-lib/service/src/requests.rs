@@ -78,6 +78,9 @@ pub struct Plan {
     pub creates: Option<ObjectKind>,
     /// The object a successful request destroys.
     pub destroys: Option<(ObjectKind, u32)>,
+    /// Byte offset (in `bytes`) of the `le32` doorbell area a CREATE_QP or CREATE_SRQ names
+    /// (SPEC.md §8.6), which the service sets to the program's own; the program leaves it 0.
+    pub doorbell_area: Option<usize>,
 }
 
 fn le32_at(bytes: &[u8], at: usize) -> u32 {
@@ -92,7 +95,8 @@ fn le32_at(bytes: &[u8], at: usize) -> u32 {
 pub type Refusal = (Status, &'static str);
 
 /// Reads `request`, refusing with the status the device would give for its framing, or
-/// INVALID_ARGUMENT for SET_NOTIFY_AREA, which is the service's alone.
+/// INVALID_ARGUMENT for what is the service's alone: SET_NOTIFY_AREA, the doorbell area
+/// commands, and naming a doorbell area.
 pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
     let framing = (Status::BadLength, "a request framed wrongly");
     let header: RequestHeader = read_wire(request).ok_or(framing)?;
@@ -113,6 +117,7 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
         records: Vec::new(),
         creates: None,
         destroys: None,
+        doorbell_area: None,
     };
     let handle = || handle_at(offset_of!(HandleRequest, handle));
     match opcode {
@@ -121,6 +126,12 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
             return Err((
                 Status::InvalidArgument,
                 "SET_NOTIFY_AREA: the service set the device's up for every program",
+            ))
+        }
+        Opcode::AddDoorbellArea | Opcode::DestroyDoorbellArea => {
+            return Err((
+                Status::InvalidArgument,
+                "doorbell areas: the service gives each program its own",
             ))
         }
         Opcode::AllocPd => plan.creates = Some(ObjectKind::Pd),
@@ -163,6 +174,7 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
                 field(offset_of!(CreateQpRequest, doorbell)),
                 size_of::<QpDoorbell>() as u64,
             ));
+            plan.doorbell_area = Some(field(offset_of!(CreateQpRequest, doorbell_area)));
             plan.creates = Some(ObjectKind::Qp);
         }
         Opcode::ModifyQp => plan.names.push((
@@ -184,6 +196,7 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
                 field(offset_of!(CreateSrqRequest, doorbell)),
                 size_of::<SrqDoorbell>() as u64,
             ));
+            plan.doorbell_area = Some(field(offset_of!(CreateSrqRequest, doorbell_area)));
             plan.creates = Some(ObjectKind::Srq);
         }
         Opcode::ModifySrq => plan.names.push((
@@ -202,6 +215,14 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
                 .expect("every destroy opcode has its kind");
             plan.names.push((kind, handle()));
             plan.destroys = Some((kind, handle()));
+        }
+    }
+    if let Some(offset) = plan.doorbell_area {
+        if le32_at(&bytes, offset) != 0 {
+            return Err((
+                Status::InvalidArgument,
+                "a doorbell area named: the service gives each program its own",
+            ));
         }
     }
     plan.bytes = bytes;
@@ -382,6 +403,46 @@ mod tests {
                 .len(),
             3,
             "srq 0 names none"
+        );
+    }
+
+    /// The doorbell area of a QP or SRQ is the service's to choose (SPEC.md §12): a program
+    /// leaves it 0, and the doorbell area commands are the service's alone.
+    #[test]
+    fn doorbell_areas_are_the_services_to_give() {
+        let status = |request: &[u8]| plan(request).map(|_| ()).map_err(|(status, _)| status);
+        let qp = CreateQpRequest::default();
+        let srq = CreateSrqRequest::default();
+        let qp_plan = plan(&request(Opcode::CreateQp, &qp)).unwrap();
+        let srq_plan = plan(&request(Opcode::CreateSrq, &srq)).unwrap();
+        assert_eq!(qp_plan.doorbell_area, Some(HEADER + 40));
+        assert_eq!(srq_plan.doorbell_area, Some(HEADER + 20));
+        let named = Le32::from(1);
+        let qp = CreateQpRequest {
+            doorbell_area: named,
+            ..qp
+        };
+        let srq = CreateSrqRequest {
+            doorbell_area: named,
+            ..srq
+        };
+        assert_eq!(
+            status(&request(Opcode::CreateQp, &qp)),
+            Err(Status::InvalidArgument)
+        );
+        assert_eq!(
+            status(&request(Opcode::CreateSrq, &srq)),
+            Err(Status::InvalidArgument)
+        );
+        let add = vrdma_spec::ctrl::AddDoorbellAreaRequest::default();
+        let destroy = HandleRequest::default();
+        assert_eq!(
+            status(&request(Opcode::AddDoorbellArea, &add)),
+            Err(Status::InvalidArgument)
+        );
+        assert_eq!(
+            status(&request(Opcode::DestroyDoorbellArea, &destroy)),
+            Err(Status::InvalidArgument)
         );
     }
 
