@@ -858,8 +858,8 @@ impl Device {
             self.config.max_qp.to_native(),
             self.config.max_srq.to_native(),
         );
-        let place =
-            self.doorbell_place(mem, req.addr.to_native(), req.doorbell_bitmap, bitmap_bytes)?;
+        let (states, bitmap) = (req.addr.to_native(), req.doorbell_bitmap.to_native());
+        let place = self.doorbell_place(mem, states, bitmap, bitmap_bytes)?;
         self.data_path.set_notify_area(Some(place));
         Ok(Vec::new())
     }
@@ -890,7 +890,7 @@ impl Device {
         let place = self.doorbell_place(
             mem,
             req.addr.to_native(),
-            req.doorbell_bitmap,
+            req.doorbell_bitmap.to_native(),
             u64::from(bits / 8),
         )?;
         let area = self
@@ -939,7 +939,7 @@ impl Device {
         &self,
         mem: &M,
         states: u64,
-        bitmap: Le64,
+        bitmap: u64,
         bitmap_bytes: u64,
     ) -> Result<NotifyArea, CommandError> {
         let len = notify_area_bytes(self.config.num_notify_queues.to_native());
@@ -948,7 +948,6 @@ impl Device {
         }
         validate::guest_record::<M, NotifyState>(mem, "notify area", states, 64)?;
         validate::guest_range(mem, states, len)?;
-        let bitmap = bitmap.to_native();
         validate::guest_record::<M, u64>(mem, "doorbell bitmap", bitmap, 64)?;
         validate::guest_range(mem, bitmap, bitmap_bytes)?;
         // Pollers take rung bits with atomic swaps on the backend's mapping of the bitmap.
