@@ -14,12 +14,14 @@
 #              ends a waiting program with an error and serves the next at once
 #     reopen   a backend restart under the running VM: guest-lib reports the device reset,
 #              opens the device again and creates a QP
-#   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one:
-#     native   real RDMA through the PCI device: guest-lib attached to it directly makes
-#              checked round trips and RDMA WRITE+READ with a native ibverbs program on rxe0,
-#              and an unmodified ibv_rc_pingpong through vrdma's libibverbs pairs with a
-#              native ibv_rc_pingpong; once the VM is shut down, every host object it had is
-#              released (`rdma resource`)
+#   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one: real
+#   RDMA through the PCI device; once the VM is shut down, every host object it had is released
+#   (`rdma resource`):
+#     native   guest-lib attached to the device directly makes checked round trips and RDMA
+#              WRITE+READ with a native ibverbs program on rxe0, and an unmodified
+#              ibv_rc_pingpong through vrdma's libibverbs pairs with a native ibv_rc_pingpong
+#     users    the guest service over the device, and through it two unprivileged users'
+#              unmodified ibv_rc_pingpong pair
 # The parts are split for time: a nested VM is emulated inside an emulated guest, where
 # booting alone takes minutes and each process started costs seconds.
 # Prints one `pci-e2e: CHECK ok|FAILED (N s)` line per check; exits 1 if any failed.
@@ -35,7 +37,7 @@ case "$device" in
   loopback) parts=${VRDMA_PCI_PARTS:-service,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100} ;;
   rxe0)
     [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
-    parts=${VRDMA_PCI_PARTS:-native} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20} ;;
+    parts=${VRDMA_PCI_PARTS:-native,users} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20} ;;
   *) echo "usage: $0 BIN_DIR loopback|rxe0" >&2; exit 2 ;;
 esac
 # Socket, logs, the peers' files, and copies of what the VM runs as other users: in a folder
@@ -231,13 +233,17 @@ check_service() {
   check "vrdmad and a program waiting for a completion event, idle over the PCI device: asleep (at most 10 wake-ups a second)" \
     service_idle
   check "the waiting program wakes when its completion arrives (the device's interrupt)" sleeper_woken
-  check "two unprivileged users' unmodified ibv_rc_pingpong -c pair through vrdmad" users_pair
+  check_users
   check "two users' unmodified ib_write_bw and ib_send_lat pairs at once through vrdmad, beside a third pair" \
     perftest_pairs
   check "the third pair's client, killed with SIGKILL mid-stream: vrdmad destroyed all it held" \
     killed_program_reaped
   check "a vrdmad restart ends a program waiting on it with an error, and the next program works" \
     service_restarted
+}
+
+check_users() {
+  check "two unprivileged users' unmodified ibv_rc_pingpong -c pair through vrdmad" users_pair
 }
 
 # --- part reopen: the backend is killed and started again under the running VM.

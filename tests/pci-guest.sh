@@ -14,6 +14,7 @@
 #            the service, then an ib_write_bw and an ib_send_lat pair at once beside a third
 #            pair whose client is killed (users.vm); a service restart under a waiting
 #            program: how that program ended and whether the next one works (restart.vm)
+#   users    the guest service, and through it two users' ibv_rc_pingpong pair (users.vm)
 #   reopen   a backend restart under the running VM (session reopen)
 #   native   guest-lib attached to the PCI device directly (session native-peer), then an
 #            unmodified ibv_rc_pingpong through vrdma's libibverbs; this VM has no network,
@@ -261,6 +262,14 @@ part_service() {
   stop_service
 }
 
+# Two users' programs through the guest service, and nothing more (for the nested VM).
+part_users() {
+  start_service vrdmad.log
+  users_pair pingpong 18520 ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 20
+  echo end >>"$exchange/users.vm"
+  stop_service
+}
+
 part_reopen() { session reopen -- reopen pci; }
 
 part_native() {
@@ -280,7 +289,7 @@ modprobe uio_pci_generic 2>/dev/null # the initramfs loaded it already, if it ha
 IFS=, read -ra parts_to_run <<<"$parts"
 for part in "${parts_to_run[@]}"; do
   case "$part" in
-    service | reopen | native) "part_$part" ;;
+    service | users | reopen | native) "part_$part" ;;
     *) echo "pci-guest.sh: unknown part '$part'" >&2; exit 2 ;;
   esac
 done
