@@ -37,7 +37,7 @@ step "unit tests, and the integration tests on the loopback host (this machine, 
 cargo test --workspace --locked
 
 step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in README)"
-fuzz/run.sh "${VRDMA_FUZZ_SECONDS:-20}"
+fuzz/run.sh "${VRDMA_FUZZ_SECONDS:-10}"
 
 step "a VM with the vrdma PCI device, served by the loopback host on this machine (about a minute)"
 tests/pci-e2e.sh "$PWD/target/debug" loopback
