@@ -4,14 +4,15 @@
 #   DEVICE loopback, on this machine (no RDMA, no nesting: the backend's loopback host):
 #     service  the guest service (vrdmad) over the PCI device: an unprivileged user's program
 #              through it makes checked round trips and RDMA WRITE+READ with a guest-lib program
-#              attached directly to the same backend, kicking the device through its
-#              notification port; a program opening the device directly is refused, naming
-#              the service; the device node for UCX; idle, vrdmad and a program waiting for a
-#              completion event sleep, and the completion (the device's interrupt) wakes the
-#              program; two unprivileged users' unmodified ibv_rc_pingpong pair, then their
-#              ib_write_bw and ib_send_lat pairs at once beside a third pair whose client is
-#              killed with SIGKILL mid-stream (vrdmad destroys what it held); a service restart
-#              ends a waiting program with an error and serves the next at once
+#              attached directly to the same backend, ringing the device through a doorbell
+#              area of its own and kicking it through its notification port; a program opening
+#              the device directly is refused, naming the service; the device node for UCX;
+#              idle, vrdmad and a program waiting for a completion event sleep, and the
+#              completion (the device's interrupt) wakes the program; two unprivileged users'
+#              unmodified ibv_rc_pingpong pair, then their ib_write_bw and ib_send_lat pairs at
+#              once beside a third pair whose client is killed with SIGKILL mid-stream (vrdmad
+#              destroys what it held); a service restart ends a waiting program with an error
+#              and serves the next at once
 #     reopen   a backend restart under the running VM: guest-lib reports the device reset,
 #              opens the device again and creates a QP
 #   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one: real
@@ -147,6 +148,9 @@ direct_open_refused() {
 notify_port_handed_over() {
   grep -q "programs kick it through its notification port" "$exchange/vrdmad.log"
 }
+# SPEC.md §8.6: the device offered doorbell areas through QEMU, and vrdmad gave the first
+# check's program one of its own.
+own_doorbell_area() { grep -q "rings through doorbell area [1-9]" "$exchange/vrdmad.log"; }
 device_node_made() { wait_line "$exchange/node.vm" '^character-device$' 60 >/dev/null; }
 # Idle means asleep until something happens: how often the threads of vrdmad and of a program
 # blocked in a completion-event wait were woken in 10 idle seconds, a count the emulation's
@@ -228,6 +232,7 @@ check_service() {
     direct_open_refused
   check "vrdmad's programs kick the device through its notification port, not through vrdmad" \
     notify_port_handed_over
+  check "vrdmad's programs ring the device through doorbell areas of their own" own_doorbell_area
   check "vrdmad made the device node programs like UCX look for (/dev/infiniband/vrdma0)" \
     device_node_made
   check "vrdmad and a program waiting for a completion event, idle over the PCI device: asleep (at most 10 wake-ups a second)" \

@@ -92,9 +92,14 @@ start_service() {
   for _ in $(seq 600); do [ -S /run/vrdma/vrdmad.sock ] && return 0; pause 0.5; done
 }
 
+# Stops vrdmad as systemd does, with SIGTERM, which ends it (exit status 143): anything else
+# is said, and fails the part it ends.
 stop_service() {
+  local status
   kill "$service"
   wait "$service"
+  status=$?
+  [ "$status" = 143 ] || { echo "pci-guest.sh: vrdmad ended with status $status" >&2; return 1; }
 }
 
 # Waits until vrdmad has released what its programs left: their threads have ended.
