@@ -208,6 +208,7 @@ pub struct Service {
     notify: DoorbellRegion,
     /// The doorbell bits of a program's own area; `None`: the device offers none.
     program_area_bits: Option<u32>,
+    /// What every program is told at WELCOME but where its doorbells are.
     welcome: Welcome,
     limits: Limits,
     /// Which program owns each CQ, QP and SRQ, for routing the device's events.
@@ -276,6 +277,8 @@ impl Service {
             welcome: Welcome {
                 version: vrdma_guest::service::protocol::VERSION,
                 features: transport.features(),
+                // Each program is told these of the region it is handed (see
+                // `DoorbellRegion::welcome`).
                 notify_len: 0,
                 bitmap_offset: 0,
                 bitmap_len: 0,
