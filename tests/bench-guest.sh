@@ -7,6 +7,7 @@
 # and vrdma-ibverbs/libibverbs.so.1 (guest-lib/ibverbs/link.sh).
 set -euo pipefail
 bin=$1
+source "$(dirname "$0")/listening.sh"
 lat_size=8 lat_iters=${VRDMA_BENCH_LAT_ITERS:-2000}
 bw_size=65536 bw_iters=${VRDMA_BENCH_BW_ITERS:-3000}
 gid_index=$("$bin/vhost-user-rdma" --device rxe0 --check | awk '/GID index/ {print $6; exit}')
@@ -50,6 +51,7 @@ perftest_once() { # DEVICE TEST SIZE ITERS COLUMN
   stdbuf -oL "${run[@]}" "ib_$2" "${args[@]}" >/tmp/server.log 2>&1 &
   local server=$! i
   for i in $(seq 300); do grep -q "Waiting for client" /tmp/server.log && break; sleep 0.1; done
+  wait_until_listening 18515 || true # the client then says why it could not connect
   timeout 120 "${run[@]}" "ib_$2" "${args[@]}" 127.0.0.1 | value "$3" "$5"
   wait $server || true
 }

@@ -7,6 +7,7 @@
 set -euo pipefail
 bin=$(cd "$1" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
+source "$repo/tests/listening.sh"
 iters=${VRDMA_BENCH_LAT_ITERS:-2000}
 run_dir=$(mktemp -d)
 backend_socket=$run_dir/backend.sock service_socket=$run_dir/vrdmad.sock
@@ -27,6 +28,7 @@ latency() { # DEVICE TEST
   stdbuf -oL "${run[@]}" "ib_$2" "${args[@]}" >"$run_dir/server.log" 2>&1 &
   local server=$! i
   for i in $(seq 300); do grep -q "Waiting for client" "$run_dir/server.log" && break; sleep 0.1; done
+  wait_until_listening 18515 || true # the client then says why it could not connect
   timeout 120 "${run[@]}" "ib_$2" "${args[@]}" 127.0.0.1 2>>"$run_dir/client.log" |
     awk '$1 == 8 {print $5; exit}'
   wait $server || true

@@ -26,6 +26,7 @@ set -uo pipefail
 exchange=${VRDMA_VM_RUN_DIR:?run me inside the VM harness} bin=$1 round_trips=$2
 unprivileged=$3 parts=$4
 repo=$(cd "$(dirname "$0")/.." && pwd)
+source "$repo/tests/listening.sh"
 
 # A descriptor that never has input: `read -t` on it waits without starting a process. Every
 # process started here costs seconds (this VM is emulated inside an emulated guest) and takes
@@ -149,6 +150,7 @@ users_pair() {
     kill -0 "$server" 2>/dev/null || break
     pause 0.5
   done
+  wait_until_listening "$port" 300
   as_user 65533 "$@" -p "$port" 127.0.0.1 >"$exchange/$name-client.out" 2>&1
   client_rc=$?
   wait "$server"
@@ -165,6 +167,7 @@ perftest_pairs_and_a_killed_one() {
   as_user 65534 ib_write_bw -d vrdma0 -x 0 -D 60 -p 18523 >"$exchange/killed-server.out" 2>&1 &
   killed_server=$!
   wait_for_line "$exchange/killed-server.out" "Waiting for client"
+  wait_until_listening 18523 300
   as_user 65533 ib_write_bw -d vrdma0 -x 0 -D 60 -p 18523 127.0.0.1 \
     >"$exchange/killed-client.out" 2>&1 &
   users_pair write_bw 18521 ib_write_bw -d vrdma0 -x 0 -D 8 &

@@ -190,6 +190,30 @@ fn poll_until<T: Default + std::fmt::Debug>(
     done
 }
 
+/// Waits (at most 60 s) until a TCP socket listens on `port`, as `tests/listening.sh` does:
+/// ibv_*_pingpong and perftest servers say they are ready before they listen, so a client
+/// started on that word alone may find no listener. False if none did.
+pub fn wait_until_listening(port: u16) -> bool {
+    let local = format!(":{port:04X} ");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let listening = ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
+            std::fs::read_to_string(table).is_ok_and(|sockets| {
+                // Fields: sl local_address rem_address st ...; 0A is LISTEN.
+                sockets.lines().any(|socket| {
+                    let fields: Vec<&str> = socket.split_whitespace().collect();
+                    fields.len() > 3 && fields[1].ends_with(local.trim_end()) && fields[3] == "0A"
+                })
+            })
+        });
+        if listening {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
 /// Polls a host CQ until `count` completions arrived.
 pub fn wait_for_completions(cq: &CompletionQueue, count: usize) -> Vec<WorkCompletion> {
     poll_until(count, |batch| cq.poll(batch).expect("poll CQ"))

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::{loopback, Context};
 use vrdma_tests::{
-    spawn_backend_process, start_backend, start_backend_on, test_device_name, ServiceProcess,
-    UnprivilegedCopies,
+    spawn_backend_process, start_backend, start_backend_on, test_device_name, wait_until_listening,
+    ServiceProcess, UnprivilegedCopies,
 };
 
 /// Where link.sh put libibverbs.so.1 for this build.
@@ -416,9 +416,9 @@ fn try_client_server(
     args: &[&str],
 ) -> Result<(String, String), String> {
     static NEXT_PORT: AtomicU16 = AtomicU16::new(18700);
-    let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed).to_string();
+    let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
     let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    args.extend(["-p".to_string(), port]);
+    args.extend(["-p".to_string(), port.to_string()]);
     let what = format!("{program} {args:?}, server {server:?}, client {client:?}");
     let mut server_process = peer_command(server, socket, program, &args)
         .stdout(Stdio::piped())
@@ -441,6 +441,9 @@ fn try_client_server(
         }
         first.push_str(&line);
     }
+    // Ready, they say, but they may not listen yet; the client then says why it could not
+    // connect.
+    wait_until_listening(port);
     args.push("127.0.0.1".into());
     let client_output = peer_command(client, socket, program, &args)
         .output()
