@@ -49,8 +49,7 @@ perftest_once() { # DEVICE TEST SIZE ITERS COLUMN
   [ -n "$ends_cpu" ] && run=(taskset -c "$ends_cpu" "${run[@]}")
   [ "$2" = atomic_lat ] || args+=(-s "$3")
   stdbuf -oL "${run[@]}" "ib_$2" "${args[@]}" >/tmp/server.log 2>&1 &
-  local server=$! i
-  for i in $(seq 300); do grep -q "Waiting for client" /tmp/server.log && break; sleep 0.1; done
+  local server=$!
   wait_until_listening 18515 || true # the client then says why it could not connect
   timeout 120 "${run[@]}" "ib_$2" "${args[@]}" 127.0.0.1 | value "$3" "$5"
   wait $server || true

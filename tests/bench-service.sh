@@ -26,8 +26,7 @@ export VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs"
 latency() { # DEVICE TEST
   local run=("$repo/guest-lib/ibverbs/vrdma-run" --device "$1" --) args=(-d vrdma0 -x 0 -s 8 -n "$iters")
   stdbuf -oL "${run[@]}" "ib_$2" "${args[@]}" >"$run_dir/server.log" 2>&1 &
-  local server=$! i
-  for i in $(seq 300); do grep -q "Waiting for client" "$run_dir/server.log" && break; sleep 0.1; done
+  local server=$!
   wait_until_listening 18515 || true # the client then says why it could not connect
   timeout 120 "${run[@]}" "ib_$2" "${args[@]}" 127.0.0.1 2>>"$run_dir/client.log" |
     awk '$1 == 8 {print $5; exit}'
