@@ -25,17 +25,65 @@ use crate::per_second::PerSecond;
 /// spinners), and the thread sleeps until kicked instead.
 const CONTENDED_YIELD: Duration = Duration::from_micros(200);
 
+/// A yield shorter than this found nobody else wanting the CPU.
+const UNCONTENDED_YIELD: Duration = Duration::from_micros(2);
+
+/// While its yields find nobody else wanting the CPU, a spinning pool thread yields (and
+/// reads the clock) once every this many empty passes only: a yield is a system call, and a
+/// doorbell rung during one waits for it.
+const EMPTY_PASSES_PER_YIELD_ALONE: u32 = 32;
+
 /// Ready descriptors taken per wake-up; more wait for the next `epoll_wait`.
 const EVENTS_PER_WAIT: usize = 64;
 
 /// The epoll key of a pool thread's own command eventfd; connections use `id << 1 | kind`.
 const COMMAND_KEY: u64 = u64::MAX;
 
-/// Yields the CPU; true if nobody else wanted it for long.
-fn yield_uncontended() -> bool {
-    let start = Instant::now();
-    std::thread::yield_now();
-    start.elapsed() < CONTENDED_YIELD
+/// Whether an idle pool thread spins on, and when it yields meanwhile.
+#[derive(Default)]
+struct Spin {
+    /// When the passes began to find nothing; `None` while they find work.
+    idle_since: Option<Instant>,
+    /// Empty passes since the last yield.
+    empty_passes: u32,
+    /// The last yield found the CPU wanted by someone: yield after every empty pass, so that
+    /// a thread sharing the CPU (a driver, on a machine with fewer CPUs than spinners) runs.
+    shared_cpu: bool,
+    /// Slept since the last work: a wake-up that brings none goes straight back to sleep.
+    slept: bool,
+}
+
+impl Spin {
+    fn worked(&mut self) {
+        self.idle_since = None;
+        self.slept = false;
+    }
+
+    fn slept(&mut self) {
+        self.slept = true;
+    }
+
+    /// After an empty pass: true to pass again, false to sleep.
+    fn again(&mut self, idle_spin: Duration) -> bool {
+        if self.slept {
+            return false;
+        }
+        let idle_since = *self.idle_since.get_or_insert_with(Instant::now);
+        self.empty_passes += 1;
+        if !self.shared_cpu && self.empty_passes < EMPTY_PASSES_PER_YIELD_ALONE {
+            std::hint::spin_loop();
+            return true;
+        }
+        self.empty_passes = 0;
+        if idle_since.elapsed() >= idle_spin {
+            return false;
+        }
+        let start = Instant::now();
+        std::thread::yield_now();
+        let took = start.elapsed();
+        self.shared_cpu = took >= UNCONTENDED_YIELD;
+        took < CONTENDED_YIELD
+    }
 }
 
 /// Pins the calling thread to `cpu` (checked usable at start-up; a thread that cannot be
@@ -232,7 +280,11 @@ impl WastedWakeups {
 
     /// Whether the connection is passed over now: always, unless it is storming and was
     /// passed over less than [`STORMING_POLL_MS`] ago.
-    fn due(&mut self, now: Instant) -> bool {
+    fn due(&mut self, clock: &mut PassClock) -> bool {
+        if self.storming_until.is_none() {
+            return true;
+        }
+        let now = clock.now();
         if !self.storming(now) {
             return true;
         }
@@ -241,6 +293,16 @@ impl WastedWakeups {
         }
         self.next_pass = Some(now + Duration::from_millis(STORMING_POLL_MS as u64));
         true
+    }
+}
+
+/// The time of a pass, read once and only if the pass needs it: most passes do not.
+#[derive(Default)]
+struct PassClock(Option<Instant>);
+
+impl PassClock {
+    fn now(&mut self) -> Instant {
+        *self.0.get_or_insert_with(Instant::now)
     }
 }
 
@@ -256,13 +318,13 @@ struct PoolWorker {
 
 impl PoolWorker {
     fn run(mut self) {
-        let mut last_work = Instant::now();
+        let mut spin = Spin::default();
         while self.take_commands() {
             if self.pass() {
-                last_work = Instant::now();
+                spin.worked();
                 continue;
             }
-            if last_work.elapsed() < self.idle_spin && yield_uncontended() {
+            if spin.again(self.idle_spin) {
                 continue;
             }
             // Going to sleep: ask for kicks (but not a storming driver's) and completion
@@ -275,7 +337,7 @@ impl PoolWorker {
             }
             fence(Ordering::SeqCst);
             if self.pass() {
-                last_work = Instant::now();
+                spin.worked();
                 // Awake after all: a driver that saw NEED_WAKEUP may have kicked meanwhile,
                 // for work this pass took. Its wake-up is stale, not wasted.
                 for served in &self.connections {
@@ -283,6 +345,7 @@ impl PoolWorker {
                 }
             } else {
                 self.sleep();
+                spin.slept();
             }
             for served in &self.connections {
                 served.poller.set_need_wakeup(false);
@@ -300,10 +363,10 @@ impl PoolWorker {
     /// wasted that wake-up; a storming one is passed over but every [`STORMING_POLL_MS`],
     /// however often the others keep the thread busy.
     fn pass(&mut self) -> bool {
-        let now = Instant::now();
+        let mut clock = PassClock::default();
         let mut rung = false;
         for served in &mut self.connections {
-            served.due = served.kicks.due(now);
+            served.due = served.kicks.due(&mut clock);
             if served.due {
                 rung |= served.poller.take_doorbells();
             }
@@ -327,7 +390,7 @@ impl PoolWorker {
             served.worked |= served.poller.take_send_work();
             if std::mem::take(&mut served.kicked) {
                 let earned = served.worked || served.worked_since_wakeup;
-                if !earned && served.kicks.wasted(now) {
+                if !earned && served.kicks.wasted(clock.now()) {
                     served
                         .poller
                         .shared()
