@@ -217,11 +217,7 @@ impl Rig {
 
     fn with_pages(cq_depth: u32, scattered: bool) -> Rig {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
-        let shard = Shard {
-            objects: Mutex::default(),
-            wake: EventFd::new(EFD_NONBLOCK).unwrap(),
-            channel: None,
-        };
+        let shard = Shard::new(EventFd::new(EFD_NONBLOCK).unwrap(), None);
         let shared = Arc::new(Shared::new(shard, 1, DOORBELL_BITS));
         *shared.mem.write().unwrap() = Some(GuestMemoryAtomic::new(mem.clone()));
         shared.areas().set_first(
@@ -281,11 +277,10 @@ impl Rig {
             Arc::clone(&cq_data),
             Arc::clone(&cq_data),
         ));
-        {
-            let mut objects = shared.shard.objects.lock().unwrap();
+        shared.shard.change_objects(|objects| {
             objects.insert(QP_BIT, Rung::Qp(Arc::clone(&qp_data)));
-            objects.add_cq(cq_data);
-        }
+            objects.cqs.push(cq_data);
+        });
         Rig {
             mem,
             shared: Arc::clone(&shared),

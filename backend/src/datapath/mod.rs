@@ -90,8 +90,6 @@ struct ShardObjects {
     /// each: a pass reads only these.
     words: BTreeMap<(u32, u64), u32>,
     cqs: Vec<Arc<CqData>>,
-    /// Changes with every CQ added or removed: pollers copy `cqs` when it does.
-    cqs_version: u64,
 }
 
 impl ShardObjects {
@@ -115,14 +113,8 @@ impl ShardObjects {
         Some((bit, rung))
     }
 
-    fn add_cq(&mut self, cq: Arc<CqData>) {
-        self.cqs.push(cq);
-        self.cqs_version += 1;
-    }
-
     fn remove_cq(&mut self, handle: u32) -> Option<Arc<CqData>> {
         let at = self.cqs.iter().position(|cq| cq.handle == handle)?;
-        self.cqs_version += 1;
         Some(self.cqs.swap_remove(at))
     }
 
@@ -134,11 +126,7 @@ impl ShardObjects {
         for cq in &self.cqs {
             cq.retire();
         }
-        let version = self.cqs_version + 1;
-        *self = ShardObjects {
-            cqs_version: version,
-            ..ShardObjects::default()
-        };
+        *self = ShardObjects::default();
     }
 }
 
@@ -205,10 +193,58 @@ impl MrTable {
 /// A connection's queues as the pool thread serving it sees them: one per connection.
 struct Shard {
     objects: Mutex<ShardObjects>,
+    /// Changes (under the `objects` lock) with every change of `objects`: the poller copies
+    /// the CQ list when it does, and otherwise takes no lock for it.
+    objects_version: AtomicU64,
     wake: EventFd,
     /// Host completion events of the connection's CQs; `None` in unit tests, which drive
     /// passes by hand.
     channel: Option<Arc<CompletionChannel>>,
+}
+
+impl Shard {
+    fn new(wake: EventFd, channel: Option<Arc<CompletionChannel>>) -> Shard {
+        Shard {
+            objects: Mutex::default(),
+            objects_version: AtomicU64::new(0),
+            wake,
+            channel,
+        }
+    }
+
+    /// Changes the queue table, and its version.
+    fn change_objects<T>(&self, change: impl FnOnce(&mut ShardObjects) -> T) -> T {
+        let mut objects = self.objects.lock().unwrap_or_else(|e| e.into_inner());
+        let changed = change(&mut objects);
+        self.objects_version.fetch_add(1, Ordering::Release);
+        changed
+    }
+}
+
+/// The events kept for delivery, locked; on unlock, whether any are left is published for
+/// the passes that look without locking.
+struct PendingEvents<'a> {
+    events: std::sync::MutexGuard<'a, VecDeque<Event>>,
+    flag: &'a AtomicBool,
+}
+
+impl std::ops::Deref for PendingEvents<'_> {
+    type Target = VecDeque<Event>;
+    fn deref(&self) -> &Self::Target {
+        &self.events
+    }
+}
+
+impl std::ops::DerefMut for PendingEvents<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.events
+    }
+}
+
+impl Drop for PendingEvents<'_> {
+    fn drop(&mut self) {
+        self.flag.store(!self.events.is_empty(), Ordering::Release);
+    }
 }
 
 /// Counters reported when a connection ends (and in tests).
@@ -226,6 +262,8 @@ pub struct Stats {
 
 struct Shared {
     mem: RwLock<Option<GuestMemoryAtomic<Memory>>>,
+    /// Changes with every memory table accepted: the poller keeps its snapshot until it does.
+    mem_version: AtomicU64,
     // Read on every visit: locks without poisoning, whose fast paths are a few instructions.
     mrs: parking_lot::RwLock<MrTable>,
     ahs: parking_lot::RwLock<HashMap<u32, (u32, Arc<AddressHandle>)>>,
@@ -241,6 +279,8 @@ struct Shared {
     doorbell_bits: u32,
     sink: Mutex<Option<Arc<dyn EventSink>>>,
     pending_events: Mutex<VecDeque<Event>>,
+    /// `pending_events` is not empty (changed under its lock): a pass looks at this only.
+    events_pending: AtomicBool,
     kicks: Vec<AtomicU64>,
     wqes: AtomicU64,
     completions: AtomicU64,
@@ -281,11 +321,10 @@ impl DataPath {
         // reach the guest (SPEC.md §8.1), and the CQ they land on may be any of the
         // connection's: a thread that posts a batch and stores the index first, and only
         // then polls the CQs, gives that order; two threads would race for it.
-        let shard = Shard {
-            objects: Mutex::default(),
-            wake: EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
-            channel: Some(context.create_comp_channel()?),
-        };
+        let shard = Shard::new(
+            EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
+            Some(context.create_comp_channel()?),
+        );
         let shared = Arc::new(Shared::new(shard, num_notify_queues, doorbell_bits));
         let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
         let stop_host_events = EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?;
@@ -326,6 +365,7 @@ impl DataPath {
 
     pub fn set_memory(&self, mem: GuestMemoryAtomic<Memory>) {
         *self.shared.mem.write().unwrap_or_else(|e| e.into_inner()) = Some(mem);
+        self.shared.mem_version.fetch_add(1, Ordering::Release);
     }
 
     pub fn set_event_sink(&self, sink: Arc<dyn EventSink>) {
@@ -424,22 +464,14 @@ impl DataPath {
 
     pub fn add_cq(&self, cq: Arc<CqData>) {
         let shard = &self.shared.shard;
-        shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .add_cq(cq);
+        shard.change_objects(|objects| objects.cqs.push(cq));
         let _ = shard.wake.write(1);
     }
 
     /// Takes the CQ out of its poller; once this returns, no pass writes to its ring.
     pub fn remove_cq(&self, handle: u32) {
         let shard = &self.shared.shard;
-        let removed = shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove_cq(handle);
+        let removed = shard.change_objects(|objects| objects.remove_cq(handle));
         if let Some(cq) = removed {
             cq.retire();
             // The poller holds its own list of the connection's CQs until its next pass: a
@@ -472,20 +504,13 @@ impl DataPath {
         let bit = self.shared.areas().alloc(area)?;
         self.shared
             .shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(bit, rung);
+            .change_objects(|objects| objects.insert(bit, rung));
         Ok(bit.bit)
     }
 
     fn remove_rung(&self, handle: u32) {
         let shard = &self.shared.shard;
-        let removed = shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(handle);
+        let removed = shard.change_objects(|objects| objects.remove(handle));
         if let Some((bit, rung)) = removed {
             rung.retire();
             self.shared.areas().free(bit);
@@ -510,19 +535,10 @@ impl DataPath {
 
     /// Forgets every object (device reset).
     pub fn clear(&self) {
-        self.shared
-            .shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.shared.shard.change_objects(ShardObjects::clear);
         self.shared.mrs.write().clear();
         self.shared.ahs.write().clear();
-        self.shared
-            .pending_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.shared.take_pending_events().clear();
         self.update_receivers(HashMap::clear);
         self.set_notify_area(None);
     }
@@ -565,6 +581,7 @@ impl Shared {
         Shared {
             doorbell_bits,
             mem: RwLock::new(None),
+            mem_version: AtomicU64::new(0),
             mrs: parking_lot::RwLock::default(),
             ahs: parking_lot::RwLock::default(),
             shard,
@@ -574,6 +591,7 @@ impl Shared {
             any_srq_receivers: AtomicBool::new(false),
             sink: Mutex::new(None),
             pending_events: Mutex::default(),
+            events_pending: AtomicBool::new(false),
             kicks: (0..num_notify_queues).map(|_| AtomicU64::new(0)).collect(),
             wqes: AtomicU64::new(0),
             completions: AtomicU64::new(0),
@@ -612,12 +630,21 @@ impl Shared {
         if sink.is_some_and(|s| s.deliver(&event)) {
             return;
         }
-        let mut pending = self
-            .pending_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.take_pending_events();
         if !pending.contains(&event) {
             pending.push_back(event);
+        }
+    }
+
+    /// The events kept for the pollers to deliver; `events_pending` follows what the guard
+    /// leaves.
+    fn take_pending_events(&self) -> PendingEvents<'_> {
+        PendingEvents {
+            events: self
+                .pending_events
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+            flag: &self.events_pending,
         }
     }
 

@@ -71,8 +71,13 @@ pub(super) struct Poller {
     batch: SendBatch,
     recv: Vec<(u64, usize)>,
     wcs: Vec<WorkCompletion>,
-    /// The memory snapshot of the pass under way.
-    pass_memory: Option<Arc<Memory>>,
+    /// The memory snapshot passes use, kept from pass to pass while the connection's memory
+    /// table stays the one of `memory_version` (taking it is locks and reference counts),
+    /// and let go of before the thread sleeps.
+    memory: Option<Arc<Memory>>,
+    memory_version: u64,
+    /// A pass is under way: its first look took the snapshot.
+    in_pass: bool,
     /// Doorbell bits this pass took so far, with those of the queues the last pass left
     /// WQEs in.
     rung: Vec<DoorbellBit>,
@@ -83,9 +88,9 @@ pub(super) struct Poller {
     /// The last pass found a CQ's ring full with completions that may wait behind it in
     /// the host CQ: they move once the driver polls, which it announces with no kick.
     cq_full: bool,
-    /// The connection's CQs as of `cqs_version`.
+    /// The connection's CQs as of the queue table's `objects_version`.
     cqs: Vec<Arc<CqData>>,
-    cqs_version: u64,
+    objects_version: u64,
     last_mr: LastMr,
 }
 
@@ -238,13 +243,15 @@ impl Poller {
             ),
             recv: Vec::with_capacity(BATCH as usize),
             wcs: (0..BATCH).map(|_| WorkCompletion::default()).collect(),
-            pass_memory: None,
+            memory: None,
+            memory_version: 0,
+            in_pass: false,
             rung: Vec::new(),
             visits: Vec::new(),
             carried: Vec::new(),
             cq_full: false,
             cqs: Vec::new(),
-            cqs_version: 0,
+            objects_version: u64::MAX,
             last_mr: LastMr::default(),
         }
     }
@@ -259,13 +266,27 @@ impl Poller {
     }
 
     /// The current memory snapshot.
-    fn memory(&self) -> Option<Arc<Memory>> {
+    fn current_memory(&self) -> Option<Arc<Memory>> {
         self.shared
             .mem
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .map(|m| m.memory().into_inner())
+    }
+
+    /// Takes the current memory snapshot, unless the one kept is still it.
+    fn refresh_memory(&mut self) {
+        let version = self.shared.mem_version.load(Ordering::Acquire);
+        if self.memory.is_none() || version != self.memory_version {
+            self.memory = self.current_memory();
+            self.memory_version = version;
+        }
+    }
+
+    /// Before the thread sleeps: no mapping of an old memory table stays alive for it.
+    pub(super) fn let_go_of_memory(&mut self) {
+        self.memory = None;
     }
 
     /// Before sleeping: asks the host for a completion event on every CQ of the connection
@@ -288,7 +309,9 @@ impl Poller {
     /// driver rings through, it learns there whether to kick (SPEC.md §8.5, §8.6).
     pub(super) fn set_need_wakeup(&self, sleeping: bool) {
         self.shared.asleep.store(sleeping, Ordering::SeqCst);
-        let Some(mem) = self.memory() else { return };
+        let Some(mem) = self.current_memory() else {
+            return;
+        };
         let flags = if sleeping { NOTIFY_NEED_WAKEUP } else { 0 };
         for area in self.shared.areas().places() {
             for queue in 0..self.shared.num_notify_queues {
@@ -318,14 +341,15 @@ impl Poller {
     /// receive made available before a send the pass posts is found by the second look,
     /// wherever its bit lies (SPEC.md §8.5).
     pub(super) fn take_doorbells(&mut self) -> bool {
-        if self.pass_memory.is_none() {
-            self.pass_memory = self.memory();
-            if self.pass_memory.is_none() {
+        if !self.in_pass {
+            self.refresh_memory();
+            if self.memory.is_none() {
                 return false;
             }
+            self.in_pass = true;
             self.rung.append(&mut self.carried);
         }
-        let Some(mem) = self.pass_memory.as_deref() else {
+        let Some(mem) = self.memory.as_deref() else {
             return false;
         };
         let objects = self
@@ -343,13 +367,14 @@ impl Poller {
     /// Between a pass's two looks: the queues the first look found are planned, and each
     /// QP's send WQEs bounded by its SQ producer index as of now (see [`Sends`]).
     pub(super) fn bound_sends(&mut self) {
-        let Some(mem) = self.pass_memory.clone() else {
+        if !self.in_pass {
             return;
-        };
+        }
         self.plan_visits();
+        let Some(mem) = &self.memory else { return };
         for planned in &mut self.visits {
             if let Rung::Qp(qp) = &planned.rung {
-                planned.sends = Sends::Before(sq_producer(&mem, qp));
+                planned.sends = Sends::Before(sq_producer(mem, qp));
             }
         }
     }
@@ -359,13 +384,18 @@ impl Poller {
     /// arrives (a UD or UC message finding no receive is dropped; an RC one waits an RNR
     /// timeout).
     pub(super) fn take_receive_work(&mut self) -> bool {
-        let Some(mem) = self.pass_memory.clone() else {
+        if !self.in_pass {
             return false;
-        };
-        // Planned already by `bound_sends`, unless the second look found more.
-        if self.visits.is_empty() || !self.rung.is_empty() {
+        }
+        // Planned already by `bound_sends`, unless the second look found more; the CQ list
+        // is copied again when the queue table changed.
+        let objects_version = self.shared.shard.objects_version.load(Ordering::Acquire);
+        if !self.rung.is_empty() || objects_version != self.objects_version {
             self.plan_visits();
         }
+        let Some(mem) = self.memory.take() else {
+            return false;
+        };
         let mut work = false;
         let visits = std::mem::take(&mut self.visits);
         for planned in &visits {
@@ -379,12 +409,16 @@ impl Poller {
             }
         }
         self.visits = visits;
+        self.memory = Some(mem);
         work
     }
 
     /// The pass's last step: the rung QPs' send WQEs, then the CQs; events owed.
     pub(super) fn take_send_work(&mut self) -> bool {
-        let Some(mem) = self.pass_memory.take() else {
+        if !std::mem::take(&mut self.in_pass) {
+            return false;
+        }
+        let Some(mem) = self.memory.take() else {
             return false;
         };
         let mut work = self.deliver_pending_events();
@@ -413,6 +447,7 @@ impl Poller {
             work |= self.process_cq(&mem, cq);
         }
         self.cqs = cqs;
+        self.memory = Some(mem);
         work
     }
 
@@ -428,9 +463,11 @@ impl Poller {
             .objects
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if objects.cqs_version != self.cqs_version {
+        // Read under the lock: the list copied is this version's or a later one's.
+        let objects_version = shared.shard.objects_version.load(Ordering::Acquire);
+        if objects_version != self.objects_version {
             self.cqs.clone_from(&objects.cqs);
-            self.cqs_version = objects.cqs_version;
+            self.objects_version = objects_version;
         }
         let mut bits = std::mem::take(&mut self.rung);
         if bits.len() > 1 {
@@ -1032,11 +1069,10 @@ impl Poller {
     }
 
     fn deliver_pending_events(&self) -> bool {
-        let mut pending = self
-            .shared
-            .pending_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        if !self.shared.events_pending.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut pending = self.shared.take_pending_events();
         if pending.is_empty() {
             return false;
         }

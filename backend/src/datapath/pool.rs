@@ -344,6 +344,9 @@ impl PoolWorker {
                     let _ = served.poller.shard().wake.read();
                 }
             } else {
+                for served in &mut self.connections {
+                    served.poller.let_go_of_memory();
+                }
                 self.sleep();
                 spin.slept();
             }

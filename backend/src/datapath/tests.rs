@@ -4,6 +4,7 @@
 use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 
+use vm_memory::{Bytes, GuestAddress};
 use vrdma_spec::codec::ArmRequest;
 use vrdma_spec::ring::{
     event_kind, wc_status, CqDoorbell, NotifyState, QpDoorbell, NOTIFY_NEED_WAKEUP,
@@ -255,11 +256,10 @@ fn a_queue_in_an_added_doorbell_area_is_rung_there_and_every_area_asks_for_kicks
     };
     let area = rig.shared.areas().add(place, 64).unwrap();
     let in_area = DoorbellBit { area, bit: 0 };
-    {
-        let mut objects = rig.shared.shard.objects.lock().unwrap();
+    rig.shared.shard.change_objects(|objects| {
         let (_, qp) = objects.remove(QP_HANDLE).unwrap();
         objects.insert(in_area, qp);
-    }
+    });
     rig.write_receive(0, 100);
     rig.store(QP_DOORBELL + QpDoorbell::RQ_PRODUCER, 1);
     rig.set_doorbell_bit(QP_BIT);
@@ -661,4 +661,40 @@ fn a_driver_kicking_without_work_is_no_longer_asked_for_kicks_and_is_still_serve
         "the quiet driver was asked for its kick"
     );
     eventually("the quiet driver is served", || quiet.sent() == vec![2]);
+}
+
+/// A poller keeps its memory snapshot from pass to pass (taking one costs locks and
+/// reference counts), until the connection accepts a new memory table or the poller sleeps.
+#[test]
+fn passes_use_the_memory_table_accepted_last_and_a_sleeping_poller_holds_none() {
+    let mut rig = Rig::new(4);
+    assert!(!rig.poller.pass());
+    // A new table over other pages, with everything the old one held, and a receive rung.
+    let size = 1 << 20;
+    let fresh = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size)]).unwrap();
+    let mut contents = vec![0u8; size];
+    rig.mem.read_slice(&mut contents, GuestAddress(0)).unwrap();
+    fresh.write_slice(&contents, GuestAddress(0)).unwrap();
+    rig.mem = fresh.clone();
+    rig.write_receive(0, 100);
+    rig.store(QP_DOORBELL + QpDoorbell::RQ_PRODUCER, 1);
+    rig.set_doorbell_bit(QP_BIT);
+    *rig.shared.mem.write().unwrap() = Some(GuestMemoryAtomic::new(fresh));
+    assert!(
+        !rig.poller.pass(),
+        "a table not yet accepted is not the one passes use"
+    );
+    rig.shared.mem_version.fetch_add(1, Ordering::Release);
+    assert!(
+        rig.poller.pass(),
+        "an accepted table is used by the next pass"
+    );
+    assert_eq!(*rig.qp.receives.lock().unwrap(), vec![100]);
+    let current = || {
+        let mem = rig.shared.mem.read().unwrap();
+        mem.as_ref().unwrap().memory().into_inner()
+    };
+    let held = Arc::strong_count(&current());
+    rig.poller.let_go_of_memory();
+    assert_eq!(Arc::strong_count(&current()), held - 1);
 }
