@@ -101,7 +101,10 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "poller thread on CPU 1, the program's thread on CPU 0; each floor is measured in the same" \
     "run on the same two cores. Round trip: the program sends 8 bytes (inline SEND) from one of" \
     "its QPs to another and back, two WQEs through the poller and two receive CQEs back, against" \
-    "a cache line passed between the two cores and back. WRITEs: 8-byte RDMA WRITEs from one QP" \
+    "a cache line passed between the two cores and back, and against the ring protocol's own" \
+    "transfers: the same messages' WQEs, producer indexes, doorbell bits and CQEs, each in the" \
+    "cache line SPEC.md gives it, passed between the same two cores by a thread that does" \
+    "nothing else (what no relay of this wire format can go below). WRITEs: 8-byte RDMA WRITEs from one QP" \
     "posted one per doorbell and 16 per doorbell, the send queue kept full (so a pass may take" \
     "several doorbells' worth), against a loop on the poller's core that only copies 8 bytes." \
     "The vrdma figures include the loopback's own work (its lock, key lookups and copies), which" \

@@ -8,8 +8,9 @@
 //! smoke run makes them small. Prints a markdown table.
 //!
 //! - Round trip: the program sends 8 bytes from one of its QPs to another and back (two
-//!   WQEs through the poller, two receive CQEs back); the floor is a cache line passed
-//!   between two threads on the same two cores and back.
+//!   WQEs through the poller, two receive CQEs back); the floors are a cache line passed
+//!   between two threads on the same two cores and back, and the same messages' ring
+//!   protocol transfers (WQEs, indexes, doorbell bits, CQEs) with no work around them.
 //! - WQEs per second through the poller core: 8-byte RDMA WRITEs posted one and 16 per
 //!   doorbell (a chain), the send queue kept full; the floor is a loop on the poller's core
 //!   that only copies the same 8 bytes as often.
@@ -74,6 +75,100 @@ fn cache_line_round_trips(a: usize, b: usize, count: usize) -> Vec<u64> {
         samples.push(start.elapsed().as_nanos() as u64);
     }
     echo.join().unwrap();
+    samples
+}
+
+/// A cache line of its own.
+#[repr(align(64))]
+#[derive(Default)]
+struct Line(AtomicU64);
+
+/// One side of [`protocol_round_trips`]: the lines SPEC.md §8 puts apart for a QP, each
+/// written by one side and read by the other.
+#[derive(Default)]
+struct RingLines {
+    /// The QP's doorbell record: its SQ and RQ producer indexes.
+    record_sq: Line,
+    record_rq: Line,
+    /// Its next SQ and RQ slots and the next CQE slot of its CQ.
+    send_wqe: Line,
+    receive_wqe: Line,
+    cqe: Line,
+}
+
+/// The ring protocol's own cache-line transfers with nothing around them, in ns per round
+/// trip: the same messages as [`Pair::round_trips`] (a receive posted, a send, on each side),
+/// where the program writes each WQE, its producer index and its doorbell bit, and a thread
+/// on `b` standing in for the poller takes the bits, reads the indexes and WQEs and writes
+/// the receiver's CQE, which the program polls. No relay can move a message with fewer.
+fn protocol_round_trips(a: usize, b: usize, count: usize) -> Vec<u64> {
+    let sides: Arc<[RingLines; 2]> = Arc::default();
+    let bitmap = Arc::new(Line::default());
+    let (poller_sides, poller_bitmap) = (Arc::clone(&sides), Arc::clone(&bitmap));
+    let messages = 2 * count as u64 + 2;
+    let poller = std::thread::spawn(move || {
+        pin_to(b);
+        let mut seen = [(0u64, 0u64); 2];
+        let mut delivered = 0;
+        while delivered < messages {
+            if poller_bitmap.0.load(Ordering::Relaxed) == 0 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut rung = poller_bitmap.0.swap(0, Ordering::Acquire);
+            while rung != 0 {
+                let side = rung.trailing_zeros() as usize;
+                rung &= rung - 1;
+                let lines = &poller_sides[side];
+                let receives = lines.record_rq.0.load(Ordering::Acquire);
+                if receives != seen[side].1 {
+                    std::hint::black_box(lines.receive_wqe.0.load(Ordering::Relaxed));
+                    seen[side].1 = receives;
+                }
+                let sends = lines.record_sq.0.load(Ordering::Acquire);
+                if sends != seen[side].0 {
+                    let wqe = lines.send_wqe.0.load(Ordering::Relaxed);
+                    poller_sides[1 - side].cqe.0.store(wqe, Ordering::Release);
+                    seen[side].0 = sends;
+                    delivered += 1;
+                }
+            }
+        }
+    });
+    pin_to(a);
+    let mut posted = [(0u64, 0u64); 2];
+    let post = |side: usize, posted: &mut [(u64, u64); 2], send: bool| {
+        let lines = &sides[side];
+        let (wqe, record, count) = if send {
+            (&lines.send_wqe, &lines.record_sq, &mut posted[side].0)
+        } else {
+            (&lines.receive_wqe, &lines.record_rq, &mut posted[side].1)
+        };
+        *count += 1;
+        wqe.0.store(*count, Ordering::Relaxed);
+        record.0.store(*count, Ordering::Release);
+        bitmap.0.fetch_or(1 << side, Ordering::Release);
+    };
+    let wait = |side: usize, message: u64| {
+        while sides[side].cqe.0.load(Ordering::Acquire) != message {
+            std::hint::spin_loop();
+        }
+    };
+    post(0, &mut posted, false);
+    post(1, &mut posted, false);
+    let mut samples = Vec::with_capacity(count + 1);
+    for _ in 0..=count {
+        let start = Instant::now();
+        post(0, &mut posted, true);
+        wait(1, posted[0].0);
+        post(1, &mut posted, false);
+        post(1, &mut posted, true);
+        wait(0, posted[1].0);
+        post(0, &mut posted, false);
+        samples.push(start.elapsed().as_nanos() as u64);
+    }
+    poller.join().unwrap();
+    samples.remove(0);
     samples
 }
 
@@ -254,6 +349,7 @@ fn main() {
     let wqes = size_from_env("VRDMA_BENCH_WQES", 2_000_000);
 
     let mut floor = cache_line_round_trips(program_cpu, poller_cpu, trips);
+    let mut protocol = protocol_round_trips(program_cpu, poller_cpu, trips);
     let socket = start_loopback_backend(poller_cpu);
     pin_to(program_cpu);
     let device = Device::attach(&socket).expect("attach to the loopback backend");
@@ -262,6 +358,7 @@ fn main() {
     let mut relay = pair.round_trips(trips);
     let ((floor_50, floor_99), (relay_50, relay_99)) =
         (percentiles(&mut floor), percentiles(&mut relay));
+    let (protocol_50, protocol_99) = percentiles(&mut protocol);
     let one = pair.writes_per_second(wqes / 4, 1);
     let sixteen = pair.writes_per_second(wqes, 16);
     let copies = copies_per_second(poller_cpu, wqes * 4);
@@ -280,6 +377,18 @@ fn main() {
         relay_99 as f64 / 1e3,
         floor_99 as f64 / 1e3,
         ratio(relay_99 as f64, floor_99 as f64)
+    );
+    println!(
+        "| round trip, p50, against the ring protocol's own transfers (floor: the same WQEs, indexes, doorbell bits and CQEs passed between the two cores, with no work) | {:.2} us | {:.3} us | {:.1} | |",
+        relay_50 as f64 / 1e3,
+        protocol_50 as f64 / 1e3,
+        ratio(relay_50 as f64, protocol_50 as f64)
+    );
+    println!(
+        "| round trip, p99, against the ring protocol's own transfers | {:.2} us | {:.3} us | {:.1} | |",
+        relay_99 as f64 / 1e3,
+        protocol_99 as f64 / 1e3,
+        ratio(relay_99 as f64, protocol_99 as f64)
     );
     println!(
         "| 8-byte WRITEs through the poller core, one per doorbell (floor: copying 8 bytes in a loop) | {:.2} M/s | {:.0} M/s | {:.3} | >= 3 M/s |",
