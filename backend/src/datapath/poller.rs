@@ -39,11 +39,16 @@ impl Visit {
     };
 }
 
-/// A queue a pass visits: its doorbell bit, and which of its send WQEs the pass may take.
+/// A queue a pass visits: its doorbell bit, which of its send WQEs the pass may take, and
+/// whether its receive WQEs need a visit.
 struct Planned {
     bit: DoorbellBit,
     rung: Rung,
     sends: Sends,
+    /// False where the send bound found the RQ with nothing new (read after the SQ's
+    /// producer index, so no receive posted before a send the bound lets through is missed):
+    /// a receive posted since waits for the next pass, which its doorbell bit asks for.
+    receives: bool,
 }
 
 /// Which send WQEs of a QP a pass may post (SPEC.md §8.5 "Receives before sends"). A send
@@ -131,13 +136,19 @@ fn mr_lookup<'a>(mrs: &'a MrTable, last: &'a LastMr) -> impl Fn(u32) -> Option<M
 }
 
 /// The QP's SQ producer index as the driver published it (acquire: the WQEs before it, and
-/// what the driver did before writing them, are visible); `None` if its doorbell record is
-/// unreadable or the QP failed.
-fn sq_producer(mem: &Arc<Memory>, qp: &QpData) -> Option<u32> {
-    with_live_qp(mem, qp, |mapped, _| {
-        mapped.load(RECORD, QpDoorbell::SQ_PRODUCER, Ordering::Acquire)
+/// what the driver did before writing them, are visible), `None` if its doorbell record is
+/// unreadable; and whether its RQ then holds WQEs the device has not taken (or cannot tell).
+/// `(None, false)` if the QP failed.
+fn send_bound(mem: &Arc<Memory>, qp: &QpData) -> (Option<u32>, bool) {
+    with_live_qp(mem, qp, |mapped, progress| {
+        let sends = mapped.load(RECORD, QpDoorbell::SQ_PRODUCER, Ordering::Acquire);
+        let receives = qp.rq.is_some()
+            && mapped
+                .load(RECORD, QpDoorbell::RQ_PRODUCER, Ordering::Acquire)
+                .is_none_or(|producer: u32| producer != progress.rq_consumer);
+        (sends, receives)
     })
-    .flatten()
+    .unwrap_or((None, false))
 }
 
 /// Runs `f` on the QP's mapped rings and record under its progress lock; `None` if the QP
@@ -374,7 +385,9 @@ impl Poller {
         let Some(mem) = &self.memory else { return };
         for planned in &mut self.visits {
             if let Rung::Qp(qp) = &planned.rung {
-                planned.sends = Sends::Before(sq_producer(mem, qp));
+                let (sends, receives) = send_bound(mem, qp);
+                planned.sends = Sends::Before(sends);
+                planned.receives = receives;
             }
         }
     }
@@ -398,7 +411,7 @@ impl Poller {
         };
         let mut work = false;
         let visits = std::mem::take(&mut self.visits);
-        for planned in &visits {
+        for planned in visits.iter().filter(|planned| planned.receives) {
             let visit = match &planned.rung {
                 Rung::Qp(qp) => self.process_qp_receives(&mem, qp),
                 Rung::Srq(srq) => self.process_srq(&mem, srq),
@@ -497,6 +510,7 @@ impl Poller {
                 bit,
                 rung: objects.queues.get(&bit)?.clone(),
                 sends: Sends::NextPass,
+                receives: true,
             })
         }));
         self.carried.append(&mut bits);
