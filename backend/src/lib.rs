@@ -3,6 +3,7 @@
 //! Layers: [`hostverbs`] is the only code that touches libibverbs; [`limits`] decides what a
 //! guest is offered; the device logic above them knows nothing of vhost-user plumbing.
 
+pub mod admin;
 pub mod datapath;
 pub mod device;
 pub mod gid_claim;
@@ -52,6 +53,8 @@ pub enum Error {
     GuestGidMissing { gid: Gid },
     #[error(transparent)]
     Sandbox(#[from] sandbox::SandboxError),
+    #[error(transparent)]
+    Admin(#[from] admin::AdminError),
     #[error("vhost-user socket: {0}")]
     VhostUser(#[source] vhost::vhost_user::Error),
     /// vhost-user-backend's error type implements Display but not std::error::Error.

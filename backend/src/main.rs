@@ -107,6 +107,13 @@ struct Args {
     /// and to create the socket.
     #[arg(long)]
     user: Option<RunAs>,
+    /// Management socket (vrdmactl, monitoring): reports each connected guest's objects,
+    /// quotas, counters and QPs. Open only to the backend's owner, and to --admin-group.
+    #[arg(long, conflicts_with = "check")]
+    admin_socket: Option<std::path::PathBuf>,
+    /// Group whose members may open the management socket.
+    #[arg(long, requires = "admin_socket")]
+    admin_group: Option<String>,
     /// Check the host device and print what guests would be offered, then exit.
     #[arg(long, conflicts_with = "socket_path")]
     check: bool,
@@ -172,6 +179,7 @@ fn main() -> ExitCode {
 fn run(args: Args) -> Result<(), vrdma_backend::Error> {
     let socket_path = args.socket_path.clone();
     let user = args.user.clone();
+    let admin = (args.admin_socket.clone(), args.admin_group.clone());
     let config = Config::from(args);
     // A flag naming a CPU this process may not use is the operator's mistake, told before
     // anything is claimed (a refusal for a GID another backend holds would hide it).
@@ -189,11 +197,15 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
         None => None,
     };
     let listener = socket_path.as_deref().map(vhost_user::listen).transpose()?;
+    let admin = match admin {
+        (Some(path), group) => Some(vrdma_backend::admin::listen(&path, group.as_deref())?),
+        (None, _) => None,
+    };
     if let Some(user) = &user {
         vrdma_backend::sandbox::run_as(user, config.guest_ip.is_some())?;
     }
     vrdma_backend::exit_on_signals(&guest_address)?;
-    let result = check_or_serve(&config, listener);
+    let result = check_or_serve(&config, listener, admin);
     drop(
         guest_address
             .lock()
@@ -206,6 +218,7 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
 fn check_or_serve(
     config: &Config,
     listener: Option<vhost_user::Listener>,
+    admin: Option<vrdma_backend::admin::AdminSocket>,
 ) -> Result<(), vrdma_backend::Error> {
     // Fail fast on an unusable device (as the user that serves), before accepting guests.
     let device = HostDevice::open(config)?;
@@ -216,7 +229,7 @@ fn check_or_serve(
         }
         Some(listener) => {
             drop(device); // each connection opens a context of its own
-            vhost_user::serve_listener(config, listener)
+            vhost_user::serve_listener(config, listener, admin)
         }
     }
 }

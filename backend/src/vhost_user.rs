@@ -23,8 +23,9 @@ use vrdma_spec::config::{CONTROL_QUEUE, EVENT_QUEUE, FIRST_NOTIFY_QUEUE};
 use vrdma_spec::ring::Event;
 use vrdma_spec::ByteValued;
 
+use crate::admin::{AdminSocket, Registry, Reporting};
 use crate::datapath::{EventSink, PollerPool};
-use crate::device::{Device, LocalPeers};
+use crate::device::{Device, GuestReport, LocalPeers};
 use crate::memory_regions::{self, UnsealedFiles};
 use crate::per_second::PerSecond;
 use crate::vring::Vring;
@@ -412,7 +413,16 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
     let _claim = crate::claim_guest_gid(config)?;
     let (pool, peers) = (start_pool(config)?, Arc::default());
     let first = RdmaBackend::new(config, &pool, &peers)?;
-    serve_prepared(config, listen(socket_path)?, (&pool, &peers), first)
+    serve_prepared(config, listen(socket_path)?, None, (&pool, &peers), first)
+}
+
+impl Reporting for RwLock<RdmaBackend> {
+    fn report(&self, guest: u64) -> GuestReport {
+        self.read()
+            .unwrap_or_else(|e| e.into_inner())
+            .device
+            .report(guest)
+    }
 }
 
 /// The poller threads every connection's data path is served by.
@@ -431,23 +441,33 @@ pub fn listen(socket_path: &Path) -> Result<Listener, Error> {
 /// Serves the front ends `listener` accepts until an error (the caller holds the claim on the
 /// guests' GID, [`crate::claim_guest_gid`]): each connection gets its own
 /// backend (its own host context and objects), served on its own threads; when it ends,
-/// everything it created on the host is destroyed.
-pub fn serve_listener(config: &Config, listener: Listener) -> Result<(), Error> {
+/// everything it created on the host is destroyed. With `admin`, the management socket
+/// reports the connected guests.
+pub fn serve_listener(
+    config: &Config,
+    listener: Listener,
+    admin: Option<AdminSocket>,
+) -> Result<(), Error> {
     // The device context for the next connection is opened before it arrives, so a front end
     // never waits for it and a bad device fails before the first guest is accepted.
     let (pool, peers) = (start_pool(config)?, Arc::default());
     let first = RdmaBackend::new(config, &pool, &peers)?;
-    serve_prepared(config, listener, (&pool, &peers), first)
+    serve_prepared(config, listener, admin, (&pool, &peers), first)
 }
 
 fn serve_prepared(
     config: &Config,
     mut listener: Listener,
+    admin: Option<AdminSocket>,
     (pool, peers): (&Arc<PollerPool>, &Arc<LocalPeers>),
     first: RdmaBackend,
 ) -> Result<(), Error> {
     let mut backend = Arc::new(RwLock::new(first));
     let admission = Arc::new(Admission::new(config)?);
+    let registry = Arc::new(Registry::default());
+    if let Some(admin) = admin {
+        admin.serve(Arc::clone(&registry))?;
+    }
     // Everything serving needs from here on is in the filter (crate::sandbox).
     crate::sandbox::confine(config.seccomp)?;
     // Front ends may connect once the socket exists; this line says their host context is
@@ -461,7 +481,7 @@ fn serve_prepared(
             connection,
             Arc::clone(&backend),
             &mut listener,
-            Arc::clone(&admission),
+            (Arc::clone(&admission), Arc::clone(&registry)),
         );
         if let Err(e) = started {
             log::error!("connection {connection}: cannot be served: {e}");
@@ -592,13 +612,14 @@ fn start_connection(
     connection: u64,
     backend: Arc<RwLock<RdmaBackend>>,
     listener: &mut Listener,
-    admission: Arc<Admission>,
+    (admission, registry): (Arc<Admission>, Arc<Registry>),
 ) -> Result<(), Error> {
     // The thread that tears the connection down exists before the connection is accepted, so
     // an accepted connection always has one.
     let (daemon_tx, daemon_rx) = std::sync::mpsc::channel::<VhostUserDaemon<_>>();
     let serving = Arc::clone(&backend);
     let room = Arc::clone(&admission);
+    let reported = Arc::clone(&registry);
     std::thread::Builder::new()
         .name(format!("vrdma-conn{connection}-wait"))
         .spawn(move || {
@@ -613,6 +634,8 @@ fn start_connection(
                 )) => {}
                 Err(e) => log::warn!("connection {connection} ended with an error: {e}"),
             }
+            // Before the last reference goes: no report holds the device after this.
+            reported.remove(connection);
             let state = serving.read().unwrap_or_else(|e| e.into_inner());
             let objects = state.device.object_count();
             let stats = state.device.data_path().stats();
@@ -637,13 +660,14 @@ fn start_connection(
         .map_err(Error::Io)?;
     let mut daemon = VhostUserDaemon::new(
         format!("vrdma-conn{connection}"),
-        backend,
+        Arc::clone(&backend),
         GuestMemoryAtomic::new(GuestMemoryMmap::new()),
     )
     .map_err(Error::Daemon)?;
     daemon.start(listener).map_err(Error::Daemon)?;
     // Counted before the next accept looks at the count.
     admission.connected();
+    registry.add(connection, backend);
     log::info!("connection {connection}: front end attached");
     daemon_tx
         .send(daemon)

@@ -5,6 +5,7 @@
 mod local_peers;
 mod objects;
 mod refusal;
+mod report;
 pub mod validate;
 
 use std::sync::Arc;
@@ -36,6 +37,7 @@ pub use local_peers::LocalPeers;
 pub use objects::Objects;
 use objects::{AhEntry, CqEntry, MrEntry, QpEntry, SrqEntry};
 pub use refusal::{CommandError, Refusal, RefusalLog};
+pub use report::{GuestReport, QpReport, Relayed, Usage};
 
 type CommandResult = Result<Vec<u8>, CommandError>;
 

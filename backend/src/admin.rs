@@ -1,0 +1,550 @@
+//! The management socket: what an operator (`vrdmactl`, a monitoring system) reads of the
+//! guests a backend serves.
+//!
+//! A unix stream socket, `--admin-socket`, that only its owner (root, as the backend starts)
+//! and `--admin-group` may open. A client writes one request line and reads one JSON answer,
+//! then the backend closes the connection:
+//!
+//! | request | answer |
+//! |---|---|
+//! | `list` | `{"guests": [GuestReport, ...]}`, every connected guest |
+//! | `show N` | `{"guest": GuestReport}`, guest N |
+//! | `metrics` | `{"metrics": "..."}`, the same numbers in Prometheus' text format |
+//!
+//! and `{"error": "..."}` for a request it cannot answer. [`GuestReport`] is the guest's
+//! objects against its quotas, what its data path moved, its refused requests by rule and
+//! its QPs.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::GuestReport;
+
+/// The longest request line read.
+const MAX_REQUEST: u64 = 256;
+
+/// How long a client has to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long [`ask`] waits for the answer (a report waits for a control request the guest
+/// has under way, a large registration say).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("management socket {path}: {source}")]
+    Socket {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("management socket {path}: a file that is not a socket is in the way")]
+    NotASocket { path: PathBuf },
+    #[error("group {0:?} does not exist")]
+    NoSuchGroup(String),
+    #[error("cannot look group {name:?} up: {source}")]
+    Group { name: String, source: nix::Error },
+    #[error("the backend's answer: {0}")]
+    Refused(String),
+    #[error("the backend's answer is not understood: {0}")]
+    Garbled(#[from] serde_json::Error),
+}
+
+/// One connection the backend serves, as the management socket sees it.
+pub trait Reporting: Send + Sync {
+    /// Its report, under the number the backend gave the connection.
+    fn report(&self, guest: u64) -> GuestReport;
+}
+
+/// The guests a backend serves, by connection number.
+#[derive(Default)]
+pub struct Registry {
+    guests: Mutex<BTreeMap<u64, Arc<dyn Reporting>>>,
+}
+
+impl Registry {
+    pub fn add(&self, guest: u64, connection: Arc<dyn Reporting>) {
+        self.lock().insert(guest, connection);
+    }
+
+    /// Forgets a guest. Reports are made under the registry's lock, so once this returns no
+    /// report holds the connection any more: its last reference is its owner's.
+    pub fn remove(&self, guest: u64) {
+        self.lock().remove(&guest);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<dyn Reporting>>> {
+        self.guests.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn reports(&self) -> Vec<GuestReport> {
+        let guests = self.lock();
+        guests
+            .iter()
+            .map(|(&guest, connection)| connection.report(guest))
+            .collect()
+    }
+
+    fn report(&self, guest: u64) -> Option<GuestReport> {
+        let guests = self.lock();
+        guests
+            .get(&guest)
+            .map(|connection| connection.report(guest))
+    }
+}
+
+/// A request of the management socket's protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Request {
+    List,
+    Show(u64),
+    Metrics,
+}
+
+impl Request {
+    pub fn parse(line: &str) -> Result<Request, String> {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["list"] => Ok(Request::List),
+            ["metrics"] => Ok(Request::Metrics),
+            ["show", guest] => guest
+                .parse()
+                .map(Request::Show)
+                .map_err(|_| format!("{guest:?} is not a guest number")),
+            _ => Err(format!(
+                "unknown request {:?} (list, show N, metrics)",
+                line.trim()
+            )),
+        }
+    }
+
+    fn line(self) -> String {
+        match self {
+            Request::List => "list\n".into(),
+            Request::Show(guest) => format!("show {guest}\n"),
+            Request::Metrics => "metrics\n".into(),
+        }
+    }
+}
+
+/// An answer of the management socket.
+#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Answer {
+    Guests(Vec<GuestReport>),
+    Guest(GuestReport),
+    Metrics(String),
+    Error(String),
+}
+
+/// The answer to `request` from the guests of `registry`.
+pub fn answer(registry: &Registry, request: Result<Request, String>) -> Answer {
+    match request {
+        Ok(Request::List) => Answer::Guests(registry.reports()),
+        Ok(Request::Show(guest)) => match registry.report(guest) {
+            Some(report) => Answer::Guest(report),
+            None => Answer::Error(format!("no guest {guest} is connected")),
+        },
+        Ok(Request::Metrics) => Answer::Metrics(prometheus(&registry.reports())),
+        Err(e) => Answer::Error(e),
+    }
+}
+
+/// The guests' numbers in Prometheus' text exposition format.
+pub fn prometheus(reports: &[GuestReport]) -> String {
+    let mut out = String::new();
+    let mut family =
+        |name: &str, kind: &str, help: &str, samples: &mut dyn Iterator<Item = (String, u64)>| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            for (labels, value) in samples {
+                let _ = if labels.is_empty() {
+                    writeln!(out, "{name} {value}")
+                } else {
+                    writeln!(out, "{name}{{{labels}}} {value}")
+                };
+            }
+        };
+    let guest = |r: &GuestReport| format!("guest=\"{}\"", r.guest);
+    let per_kind = |pick: fn(&crate::device::Usage) -> u64| {
+        reports.iter().flat_map(move |r| {
+            r.objects
+                .iter()
+                .map(move |(kind, usage)| (format!("{},kind=\"{kind}\"", guest(r)), pick(usage)))
+        })
+    };
+    family(
+        "vrdma_guest_objects",
+        "gauge",
+        "Objects a guest holds, by kind.",
+        &mut per_kind(|u| u.used),
+    );
+    family(
+        "vrdma_guest_object_quota",
+        "gauge",
+        "Objects a guest may hold, by kind.",
+        &mut per_kind(|u| u.quota),
+    );
+    type Pick = fn(&GuestReport) -> u64;
+    let scalars: [(&str, &str, &str, Pick); 9] = [
+        (
+            "vrdma_guest_ring_bytes",
+            "gauge",
+            "Bytes of queue rings a guest holds.",
+            |r| r.ring_bytes.used,
+        ),
+        (
+            "vrdma_guest_ring_bytes_quota",
+            "gauge",
+            "Bytes of queue rings a guest may hold.",
+            |r| r.ring_bytes.quota,
+        ),
+        (
+            "vrdma_guest_registered_bytes",
+            "gauge",
+            "Bytes a guest has registered.",
+            |r| r.registered_bytes.used,
+        ),
+        (
+            "vrdma_guest_registered_bytes_quota",
+            "gauge",
+            "Bytes a guest may register.",
+            |r| r.registered_bytes.quota,
+        ),
+        (
+            "vrdma_guest_wqes_total",
+            "counter",
+            "WQEs relayed from a guest's rings to the host.",
+            |r| r.relayed.wqes,
+        ),
+        (
+            "vrdma_guest_completions_total",
+            "counter",
+            "Completions written to a guest's CQ rings.",
+            |r| r.relayed.completions,
+        ),
+        (
+            "vrdma_guest_kicks_total",
+            "counter",
+            "Doorbell kicks from a guest.",
+            |r| r.relayed.kicks,
+        ),
+        (
+            "vrdma_guest_refused_wqes_total",
+            "counter",
+            "WQEs refused without reaching the host.",
+            |r| r.relayed.refused_wqes,
+        ),
+        (
+            "vrdma_guest_host_failures_total",
+            "counter",
+            "Control requests the host failed.",
+            |r| r.host_failures,
+        ),
+    ];
+    for (name, kind, help, pick) in scalars {
+        family(
+            name,
+            kind,
+            help,
+            &mut reports.iter().map(|r| (guest(r), pick(r))),
+        );
+    }
+    family(
+        "vrdma_guest_refusals_total",
+        "counter",
+        "Control requests refused, by the rule they broke.",
+        &mut reports.iter().flat_map(|r| {
+            r.refusals
+                .iter()
+                .map(move |(rule, &count)| (format!("{},rule=\"{rule}\"", guest(r)), count))
+        }),
+    );
+    family(
+        "vrdma_guests",
+        "gauge",
+        "Guests connected.",
+        &mut std::iter::once((String::new(), reports.len() as u64)),
+    );
+    out
+}
+
+/// The management socket, bound.
+pub struct AdminSocket {
+    listener: UnixListener,
+    path: PathBuf,
+}
+
+/// Binds the management socket at `path` (a socket left there is replaced), open to its
+/// owner and, with `group`, to that group's members.
+pub fn listen(path: &Path, group: Option<&str>) -> Result<AdminSocket, AdminError> {
+    let socket_error = |source| AdminError::Socket {
+        path: path.to_owned(),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()) => {
+            std::fs::remove_file(path).map_err(socket_error)?;
+        }
+        Ok(_) => {
+            return Err(AdminError::NotASocket {
+                path: path.to_owned(),
+            })
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(socket_error(e)),
+    }
+    let listener = UnixListener::bind(path).map_err(socket_error)?;
+    let mode = if group.is_some() { 0o660 } else { 0o600 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(socket_error)?;
+    if let Some(name) = group {
+        let gid = nix::unistd::Group::from_name(name)
+            .map_err(|source| AdminError::Group {
+                name: name.to_string(),
+                source,
+            })?
+            .ok_or_else(|| AdminError::NoSuchGroup(name.to_string()))?
+            .gid;
+        nix::unistd::chown(path, None, Some(gid))
+            .map_err(|e| socket_error(std::io::Error::from(e)))?;
+    }
+    log::info!("management socket on {}", path.display());
+    Ok(AdminSocket {
+        listener,
+        path: path.to_owned(),
+    })
+}
+
+impl AdminSocket {
+    /// Answers requests about `registry`'s guests on a thread of its own, for as long as
+    /// the process runs.
+    pub fn serve(self, registry: Arc<Registry>) -> std::io::Result<()> {
+        std::thread::Builder::new()
+            .name("vrdma-admin".into())
+            .spawn(move || {
+                for client in self.listener.incoming() {
+                    match client {
+                        Ok(client) => {
+                            if let Err(e) = serve_client(&registry, client) {
+                                log::debug!("management socket: a client: {e}");
+                            }
+                        }
+                        Err(e) => {
+                            log::error!("management socket {}: {e}", self.path.display());
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                }
+            })
+            .map(drop)
+    }
+}
+
+/// Reads one request from `client` (it has [`REQUEST_TIMEOUT`] to send it) and answers.
+fn serve_client(registry: &Registry, client: UnixStream) -> std::io::Result<()> {
+    client.set_read_timeout(Some(REQUEST_TIMEOUT))?;
+    let mut line = String::new();
+    BufReader::new((&client).take(MAX_REQUEST)).read_line(&mut line)?;
+    let request = if line.ends_with('\n') {
+        Request::parse(&line)
+    } else {
+        Err(format!(
+            "a request is one line of at most {MAX_REQUEST} bytes"
+        ))
+    };
+    let answer = answer(registry, request);
+    let mut json = serde_json::to_vec(&answer).map_err(std::io::Error::other)?;
+    json.push(b'\n');
+    (&client).write_all(&json)
+}
+
+/// Asks the backend whose management socket is at `path`.
+pub fn ask(path: &Path, request: Request) -> Result<Answer, AdminError> {
+    let socket_error = |source| AdminError::Socket {
+        path: path.to_owned(),
+        source,
+    };
+    let mut stream = UnixStream::connect(path).map_err(socket_error)?;
+    stream
+        .set_read_timeout(Some(ANSWER_TIMEOUT))
+        .map_err(socket_error)?;
+    stream
+        .write_all(request.line().as_bytes())
+        .map_err(socket_error)?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).map_err(socket_error)?;
+    match serde_json::from_str(&reply)? {
+        Answer::Error(e) => Err(AdminError::Refused(e)),
+        answer => Ok(answer),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{QpReport, Relayed, Usage};
+
+    struct Fixed(GuestReport);
+
+    impl Reporting for Fixed {
+        fn report(&self, guest: u64) -> GuestReport {
+            GuestReport {
+                guest,
+                ..self.0.clone()
+            }
+        }
+    }
+
+    fn sample() -> GuestReport {
+        GuestReport {
+            guest: 0,
+            objects: [(
+                "qp".to_string(),
+                Usage {
+                    used: 2,
+                    quota: 256,
+                },
+            )]
+            .into(),
+            ring_bytes: Usage {
+                used: 8192,
+                quota: 1 << 20,
+            },
+            registered_bytes: Usage {
+                used: 4096,
+                quota: 1 << 30,
+            },
+            relayed: Relayed {
+                wqes: 10,
+                completions: 9,
+                kicks: 1,
+                refused_wqes: 0,
+                kick_storms: 0,
+            },
+            refusals: [("BadHandle".to_string(), 3)].into(),
+            host_failures: 0,
+            qps: vec![QpReport {
+                handle: 7,
+                qp_num: 17,
+                qp_type: "RC".into(),
+                state: "RTS".into(),
+                peer_qp_num: Some(18),
+                pd: 1,
+                send_cq: 2,
+                recv_cq: 2,
+                srq: None,
+            }],
+        }
+    }
+
+    #[test]
+    fn requests_are_one_word_or_show_and_a_number() {
+        assert_eq!(Request::parse("list\n"), Ok(Request::List));
+        assert_eq!(Request::parse(" show 12 \n"), Ok(Request::Show(12)));
+        assert_eq!(Request::parse("metrics"), Ok(Request::Metrics));
+        for bad in ["", "show", "show x", "show 1 2", "lists", "drop 1"] {
+            assert!(Request::parse(bad).is_err(), "{bad:?}");
+        }
+        for request in [Request::List, Request::Show(3), Request::Metrics] {
+            assert_eq!(Request::parse(&request.line()), Ok(request));
+        }
+    }
+
+    #[test]
+    fn answers_name_each_guest_by_its_connection_and_unknown_ones_are_errors() {
+        let registry = Registry::default();
+        registry.add(4, Arc::new(Fixed(sample())));
+        registry.add(9, Arc::new(Fixed(sample())));
+        let Answer::Guests(all) = answer(&registry, Ok(Request::List)) else {
+            panic!("not a list");
+        };
+        assert_eq!(all.iter().map(|r| r.guest).collect::<Vec<_>>(), [4, 9]);
+        assert_eq!(
+            answer(&registry, Ok(Request::Show(9))),
+            Answer::Guest(GuestReport {
+                guest: 9,
+                ..sample()
+            })
+        );
+        registry.remove(9);
+        assert!(matches!(
+            answer(&registry, Ok(Request::Show(9))),
+            Answer::Error(_)
+        ));
+        let json = serde_json::to_string(&answer(&registry, Ok(Request::List))).unwrap();
+        assert!(json.starts_with(r#"{"guests":[{"guest":4,"#), "{json}");
+    }
+
+    #[test]
+    fn metrics_label_every_sample_with_its_guest() {
+        let text = prometheus(&[GuestReport {
+            guest: 4,
+            ..sample()
+        }]);
+        for line in [
+            "# TYPE vrdma_guest_objects gauge",
+            r#"vrdma_guest_objects{guest="4",kind="qp"} 2"#,
+            r#"vrdma_guest_object_quota{guest="4",kind="qp"} 256"#,
+            r#"vrdma_guest_registered_bytes{guest="4"} 4096"#,
+            r#"vrdma_guest_wqes_total{guest="4"} 10"#,
+            r#"vrdma_guest_refusals_total{guest="4",rule="BadHandle"} 3"#,
+            "vrdma_guests 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+    }
+
+    #[test]
+    fn the_socket_is_its_owners_or_its_groups_and_answers_one_request() {
+        let dir = std::env::temp_dir().join(format!("vrdma-admin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("admin.sock");
+        let socket = listen(&path, None).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let registry = Arc::new(Registry::default());
+        registry.add(1, Arc::new(Fixed(sample())));
+        socket.serve(Arc::clone(&registry)).unwrap();
+        let Answer::Guest(report) = ask(&path, Request::Show(1)).unwrap() else {
+            panic!("not a guest");
+        };
+        assert_eq!(report.qps[0].qp_num, 17);
+        assert!(matches!(
+            ask(&path, Request::Show(2)),
+            Err(AdminError::Refused(_))
+        ));
+        // A request that is not one is answered with an error; one longer than a request
+        // may be is answered so or cut off, and the next client is served.
+        let mut raw = UnixStream::connect(&path).unwrap();
+        raw.write_all(b"drop 1\n").unwrap();
+        let mut reply = String::new();
+        raw.read_to_string(&mut reply).unwrap();
+        assert!(reply.starts_with(r#"{"error":"unknown request"#), "{reply}");
+        let mut raw = UnixStream::connect(&path).unwrap();
+        let _ = raw.write_all(&[b'x'; 300]);
+        let mut reply = String::new();
+        if raw.read_to_string(&mut reply).is_ok() {
+            assert!(
+                reply.starts_with(r#"{"error":"a request is one line"#),
+                "{reply}"
+            );
+        }
+        assert!(matches!(ask(&path, Request::List), Ok(Answer::Guests(_))));
+        assert!(matches!(
+            listen(&dir, None),
+            Err(AdminError::NotASocket { .. })
+        ));
+        assert!(matches!(
+            listen(&dir.join("other.sock"), Some("no-such-group-vrdma")),
+            Err(AdminError::NoSuchGroup(_))
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,198 @@
+//! `vrdmactl`: reads the state of a running `vhost-user-rdma` through its management socket.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use vrdma_backend::admin::{self, Answer, Request};
+use vrdma_backend::device::{GuestReport, Usage};
+
+/// Shows the guests a vrdma backend serves: their objects against their quotas, what their
+/// data path moved, their refused requests and their QPs.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// The backend's management socket (its --admin-socket).
+    #[arg(long, default_value = "/run/vrdma/admin.sock")]
+    socket: PathBuf,
+    /// Print the backend's answer as JSON, for tools.
+    #[arg(long)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Every connected guest, a line each.
+    List,
+    /// One guest in detail, with its QPs.
+    Show {
+        /// The guest's number (as `list` and the backend's log name it).
+        guest: u64,
+    },
+    /// The counters of every guest in Prometheus' text format.
+    Metrics,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let request = match args.command {
+        Command::List => Request::List,
+        Command::Show { guest } => Request::Show(guest),
+        Command::Metrics => Request::Metrics,
+    };
+    match admin::ask(&args.socket, request) {
+        Ok(answer) => {
+            print!("{}", render(&answer, args.json));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("vrdmactl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn render(answer: &Answer, json: bool) -> String {
+    if json {
+        let value = match answer {
+            Answer::Guests(guests) => serde_json::to_string_pretty(guests),
+            Answer::Guest(guest) => serde_json::to_string_pretty(guest),
+            other => serde_json::to_string_pretty(other),
+        };
+        return value.expect("reports serialize") + "\n";
+    }
+    match answer {
+        Answer::Guests(guests) => list(guests),
+        Answer::Guest(guest) => show(guest),
+        Answer::Metrics(text) => text.clone(),
+        Answer::Error(e) => format!("error: {e}\n"),
+    }
+}
+
+const KINDS: [&str; 6] = ["qp", "cq", "mr", "pd", "srq", "ah"];
+
+fn list(guests: &[GuestReport]) -> String {
+    let mut out = format!(
+        "{:<6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>11} {:>21} {:>12} {:>12} {:>8}\n",
+        "GUEST",
+        "QP",
+        "CQ",
+        "MR",
+        "PD",
+        "SRQ",
+        "AH",
+        "REGISTERED",
+        "WQES",
+        "COMPLETIONS",
+        "REFUSED"
+    );
+    for guest in guests {
+        let objects: Vec<String> = KINDS
+            .iter()
+            .map(|kind| guest.objects.get(*kind).map_or("-".into(), count))
+            .collect();
+        out += &format!(
+            "{:<6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>11} {:>21} {:>12} {:>12} {:>8}\n",
+            guest.guest,
+            objects[0],
+            objects[1],
+            objects[2],
+            objects[3],
+            objects[4],
+            objects[5],
+            bytes(&guest.registered_bytes),
+            guest.relayed.wqes,
+            guest.relayed.completions,
+            guest.refusals.values().sum::<u64>() + guest.host_failures,
+        );
+    }
+    if guests.is_empty() {
+        out += "(no guest is connected)\n";
+    }
+    out
+}
+
+fn show(guest: &GuestReport) -> String {
+    let mut out = format!("guest {}\n", guest.guest);
+    for kind in KINDS {
+        if let Some(usage) = guest.objects.get(kind) {
+            out += &format!("  {kind:<18} {}\n", count(usage));
+        }
+    }
+    out += &format!("  {:<18} {}\n", "ring bytes", bytes(&guest.ring_bytes));
+    out += &format!(
+        "  {:<18} {}\n",
+        "registered bytes",
+        bytes(&guest.registered_bytes)
+    );
+    let relayed = &guest.relayed;
+    out += &format!(
+        "  relayed            {} WQEs, {} completions, {} kicks, {} WQEs refused, {} kick storms\n",
+        relayed.wqes, relayed.completions, relayed.kicks, relayed.refused_wqes, relayed.kick_storms
+    );
+    if guest.refusals.is_empty() && guest.host_failures == 0 {
+        out += "  refused requests   none\n";
+    } else {
+        out += "  refused requests  ";
+        for (rule, times) in &guest.refusals {
+            out += &format!(" {rule} {times},");
+        }
+        out += &format!(" host failures {}\n", guest.host_failures);
+    }
+    for qp in &guest.qps {
+        out += &format!(
+            "  qpn {} type {} state {}{} pd {:#x} send-cq {:#x} recv-cq {:#x}{} handle {:#x}\n",
+            qp.qp_num,
+            qp.qp_type,
+            qp.state,
+            qp.peer_qp_num
+                .map_or(String::new(), |peer| format!(" peer-qpn {peer}")),
+            qp.pd,
+            qp.send_cq,
+            qp.recv_cq,
+            qp.srq.map_or(String::new(), |srq| format!(" srq {srq:#x}")),
+            qp.handle,
+        );
+    }
+    out
+}
+
+fn count(usage: &Usage) -> String {
+    format!("{}/{}", usage.used, usage.quota)
+}
+
+fn bytes(usage: &Usage) -> String {
+    format!("{}/{}", human(usage.used), human(usage.quota))
+}
+
+/// Bytes in the largest binary unit that keeps a whole number.
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes;
+    let mut unit = 0;
+    while value >= 1024 && value.is_multiple_of(1024) && unit + 1 < UNITS.len() {
+        value /= 1024;
+        unit += 1;
+    }
+    format!("{value} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_read_in_whole_units() {
+        assert_eq!(human(0), "0 B");
+        assert_eq!(human(4096), "4 KiB");
+        assert_eq!(human(1 << 30), "1 GiB");
+        assert_eq!(human(1536), "1536 B");
+    }
+
+    #[test]
+    fn an_empty_backend_says_so() {
+        assert!(list(&[]).ends_with("(no guest is connected)\n"));
+    }
+}

@@ -1,0 +1,220 @@
+//! The management socket and `vrdmactl` against a backend process serving guests on the test
+//! device: what they report is what the guests did.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use vrdma_backend::admin::{self, Answer, Request};
+use vrdma_backend::device::GuestReport;
+use vrdma_guest::spec::ctrl::{HandleRequest, Opcode};
+use vrdma_guest::spec::Le32;
+use vrdma_guest::{
+    access, Device, Payload, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge, Status,
+};
+use vrdma_tests::{
+    connect_guest_qp, control_request, response_status, spawn_backend_process,
+    wait_for_guest_completions, workspace_binary,
+};
+
+fn paths(name: &str) -> (PathBuf, PathBuf) {
+    let dir = std::env::temp_dir();
+    let id = std::process::id();
+    (
+        dir.join(format!("vrdma-{name}-{id}.sock")),
+        dir.join(format!("vrdma-{name}-{id}.admin")),
+    )
+}
+
+fn guests(admin: &Path) -> Vec<GuestReport> {
+    match admin::ask(admin, Request::List).unwrap() {
+        Answer::Guests(guests) => guests,
+        other => panic!("not a list: {other:?}"),
+    }
+}
+
+fn guest(admin: &Path, guest: u64) -> GuestReport {
+    match admin::ask(admin, Request::Show(guest)).unwrap() {
+        Answer::Guest(report) => report,
+        other => panic!("not a guest: {other:?}"),
+    }
+}
+
+/// `vrdmactl --socket ADMIN ARGS`; its standard output, or its standard error if it failed.
+fn vrdmactl(admin: &Path, args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new(workspace_binary("vrdmactl"))
+        .arg("--socket")
+        .arg(admin)
+        .args(args)
+        .output()
+        .expect("run vrdmactl");
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "still not: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn the_management_socket_reports_what_each_guest_holds_moved_and_was_refused() {
+    let (socket, admin) = paths("management");
+    let _backend = spawn_backend_process(
+        &socket,
+        &[
+            "--shared-gid",
+            "--max-guests",
+            "2",
+            "--admin-socket",
+            admin.to_str().unwrap(),
+        ],
+    );
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&admin).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "only the backend's owner may ask");
+    assert!(guests(&admin).is_empty());
+
+    let device = Device::attach(&socket).unwrap();
+    let pd = device.alloc_pd().unwrap();
+    let cq = device.create_cq(64).unwrap();
+    let qps = [0, 1].map(|_| {
+        QueuePair::builder(QpType::Rc, &cq)
+            .max_send_wr(16)
+            .max_recv_wr(16)
+            .build(&pd)
+            .unwrap()
+    });
+    let (gid_index, gid) = device.gid().unwrap();
+    connect_guest_qp(&qps[0], gid_index as u8, gid, qps[1].qp_num()).unwrap();
+    connect_guest_qp(&qps[1], gid_index as u8, gid, qps[0].qp_num()).unwrap();
+    let buffer = device.alloc_buffer(1 << 16).unwrap();
+    let mr = pd.reg_mr(&buffer, access::LOCAL_WRITE).unwrap();
+    // Five messages from QP 0 to QP 1: ten WQEs, ten completions.
+    let sge = |offset| Sge {
+        addr: mr.addr() + offset,
+        length: 64,
+        lkey: mr.lkey(),
+    };
+    for i in 0..5 {
+        let receive = [sge(4096)];
+        qps[1]
+            .post_recv(&[RecvWr {
+                wr_id: i,
+                sges: &receive,
+            }])
+            .unwrap();
+        let send = [sge(0)];
+        qps[0]
+            .post_send(&[SendWr::new(i, SendOp::Send, Payload::Sges(&send))])
+            .unwrap();
+        wait_for_guest_completions(&cq, 2);
+    }
+    // Two refusals: a PD that does not exist, and one still in use.
+    let raw = |handle| {
+        let request = HandleRequest {
+            handle: Le32::from(handle),
+            reserved: Le32::from(0),
+        };
+        let bytes = control_request(Opcode::DeallocPd as u16, &request);
+        response_status(&device.raw_control(&bytes, 64).unwrap())
+    };
+    assert_eq!(raw(0x7fff_fff0), Status::BadHandle as u16);
+    assert_eq!(raw(pd.handle()), Status::Busy as u16);
+
+    let listed = guests(&admin);
+    assert_eq!(listed.len(), 1);
+    let number = listed[0].guest;
+    let report = guest(&admin, number);
+    let used = |kind: &str| report.objects[kind].used;
+    assert_eq!(
+        (
+            used("pd"),
+            used("cq"),
+            used("qp"),
+            used("mr"),
+            used("srq"),
+            used("ah")
+        ),
+        (1, 1, 2, 1, 0, 0)
+    );
+    assert!(report.objects["qp"].quota >= 2);
+    assert_eq!(report.registered_bytes.used, 1 << 16);
+    assert!(report.ring_bytes.used > 0 && report.ring_bytes.used <= report.ring_bytes.quota);
+    assert_eq!(report.relayed.wqes, 10);
+    assert_eq!(report.relayed.completions, 10);
+    assert_eq!(
+        report.refusals.values().sum::<u64>(),
+        2,
+        "{:?}",
+        report.refusals
+    );
+    let mut expected: Vec<(u32, u32)> = vec![
+        (qps[0].qp_num(), qps[1].qp_num()),
+        (qps[1].qp_num(), qps[0].qp_num()),
+    ];
+    expected.sort();
+    let reported: Vec<(u32, u32)> = report
+        .qps
+        .iter()
+        .map(|qp| {
+            assert_eq!((qp.qp_type.as_str(), qp.state.as_str()), ("RC", "RTS"));
+            assert_eq!(
+                (qp.pd, qp.send_cq, qp.recv_cq),
+                (pd.handle(), cq.handle(), cq.handle())
+            );
+            (qp.qp_num, qp.peer_qp_num.expect("a connected QP's peer"))
+        })
+        .collect();
+    assert_eq!(reported, expected);
+
+    // vrdmactl says the same, for people and for tools.
+    let table = vrdmactl(&admin, &["list"]).unwrap();
+    let row = table.lines().nth(1).expect("a row for the guest");
+    assert!(row.starts_with(&format!("{number} ")), "{table}");
+    assert!(row.contains(" 2/"), "two QPs: {table}");
+    let detail = vrdmactl(&admin, &["show", &number.to_string()]).unwrap();
+    assert!(
+        detail.contains(&format!(
+            "qpn {} type RC state RTS peer-qpn {}",
+            expected[0].0, expected[0].1
+        )),
+        "{detail}"
+    );
+    let json = vrdmactl(&admin, &["--json", "show", &number.to_string()]).unwrap();
+    assert!(json.contains("\"wqes\": 10"), "{json}");
+    let metrics = vrdmactl(&admin, &["metrics"]).unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "vrdma_guest_objects{{guest=\"{number}\",kind=\"qp\"}} 2"
+        )),
+        "{metrics}"
+    );
+    let missing = vrdmactl(&admin, &["show", "999999"]).unwrap_err();
+    assert!(
+        missing.contains("no guest 999999 is connected"),
+        "{missing}"
+    );
+
+    // A second guest is listed beside it; a guest that leaves is no longer listed.
+    let other = Device::attach(&socket).unwrap();
+    let _other_pd = other.alloc_pd().unwrap();
+    wait_for("two guests listed", || guests(&admin).len() == 2);
+    drop((qps, mr, buffer, cq, pd, device));
+    wait_for("the first guest gone", || {
+        guests(&admin).iter().map(|g| g.guest).all(|g| g != number)
+    });
+    assert_eq!(guests(&admin)[0].objects["pd"].used, 1);
+}
+
+#[test]
+fn vrdmactl_without_a_backend_says_so() {
+    let (_, admin) = paths("no-backend");
+    let error = vrdmactl(&admin, &["list"]).unwrap_err();
+    assert!(error.contains("management socket"), "{error}");
+}
