@@ -10,6 +10,7 @@
 //! | `list` | `{"guests": [GuestReport, ...]}`, every connected guest |
 //! | `show N` | `{"guest": GuestReport}`, guest N |
 //! | `metrics` | `{"metrics": "..."}`, the same numbers in Prometheus' text format |
+//! | `limit N WQES BYTES` | `{"guest": GuestReport}`, guest N's sends now held to WQES WQEs and BYTES bytes a second (0: no limit) |
 //!
 //! and `{"error": "..."}` for a request it cannot answer. [`GuestReport`] is the guest's
 //! objects against its quotas, what its data path moved, its refused requests by rule and
@@ -26,6 +27,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::datapath::RateLimits;
 use crate::device::GuestReport;
 
 /// The longest request line read.
@@ -58,19 +60,21 @@ pub enum AdminError {
 }
 
 /// One connection the backend serves, as the management socket sees it.
-pub trait Reporting: Send + Sync {
+pub trait Managed: Send + Sync {
     /// Its report, under the number the backend gave the connection.
     fn report(&self, guest: u64) -> GuestReport;
+    /// Holds its sends to `limits` from now on.
+    fn set_rate_limits(&self, limits: RateLimits);
 }
 
 /// The guests a backend serves, by connection number.
 #[derive(Default)]
 pub struct Registry {
-    guests: Mutex<BTreeMap<u64, Arc<dyn Reporting>>>,
+    guests: Mutex<BTreeMap<u64, Arc<dyn Managed>>>,
 }
 
 impl Registry {
-    pub fn add(&self, guest: u64, connection: Arc<dyn Reporting>) {
+    pub fn add(&self, guest: u64, connection: Arc<dyn Managed>) {
         self.lock().insert(guest, connection);
     }
 
@@ -80,7 +84,7 @@ impl Registry {
         self.lock().remove(&guest);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<dyn Reporting>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<dyn Managed>>> {
         self.guests.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -98,6 +102,15 @@ impl Registry {
             .get(&guest)
             .map(|connection| connection.report(guest))
     }
+
+    fn limit(&self, guest: u64, limits: RateLimits) -> Option<GuestReport> {
+        let guests = self.lock();
+        guests.get(&guest).map(|connection| {
+            connection.set_rate_limits(limits);
+            log::info!("connection {guest}: rate limits now {limits:?}");
+            connection.report(guest)
+        })
+    }
 }
 
 /// A request of the management socket's protocol.
@@ -106,6 +119,7 @@ pub enum Request {
     List,
     Show(u64),
     Metrics,
+    Limit(u64, RateLimits),
 }
 
 impl Request {
@@ -114,12 +128,16 @@ impl Request {
         match words.as_slice() {
             ["list"] => Ok(Request::List),
             ["metrics"] => Ok(Request::Metrics),
-            ["show", guest] => guest
-                .parse()
-                .map(Request::Show)
-                .map_err(|_| format!("{guest:?} is not a guest number")),
+            ["show", guest] => number(guest, "a guest number").map(Request::Show),
+            ["limit", guest, wqes, bytes] => Ok(Request::Limit(
+                number(guest, "a guest number")?,
+                RateLimits {
+                    wqes_per_second: number(wqes, "a number of WQEs a second")?,
+                    bytes_per_second: number(bytes, "a number of bytes a second")?,
+                },
+            )),
             _ => Err(format!(
-                "unknown request {:?} (list, show N, metrics)",
+                "unknown request {:?} (list, show N, metrics, limit N WQES BYTES)",
                 line.trim()
             )),
         }
@@ -130,8 +148,16 @@ impl Request {
             Request::List => "list\n".into(),
             Request::Show(guest) => format!("show {guest}\n"),
             Request::Metrics => "metrics\n".into(),
+            Request::Limit(guest, limits) => format!(
+                "limit {guest} {} {}\n",
+                limits.wqes_per_second, limits.bytes_per_second
+            ),
         }
     }
+}
+
+fn number(word: &str, what: &str) -> Result<u64, String> {
+    word.parse().map_err(|_| format!("{word:?} is not {what}"))
 }
 
 /// An answer of the management socket.
@@ -153,6 +179,10 @@ pub fn answer(registry: &Registry, request: Result<Request, String>) -> Answer {
             None => Answer::Error(format!("no guest {guest} is connected")),
         },
         Ok(Request::Metrics) => Answer::Metrics(prometheus(&registry.reports())),
+        Ok(Request::Limit(guest, limits)) => match registry.limit(guest, limits) {
+            Some(report) => Answer::Guest(report),
+            None => Answer::Error(format!("no guest {guest} is connected")),
+        },
         Err(e) => Answer::Error(e),
     }
 }
@@ -193,7 +223,7 @@ pub fn prometheus(reports: &[GuestReport]) -> String {
         &mut per_kind(|u| u.quota),
     );
     type Pick = fn(&GuestReport) -> u64;
-    let scalars: [(&str, &str, &str, Pick); 9] = [
+    let scalars: [(&str, &str, &str, Pick); 12] = [
         (
             "vrdma_guest_ring_bytes",
             "gauge",
@@ -223,6 +253,24 @@ pub fn prometheus(reports: &[GuestReport]) -> String {
             "counter",
             "WQEs relayed from a guest's rings to the host.",
             |r| r.relayed.wqes,
+        ),
+        (
+            "vrdma_guest_bytes_total",
+            "counter",
+            "Payload bytes of the send WQEs relayed.",
+            |r| r.relayed.bytes,
+        ),
+        (
+            "vrdma_guest_wqes_per_second_limit",
+            "gauge",
+            "A guest's limit on send WQEs a second (0: none).",
+            |r| r.rate_limits.wqes_per_second,
+        ),
+        (
+            "vrdma_guest_bytes_per_second_limit",
+            "gauge",
+            "A guest's limit on send payload bytes a second (0: none).",
+            |r| r.rate_limits.bytes_per_second,
         ),
         (
             "vrdma_guest_completions_total",
@@ -393,13 +441,15 @@ mod tests {
 
     struct Fixed(GuestReport);
 
-    impl Reporting for Fixed {
+    impl Managed for Fixed {
         fn report(&self, guest: u64) -> GuestReport {
             GuestReport {
                 guest,
                 ..self.0.clone()
             }
         }
+
+        fn set_rate_limits(&self, _: RateLimits) {}
     }
 
     fn sample() -> GuestReport {
@@ -423,11 +473,13 @@ mod tests {
             },
             relayed: Relayed {
                 wqes: 10,
+                bytes: 640,
                 completions: 9,
                 kicks: 1,
                 refused_wqes: 0,
                 kick_storms: 0,
             },
+            rate_limits: RateLimits::default(),
             refusals: [("BadHandle".to_string(), 3)].into(),
             host_failures: 0,
             qps: vec![QpReport {
@@ -449,10 +501,33 @@ mod tests {
         assert_eq!(Request::parse("list\n"), Ok(Request::List));
         assert_eq!(Request::parse(" show 12 \n"), Ok(Request::Show(12)));
         assert_eq!(Request::parse("metrics"), Ok(Request::Metrics));
-        for bad in ["", "show", "show x", "show 1 2", "lists", "drop 1"] {
+        let limits = RateLimits {
+            wqes_per_second: 1000,
+            bytes_per_second: 0,
+        };
+        assert_eq!(
+            Request::parse("limit 3 1000 0\n"),
+            Ok(Request::Limit(3, limits))
+        );
+        for bad in [
+            "",
+            "show",
+            "show x",
+            "show 1 2",
+            "lists",
+            "drop 1",
+            "limit 3 1000",
+            "limit 3 -1 0",
+            "limit 3 1e3 0",
+        ] {
             assert!(Request::parse(bad).is_err(), "{bad:?}");
         }
-        for request in [Request::List, Request::Show(3), Request::Metrics] {
+        for request in [
+            Request::List,
+            Request::Show(3),
+            Request::Metrics,
+            Request::Limit(3, limits),
+        ] {
             assert_eq!(Request::parse(&request.line()), Ok(request));
         }
     }

@@ -102,6 +102,9 @@ pub struct Config {
     pub shared_gid: bool,
     /// Whether guest memory whose files may shrink is accepted ([`memory_regions`]).
     pub unsealed_memory: memory_regions::UnsealedFiles,
+    /// Each guest's rate limits on its sends (changeable per guest at run time, through the
+    /// management socket).
+    pub rate_limits: datapath::RateLimits,
 }
 
 /// The host device, checked to be usable for guests.
@@ -308,6 +311,7 @@ mod tests {
             max_guests: 1,
             shared_gid: false,
             unsealed_memory: memory_regions::UnsealedFiles::Refuse,
+            rate_limits: datapath::RateLimits::default(),
         };
         let message = HostDevice::open(&config)
             .err()

@@ -93,6 +93,14 @@ struct Args {
     /// Most bytes one guest may have registered (all MRs together).
     #[arg(long)]
     max_registered_bytes: Option<u64>,
+    /// Most send WQEs a second one guest's data path takes (0: no limit); more wait in the
+    /// guest's rings.
+    #[arg(long, default_value_t = 0)]
+    max_wqes_per_second: u64,
+    /// Most payload bytes a second one guest's sends carry (0: no limit); more wait in the
+    /// guest's rings.
+    #[arg(long, default_value_t = 0)]
+    max_bytes_per_second: u64,
     /// Most vhost-user memory regions one guest may have (each holds a file descriptor), up
     /// to 509.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(limits::MAX_MEMORY_SLOTS)))]
@@ -140,6 +148,10 @@ impl From<Args> for Config {
                 UnsealedFiles::Allow
             } else {
                 UnsealedFiles::Refuse
+            },
+            rate_limits: vrdma_backend::datapath::RateLimits {
+                wqes_per_second: args.max_wqes_per_second,
+                bytes_per_second: args.max_bytes_per_second,
             },
         }
     }

@@ -23,8 +23,8 @@ use vrdma_spec::config::{CONTROL_QUEUE, EVENT_QUEUE, FIRST_NOTIFY_QUEUE};
 use vrdma_spec::ring::Event;
 use vrdma_spec::ByteValued;
 
-use crate::admin::{AdminSocket, Registry, Reporting};
-use crate::datapath::{EventSink, PollerPool};
+use crate::admin::{AdminSocket, Managed, Registry};
+use crate::datapath::{EventSink, PollerPool, RateLimits};
 use crate::device::{Device, GuestReport, LocalPeers};
 use crate::memory_regions::{self, UnsealedFiles};
 use crate::per_second::PerSecond;
@@ -416,12 +416,20 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
     serve_prepared(config, listen(socket_path)?, None, (&pool, &peers), first)
 }
 
-impl Reporting for RwLock<RdmaBackend> {
+impl Managed for RwLock<RdmaBackend> {
     fn report(&self, guest: u64) -> GuestReport {
         self.read()
             .unwrap_or_else(|e| e.into_inner())
             .device
             .report(guest)
+    }
+
+    fn set_rate_limits(&self, limits: RateLimits) {
+        self.read()
+            .unwrap_or_else(|e| e.into_inner())
+            .device
+            .data_path()
+            .set_rate_limits(limits);
     }
 }
 

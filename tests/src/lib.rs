@@ -259,6 +259,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         max_guests: vrdma_backend::limits::DEFAULT_GUESTS,
         shared_gid: true,
         unsealed_memory: vrdma_backend::memory_regions::UnsealedFiles::Refuse,
+        rate_limits: vrdma_backend::datapath::RateLimits::default(),
     };
     serve_in_background(config, socket)
 }

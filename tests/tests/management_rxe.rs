@@ -218,3 +218,73 @@ fn vrdmactl_without_a_backend_says_so() {
     let error = vrdmactl(&admin, &["list"]).unwrap_err();
     assert!(error.contains("management socket"), "{error}");
 }
+
+/// A guest held to a WQE rate by `--max-wqes-per-second` moves no faster than it, loses
+/// nothing, and runs free once `vrdmactl limit` lifts the limit; the report counts its bytes.
+#[test]
+fn a_rate_limited_guest_moves_no_faster_than_its_limit_and_loses_nothing() {
+    let (socket, admin) = paths("rate");
+    let _backend = spawn_backend_process(
+        &socket,
+        &[
+            "--max-wqes-per-second",
+            "2000",
+            "--admin-socket",
+            admin.to_str().unwrap(),
+        ],
+    );
+    let device = Device::attach(&socket).unwrap();
+    let pd = device.alloc_pd().unwrap();
+    let cq = device.create_cq(64).unwrap();
+    let qp = QueuePair::builder(QpType::Rc, &cq)
+        .max_send_wr(32)
+        .max_recv_wr(1)
+        .build(&pd)
+        .unwrap();
+    let (gid_index, gid) = device.gid().unwrap();
+    connect_guest_qp(&qp, gid_index as u8, gid, qp.qp_num()).unwrap();
+    let buffer = device.alloc_buffer(1 << 16).unwrap();
+    let mr = pd
+        .reg_mr(&buffer, access::LOCAL_WRITE | access::REMOTE_WRITE)
+        .unwrap();
+    let write = SendOp::RdmaWrite {
+        remote_addr: mr.addr() + 4096,
+        rkey: mr.rkey(),
+    };
+    let source = [Sge {
+        addr: mr.addr(),
+        length: 8,
+        lkey: mr.lkey(),
+    }];
+    // WRITEs 16 at a time, each batch waited for: 600 of them.
+    let writes = |count: u64| {
+        for batch in 0..count / 16 {
+            let mut chain = qp.send_chain().unwrap();
+            for i in 0..16 {
+                chain
+                    .push(&SendWr::new(batch * 16 + i, write, Payload::Sges(&source)))
+                    .unwrap();
+            }
+            chain.post().unwrap();
+            let done = wait_for_guest_completions(&cq, 16);
+            assert!(done.iter().all(|wc| wc.status == 0), "{done:?}");
+        }
+    };
+    let number = guests(&admin)[0].guest;
+    assert_eq!(guest(&admin, number).rate_limits.wqes_per_second, 2000);
+    let start = Instant::now();
+    writes(608);
+    let limited = start.elapsed();
+    // A bucket of 20 WQEs at most goes at once; the other 588 take 294 ms at 2000 a second.
+    assert!(
+        limited >= Duration::from_millis(280),
+        "608 WQEs in {limited:?} at 2000 a second"
+    );
+    let lifted = vrdmactl(&admin, &["limit", &number.to_string()]).unwrap();
+    assert!(lifted.contains("WQEs a second: no limit"), "{lifted}");
+    writes(608);
+    let report = guest(&admin, number);
+    assert_eq!(report.relayed.wqes, 2 * 608);
+    assert_eq!(report.relayed.bytes, 2 * 608 * 8);
+    assert_eq!(report.rate_limits.wqes_per_second, 0);
+}

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use vrdma_backend::admin::{self, Answer, Request};
+use vrdma_backend::datapath::RateLimits;
 use vrdma_backend::device::{GuestReport, Usage};
 
 /// Shows the guests a vrdma backend serves: their objects against their quotas, what their
@@ -33,6 +34,17 @@ enum Command {
     },
     /// The counters of every guest in Prometheus' text format.
     Metrics,
+    /// Holds one guest's sends to these rates from now on (more wait in its rings); no
+    /// option lifts its limits.
+    Limit {
+        guest: u64,
+        /// Send WQEs a second (0: no limit).
+        #[arg(long, default_value_t = 0)]
+        wqes_per_second: u64,
+        /// Payload bytes a second (0: no limit).
+        #[arg(long, default_value_t = 0)]
+        bytes_per_second: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -41,6 +53,17 @@ fn main() -> ExitCode {
         Command::List => Request::List,
         Command::Show { guest } => Request::Show(guest),
         Command::Metrics => Request::Metrics,
+        Command::Limit {
+            guest,
+            wqes_per_second,
+            bytes_per_second,
+        } => Request::Limit(
+            guest,
+            RateLimits {
+                wqes_per_second,
+                bytes_per_second,
+            },
+        ),
     };
     match admin::ask(&args.socket, request) {
         Ok(answer) => {
@@ -129,8 +152,22 @@ fn show(guest: &GuestReport) -> String {
     );
     let relayed = &guest.relayed;
     out += &format!(
-        "  relayed            {} WQEs, {} completions, {} kicks, {} WQEs refused, {} kick storms\n",
-        relayed.wqes, relayed.completions, relayed.kicks, relayed.refused_wqes, relayed.kick_storms
+        "  relayed            {} WQEs ({} payload bytes), {} completions, {} kicks, {} WQEs refused, {} kick storms\n",
+        relayed.wqes,
+        relayed.bytes,
+        relayed.completions,
+        relayed.kicks,
+        relayed.refused_wqes,
+        relayed.kick_storms
+    );
+    let limit = |rate: u64| match rate {
+        0 => "no limit".to_string(),
+        rate => rate.to_string(),
+    };
+    out += &format!(
+        "  rate limits        WQEs a second: {}; bytes a second: {}\n",
+        limit(guest.rate_limits.wqes_per_second),
+        limit(guest.rate_limits.bytes_per_second)
     );
     if guest.refusals.is_empty() && guest.host_failures == 0 {
         out += "  refused requests   none\n";

@@ -15,12 +15,14 @@ pub mod host;
 mod poller;
 mod pool;
 mod queues;
+mod rate;
 #[cfg(test)]
 mod tests;
 pub mod wqe;
 
 pub use pool::PollerPool;
 pub use queues::{CqData, GuestRing, QpData, SrqData};
+pub use rate::RateLimits;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -251,6 +253,8 @@ impl Drop for PendingEvents<'_> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     pub wqes: u64,
+    /// Payload bytes of the send WQEs among them (SGE lengths, or inline data).
+    pub bytes: u64,
     pub completions: u64,
     pub kicks: u64,
     /// WQEs the device refused (completed in error without reaching the host).
@@ -283,8 +287,11 @@ struct Shared {
     events_pending: AtomicBool,
     kicks: Vec<AtomicU64>,
     wqes: AtomicU64,
+    bytes: AtomicU64,
     completions: AtomicU64,
     refused: AtomicU64,
+    /// The guest's rate limits (the pool thread keeps the buckets).
+    rate_limits: rate::SharedLimits,
     storms: AtomicU64,
     /// Tells the host event thread to end.
     stop: AtomicBool,
@@ -543,9 +550,21 @@ impl DataPath {
         self.set_notify_area(None);
     }
 
+    /// Limits the guest's sends to these rates from the next pass on.
+    pub fn set_rate_limits(&self, limits: RateLimits) {
+        self.shared.rate_limits.set(limits);
+        // A poller asleep behind a limit looks again now.
+        let _ = self.shared.shard.wake.write(1);
+    }
+
+    pub fn rate_limits(&self) -> RateLimits {
+        self.shared.rate_limits.get()
+    }
+
     pub fn stats(&self) -> Stats {
         Stats {
             wqes: self.shared.wqes.load(Ordering::Relaxed),
+            bytes: self.shared.bytes.load(Ordering::Relaxed),
             completions: self.shared.completions.load(Ordering::Relaxed),
             refused: self.shared.refused.load(Ordering::Relaxed),
             storms: self.shared.storms.load(Ordering::Relaxed),
@@ -594,8 +613,10 @@ impl Shared {
             events_pending: AtomicBool::new(false),
             kicks: (0..num_notify_queues).map(|_| AtomicU64::new(0)).collect(),
             wqes: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
             completions: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            rate_limits: rate::SharedLimits::default(),
             storms: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             log: LogBudget::default(),

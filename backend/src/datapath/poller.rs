@@ -19,6 +19,7 @@ use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 use super::doorbells::DoorbellBit;
 use super::guest_access::{store, Mapped, Slots};
 use super::queues::{CqData, CqProgress, QpData, QpProgress, SrqData, Visited, FIRST_PAGE, RECORD};
+use super::rate::RateGate;
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
 use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
 use crate::hostverbs::{self, AddressHandle, PushError, RecvWr, SendBatch, Sge, WorkCompletion};
@@ -97,6 +98,9 @@ pub(super) struct Poller {
     cqs: Vec<Arc<CqData>>,
     objects_version: u64,
     last_mr: LastMr,
+    /// The guest's rate limits' buckets, and whether a send visit found them empty.
+    gate: RateGate,
+    throttled: bool,
 }
 
 /// The MR a poller found last, kept across passes while the MR table does not change (see
@@ -264,6 +268,8 @@ impl Poller {
             cqs: Vec::new(),
             objects_version: u64::MAX,
             last_mr: LastMr::default(),
+            gate: RateGate::default(),
+            throttled: false,
         }
     }
 
@@ -314,6 +320,12 @@ impl Poller {
     /// room without a kick, so a sleeping poller must look again on its own.
     pub(super) fn waits_on_driver(&self) -> bool {
         !self.carried.is_empty() || self.cq_full
+    }
+
+    /// How long the guest's rate limits hold its sends back, if a visit found them holding.
+    pub(super) fn throttled_for(&self) -> Option<std::time::Duration> {
+        let limits = self.shared.rate_limits.get();
+        self.throttled.then(|| self.gate.wait(limits))
     }
 
     /// Sets or clears NEED_WAKEUP in every doorbell area's notify states: whichever area a
@@ -435,6 +447,7 @@ impl Poller {
             return false;
         };
         let mut work = self.deliver_pending_events();
+        self.throttled = false;
         let mut visits = std::mem::take(&mut self.visits);
         // Each queue is let go of once visited: a queue the control path removed meanwhile
         // was retired under its progress lock, so the visit found it failed and left it.
@@ -677,6 +690,20 @@ impl Poller {
             );
             return Visit::WORKED;
         }
+        let limits = self.shared.rate_limits.get();
+        let allowed = if limits.is_unlimited() {
+            u32::MAX
+        } else {
+            self.gate.allowance(limits, std::time::Instant::now())
+        };
+        if allowed == 0 {
+            // The WQEs wait in the ring for the limit: the queue is visited again.
+            self.throttled = true;
+            return Visit {
+                worked: false,
+                more: true,
+            };
+        }
         self.batch.clear();
         let mut refused: Option<(u64, WqeError)> = None;
         {
@@ -691,7 +718,7 @@ impl Poller {
             };
             let slots = Slots::new(&qp.sq, mapped.from(FIRST_PAGE));
             let send_batch = &mut self.batch;
-            let batch = pending.min(BATCH);
+            let batch = pending.min(BATCH).min(allowed);
             let common = qp.takes_common_sends;
             let taken = slots.take(progress.sq_consumer, batch, |slot| {
                 if common {
@@ -712,6 +739,11 @@ impl Poller {
             }
         }
         let posted = self.post_sends(qp);
+        let bytes = self.batch.payload_bytes(posted);
+        self.shared.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if !limits.is_unlimited() {
+            self.gate.spend(limits, posted as u64, bytes);
+        }
         progress.sq_consumer = progress.sq_consumer.wrapping_add(posted as u32);
         let all_posted = posted == self.batch.len();
         let mut refused_one = false;

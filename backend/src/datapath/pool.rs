@@ -414,13 +414,29 @@ impl PoolWorker {
     fn sleep(&mut self) {
         let mut events = [EpollEvent::default(); EVENTS_PER_WAIT];
         let now = Instant::now();
-        let timeout = if self.connections.iter().any(|s| s.kicks.storming(now)) {
+        let mut timeout = if self.connections.iter().any(|s| s.kicks.storming(now)) {
             STORMING_POLL_MS
         } else if self.connections.iter().any(|s| s.poller.waits_on_driver()) {
             SLEEP_LIMIT_MS
         } else {
             -1
         };
+        // A guest held back by its rate limits is looked at again when they let it go on.
+        let throttled = self
+            .connections
+            .iter()
+            .filter_map(|s| s.poller.throttled_for());
+        if let Some(wait) = throttled.min() {
+            let wait_ms = wait
+                .as_micros()
+                .div_ceil(1000)
+                .clamp(1, SLEEP_LIMIT_MS as u128) as i32;
+            timeout = if timeout < 0 {
+                wait_ms
+            } else {
+                timeout.min(wait_ms)
+            };
+        }
         let ready = match self.epoll.wait(timeout, &mut events) {
             Ok(ready) => ready,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,

@@ -698,3 +698,34 @@ fn passes_use_the_memory_table_accepted_last_and_a_sleeping_poller_holds_none() 
     rig.poller.let_go_of_memory();
     assert_eq!(Arc::strong_count(&current()), held - 1);
 }
+
+/// A guest over its rate limit keeps its WQEs in its ring (none refused, none lost): a pass
+/// takes what the limit allows and the poller is told how long to wait for the rest; the
+/// bytes of what went are counted.
+#[test]
+fn sends_over_the_rate_limit_wait_in_the_ring() {
+    let mut rig = Rig::new(64);
+    // A bucket holds a hundredth of a second's rate: 3 WQEs at 300 a second.
+    rig.shared.rate_limits.set(RateLimits {
+        wqes_per_second: 300,
+        bytes_per_second: 0,
+    });
+    for wr_id in 0..10 {
+        rig.write_send(wr_id, LKEY);
+    }
+    rig.ring_sq();
+    assert!(rig.poller.pass());
+    assert_eq!(rig.sent(), [0, 1, 2]);
+    assert!(!rig.poller.pass(), "the limit holds the rest back");
+    assert_eq!(rig.sent().len(), 3);
+    let wait = rig.poller.throttled_for().expect("held back by the limit");
+    assert!(wait > std::time::Duration::ZERO && wait <= std::time::Duration::from_millis(4));
+    assert!(rig.poller.waits_on_driver(), "the queue is looked at again");
+    assert_eq!(rig.load(QP_DOORBELL + QpDoorbell::SQ_CONSUMER), 3);
+    // Lifted, the rest go in the next pass, unrung.
+    rig.shared.rate_limits.set(RateLimits::default());
+    assert!(rig.poller.pass());
+    assert_eq!(rig.sent(), (0..10).collect::<Vec<_>>());
+    assert_eq!(rig.poller.throttled_for(), None);
+    assert_eq!(rig.shared.bytes.load(Ordering::Relaxed), 10 * 8);
+}

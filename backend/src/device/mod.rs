@@ -164,6 +164,7 @@ impl Device {
             (advertised.num_notify_queues.to_native(), doorbell_bits),
             host.port,
         )?;
+        data_path.set_rate_limits(config.rate_limits);
         Ok(Device {
             refusals: RefusalLog::new(data_path.log_budget().clone()),
             data_path,

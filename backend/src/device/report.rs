@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::Device;
-use crate::datapath::Stats;
+use crate::datapath::{RateLimits, Stats};
 
 /// One guest connection, as the management socket reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +22,8 @@ pub struct GuestReport {
     pub registered_bytes: Usage,
     /// What the data path moved for the guest.
     pub relayed: Relayed,
+    /// The limits its sends are held to (0: none).
+    pub rate_limits: RateLimits,
     /// Control requests the device refused, by the rule each broke (the names of
     /// `Refusal`'s variants), and those the host failed.
     pub refusals: BTreeMap<String, u64>,
@@ -41,6 +43,8 @@ pub struct Usage {
 pub struct Relayed {
     /// WQEs taken from the guest's rings and posted to the host.
     pub wqes: u64,
+    /// Payload bytes of the send WQEs among them.
+    pub bytes: u64,
     /// Completions written to the guest's CQ rings.
     pub completions: u64,
     /// Doorbell kicks from the guest.
@@ -55,6 +59,7 @@ impl From<Stats> for Relayed {
     fn from(stats: Stats) -> Self {
         Relayed {
             wqes: stats.wqes,
+            bytes: stats.bytes,
             completions: stats.completions,
             kicks: stats.kicks,
             refused_wqes: stats.refused,
@@ -151,6 +156,7 @@ impl Device {
                 quota: quotas.max_registered_bytes,
             },
             relayed: self.data_path.stats().into(),
+            rate_limits: self.data_path.rate_limits(),
             refusals: self.refusals.by_rule().clone(),
             host_failures: self.refusals.host_failures(),
             qps,

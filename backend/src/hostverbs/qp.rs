@@ -247,6 +247,8 @@ pub struct SendBatch {
     inline_sges: Box<[Sge]>,
     /// The address handles UD requests name, kept alive until the batch is cleared.
     ahs: Vec<Arc<AddressHandle>>,
+    /// Payload bytes of all the requests (their SGEs' lengths, or their inline data's).
+    payload: u64,
 }
 
 // SAFETY: the raw pointers in `wrs` point into the batch's own heap buffers or at address
@@ -276,6 +278,7 @@ impl SendBatch {
             inline_used: 0,
             inline_sges: vec![Sge::default(); requests].into_boxed_slice(),
             ahs: Vec::with_capacity(requests),
+            payload: 0,
         }
     }
 
@@ -285,6 +288,30 @@ impl SendBatch {
         self.sges_used = 0;
         self.inline_used = 0;
         self.ahs.clear();
+        self.payload = 0;
+    }
+
+    /// Payload bytes of the first `requests` requests (those a host took): what their SGEs
+    /// or inline data name, whatever the operation does with them.
+    pub fn payload_bytes(&self, requests: usize) -> u64 {
+        if requests >= self.len {
+            return self.payload;
+        }
+        let inline = ibv_send_flags::IBV_SEND_INLINE.0;
+        let mut gathered = self.sges.iter();
+        let mut bytes = 0;
+        for (index, raw) in self.wrs[..requests].iter().enumerate() {
+            bytes += if raw.send_flags & inline != 0 {
+                u64::from(self.inline_sges[index].length)
+            } else {
+                gathered
+                    .by_ref()
+                    .take(raw.num_sge.max(0) as usize)
+                    .map(|sge| u64::from(sge.length))
+                    .sum()
+            };
+        }
+        bytes
     }
 
     pub fn len(&self) -> usize {
@@ -338,6 +365,7 @@ impl SendBatch {
         let (sg_list, sge_count) = match wr.payload {
             Payload::Sges(sges) if std::ptr::eq(sges.as_ptr(), gathered_at) => {
                 self.sges_used += sges.len();
+                self.payload += sges.iter().map(|sge| u64::from(sge.length)).sum::<u64>();
                 (gathered_at, sges.len())
             }
             Payload::Inline(data) if std::ptr::eq(data.as_ptr(), inline_at) => {
@@ -349,6 +377,7 @@ impl SendBatch {
                     lkey: 0,
                 };
                 self.inline_used += data.len();
+                self.payload += data.len() as u64;
                 flags |= ibv_send_flags::IBV_SEND_INLINE.0;
                 (std::ptr::from_mut(sge), 1)
             }
@@ -402,6 +431,7 @@ impl SendBatch {
         );
         self.len += 1;
         self.sges_used += 1;
+        self.payload += u64::from(wr.sge.length);
         true
     }
 

@@ -328,6 +328,7 @@ fn start_loopback_backend(poller_cpu: usize) -> std::path::PathBuf {
         max_guests: 1,
         shared_gid: false,
         unsealed_memory: vrdma_backend::memory_regions::UnsealedFiles::Refuse,
+        rate_limits: vrdma_backend::datapath::RateLimits::default(),
     };
     serve_in_background(config, socket).socket
 }
