@@ -165,7 +165,7 @@ fn number(word: &str, what: &str) -> Result<u64, String> {
 #[serde(rename_all = "lowercase")]
 pub enum Answer {
     Guests(Vec<GuestReport>),
-    Guest(GuestReport),
+    Guest(Box<GuestReport>),
     Metrics(String),
     Error(String),
 }
@@ -175,12 +175,12 @@ pub fn answer(registry: &Registry, request: Result<Request, String>) -> Answer {
     match request {
         Ok(Request::List) => Answer::Guests(registry.reports()),
         Ok(Request::Show(guest)) => match registry.report(guest) {
-            Some(report) => Answer::Guest(report),
+            Some(report) => Answer::Guest(Box::new(report)),
             None => Answer::Error(format!("no guest {guest} is connected")),
         },
         Ok(Request::Metrics) => Answer::Metrics(prometheus(&registry.reports())),
         Ok(Request::Limit(guest, limits)) => match registry.limit(guest, limits) {
-            Some(report) => Answer::Guest(report),
+            Some(report) => Answer::Guest(Box::new(report)),
             None => Answer::Error(format!("no guest {guest} is connected")),
         },
         Err(e) => Answer::Error(e),
@@ -313,6 +313,26 @@ pub fn prometheus(reports: &[GuestReport]) -> String {
             r.refusals
                 .iter()
                 .map(move |(rule, &count)| (format!("{},rule=\"{rule}\"", guest(r)), count))
+        }),
+    );
+    family(
+        "vrdma_guest_completions_in_error_total",
+        "counter",
+        "Completions written in error, by status.",
+        &mut reports.iter().flat_map(|r| {
+            r.completions_in_error
+                .iter()
+                .map(move |(status, &count)| (format!("{},status=\"{status}\"", guest(r)), count))
+        }),
+    );
+    family(
+        "vrdma_guest_events_total",
+        "counter",
+        "Asynchronous events raised for a guest, by kind.",
+        &mut reports.iter().flat_map(|r| {
+            r.events
+                .iter()
+                .map(move |(kind, &count)| (format!("{},kind=\"{kind}\"", guest(r)), count))
         }),
     );
     family(
@@ -480,6 +500,8 @@ mod tests {
                 kick_storms: 0,
             },
             rate_limits: RateLimits::default(),
+            completions_in_error: [("remote access error".to_string(), 1)].into(),
+            events: [("QP_FATAL".to_string(), 1)].into(),
             refusals: [("BadHandle".to_string(), 3)].into(),
             host_failures: 0,
             qps: vec![QpReport {
@@ -543,10 +565,10 @@ mod tests {
         assert_eq!(all.iter().map(|r| r.guest).collect::<Vec<_>>(), [4, 9]);
         assert_eq!(
             answer(&registry, Ok(Request::Show(9))),
-            Answer::Guest(GuestReport {
+            Answer::Guest(Box::new(GuestReport {
                 guest: 9,
                 ..sample()
-            })
+            }))
         );
         registry.remove(9);
         assert!(matches!(
@@ -570,6 +592,8 @@ mod tests {
             r#"vrdma_guest_registered_bytes{guest="4"} 4096"#,
             r#"vrdma_guest_wqes_total{guest="4"} 10"#,
             r#"vrdma_guest_refusals_total{guest="4",rule="BadHandle"} 3"#,
+            r#"vrdma_guest_completions_in_error_total{guest="4",status="remote access error"} 1"#,
+            r#"vrdma_guest_events_total{guest="4",kind="QP_FATAL"} 1"#,
             "vrdma_guests 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");

@@ -220,6 +220,24 @@ pub mod event_kind {
     /// The device stopped taking WQEs from an SRQ (a malformed WQE, an unusable ring); every
     /// QP receiving from it fails too; `handle` is the SRQ.
     pub const SRQ_ERROR: u16 = 8;
+
+    /// The constant's name, or `None` for a kind this specification does not define.
+    pub fn name(kind: u16) -> Option<&'static str> {
+        Some(match kind {
+            CQ_COMPLETION => "CQ_COMPLETION",
+            CQ_ERROR => "CQ_ERROR",
+            QP_FATAL => "QP_FATAL",
+            SRQ_LIMIT_REACHED => "SRQ_LIMIT_REACHED",
+            DEVICE_FATAL => "DEVICE_FATAL",
+            PORT_ACTIVE => "PORT_ACTIVE",
+            PORT_ERROR => "PORT_ERROR",
+            SRQ_ERROR => "SRQ_ERROR",
+            _ => return None,
+        })
+    }
+
+    /// One more than the largest kind defined.
+    pub const KINDS: usize = SRQ_ERROR as usize + 1;
 }
 
 /// An entry the device writes into a buffer of the event queue (SPEC.md §8.4).

@@ -34,7 +34,7 @@ fn guests(admin: &Path) -> Vec<GuestReport> {
 
 fn guest(admin: &Path, guest: u64) -> GuestReport {
     match admin::ask(admin, Request::Show(guest)).unwrap() {
-        Answer::Guest(report) => report,
+        Answer::Guest(report) => *report,
         other => panic!("not a guest: {other:?}"),
     }
 }
@@ -287,4 +287,27 @@ fn a_rate_limited_guest_moves_no_faster_than_its_limit_and_loses_nothing() {
     assert_eq!(report.relayed.wqes, 2 * 608);
     assert_eq!(report.relayed.bytes, 2 * 608 * 8);
     assert_eq!(report.rate_limits.wqes_per_second, 0);
+    assert!(report.completions_in_error.is_empty() && report.events.is_empty());
+
+    // A WRITE naming a key the guest does not have: the device completes it in error and
+    // fails the QP, and the report counts both.
+    let unknown = [Sge {
+        lkey: mr.lkey() ^ 0x5a5a,
+        ..source[0]
+    }];
+    qp.post_send(&[SendWr::new(1, write, Payload::Sges(&unknown))])
+        .unwrap();
+    let failed = wait_for_guest_completions(&cq, 1);
+    assert_ne!(failed[0].status, 0);
+    wait_for("the QP's failure reported", || {
+        !guest(&admin, number).events.is_empty()
+    });
+    let report = guest(&admin, number);
+    assert_eq!(
+        report.completions_in_error,
+        [("local protection error".to_string(), 1)].into()
+    );
+    assert_eq!(report.events, [("QP_FATAL".to_string(), 1)].into());
+    assert_eq!(report.relayed.refused_wqes, 1);
+    assert_eq!(report.qps[0].state, "ERR");
 }

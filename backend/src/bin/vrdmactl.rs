@@ -169,6 +169,21 @@ fn show(guest: &GuestReport) -> String {
         limit(guest.rate_limits.wqes_per_second),
         limit(guest.rate_limits.bytes_per_second)
     );
+    let listed = |counts: &std::collections::BTreeMap<String, u64>| {
+        if counts.is_empty() {
+            return "none".to_string();
+        }
+        let each: Vec<String> = counts
+            .iter()
+            .map(|(name, n)| format!("{name} {n}"))
+            .collect();
+        each.join(", ")
+    };
+    out += &format!(
+        "  completions in error {}\n",
+        listed(&guest.completions_in_error)
+    );
+    out += &format!("  events raised      {}\n", listed(&guest.events));
     if guest.refusals.is_empty() && guest.host_failures == 0 {
         out += "  refused requests   none\n";
     } else {

@@ -53,6 +53,18 @@ const BATCH: u32 = 16;
 /// driver makes in a full CQ by polling it); an idle poller sleeps until woken.
 const SLEEP_LIMIT_MS: i32 = 100;
 
+/// Completion statuses counted one by one (ibv_wc_status has 24).
+const STATUS_SLOTS: usize = 32;
+
+/// The nonzero counters of `counters`, by index.
+fn counted(counters: &[AtomicU64]) -> impl Iterator<Item = (usize, u64)> + '_ {
+    counters
+        .iter()
+        .map(|count| count.load(Ordering::Relaxed))
+        .enumerate()
+        .filter(|&(_, count)| count != 0)
+}
+
 /// Where events for the guest go (the event virtqueue); `deliver` is false when the guest
 /// has no buffer posted.
 pub trait EventSink: Send + Sync {
@@ -289,6 +301,10 @@ struct Shared {
     wqes: AtomicU64,
     bytes: AtomicU64,
     completions: AtomicU64,
+    /// Completions written in error, by ibv_wc_status (the last slot counts any larger).
+    completion_errors: [AtomicU64; STATUS_SLOTS],
+    /// Events raised for the guest (delivered or kept), by kind.
+    events: [AtomicU64; event_kind::KINDS],
     refused: AtomicU64,
     /// The guest's rate limits (the pool thread keeps the buckets).
     rate_limits: rate::SharedLimits,
@@ -561,6 +577,20 @@ impl DataPath {
         self.shared.rate_limits.get()
     }
 
+    /// Completions written in error so far, by status (those of none left out).
+    pub fn completion_errors(&self) -> BTreeMap<u8, u64> {
+        counted(&self.shared.completion_errors)
+            .map(|(status, count)| (status as u8, count))
+            .collect()
+    }
+
+    /// Events raised for the guest so far, by kind (those of none left out).
+    pub fn events_raised(&self) -> BTreeMap<u16, u64> {
+        counted(&self.shared.events)
+            .map(|(kind, count)| (kind as u16, count))
+            .collect()
+    }
+
     pub fn stats(&self) -> Stats {
         Stats {
             wqes: self.shared.wqes.load(Ordering::Relaxed),
@@ -615,6 +645,8 @@ impl Shared {
             wqes: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             completions: AtomicU64::new(0),
+            completion_errors: Default::default(),
+            events: Default::default(),
             refused: AtomicU64::new(0),
             rate_limits: rate::SharedLimits::default(),
             storms: AtomicU64::new(0),
@@ -642,6 +674,9 @@ impl Shared {
     /// Delivers an event, or keeps it (once per kind and object) for the pollers to deliver
     /// when the guest posts event buffers.
     fn post_event(&self, kind: u16, handle: u32) {
+        if let Some(count) = self.events.get(usize::from(kind)) {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
         let event = Event {
             kind: Le16::from(kind),
             reserved: Le16::from(0),

@@ -626,8 +626,14 @@ impl Poller {
         }
         drop(visit);
         self.shared.refused.fetch_add(1, Ordering::Relaxed);
+        self.count_completion_error(cqe.status);
         self.fail_qp(qp, in_error, reason);
         true
+    }
+
+    fn count_completion_error(&self, status: u8) {
+        let counts = &self.shared.completion_errors;
+        counts[usize::from(status).min(counts.len() - 1)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Takes what the QP's RQ holds.
@@ -1074,6 +1080,11 @@ impl Poller {
                 owner: 0,
             }
         });
+        for wc in &self.wcs[..moved as usize] {
+            if wc.status() != 0 {
+                self.count_completion_error(wc.status() as u8);
+            }
+        }
         let received = self.wcs[..moved as usize].iter().filter(|wc| wc.is_recv());
         self.shared
             .received_on(mem, received.map(WorkCompletion::qp_num));

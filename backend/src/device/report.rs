@@ -24,6 +24,10 @@ pub struct GuestReport {
     pub relayed: Relayed,
     /// The limits its sends are held to (0: none).
     pub rate_limits: RateLimits,
+    /// Completions written in error, by libibverbs' name for their status.
+    pub completions_in_error: BTreeMap<String, u64>,
+    /// Asynchronous events raised for the guest, by kind (SPEC.md §8.4).
+    pub events: BTreeMap<String, u64>,
     /// Control requests the device refused, by the rule each broke (the names of
     /// `Refusal`'s variants), and those the host failed.
     pub refusals: BTreeMap<String, u64>,
@@ -157,6 +161,21 @@ impl Device {
             },
             relayed: self.data_path.stats().into(),
             rate_limits: self.data_path.rate_limits(),
+            completions_in_error: self
+                .data_path
+                .completion_errors()
+                .into_iter()
+                .map(|(status, count)| (crate::hostverbs::wc_status_name(status), count))
+                .collect(),
+            events: self
+                .data_path
+                .events_raised()
+                .into_iter()
+                .map(|(kind, count)| {
+                    let name = vrdma_spec::ring::event_kind::name(kind);
+                    (name.map_or_else(|| kind.to_string(), str::to_string), count)
+                })
+                .collect(),
             refusals: self.refusals.by_rule().clone(),
             host_failures: self.refusals.host_failures(),
             qps,
