@@ -11,6 +11,8 @@
 //! | `show N` | `{"guest": GuestReport}`, guest N |
 //! | `metrics` | `{"metrics": "..."}`, the same numbers in Prometheus' text format |
 //! | `limit N WQES BYTES` | `{"guest": GuestReport}`, guest N's sends now held to WQES WQEs and BYTES bytes a second (0: no limit) |
+//! | `add {TOML inline table}` | `{"done": "..."}`, a guest declared as in `--config`'s file, served from now on |
+//! | `remove NAME` | `{"done": "..."}`, the declared guest NAME disconnected, its objects freed, its socket gone |
 //!
 //! and `{"error": "..."}` for a request it cannot answer. [`GuestReport`] is the guest's
 //! objects against its quotas, what its data path moved, its refused requests by rule and
@@ -67,15 +69,60 @@ pub trait Managed: Send + Sync {
     fn set_rate_limits(&self, limits: RateLimits);
 }
 
-/// The guests a backend serves, by connection number.
+/// Ends a connection from the backend's side (its front end sees the socket close).
+pub type Disconnect = Box<dyn Fn() + Send + Sync>;
+
+/// Adds and removes declared guests at run time (`--config`'s guests).
+pub trait GuestControl: Send + Sync {
+    /// Serves the guest `declaration` declares (a TOML inline table); what was done.
+    fn add(&self, declaration: &str) -> Result<String, String>;
+    /// Stops serving the guest `name`: its connection ends, its objects are freed.
+    fn remove(&self, name: &str) -> Result<String, String>;
+}
+
+/// One connection in the registry.
+struct Entry {
+    /// The declared guest it serves (the socket's name).
+    name: String,
+    connection: Arc<dyn Managed>,
+    disconnect: Disconnect,
+}
+
+/// The guests a backend serves, by connection number; and, with declared guests, who adds
+/// and removes them.
 #[derive(Default)]
 pub struct Registry {
-    guests: Mutex<BTreeMap<u64, Arc<dyn Managed>>>,
+    guests: Mutex<BTreeMap<u64, Entry>>,
+    control: Mutex<Option<Arc<dyn GuestControl>>>,
 }
 
 impl Registry {
-    pub fn add(&self, guest: u64, connection: Arc<dyn Managed>) {
-        self.lock().insert(guest, connection);
+    /// Lists connection `guest`, made on the socket of the guest `name`.
+    pub fn add(
+        &self,
+        guest: u64,
+        name: &str,
+        connection: Arc<dyn Managed>,
+        disconnect: Disconnect,
+    ) {
+        let entry = Entry {
+            name: name.to_string(),
+            connection,
+            disconnect,
+        };
+        self.lock().insert(guest, entry);
+    }
+
+    /// Who serves `add` and `remove` requests.
+    pub fn set_control(&self, control: Arc<dyn GuestControl>) {
+        *self.control.lock().unwrap_or_else(|e| e.into_inner()) = Some(control);
+    }
+
+    /// Ends every connection made on the socket of the guest `name`.
+    pub fn disconnect(&self, name: &str) {
+        for entry in self.lock().values().filter(|entry| entry.name == name) {
+            (entry.disconnect)();
+        }
     }
 
     /// Forgets a guest. Reports are made under the registry's lock, so once this returns no
@@ -84,51 +131,72 @@ impl Registry {
         self.lock().remove(&guest);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<dyn Managed>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Entry>> {
         self.guests.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn control(&self) -> Option<Arc<dyn GuestControl>> {
+        self.control
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn reports(&self) -> Vec<GuestReport> {
         let guests = self.lock();
         guests
             .iter()
-            .map(|(&guest, connection)| connection.report(guest))
+            .map(|(&guest, entry)| entry.report(guest))
             .collect()
     }
 
     fn report(&self, guest: u64) -> Option<GuestReport> {
         let guests = self.lock();
-        guests
-            .get(&guest)
-            .map(|connection| connection.report(guest))
+        guests.get(&guest).map(|entry| entry.report(guest))
     }
 
     fn limit(&self, guest: u64, limits: RateLimits) -> Option<GuestReport> {
         let guests = self.lock();
-        guests.get(&guest).map(|connection| {
-            connection.set_rate_limits(limits);
+        guests.get(&guest).map(|entry| {
+            entry.connection.set_rate_limits(limits);
             log::info!("connection {guest}: rate limits now {limits:?}");
-            connection.report(guest)
+            entry.report(guest)
         })
     }
 }
 
+impl Entry {
+    fn report(&self, guest: u64) -> GuestReport {
+        GuestReport {
+            name: self.name.clone(),
+            ..self.connection.report(guest)
+        }
+    }
+}
+
 /// A request of the management socket's protocol.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
     List,
     Show(u64),
     Metrics,
     Limit(u64, RateLimits),
+    /// A guest declaration, a TOML inline table.
+    Add(String),
+    Remove(String),
 }
 
 impl Request {
     pub fn parse(line: &str) -> Result<Request, String> {
+        if let Some(declaration) = line.trim().strip_prefix("add ") {
+            return Ok(Request::Add(declaration.trim().to_string()));
+        }
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
             ["list"] => Ok(Request::List),
             ["metrics"] => Ok(Request::Metrics),
             ["show", guest] => number(guest, "a guest number").map(Request::Show),
+            ["remove", name] => Ok(Request::Remove(name.to_string())),
             ["limit", guest, wqes, bytes] => Ok(Request::Limit(
                 number(guest, "a guest number")?,
                 RateLimits {
@@ -137,13 +205,13 @@ impl Request {
                 },
             )),
             _ => Err(format!(
-                "unknown request {:?} (list, show N, metrics, limit N WQES BYTES)",
+                "unknown request {:?} (list, show N, metrics, limit N WQES BYTES, add {{...}}, remove NAME)",
                 line.trim()
             )),
         }
     }
 
-    fn line(self) -> String {
+    fn line(&self) -> String {
         match self {
             Request::List => "list\n".into(),
             Request::Show(guest) => format!("show {guest}\n"),
@@ -152,6 +220,8 @@ impl Request {
                 "limit {guest} {} {}\n",
                 limits.wqes_per_second, limits.bytes_per_second
             ),
+            Request::Add(declaration) => format!("add {declaration}\n"),
+            Request::Remove(name) => format!("remove {name}\n"),
         }
     }
 }
@@ -167,7 +237,24 @@ pub enum Answer {
     Guests(Vec<GuestReport>),
     Guest(Box<GuestReport>),
     Metrics(String),
+    Done(String),
     Error(String),
+}
+
+/// `change`'s outcome on the guests `registry`'s control declares, if any does.
+fn controlled(
+    registry: &Registry,
+    change: impl FnOnce(&dyn GuestControl) -> Result<String, String>,
+) -> Answer {
+    match registry.control() {
+        None => Answer::Error(
+            "this backend serves one socket (--socket-path): guests are added and removed where they are declared (--config)".into(),
+        ),
+        Some(control) => match change(control.as_ref()) {
+            Ok(done) => Answer::Done(done),
+            Err(e) => Answer::Error(e),
+        },
+    }
 }
 
 /// The answer to `request` from the guests of `registry`.
@@ -183,6 +270,8 @@ pub fn answer(registry: &Registry, request: Result<Request, String>) -> Answer {
             Some(report) => Answer::Guest(Box::new(report)),
             None => Answer::Error(format!("no guest {guest} is connected")),
         },
+        Ok(Request::Add(declaration)) => controlled(registry, |control| control.add(&declaration)),
+        Ok(Request::Remove(name)) => controlled(registry, |control| control.remove(&name)),
         Err(e) => Answer::Error(e),
     }
 }
@@ -475,6 +564,7 @@ mod tests {
     fn sample() -> GuestReport {
         GuestReport {
             guest: 0,
+            name: String::new(),
             objects: [(
                 "qp".to_string(),
                 Usage {
@@ -544,7 +634,17 @@ mod tests {
         ] {
             assert!(Request::parse(bad).is_err(), "{bad:?}");
         }
+        assert_eq!(
+            Request::parse("add { name = \"vm4\", socket = \"/s\" }\n"),
+            Ok(Request::Add(r#"{ name = "vm4", socket = "/s" }"#.into()))
+        );
+        assert_eq!(
+            Request::parse("remove vm4"),
+            Ok(Request::Remove("vm4".into()))
+        );
         for request in [
+            Request::Add("{ name = \"a\" }".into()),
+            Request::Remove("a".into()),
             Request::List,
             Request::Show(3),
             Request::Metrics,
@@ -557,8 +657,17 @@ mod tests {
     #[test]
     fn answers_name_each_guest_by_its_connection_and_unknown_ones_are_errors() {
         let registry = Registry::default();
-        registry.add(4, Arc::new(Fixed(sample())));
-        registry.add(9, Arc::new(Fixed(sample())));
+        let disconnected = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counted = |times: &Arc<std::sync::atomic::AtomicU32>| -> Disconnect {
+            let times = Arc::clone(times);
+            Box::new(move || {
+                times.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            })
+        };
+        registry.add(4, "vm1", Arc::new(Fixed(sample())), counted(&disconnected));
+        registry.add(9, "vm2", Arc::new(Fixed(sample())), counted(&disconnected));
+        registry.disconnect("vm2");
+        assert_eq!(disconnected.load(std::sync::atomic::Ordering::Relaxed), 1);
         let Answer::Guests(all) = answer(&registry, Ok(Request::List)) else {
             panic!("not a list");
         };
@@ -567,8 +676,14 @@ mod tests {
             answer(&registry, Ok(Request::Show(9))),
             Answer::Guest(Box::new(GuestReport {
                 guest: 9,
+                name: "vm2".into(),
                 ..sample()
             }))
+        );
+        let refused = answer(&registry, Request::parse("remove vm1"));
+        assert!(
+            matches!(&refused, Answer::Error(e) if e.contains("--config")),
+            "{refused:?}"
         );
         registry.remove(9);
         assert!(matches!(
@@ -609,7 +724,7 @@ mod tests {
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         let registry = Arc::new(Registry::default());
-        registry.add(1, Arc::new(Fixed(sample())));
+        registry.add(1, "vm1", Arc::new(Fixed(sample())), Box::new(|| {}));
         socket.serve(Arc::clone(&registry)).unwrap();
         let Answer::Guest(report) = ask(&path, Request::Show(1)).unwrap() else {
             panic!("not a guest");

@@ -9,6 +9,7 @@ pub mod device;
 pub mod gid_claim;
 pub mod guest_address;
 mod guest_mapping;
+pub mod guests;
 pub mod hostverbs;
 pub mod limits;
 pub mod log_budget;
@@ -55,6 +56,8 @@ pub enum Error {
     Sandbox(#[from] sandbox::SandboxError),
     #[error(transparent)]
     Admin(#[from] admin::AdminError),
+    #[error("--config: {0}")]
+    Declarations(#[from] guests::DeclarationError),
     #[error("vhost-user socket: {0}")]
     VhostUser(#[source] vhost::vhost_user::Error),
     /// vhost-user-backend's error type implements Display but not std::error::Error.
@@ -199,16 +202,22 @@ pub fn assign_guest_address(config: &Config) -> Result<SharedGuestAddress, Error
 /// A guest address that whoever ends the process takes and removes.
 pub type SharedGuestAddress = Arc<Mutex<Option<GuestAddress>>>;
 
-/// Ends the process on SIGINT or SIGTERM, after taking the guest's address off the host.
-pub fn exit_on_signals(address: &SharedGuestAddress) -> Result<(), Error> {
+/// The guest addresses a backend holds (one per declared guest with one).
+pub type GuestAddresses = Arc<Mutex<Vec<SharedGuestAddress>>>;
+
+/// Ends the process on SIGINT or SIGTERM, after taking the guests' addresses off the host.
+pub fn exit_on_signals(addresses: &GuestAddresses) -> Result<(), Error> {
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM])?;
-    let address = Arc::clone(address);
+    let addresses = Arc::clone(addresses);
     std::thread::Builder::new()
         .name("vrdma-signals".into())
         .spawn(move || {
             if let Some(signal) = signals.forever().next() {
                 log::info!("signal {signal}: stopping");
-                drop(address.lock().unwrap_or_else(|e| e.into_inner()).take());
+                let held = addresses.lock().unwrap_or_else(|e| e.into_inner());
+                for address in held.iter() {
+                    drop(address.lock().unwrap_or_else(|e| e.into_inner()).take());
+                }
                 std::process::exit(0);
             }
         })?;

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use vrdma_backend::guest_address::GuestIp;
+use vrdma_backend::guests::{ClaimedGuest, Declarations};
 use vrdma_backend::memory_regions::UnsealedFiles;
 use vrdma_backend::sandbox::{RunAs, SeccompMode};
 use vrdma_backend::{limits, vhost_user, Config, HostDevice, Quotas};
@@ -13,8 +14,13 @@ use vrdma_backend::{limits, vhost_user, Config, HostDevice, Quotas};
 #[command(version, about)]
 struct Args {
     /// vhost-user socket to listen on; every connection is one guest.
-    #[arg(long, required_unless_present = "check")]
+    #[arg(long, required_unless_present_any = ["check", "config"], conflicts_with = "config")]
     socket_path: Option<std::path::PathBuf>,
+    /// Serve the guests this file declares, each on its own socket with its own address,
+    /// quotas and rate limits (README: "Many guests, one backend"); the other options are
+    /// their defaults.
+    #[arg(long, conflicts_with_all = ["check", "guest_ip"])]
+    config: Option<std::path::PathBuf>,
     /// Host RDMA device that serves the guests; `loopback` is the backend's own software
     /// device, which carries traffic between its guests only (a test and measurement
     /// instrument: no NIC, no network).
@@ -189,6 +195,9 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), vrdma_backend::Error> {
+    if let Some(path) = args.config.clone() {
+        return serve_declared(args, &path);
+    }
     let socket_path = args.socket_path.clone();
     let user = args.user.clone();
     let admin = (args.admin_socket.clone(), args.admin_group.clone());
@@ -201,6 +210,7 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
     }
     // Taken off the host on SIGINT/SIGTERM, or when serving ends.
     let guest_address = vrdma_backend::assign_guest_address(&config)?;
+    let addresses = std::sync::Arc::new(std::sync::Mutex::new(vec![guest_address.clone()]));
     // What needs root comes first: the address, the claim on its GID (before the socket, so
     // that a backend refused for a GID another serves leaves that one's socket alone), the
     // socket (whose directory may be root's).
@@ -216,7 +226,7 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
     if let Some(user) = &user {
         vrdma_backend::sandbox::run_as(user, config.guest_ip.is_some())?;
     }
-    vrdma_backend::exit_on_signals(&guest_address)?;
+    vrdma_backend::exit_on_signals(&addresses)?;
     let result = check_or_serve(&config, listener, admin);
     drop(
         guest_address
@@ -225,6 +235,39 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
             .take(),
     );
     result
+}
+
+/// Serves the guests the file at `path` declares.
+fn serve_declared(args: Args, path: &std::path::Path) -> Result<(), vrdma_backend::Error> {
+    let declared = Declarations::load(path)?;
+    let user = args.user.clone();
+    let admin = (args.admin_socket.clone(), args.admin_group.clone());
+    let config = Config::from(args);
+    vrdma_backend::check_poll_cpus(&config.poll_cpus)?;
+    // Room for every declared guest at its quotas (and as many again added at run time).
+    let room = Config {
+        shared_gid: true,
+        max_guests: config.max_guests.max(2 * declared.guests.len() as u32),
+        ..config.clone()
+    };
+    vrdma_backend::reserve_descriptors(&room)?;
+    // What needs root first, as for one socket: each guest's address, GID claim and socket.
+    let keep_net_admin = declared.guests.iter().any(|g| g.guest_ip.is_some());
+    let claimed = declared
+        .guests
+        .into_iter()
+        .map(|guest| ClaimedGuest::claim(guest, &config, declared.shared_gid))
+        .collect::<Result<Vec<_>, _>>()?;
+    let admin = match admin {
+        (Some(path), group) => Some(vrdma_backend::admin::listen(&path, group.as_deref())?),
+        (None, _) => None,
+    };
+    if let Some(user) = &user {
+        vrdma_backend::sandbox::run_as(user, keep_net_admin)?;
+    }
+    let addresses = vrdma_backend::GuestAddresses::default();
+    vrdma_backend::exit_on_signals(&addresses)?;
+    vrdma_backend::guests::serve_declared(&config, declared.shared_gid, claimed, (admin, addresses))
 }
 
 fn check_or_serve(

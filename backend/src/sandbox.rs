@@ -138,11 +138,15 @@ pub fn run_as(user: &RunAs, keep_net_admin: bool) -> Result<(), SandboxError> {
 
 /// System calls the backend makes while serving guests (x86_64 and aarch64 names).
 const ALLOWED: &[libc::c_long] = &[
-    // vhost-user socket, netlink (libibverbs lists devices over it for every new context; a
-    // guest address going away), eventfds, epoll. `socket` itself is allowed for netlink
-    // only (see `rules`).
+    // vhost-user socket (and those of guests added at run time), netlink (libibverbs lists
+    // devices over it for every new context; a guest address going away), eventfds, epoll.
+    // `socket` itself is allowed for netlink and unix sockets only (see `rules`).
     libc::SYS_accept4,
     libc::SYS_bind,
+    libc::SYS_listen,
+    libc::SYS_unlinkat,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_unlink,
     libc::SYS_setsockopt,
     libc::SYS_getsockname,
     libc::SYS_recvfrom,
@@ -254,17 +258,19 @@ pub fn confine(mode: SeccompMode) -> Result<(), SandboxError> {
     Ok(())
 }
 
-/// The filter's rules: every call of [`ALLOWED`], and `socket` for netlink only.
+/// The filter's rules: every call of [`ALLOWED`], and `socket` for netlink and unix sockets
+/// only (the socket of a guest added at run time).
 fn rules() -> Result<BTreeMap<i64, Vec<SeccompRule>>, SandboxError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
         ALLOWED.iter().map(|&call| (call, Vec::new())).collect();
-    let netlink = SeccompCondition::new(
-        0,
-        SeccompCmpArgLen::Dword,
-        SeccompCmpOp::Eq,
-        libc::AF_NETLINK as u64,
-    )?;
-    rules.insert(libc::SYS_socket, vec![SeccompRule::new(vec![netlink])?]);
+    let domain = |family: libc::c_int| {
+        SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, family as u64)
+            .and_then(|is| SeccompRule::new(vec![is]))
+    };
+    rules.insert(
+        libc::SYS_socket,
+        vec![domain(libc::AF_NETLINK)?, domain(libc::AF_UNIX)?],
+    );
     Ok(rules)
 }
 
@@ -361,7 +367,7 @@ mod tests {
     }
 
     #[test]
-    fn only_netlink_sockets_can_be_opened() {
+    fn only_netlink_and_unix_sockets_can_be_opened() {
         if in_child() {
             let netlink = nix::sys::socket::socket(
                 nix::sys::socket::AddressFamily::Netlink,
@@ -373,12 +379,16 @@ mod tests {
                 "netlink: {}",
                 if netlink.is_ok() { "opened" } else { "refused" }
             );
+            let unix = std::os::unix::net::UnixDatagram::unbound();
+            eprintln!("unix: {}", if unix.is_ok() { "opened" } else { "refused" });
             let inet = std::net::TcpListener::bind("127.0.0.1:0");
             unreachable!("the filter let an inet socket through ({inet:?})");
         }
-        expect_killed_for("only_netlink_sockets_can_be_opened", libc::SYS_socket);
-        let (_, stderr) = confined_child("only_netlink_sockets_can_be_opened");
+        let test = "only_netlink_and_unix_sockets_can_be_opened";
+        expect_killed_for(test, libc::SYS_socket);
+        let (_, stderr) = confined_child(test);
         assert!(stderr.contains("netlink: opened"), "{stderr}");
+        assert!(stderr.contains("unix: opened"), "{stderr}");
     }
 
     /// Finding: a thread sleeping with a timeout resumes through restart_syscall after a

@@ -411,9 +411,11 @@ impl VhostUserBackendMut for RdmaBackend {
 pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
     // Held while serving: no other backend serves guests on this GID unless all share it.
     let _claim = crate::claim_guest_gid(config)?;
-    let (pool, peers) = (start_pool(config)?, Arc::default());
-    let first = RdmaBackend::new(config, &pool, &peers)?;
-    serve_prepared(config, listen(socket_path)?, None, (&pool, &peers), first)
+    let serving = Serving::start(config)?;
+    let socket = serving.prepare(config.clone(), ONE_SOCKET, listen(socket_path)?)?;
+    crate::sandbox::confine(config.seccomp)?;
+    log::info!("accepting guests");
+    serving.serve(socket, None)
 }
 
 impl Managed for RwLock<RdmaBackend> {
@@ -433,18 +435,15 @@ impl Managed for RwLock<RdmaBackend> {
     }
 }
 
-/// The poller threads every connection's data path is served by.
-fn start_pool(config: &Config) -> Result<Arc<PollerPool>, Error> {
-    let pool = PollerPool::start(config.poll_threads, config.poll_idle, &config.poll_cpus)?;
-    Ok(Arc::new(pool))
-}
-
 /// The vhost-user socket at `socket_path`, listening (a file left there is replaced).
 pub fn listen(socket_path: &Path) -> Result<Listener, Error> {
     let listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
     log::info!("listening on {}", socket_path.display());
     Ok(listener)
 }
+
+/// The name of the one socket `--socket-path` serves, in reports.
+pub const ONE_SOCKET: &str = "guest";
 
 /// Serves the front ends `listener` accepts until an error (the caller holds the claim on the
 /// guests' GID, [`crate::claim_guest_gid`]): each connection gets its own
@@ -456,58 +455,118 @@ pub fn serve_listener(
     listener: Listener,
     admin: Option<AdminSocket>,
 ) -> Result<(), Error> {
-    // The device context for the next connection is opened before it arrives, so a front end
-    // never waits for it and a bad device fails before the first guest is accepted.
-    let (pool, peers) = (start_pool(config)?, Arc::default());
-    let first = RdmaBackend::new(config, &pool, &peers)?;
-    serve_prepared(config, listener, admin, (&pool, &peers), first)
-}
-
-fn serve_prepared(
-    config: &Config,
-    mut listener: Listener,
-    admin: Option<AdminSocket>,
-    (pool, peers): (&Arc<PollerPool>, &Arc<LocalPeers>),
-    first: RdmaBackend,
-) -> Result<(), Error> {
-    let mut backend = Arc::new(RwLock::new(first));
-    let admission = Arc::new(Admission::new(config)?);
-    let registry = Arc::new(Registry::default());
+    let serving = Serving::start(config)?;
+    let socket = serving.prepare(config.clone(), ONE_SOCKET, listener)?;
     if let Some(admin) = admin {
-        admin.serve(Arc::clone(&registry))?;
+        admin.serve(Arc::clone(&serving.registry))?;
     }
     // Everything serving needs from here on is in the filter (crate::sandbox).
     crate::sandbox::confine(config.seccomp)?;
     // Front ends may connect once the socket exists; this line says their host context is
     // ready (test harnesses count the host's objects from here).
     log::info!("accepting guests");
-    for connection in 1u64.. {
-        admission.wait_for_room(&listener)?;
-        // One connection failing to start (no threads, descriptors or memory left) must not
-        // stop the guests already served, nor the ones that come later.
-        let started = start_connection(
-            connection,
-            Arc::clone(&backend),
-            &mut listener,
-            (Arc::clone(&admission), Arc::clone(&registry)),
-        );
-        if let Err(e) = started {
-            log::error!("connection {connection}: cannot be served: {e}");
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-        // The backend was handed to the connection, or half used by a failed start: either
-        // way the next connection gets a fresh one.
-        backend = loop {
-            match RdmaBackend::new(config, pool, peers) {
-                Ok(next) => break Arc::new(RwLock::new(next)),
-                Err(e) => {
-                    log::error!("cannot prepare a device for the next guest: {e}; retrying in 1 s");
-                    std::thread::sleep(std::time::Duration::from_secs(1));
-                }
-            }
-        };
+    serving.serve(socket, None)
+}
+
+/// What every socket a backend serves shares: the poller pool, the RC QPs of all its guests,
+/// the registry of connections the management socket reports, and the connections' numbers.
+pub struct Serving {
+    pool: Arc<PollerPool>,
+    peers: Arc<LocalPeers>,
+    pub registry: Arc<Registry>,
+    connections: std::sync::atomic::AtomicU64,
+}
+
+/// A socket ready to serve: its guest's configuration and name, and the device context its
+/// first front end gets, opened before it arrives (so a front end never waits for it, and a
+/// bad device fails before the first guest is accepted).
+pub struct PreparedSocket {
+    config: Config,
+    name: String,
+    listener: Listener,
+    first: RdmaBackend,
+}
+
+impl Serving {
+    /// Starts the poller pool `config` asks for.
+    pub fn start(config: &Config) -> Result<Arc<Serving>, Error> {
+        let pool = PollerPool::start(config.poll_threads, config.poll_idle, &config.poll_cpus)?;
+        Ok(Arc::new(Serving {
+            pool: Arc::new(pool),
+            peers: Arc::default(),
+            registry: Arc::default(),
+            connections: std::sync::atomic::AtomicU64::new(0),
+        }))
     }
-    Ok(())
+
+    /// Readies `listener` to serve the guest `name` with `config`.
+    pub fn prepare(
+        &self,
+        config: Config,
+        name: &str,
+        listener: Listener,
+    ) -> Result<PreparedSocket, Error> {
+        let first = RdmaBackend::new(&config, &self.pool, &self.peers)?;
+        Ok(PreparedSocket {
+            config,
+            name: name.to_string(),
+            listener,
+            first,
+        })
+    }
+
+    /// Serves the front ends `socket` accepts until an error, or until `stop` is written:
+    /// then its connection is ended, and this returns once everything it held is freed.
+    pub fn serve(&self, socket: PreparedSocket, stop: Option<&EventFd>) -> Result<(), Error> {
+        let PreparedSocket {
+            config,
+            name,
+            mut listener,
+            first,
+        } = socket;
+        let mut backend = Arc::new(RwLock::new(first));
+        let admission = Arc::new(Admission::new(&config)?);
+        loop {
+            if !admission.wait_for_room(&listener, stop)? || !wait_for_front_end(&listener, stop)? {
+                self.registry.disconnect(&name);
+                admission.wait_until_empty()?;
+                return Ok(());
+            }
+            let connection = self.connections.fetch_add(1, Ordering::Relaxed) + 1;
+            // One connection failing to start (no threads, descriptors or memory left) must
+            // not stop the guests already served, nor the ones that come later.
+            let started = start_connection(
+                (connection, &name),
+                Arc::clone(&backend),
+                &mut listener,
+                (Arc::clone(&admission), Arc::clone(&self.registry)),
+            );
+            if let Err(e) = started {
+                log::error!("connection {connection}: cannot be served: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            // The backend was handed to the connection, or half used by a failed start:
+            // either way the next connection gets a fresh one.
+            backend = loop {
+                match RdmaBackend::new(&config, &self.pool, &self.peers) {
+                    Ok(next) => break Arc::new(RwLock::new(next)),
+                    Err(e) => {
+                        log::error!(
+                            "cannot prepare a device for the next guest: {e}; retrying in 1 s"
+                        );
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                    }
+                }
+            };
+        }
+    }
+}
+
+/// Waits until a front end connects to `listener` (true) or `stop` is written (false).
+fn wait_for_front_end(listener: &Listener, stop: Option<&EventFd>) -> Result<bool, Error> {
+    let Some(stop) = stop else { return Ok(true) };
+    let ready = wait_readable(&[listener.as_raw_fd(), stop.as_raw_fd()], -1)?;
+    Ok(!ready[1])
 }
 
 /// How long a front end that connects while the backend is full waits for a connection to
@@ -585,9 +644,16 @@ impl Admission {
     /// connection ends within [`REFUSAL_GRACE`]: one that just disconnected may still be
     /// releasing its objects (a program often opens the device again right after a short
     /// first connection).
-    fn wait_for_room(&self, listener: &Listener) -> Result<(), Error> {
+    /// False, at once, when `stop` is written.
+    fn wait_for_room(&self, listener: &Listener, stop: Option<&EventFd>) -> Result<bool, Error> {
+        let mut watched = vec![listener.as_raw_fd(), self.freed.as_raw_fd()];
+        watched.extend(stop.map(|stop| stop.as_raw_fd()));
         while self.live.load(Ordering::Acquire) >= self.limit {
-            if !wait_readable(&[listener.as_raw_fd(), self.freed.as_raw_fd()], -1)?[0] {
+            let ready = wait_readable(&watched, -1)?;
+            if ready.get(2) == Some(&true) {
+                return Ok(false);
+            }
+            if !ready[0] {
                 let _ = self.freed.read();
                 continue;
             }
@@ -601,11 +667,20 @@ impl Admission {
                 log::warn!("a front end connected and was refused: {}", self.reason);
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     fn connected(&self) {
         self.live.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Returns once every connection has ended and released what it held.
+    fn wait_until_empty(&self) -> Result<(), Error> {
+        while self.live.load(Ordering::Acquire) > 0 {
+            wait_readable(&[self.freed.as_raw_fd()], 1000)?;
+            let _ = self.freed.read();
+        }
+        Ok(())
     }
 
     fn disconnected(&self) {
@@ -617,7 +692,7 @@ impl Admission {
 /// Accepts one front end and serves it with `backend` until it disconnects, in threads of its
 /// own; returns once the connection is running.
 fn start_connection(
-    connection: u64,
+    (connection, name): (u64, &str),
     backend: Arc<RwLock<RdmaBackend>>,
     listener: &mut Listener,
     (admission, registry): (Arc<Admission>, Arc<Registry>),
@@ -675,8 +750,18 @@ fn start_connection(
     daemon.start(listener).map_err(Error::Daemon)?;
     // Counted before the next accept looks at the count.
     admission.connected();
-    registry.add(connection, backend);
-    log::info!("connection {connection}: front end attached");
+    let disconnect = daemon.shutdown_handle();
+    registry.add(
+        connection,
+        name,
+        backend,
+        Box::new(move || {
+            if let Some(handle) = &disconnect {
+                handle.shutdown();
+            }
+        }),
+    );
+    log::info!("connection {connection}: front end of {name} attached");
     daemon_tx
         .send(daemon)
         .expect("the wait thread holds the receiver until it gets the daemon");

@@ -311,3 +311,173 @@ fn a_rate_limited_guest_moves_no_faster_than_its_limit_and_loses_nothing() {
     assert_eq!(report.relayed.refused_wqes, 1);
     assert_eq!(report.qps[0].state, "ERR");
 }
+
+/// A backend process serving the guests of a `--config` file, its log in `log`.
+struct DeclaredBackend(std::process::Child);
+
+impl Drop for DeclaredBackend {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve_declared(config: &Path, admin: &Path, log: &Path) -> DeclaredBackend {
+    let mut child = std::process::Command::new(vrdma_tests::backend_binary())
+        .arg("--config")
+        .arg(config)
+        .args(["--device", &vrdma_tests::test_device_name()])
+        .arg("--admin-socket")
+        .arg(admin)
+        .env("RUST_LOG", "info")
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .expect("start the backend");
+    wait_for("the backend accepting guests", || {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!(
+                "the backend exited ({status}):\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        std::fs::read_to_string(log).is_ok_and(|l| l.contains("accepting guests"))
+    });
+    DeclaredBackend(child)
+}
+
+/// QPs `device` can create on `pd` before one is refused (at most `most`).
+fn qps_until_refused(device: &Device, most: usize) -> (Vec<QueuePair>, usize) {
+    let pd = device.alloc_pd().unwrap();
+    let cq = device.create_cq(4).unwrap();
+    let mut qps = Vec::new();
+    while qps.len() < most {
+        match QueuePair::builder(QpType::Rc, &cq).build(&pd) {
+            Ok(qp) => qps.push(qp),
+            Err(vrdma_guest::Error::Device {
+                status: Status::NoResources,
+                ..
+            }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let made = qps.len();
+    (qps, made)
+}
+
+/// One backend, three declared guests with their own sockets and quotas; a fourth added and
+/// one removed while another moves traffic; what each holds is reported under its name, and
+/// a removed guest's host objects are freed.
+#[test]
+fn declared_guests_get_their_own_sockets_and_quotas_and_come_and_go_at_run_time() {
+    let dir = std::env::temp_dir().join(format!("vrdma-declared-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = |name: &str| dir.join(format!("{name}.sock"));
+    let config = dir.join("guests.toml");
+    let mut declared = String::from("shared_gid = true\n");
+    for (name, max_qp) in [("vm1", 4), ("vm2", 6), ("vm3", 8)] {
+        declared += &format!(
+            "[[guest]]\nname = \"{name}\"\nsocket = \"{}\"\nmax_qp = {max_qp}\n",
+            socket(name).display()
+        );
+    }
+    std::fs::write(&config, declared).unwrap();
+    let admin = dir.join("admin.sock");
+    let on_rxe = !vrdma_backend::hostverbs::loopback::is_loopback(&vrdma_tests::test_device_name());
+    let baseline = vrdma_tests::host_resource_counts();
+    let backend = serve_declared(&config, &admin, &dir.join("backend.log"));
+
+    let devices: Vec<Device> = ["vm1", "vm2", "vm3"]
+        .iter()
+        .map(|name| Device::attach(socket(name)).unwrap())
+        .collect();
+    let held: Vec<(Vec<QueuePair>, usize)> = devices
+        .iter()
+        .map(|device| qps_until_refused(device, 32))
+        .collect();
+    let made: Vec<usize> = held.iter().map(|(_, made)| *made).collect();
+    assert_eq!(made, [4, 6, 8], "each guest's own QP quota");
+    let listed: Vec<(String, u64, u64)> = guests(&admin)
+        .into_iter()
+        .map(|g| (g.name, g.objects["qp"].used, g.objects["qp"].quota))
+        .collect();
+    let expected = [("vm1", 4, 4), ("vm2", 6, 6), ("vm3", 8, 8)]
+        .map(|(name, used, quota)| (name.to_string(), used, quota));
+    assert_eq!(listed, expected);
+    assert!(
+        matches!(
+            Device::attach(socket("vm1")),
+            Err(vrdma_guest::Error::Refused)
+        ),
+        "one front end at a time on a guest's socket"
+    );
+
+    // A fourth guest, added at run time, gets its own socket and quota, and moves traffic.
+    let added = vrdmactl(
+        &admin,
+        &[
+            "add",
+            &format!(
+                "{{ name = \"vm4\", socket = \"{}\", max_qp = 3 }}",
+                socket("vm4").display()
+            ),
+        ],
+    )
+    .unwrap();
+    assert!(added.contains("guest vm4 is served"), "{added}");
+    let vm4 = Device::attach(socket("vm4")).unwrap();
+    let pd = vm4.alloc_pd().unwrap();
+    let cq = vm4.create_cq(8).unwrap();
+    let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+    let (gid_index, gid) = vm4.gid().unwrap();
+    connect_guest_qp(&qp, gid_index as u8, gid, qp.qp_num()).unwrap();
+    let buffer = vm4.alloc_buffer(8192).unwrap();
+    let mr = pd
+        .reg_mr(&buffer, access::LOCAL_WRITE | access::REMOTE_WRITE)
+        .unwrap();
+    let write_once = |wr_id| {
+        let source = [Sge {
+            addr: mr.addr(),
+            length: 8,
+            lkey: mr.lkey(),
+        }];
+        let op = SendOp::RdmaWrite {
+            remote_addr: mr.addr() + 4096,
+            rkey: mr.rkey(),
+        };
+        qp.post_send(&[SendWr::new(wr_id, op, Payload::Sges(&source))])
+            .unwrap();
+        let done = wait_for_guest_completions(&cq, 1);
+        assert_eq!(done[0].status, 0, "{done:?}");
+    };
+    write_once(1);
+    let (_, vm4_made) = qps_until_refused(&vm4, 32);
+    assert_eq!(vm4_made, 2, "vm4's quota of 3 QPs, one of them in use");
+
+    // vm2 removed while vm4 moves traffic: its connection ends, its objects are freed, its
+    // socket goes, and vm4 goes on.
+    let before = vrdma_tests::host_resource_counts();
+    let removed = vrdmactl(&admin, &["remove", "vm2"]).unwrap();
+    assert!(removed.contains("guest vm2 is removed"), "{removed}");
+    assert!(!socket("vm2").exists());
+    if on_rxe {
+        let after = vrdma_tests::host_resource_counts();
+        assert_eq!(after["qp"] + 6, before["qp"], "{before:?} -> {after:?}");
+    }
+    let names: Vec<String> = guests(&admin).into_iter().map(|g| g.name).collect();
+    assert_eq!(names, ["vm1", "vm3", "vm4"]);
+    assert!(
+        devices[1].alloc_pd().is_err(),
+        "a removed guest's device is gone"
+    );
+    for wr_id in 2..50 {
+        write_once(wr_id);
+    }
+    let again = vrdmactl(&admin, &["remove", "vm2"]).unwrap_err();
+    assert!(again.contains("no guest \"vm2\" is declared"), "{again}");
+    drop((qp, mr, buffer, cq, pd, vm4, held, devices));
+    drop(backend);
+    if on_rxe {
+        vrdma_tests::wait_for_host_counts(&baseline);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

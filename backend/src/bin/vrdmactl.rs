@@ -36,6 +36,11 @@ enum Command {
     Metrics,
     /// Holds one guest's sends to these rates from now on (more wait in its rings); no
     /// option lifts its limits.
+    /// Serves one more guest, declared as in the backend's --config file: a TOML inline
+    /// table, e.g. '{ name = "vm4", socket = "/run/vrdma/vm4.sock", max_qp = 64 }'.
+    Add { declaration: String },
+    /// Stops serving a declared guest: its connection ends and everything it held is freed.
+    Remove { name: String },
     Limit {
         guest: u64,
         /// Send WQEs a second (0: no limit).
@@ -53,6 +58,8 @@ fn main() -> ExitCode {
         Command::List => Request::List,
         Command::Show { guest } => Request::Show(guest),
         Command::Metrics => Request::Metrics,
+        Command::Add { declaration } => Request::Add(declaration),
+        Command::Remove { name } => Request::Remove(name),
         Command::Limit {
             guest,
             wqes_per_second,
@@ -90,46 +97,57 @@ fn render(answer: &Answer, json: bool) -> String {
         Answer::Guests(guests) => list(guests),
         Answer::Guest(guest) => show(guest),
         Answer::Metrics(text) => text.clone(),
+        Answer::Done(done) => format!("{done}\n"),
         Answer::Error(e) => format!("error: {e}\n"),
     }
 }
 
 const KINDS: [&str; 6] = ["qp", "cq", "mr", "pd", "srq", "ah"];
 
+/// `list`'s columns: heading and width (the first two left-aligned, the rest right-aligned).
+const COLUMNS: [(&str, usize); 12] = [
+    ("GUEST", 6),
+    ("NAME", 12),
+    ("QP", 11),
+    ("CQ", 11),
+    ("MR", 11),
+    ("PD", 9),
+    ("SRQ", 9),
+    ("AH", 11),
+    ("REGISTERED", 21),
+    ("WQES", 12),
+    ("COMPLETIONS", 12),
+    ("REFUSED", 8),
+];
+
+fn row(cells: impl IntoIterator<Item = String>) -> String {
+    let mut line: Vec<String> = Vec::new();
+    for (index, (cell, (_, width))) in cells.into_iter().zip(COLUMNS).enumerate() {
+        line.push(if index < 2 {
+            format!("{cell:<width$}")
+        } else {
+            format!("{cell:>width$}")
+        });
+    }
+    line.join(" ") + "\n"
+}
+
 fn list(guests: &[GuestReport]) -> String {
-    let mut out = format!(
-        "{:<6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>11} {:>21} {:>12} {:>12} {:>8}\n",
-        "GUEST",
-        "QP",
-        "CQ",
-        "MR",
-        "PD",
-        "SRQ",
-        "AH",
-        "REGISTERED",
-        "WQES",
-        "COMPLETIONS",
-        "REFUSED"
-    );
+    let mut out = row(COLUMNS.map(|(heading, _)| heading.to_string()));
     for guest in guests {
-        let objects: Vec<String> = KINDS
+        let objects = KINDS
             .iter()
-            .map(|kind| guest.objects.get(*kind).map_or("-".into(), count))
-            .collect();
-        out += &format!(
-            "{:<6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>11} {:>21} {:>12} {:>12} {:>8}\n",
-            guest.guest,
-            objects[0],
-            objects[1],
-            objects[2],
-            objects[3],
-            objects[4],
-            objects[5],
-            bytes(&guest.registered_bytes),
-            guest.relayed.wqes,
-            guest.relayed.completions,
-            guest.refusals.values().sum::<u64>() + guest.host_failures,
-        );
+            .map(|kind| guest.objects.get(*kind).map_or("-".into(), count));
+        let cells = [guest.guest.to_string(), guest.name.clone()]
+            .into_iter()
+            .chain(objects)
+            .chain([
+                bytes(&guest.registered_bytes),
+                guest.relayed.wqes.to_string(),
+                guest.relayed.completions.to_string(),
+                (guest.refusals.values().sum::<u64>() + guest.host_failures).to_string(),
+            ]);
+        out += &row(cells);
     }
     if guests.is_empty() {
         out += "(no guest is connected)\n";
@@ -138,7 +156,7 @@ fn list(guests: &[GuestReport]) -> String {
 }
 
 fn show(guest: &GuestReport) -> String {
-    let mut out = format!("guest {}\n", guest.guest);
+    let mut out = format!("guest {} ({})\n", guest.guest, guest.name);
     for kind in KINDS {
         if let Some(usage) = guest.objects.get(kind) {
             out += &format!("  {kind:<18} {}\n", count(usage));

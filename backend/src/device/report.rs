@@ -14,6 +14,9 @@ use crate::datapath::{RateLimits, Stats};
 pub struct GuestReport {
     /// The backend's number for the connection (its log lines say "connection N").
     pub guest: u64,
+    /// The declared guest whose socket the connection came on (`--config`), or `guest` for
+    /// the one socket of `--socket-path`.
+    pub name: String,
     /// Objects held, by kind (`pd`, `cq`, `mr`, `qp`, `srq`, `ah`), against the quota.
     pub objects: BTreeMap<String, Usage>,
     /// Bytes of CQ, QP and SRQ rings held, against the quota.
@@ -141,6 +144,7 @@ impl Device {
         qps.sort_by_key(|qp| qp.qp_num);
         GuestReport {
             guest,
+            name: String::new(),
             objects: counts
                 .into_iter()
                 .map(|(kind, used, quota)| {
