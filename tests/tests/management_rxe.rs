@@ -373,16 +373,29 @@ fn declared_guests_get_their_own_sockets_and_quotas_and_come_and_go_at_run_time(
     std::fs::create_dir_all(&dir).unwrap();
     let socket = |name: &str| dir.join(format!("{name}.sock"));
     let config = dir.join("guests.toml");
-    let mut declared = String::from("shared_gid = true\n");
-    for (name, max_qp) in [("vm1", 4), ("vm2", 6), ("vm3", 8)] {
-        declared += &format!(
-            "[[guest]]\nname = \"{name}\"\nsocket = \"{}\"\nmax_qp = {max_qp}\n",
-            socket(name).display()
+    // On rxe each guest has an address, and so a GID, of its own; the loopback host has no
+    // network, and its guests share its GID.
+    let on_rxe = !vrdma_backend::hostverbs::loopback::is_loopback(&vrdma_tests::test_device_name());
+    let address = |guest: u8| on_rxe.then(|| format!("192.168.77.{}", 70 + guest));
+    let declaration = |guest: u8, max_qp: u32| {
+        let mut fields = format!(
+            "name = \"vm{guest}\", socket = \"{}\", max_qp = {max_qp}",
+            socket(&format!("vm{guest}")).display()
         );
-    }
+        if let Some(ip) = address(guest) {
+            fields += &format!(", guest_ip = \"{ip}/24\"");
+        }
+        format!("{{ {fields} }}")
+    };
+    let guests_declared =
+        [(1, 4), (2, 6), (3, 8)].map(|(guest, max_qp)| declaration(guest, max_qp));
+    let declared = format!(
+        "shared_gid = {}\nguest = [\n  {},\n]\n",
+        !on_rxe,
+        guests_declared.join(",\n  ")
+    );
     std::fs::write(&config, declared).unwrap();
     let admin = dir.join("admin.sock");
-    let on_rxe = !vrdma_backend::hostverbs::loopback::is_loopback(&vrdma_tests::test_device_name());
     let baseline = vrdma_tests::host_resource_counts();
     let backend = serve_declared(&config, &admin, &dir.join("backend.log"));
 
@@ -396,6 +409,16 @@ fn declared_guests_get_their_own_sockets_and_quotas_and_come_and_go_at_run_time(
         .collect();
     let made: Vec<usize> = held.iter().map(|(_, made)| *made).collect();
     assert_eq!(made, [4, 6, 8], "each guest's own QP quota");
+    if on_rxe {
+        for (guest, device) in (1..).zip(&devices) {
+            let gid = device.gid().unwrap().1.to_string();
+            let ip = address(guest).unwrap();
+            assert!(
+                gid.ends_with(&ip),
+                "vm{guest}'s GID {gid} is its address {ip}"
+            );
+        }
+    }
     let listed: Vec<(String, u64, u64)> = guests(&admin)
         .into_iter()
         .map(|g| (g.name, g.objects["qp"].used, g.objects["qp"].quota))
@@ -412,17 +435,7 @@ fn declared_guests_get_their_own_sockets_and_quotas_and_come_and_go_at_run_time(
     );
 
     // A fourth guest, added at run time, gets its own socket and quota, and moves traffic.
-    let added = vrdmactl(
-        &admin,
-        &[
-            "add",
-            &format!(
-                "{{ name = \"vm4\", socket = \"{}\", max_qp = 3 }}",
-                socket("vm4").display()
-            ),
-        ],
-    )
-    .unwrap();
+    let added = vrdmactl(&admin, &["add", &declaration(4, 3)]).unwrap();
     assert!(added.contains("guest vm4 is served"), "{added}");
     let vm4 = Device::attach(socket("vm4")).unwrap();
     let pd = vm4.alloc_pd().unwrap();
