@@ -394,36 +394,35 @@ pub fn prometheus(reports: &[GuestReport]) -> String {
             &mut reports.iter().map(|r| (guest(r), pick(r))),
         );
     }
-    family(
-        "vrdma_guest_refusals_total",
-        "counter",
-        "Control requests refused, by the rule they broke.",
-        &mut reports.iter().flat_map(|r| {
-            r.refusals
+    type Counts = fn(&GuestReport) -> &BTreeMap<String, u64>;
+    let by_label: [(&str, &str, &str, Counts); 3] = [
+        (
+            "vrdma_guest_refusals_total",
+            "Control requests refused, by the rule they broke.",
+            "rule",
+            |r| &r.refusals,
+        ),
+        (
+            "vrdma_guest_completions_in_error_total",
+            "Completions written in error, by status.",
+            "status",
+            |r| &r.completions_in_error,
+        ),
+        (
+            "vrdma_guest_events_total",
+            "Asynchronous events raised for a guest, by kind.",
+            "kind",
+            |r| &r.events,
+        ),
+    ];
+    for (name, help, label, counts) in by_label {
+        let mut samples = reports.iter().flat_map(|r| {
+            counts(r)
                 .iter()
-                .map(move |(rule, &count)| (format!("{},rule=\"{rule}\"", guest(r)), count))
-        }),
-    );
-    family(
-        "vrdma_guest_completions_in_error_total",
-        "counter",
-        "Completions written in error, by status.",
-        &mut reports.iter().flat_map(|r| {
-            r.completions_in_error
-                .iter()
-                .map(move |(status, &count)| (format!("{},status=\"{status}\"", guest(r)), count))
-        }),
-    );
-    family(
-        "vrdma_guest_events_total",
-        "counter",
-        "Asynchronous events raised for a guest, by kind.",
-        &mut reports.iter().flat_map(|r| {
-            r.events
-                .iter()
-                .map(move |(kind, &count)| (format!("{},kind=\"{kind}\"", guest(r)), count))
-        }),
-    );
+                .map(move |(value, &count)| (format!("{},{label}=\"{value}\"", guest(r)), count))
+        });
+        family(name, "counter", help, &mut samples);
+    }
     family(
         "vrdma_guests",
         "gauge",

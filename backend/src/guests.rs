@@ -467,20 +467,8 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert!(declared.shared_gid);
         let base = Config {
-            device: "rxe0".into(),
-            port: 1,
-            gid_index: None,
-            guest_ip: None,
-            quotas: Quotas::default(),
-            notify_queues: 1,
-            poll_threads: 1,
-            poll_idle: std::time::Duration::from_millis(2),
-            poll_cpus: Vec::new(),
-            seccomp: crate::sandbox::SeccompMode::None,
             max_guests: 64,
-            shared_gid: false,
-            unsealed_memory: crate::memory_regions::UnsealedFiles::Refuse,
-            rate_limits: RateLimits::default(),
+            ..Config::for_tests("rxe0")
         };
         let vm1 = declared.guests[0].config(&base, declared.shared_gid);
         assert_eq!(vm1.guest_ip.unwrap().to_string(), "10.0.0.5/24");

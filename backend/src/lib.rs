@@ -110,6 +110,29 @@ pub struct Config {
     pub rate_limits: datapath::RateLimits,
 }
 
+#[cfg(test)]
+impl Config {
+    /// The command line's defaults on `device`, unconfined.
+    pub(crate) fn for_tests(device: &str) -> Config {
+        Config {
+            device: device.into(),
+            port: 1,
+            gid_index: None,
+            guest_ip: None,
+            quotas: Quotas::default(),
+            notify_queues: 1,
+            poll_threads: 1,
+            poll_idle: std::time::Duration::from_millis(2),
+            poll_cpus: Vec::new(),
+            seccomp: sandbox::SeccompMode::None,
+            max_guests: 1,
+            shared_gid: false,
+            unsealed_memory: memory_regions::UnsealedFiles::Refuse,
+            rate_limits: datapath::RateLimits::default(),
+        }
+    }
+}
+
 /// The host device, checked to be usable for guests.
 pub struct HostDevice {
     pub context: Arc<Context>,
@@ -306,22 +329,7 @@ mod tests {
 
     #[test]
     fn a_missing_device_is_reported_by_name_with_the_rxe_hint() {
-        let config = Config {
-            device: "no-such-rdma-device".into(),
-            port: 1,
-            gid_index: None,
-            guest_ip: None,
-            quotas: Quotas::default(),
-            notify_queues: 1,
-            poll_threads: 1,
-            poll_idle: std::time::Duration::from_millis(2),
-            poll_cpus: Vec::new(),
-            seccomp: sandbox::SeccompMode::None,
-            max_guests: 1,
-            shared_gid: false,
-            unsealed_memory: memory_regions::UnsealedFiles::Refuse,
-            rate_limits: datapath::RateLimits::default(),
-        };
+        let config = Config::for_tests("no-such-rdma-device");
         let message = HostDevice::open(&config)
             .err()
             .expect("no such device")
