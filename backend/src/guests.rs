@@ -323,7 +323,7 @@ impl GuestServers {
             listener,
         } = claimed;
         let name = declaration.name.clone();
-        let socket = self.serving.prepare(config, &name, listener)?;
+        let socket = self.serving.prepare(config, &name, || Ok(listener))?;
         let stop = Arc::new(EventFd::new(EFD_NONBLOCK)?);
         let (serving, stopped) = (Arc::clone(&self.serving), Arc::clone(&stop));
         let thread_name = name.clone();

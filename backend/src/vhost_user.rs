@@ -412,7 +412,7 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
     // Held while serving: no other backend serves guests on this GID unless all share it.
     let _claim = crate::claim_guest_gid(config)?;
     let serving = Serving::start(config)?;
-    let socket = serving.prepare(config.clone(), ONE_SOCKET, listen(socket_path)?)?;
+    let socket = serving.prepare(config.clone(), ONE_SOCKET, || listen(socket_path))?;
     crate::sandbox::confine(config.seccomp)?;
     log::info!("accepting guests");
     serving.serve(socket, None)
@@ -456,7 +456,7 @@ pub fn serve_listener(
     admin: Option<AdminSocket>,
 ) -> Result<(), Error> {
     let serving = Serving::start(config)?;
-    let socket = serving.prepare(config.clone(), ONE_SOCKET, listener)?;
+    let socket = serving.prepare(config.clone(), ONE_SOCKET, || Ok(listener))?;
     if let Some(admin) = admin {
         admin.serve(Arc::clone(&serving.registry))?;
     }
@@ -499,18 +499,20 @@ impl Serving {
         }))
     }
 
-    /// Readies `listener` to serve the guest `name` with `config`.
+    /// Readies the socket `listen` gives to serve the guest `name` with `config`; its first
+    /// device context is open before `listen` is called, so a front end (or a test counting
+    /// the host's objects) that finds a new socket finds the backend ready.
     pub fn prepare(
         &self,
         config: Config,
         name: &str,
-        listener: Listener,
+        listen: impl FnOnce() -> Result<Listener, Error>,
     ) -> Result<PreparedSocket, Error> {
         let first = RdmaBackend::new(&config, &self.pool, &self.peers)?;
         Ok(PreparedSocket {
             config,
             name: name.to_string(),
-            listener,
+            listener: listen()?,
             first,
         })
     }
