@@ -4,7 +4,7 @@
 # host. Prints markdown tables (rows start with "|"):
 # - ib_write_bw of 64 KiB messages from a guest held to a limit on payload bytes a second
 #   (--max-bytes-per-second), against the limit;
-# - a quiet pair's ib_write_lat (8 bytes) alone, beside a noisy pair's unlimited ib_write_bw,
+# - a quiet pair's ib_read_lat (8 bytes) alone, beside a noisy pair's unlimited ib_write_bw,
 #   and beside the same noisy pair once `vrdmactl limit` holds it to 100 MiB/s.
 # usage: tests/bench-rate.sh BIN_DIR (release: vhost-user-rdma, vrdmactl, vrdma-ibverbs/)
 set -euo pipefail
@@ -57,7 +57,7 @@ echo
 # The guests connected now, by number.
 guests() { "$bin/vrdmactl" --socket "$admin" --json list | awk -F'[:,]' '/^    "guest":/ {print $2+0}'; }
 
-# The quiet pair's write_lat t_typical (us), alone (none) or beside a noisy pair's ib_write_bw,
+# The quiet pair's read_lat t_typical (us), alone (none) or beside a noisy pair's ib_write_bw,
 # whose guests are then held to NOISY bytes a second (0: no limit).
 quiet_latency() { # none | NOISY
   local noisy_client= noisy_server=
@@ -73,7 +73,7 @@ quiet_latency() { # none | NOISY
     done
     sleep 0.5
   fi
-  pair "$run_dir/quiet.log" write_lat 18603 -s 8 -n "$latency_iters"
+  pair "$run_dir/quiet.log" read_lat 18603 -s 8 -n "$latency_iters"
   wait "$server_pid" 2>/dev/null || true
   if [ -n "$noisy_client" ]; then
     kill "$noisy_client" "$noisy_server" 2>/dev/null || true
@@ -87,7 +87,7 @@ alone=$(quiet_latency none)
 beside=$(quiet_latency 0)
 held=$(quiet_latency $((100 << 20)))
 ratio() { awk -v v="$1" -v b="$alone" 'BEGIN { if (v > 0 && b > 0) printf "%.2f", v / b; else print "n/a" }'; }
-echo "| a quiet pair's ib_write_lat, 8 B, t_typical | us | / alone |"
+echo "| a quiet pair's ib_read_lat, 8 B, t_typical | us | / alone |"
 echo "|---|---|---|"
 echo "| alone | ${alone:-failed} | 1.00 |"
 echo "| beside a noisy pair's unlimited ib_write_bw (64 KiB messages) | ${beside:-failed} | $(ratio "$beside") |"

@@ -27,6 +27,9 @@ relay_instructions=$(
 # The guest service beside direct attach, on the same loopback host and cores.
 service_table=$(tests/bench-service.sh target/release | tee target/bench/service.log | grep '^|')
 [ -n "$service_table" ] || { echo "demo: bench-service produced no table" >&2; exit 1; }
+# Per-guest rate limits, and a quiet guest beside a noisy one, on the same loopback host.
+rate_table=$(tests/bench-rate.sh target/release | tee target/bench/rate.log | grep -E '^\||^$')
+grep -q '^|' <<<"$rate_table" || { echo "demo: bench-rate produced no table" >&2; exit 1; }
 log=target/bench/run.log
 tests/vm/run.sh --mem 4096 -- tests/bench-guest.sh "$PWD/target/release" | tee "$log"
 # Two hosts joined by an emulated link: perftest across it, natively and guest to guest.
@@ -127,5 +130,18 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "1.5 ms through either when a VM shared the cores)."
   echo
   echo "$service_table"
+  echo
+  echo "## Rate limits"
+  echo
+  echo "\`tests/bench-rate.sh\` on this machine's real cores: perftest between programs (vrdma's" \
+    "libibverbs, each program a guest of its own) on one loopback backend. First, ib_write_bw" \
+    "from a guest held to a limit on payload bytes a second (\`--max-bytes-per-second\`; sends" \
+    "over it wait in the guest's ring), against the limit. Then a quiet pair's ib_read_lat (its server end idle)" \
+    "alone, beside a noisy pair's unlimited ib_write_bw, and beside the same noisy pair once" \
+    "\`vrdmactl limit\` holds it to 100 MiB/s. The pool's one poller thread takes the guests in" \
+    "turn, at most 16 WQEs of a queue per pass; the four programs and the poller share two" \
+    "cores, so the latencies are the scheduler's as much as the relay's."
+  echo
+  echo "$rate_table"
 } >BENCHMARKS.md
 echo "demo: table written to BENCHMARKS.md"

@@ -62,6 +62,7 @@ tests/vm/two-hosts.sh -- tests/cross-host.sh "$PWD/target/debug" "$PWD/target/de
 
 step "benchmark smoke run (few iterations; numbers are not checked)"
 VRDMA_BENCH_ROUND_TRIPS=2000 VRDMA_BENCH_WQES=20000 target/debug/relay-bench
+VRDMA_BENCH_RATE_MESSAGES=60 VRDMA_BENCH_LAT_ITERS=200 tests/bench-rate.sh target/debug
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENCH_GUESTS=8 \
   VRDMA_BENCH_MR_MIB=64 VRDMA_BENCH_CALLGRIND_WRITES=200 \
   tests/vm/run.sh -- tests/bench-guest.sh "$PWD/target/debug"
