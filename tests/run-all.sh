@@ -36,6 +36,9 @@ guest-lib/ibverbs/link.sh >/dev/null
 step "unit tests, and the integration tests on the loopback host (this machine, no VM; about a minute)"
 cargo test --workspace --locked
 
+step "the Debian packages: built (release), their contents, scripts and dependencies checked"
+tests/packages.sh
+
 step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in README)"
 fuzz/run.sh "${VRDMA_FUZZ_SECONDS:-10}"
 

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Builds vrdma's Debian packages from the workspace (release), into target/debs/ (or OUT_DIR):
+# - vrdma-backend: vhost-user-rdma and vrdmactl, the systemd unit (backend/systemd), its
+#   users, the default guest declarations (/etc/vrdma/guests.toml) and options
+#   (/etc/default/vrdma-backend);
+# - vrdma-guest: for programs in a VM (or on a host) that use a vrdma device: vrdma's
+#   libibverbs.so.1 (/usr/lib/vrdma), vrdma-run, the guest service vrdmad and its unit.
+# usage: packaging/build-debs.sh [OUT_DIR]   (prints the packages' paths)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=$(mkdir -p "${1:-$repo/target/debs}" && cd "${1:-$repo/target/debs}" && pwd)
+cd "$repo"
+cargo build --release --locked -p vrdma-backend -p vrdmad --bins >&2
+lib_dir=$(guest-lib/ibverbs/link.sh --release)
+version=$(awk -F'"' '/^version/ { print $2; exit }' Cargo.toml)
+arch=$(dpkg --print-architecture)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# package NAME DEPENDS DESCRIPTION: turns $work/NAME into $out/NAME_VERSION_ARCH.deb.
+package() {
+  local name=$1 depends=$2 description=$3 root=$work/$1
+  mkdir -p "$root/DEBIAN" "$root/usr/share/doc/$name"
+  cp README.md "$root/usr/share/doc/$name/"
+  if [ -d "$root/etc" ]; then
+    (cd "$root" && find etc -type f | sed 's|^|/|') >"$root/DEBIAN/conffiles"
+  fi
+  cat >"$root/DEBIAN/control" <<CONTROL
+Package: $name
+Version: $version
+Architecture: $arch
+Maintainer: vrdma developers <vrdma@localhost>
+Section: net
+Priority: optional
+Depends: $depends
+Installed-Size: $(du -sk "$root" | cut -f1)
+Description: $description
+CONTROL
+  chmod 0755 "$root"/DEBIAN/post* "$root"/DEBIAN/pre* 2>/dev/null || true
+  dpkg-deb --root-owner-group --build "$root" "$out/${name}_${version}_${arch}.deb" >&2
+  echo "$out/${name}_${version}_${arch}.deb"
+}
+
+# maintainer_scripts NAME USERS_FILE UNIT: make the unit's users, enable and start the unit
+# where systemd runs (and stop it before removal).
+maintainer_scripts() {
+  local root=$work/$1 users=$2 unit=$3
+  mkdir -p "$root/DEBIAN"
+  cat >"$root/DEBIAN/postinst" <<SCRIPT
+#!/bin/sh
+set -e
+if [ "\$1" = configure ]; then
+  systemd-sysusers /usr/lib/sysusers.d/$users
+  if [ -d /run/systemd/system ]; then
+    systemctl daemon-reload
+    systemctl enable $unit
+    systemctl restart $unit
+  fi
+fi
+SCRIPT
+  cat >"$root/DEBIAN/prerm" <<SCRIPT
+#!/bin/sh
+set -e
+if [ -d /run/systemd/system ]; then
+  systemctl disable --now $unit || true
+fi
+SCRIPT
+  cat >"$root/DEBIAN/postrm" <<SCRIPT
+#!/bin/sh
+set -e
+if [ -d /run/systemd/system ]; then
+  systemctl daemon-reload || true
+fi
+SCRIPT
+}
+
+backend=$work/vrdma-backend
+install -D -m 0755 target/release/vhost-user-rdma "$backend/usr/bin/vhost-user-rdma"
+install -D -m 0755 target/release/vrdmactl "$backend/usr/bin/vrdmactl"
+install -D -m 0644 backend/systemd/vrdma-backend.service "$backend/lib/systemd/system/vrdma-backend.service"
+install -D -m 0644 backend/systemd/vrdma-backend.sysusers "$backend/usr/lib/sysusers.d/vrdma-backend.conf"
+install -D -m 0644 backend/systemd/guests.toml "$backend/etc/vrdma/guests.toml"
+install -D -m 0644 backend/systemd/vrdma-backend.default "$backend/etc/default/vrdma-backend"
+maintainer_scripts vrdma-backend vrdma-backend.conf vrdma-backend.service
+package vrdma-backend "libc6, libibverbs1, ibverbs-providers, systemd | systemd-standalone-sysusers" \
+  "vhost-user backend of vrdma, a paravirtual RDMA device for virtual machines
+ Serves the vrdma virtio device (id 42) to QEMU and cloud-hypervisor guests over
+ vhost-user, relaying their RDMA to the host's verbs device. vrdmactl reads and
+ changes the guests it serves."
+
+guest=$work/vrdma-guest
+install -D -m 0644 "$lib_dir/libibverbs.so.1" "$guest/usr/lib/vrdma/libibverbs.so.1"
+install -D -m 0755 guest-lib/ibverbs/vrdma-run "$guest/usr/lib/vrdma/vrdma-run"
+install -D -m 0755 target/release/vrdmad "$guest/usr/sbin/vrdmad"
+install -D -m 0644 guest-lib/service/systemd/vrdmad.service "$guest/lib/systemd/system/vrdmad.service"
+install -D -m 0644 guest-lib/service/systemd/vrdma.sysusers "$guest/usr/lib/sysusers.d/vrdma.conf"
+mkdir -p "$guest/usr/bin"
+cat >"$guest/usr/bin/vrdma-run" <<'RUN'
+#!/bin/sh
+# Runs an unmodified libibverbs program on a vrdma device (see /usr/lib/vrdma/vrdma-run).
+VRDMA_IBVERBS_DIR=${VRDMA_IBVERBS_DIR:-/usr/lib/vrdma} exec /usr/lib/vrdma/vrdma-run "$@"
+RUN
+chmod 0755 "$guest/usr/bin/vrdma-run"
+maintainer_scripts vrdma-guest vrdma.conf vrdmad.service
+package vrdma-guest "libc6, kmod, systemd | systemd-standalone-sysusers" \
+  "vrdma's libibverbs and guest service, for programs that use a vrdma device
+ Unmodified libibverbs programs run on a vrdma device through vrdma-run; inside a
+ VM, vrdmad shares the vrdma PCI device among the programs of group vrdma."

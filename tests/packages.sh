@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The Debian packages (packaging/build-debs.sh): built from the workspace, they hold what they
+# should, their maintainer scripts parse, and apt resolves their dependencies on this system
+# (apt-get --simulate: nothing is installed).
+# usage: tests/packages.sh
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=$repo/target/debs
+rm -rf "$out"
+mapfile -t debs < <("$repo/packaging/build-debs.sh" "$out")
+[ ${#debs[@]} -eq 2 ] || { echo "packages: expected 2 packages, got: ${debs[*]}" >&2; exit 1; }
+fail() { echo "packages: $*" >&2; exit 1; }
+# Each package's files, and its conffiles.
+expect() { # DEB FILE...
+  local deb=$1 listing
+  shift
+  listing=$(dpkg-deb --contents "$deb" | awk '{print $NF}')
+  for file in "$@"; do
+    grep -qx "\./${file#/}" <<<"$listing" || fail "$(basename "$deb") lacks $file"
+  done
+}
+backend=$(printf '%s\n' "${debs[@]}" | grep /vrdma-backend_)
+guest=$(printf '%s\n' "${debs[@]}" | grep /vrdma-guest_)
+expect "$backend" /usr/bin/vhost-user-rdma /usr/bin/vrdmactl \
+  /lib/systemd/system/vrdma-backend.service /usr/lib/sysusers.d/vrdma-backend.conf \
+  /etc/vrdma/guests.toml /etc/default/vrdma-backend /usr/share/doc/vrdma-backend/README.md
+expect "$guest" /usr/lib/vrdma/libibverbs.so.1 /usr/lib/vrdma/vrdma-run /usr/bin/vrdma-run \
+  /usr/sbin/vrdmad /lib/systemd/system/vrdmad.service /usr/lib/sysusers.d/vrdma.conf
+conffiles=$(dpkg-deb --ctrl-tarfile "$backend" | tar -xO ./conffiles)
+[ "$conffiles" = $'/etc/default/vrdma-backend\n/etc/vrdma/guests.toml' ] ||
+  [ "$conffiles" = $'/etc/vrdma/guests.toml\n/etc/default/vrdma-backend' ] ||
+  fail "vrdma-backend's conffiles: $conffiles"
+for deb in "${debs[@]}"; do
+  for script in postinst prerm postrm; do
+    dpkg-deb --ctrl-tarfile "$deb" | tar -xO "./$script" | sh -n ||
+      fail "$(basename "$deb"): $script does not parse"
+  done
+done
+# The default declarations (no guest) are what the backend accepts.
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+dpkg-deb --extract "$backend" "$work/root"
+"$work/root/usr/bin/vhost-user-rdma" --help >/dev/null
+# The packaged binary starts from the packaged configuration on the loopback device and
+# serves (no guest yet), its management socket answering.
+"$work/root/usr/bin/vhost-user-rdma" --config "$work/root/etc/vrdma/guests.toml" \
+  --device loopback --admin-socket "$work/admin.sock" --seccomp kill 2>"$work/backend.log" &
+backend_pid=$!
+for _ in $(seq 100); do [ -S "$work/admin.sock" ] && break; sleep 0.1; done
+listed=$("$work/root/usr/bin/vrdmactl" --socket "$work/admin.sock" list) ||
+  { cat "$work/backend.log" >&2; fail "vrdmactl could not read the packaged backend"; }
+kill "$backend_pid"
+wait "$backend_pid" 2>/dev/null || true
+grep -q "no guest is connected" <<<"$listed" || fail "vrdmactl list: $listed"
+# Dependencies resolve (nothing is installed: --simulate).
+apt-get install --simulate "${debs[@]}" >"$work/apt.log" 2>&1 ||
+  { cat "$work/apt.log" >&2; fail "apt-get cannot install the packages"; }
+echo "packages: ${debs[*]##*/}: contents, scripts, the packaged backend and apt's resolution checked"
