@@ -333,10 +333,7 @@ impl GuestServers {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(Arc::clone(&address));
-        log::info!(
-            "guest {name}: accepting guests on {}",
-            declaration.socket.display()
-        );
+        log::info!("guest {name}: served on {}", declaration.socket.display());
         self.running().insert(
             name,
             Running {
@@ -350,6 +347,8 @@ impl GuestServers {
         Ok(())
     }
 
+    /// The management socket answers one request at a time, so no other add comes between
+    /// the check and the start.
     fn add_declared(&self, declaration: GuestDeclaration) -> Result<(), String> {
         {
             let running = self.running();
