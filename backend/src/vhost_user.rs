@@ -763,7 +763,7 @@ fn start_connection(
             }
         }),
     );
-    log::info!("connection {connection}: front end of {name} attached");
+    log::info!("connection {connection}: front end attached (guest {name})");
     daemon_tx
         .send(daemon)
         .expect("the wait thread holds the receiver until it gets the daemon");
