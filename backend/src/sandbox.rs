@@ -147,6 +147,15 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_unlinkat,
     #[cfg(target_arch = "x86_64")]
     libc::SYS_unlink,
+    // A guest added at run time claims its GID (crate::gid_claim: a lock file, its directory
+    // made if missing).
+    libc::SYS_flock,
+    libc::SYS_mkdirat,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_mkdir,
+    libc::SYS_fchmodat,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_chmod,
     libc::SYS_setsockopt,
     libc::SYS_getsockname,
     libc::SYS_recvfrom,
@@ -364,6 +373,31 @@ mod tests {
             "a_disallowed_system_call_ends_the_process_with_a_line_naming_it",
             libc::SYS_getppid,
         );
+    }
+
+    /// Finding: the first guest added at run time on rxe killed the backend, its GID claim's
+    /// flock outside the filter (the loopback host claims no GID, so the fast tier missed it).
+    #[test]
+    fn what_a_guest_added_at_run_time_needs_passes_the_filter() {
+        if in_child() {
+            let gid = vrdma_spec::Gid([0xfe; 16]);
+            let claim = crate::gid_claim::claim("vrdma-sandbox-test", 1, gid, true);
+            eprintln!("claimed: {}", claim.is_ok());
+            let dir = std::env::temp_dir();
+            let socket = dir.join(format!("vrdma-sandbox-{}.sock", std::process::id()));
+            let listener = vhost::vhost_user::Listener::new(&socket, true);
+            eprintln!("listening: {}", listener.is_ok());
+            drop(listener);
+            let _ = std::fs::remove_file(&socket);
+            eprintln!("added");
+            return;
+        }
+        let (status, stderr) =
+            confined_child("what_a_guest_added_at_run_time_needs_passes_the_filter");
+        assert_eq!(status, Some(0), "{stderr}");
+        for line in ["claimed: true", "listening: true", "added"] {
+            assert!(stderr.contains(line), "{stderr}");
+        }
     }
 
     #[test]
