@@ -171,9 +171,6 @@ pub const PORT_ACTIVE: u32 = ibv_port_state::IBV_PORT_ACTIVE;
 /// `link_layer` value of an Ethernet (RoCE) port.
 pub const LINK_LAYER_ETHERNET: u8 = 2; // IBV_LINK_LAYER_ETHERNET, a #define bindgen skips
 
-/// Raises this process's soft limit on open files to its hard limit, and the hard limit to
-/// `at_least` where it is lower and the process may raise it (CAP_SYS_RESOURCE: a backend
-/// started as root); returns the soft limit in force.
 /// libibverbs' name for a work completion status (`ibv_wc_status_str`: "remote access error",
 /// ...), as rdma-core's tools print it.
 pub fn wc_status_name(status: u8) -> String {
@@ -183,6 +180,9 @@ pub fn wc_status_name(status: u8) -> String {
     name.to_string_lossy().into_owned()
 }
 
+/// Raises this process's soft limit on open files to its hard limit, and the hard limit to
+/// `at_least` where it is lower and the process may raise it (CAP_SYS_RESOURCE: a backend
+/// started as root); returns the soft limit in force.
 pub fn raise_open_file_limit_to(at_least: u64) -> io::Result<u64> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
