@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use vrdma_backend::admin::AdminSocket;
 use vrdma_backend::guest_address::GuestIp;
 use vrdma_backend::guests::{ClaimedGuest, Declarations};
 use vrdma_backend::memory_regions::UnsealedFiles;
@@ -219,10 +220,7 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
         None => None,
     };
     let listener = socket_path.as_deref().map(vhost_user::listen).transpose()?;
-    let admin = match admin {
-        (Some(path), group) => Some(vrdma_backend::admin::listen(&path, group.as_deref())?),
-        (None, _) => None,
-    };
+    let admin = listen_admin(admin)?;
     if let Some(user) = &user {
         vrdma_backend::sandbox::run_as(user, config.guest_ip.is_some())?;
     }
@@ -258,10 +256,7 @@ fn serve_declared(args: Args, path: &std::path::Path) -> Result<(), vrdma_backen
         .into_iter()
         .map(|guest| ClaimedGuest::claim(guest, &config, declared.shared_gid))
         .collect::<Result<Vec<_>, _>>()?;
-    let admin = match admin {
-        (Some(path), group) => Some(vrdma_backend::admin::listen(&path, group.as_deref())?),
-        (None, _) => None,
-    };
+    let admin = listen_admin(admin)?;
     if let Some(user) = &user {
         vrdma_backend::sandbox::run_as(user, keep_net_admin)?;
     }
@@ -270,10 +265,19 @@ fn serve_declared(args: Args, path: &std::path::Path) -> Result<(), vrdma_backen
     vrdma_backend::guests::serve_declared(&config, declared.shared_gid, claimed, (admin, addresses))
 }
 
+/// The management socket --admin-socket asks for (and --admin-group may open), made while
+/// the backend still runs as root.
+fn listen_admin(
+    (path, group): (Option<std::path::PathBuf>, Option<String>),
+) -> Result<Option<AdminSocket>, vrdma_backend::Error> {
+    let Some(path) = path else { return Ok(None) };
+    Ok(Some(vrdma_backend::admin::listen(&path, group.as_deref())?))
+}
+
 fn check_or_serve(
     config: &Config,
     listener: Option<vhost_user::Listener>,
-    admin: Option<vrdma_backend::admin::AdminSocket>,
+    admin: Option<AdminSocket>,
 ) -> Result<(), vrdma_backend::Error> {
     // Fail fast on an unusable device (as the user that serves), before accepting guests.
     let device = HostDevice::open(config)?;
