@@ -13,7 +13,7 @@ use vrdma_guest::{
 };
 use vrdma_tests::{
     connect_guest_qp, control_request, response_status, spawn_backend_process,
-    wait_for_guest_completions, workspace_binary,
+    wait_for_guest_completions, workspace_binary, BackendProcess,
 };
 
 fn paths(name: &str) -> (PathBuf, PathBuf) {
@@ -23,6 +23,15 @@ fn paths(name: &str) -> (PathBuf, PathBuf) {
         dir.join(format!("vrdma-{name}-{id}.sock")),
         dir.join(format!("vrdma-{name}-{id}.admin")),
     )
+}
+
+/// A backend process on the test device with `args` and a management socket; its vhost-user
+/// and management sockets.
+fn backend_with_admin(name: &str, args: &[&str]) -> (BackendProcess, PathBuf, PathBuf) {
+    let (socket, admin) = paths(name);
+    let admin_socket = ["--admin-socket", admin.to_str().unwrap()];
+    let backend = spawn_backend_process(&socket, &[args, &admin_socket].concat());
+    (backend, socket, admin)
 }
 
 fn guests(admin: &Path) -> Vec<GuestReport> {
@@ -64,17 +73,8 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
 
 #[test]
 fn the_management_socket_reports_what_each_guest_holds_moved_and_was_refused() {
-    let (socket, admin) = paths("management");
-    let _backend = spawn_backend_process(
-        &socket,
-        &[
-            "--shared-gid",
-            "--max-guests",
-            "2",
-            "--admin-socket",
-            admin.to_str().unwrap(),
-        ],
-    );
+    let (_backend, socket, admin) =
+        backend_with_admin("management", &["--shared-gid", "--max-guests", "2"]);
     let mode =
         std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&admin).unwrap().permissions());
     assert_eq!(mode & 0o777, 0o600, "only the backend's owner may ask");
@@ -223,16 +223,7 @@ fn vrdmactl_without_a_backend_says_so() {
 /// nothing, and runs free once `vrdmactl limit` lifts the limit; the report counts its bytes.
 #[test]
 fn a_rate_limited_guest_moves_no_faster_than_its_limit_and_loses_nothing() {
-    let (socket, admin) = paths("rate");
-    let _backend = spawn_backend_process(
-        &socket,
-        &[
-            "--max-wqes-per-second",
-            "2000",
-            "--admin-socket",
-            admin.to_str().unwrap(),
-        ],
-    );
+    let (_backend, socket, admin) = backend_with_admin("rate", &["--max-wqes-per-second", "2000"]);
     let device = Device::attach(&socket).unwrap();
     let pd = device.alloc_pd().unwrap();
     let cq = device.create_cq(64).unwrap();
