@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 use crate::hostverbs::Gid;
 
 /// Where the locks live: one place for every backend of the host, whatever user it runs as.
-const LOCK_DIR: &str = "/run/vrdma";
+/// A folder of its own: /run/vrdma also holds the guests' sockets, which no other user may
+/// put files beside.
+const LOCK_DIR: &str = "/run/vrdma/gid-claims";
 
 /// The backend's claim on its guests' GID, held until dropped.
 #[derive(Debug)]
@@ -75,10 +77,14 @@ pub fn claim(device: &str, port: u8, gid: Gid, shared: bool) -> Result<GidClaim,
 
 /// The lock directory, made (world-writable and sticky, like /tmp, so that backends serving
 /// as other users can claim GIDs too) if missing. A process that cannot make it claims in
-/// its temporary directory instead, which only backends of the same user see.
-fn lock_dir() -> PathBuf {
+/// its temporary directory instead, which only backends of the same user see. A backend that
+/// starts as root and serves as `--user` makes it first: a guest added at run time claims
+/// its GID as that user, who may not make folders in /run.
+pub fn lock_dir() -> PathBuf {
     let dir = Path::new(LOCK_DIR);
-    let made = std::fs::create_dir(dir)
+    let parent = dir.parent().expect("LOCK_DIR has a parent");
+    let made = std::fs::create_dir_all(parent)
+        .and_then(|()| std::fs::create_dir(dir))
         .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777)));
     match made {
         Ok(()) => dir.to_path_buf(),

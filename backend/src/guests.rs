@@ -257,7 +257,7 @@ impl ClaimedGuest {
         let config = declaration.config(base, shared_gid);
         let address = crate::assign_guest_address(&config)?;
         let claim = crate::claim_guest_gid(&config)?;
-        let listener = vhost_user::listen(&declaration.socket)?;
+        let listener = vhost_user::listen(&declaration.socket, config.socket_group.as_ref())?;
         Ok(ClaimedGuest {
             declaration,
             config,

@@ -60,6 +60,13 @@ pub enum Error {
     Declarations(#[from] guests::DeclarationError),
     #[error("vhost-user socket: {0}")]
     VhostUser(#[source] vhost::vhost_user::Error),
+    #[error("cannot give the socket {path} to group {group} (mode 0660): {source}")]
+    SocketGroup {
+        path: std::path::PathBuf,
+        group: String,
+        #[source]
+        source: std::io::Error,
+    },
     /// vhost-user-backend's error type implements Display but not std::error::Error.
     #[error("vhost-user daemon: {0}")]
     Daemon(vhost_user_backend::Error),
@@ -108,6 +115,9 @@ pub struct Config {
     /// Each guest's rate limits on its sends (changeable per guest at run time, through the
     /// management socket).
     pub rate_limits: datapath::RateLimits,
+    /// The group whose members may connect to the guests' sockets (front ends running as
+    /// another user: libvirt's QEMU); `None` leaves them to the backend's user.
+    pub socket_group: Option<vhost_user::SocketGroup>,
 }
 
 #[cfg(test)]
@@ -129,6 +139,7 @@ impl Config {
             shared_gid: false,
             unsealed_memory: memory_regions::UnsealedFiles::Refuse,
             rate_limits: datapath::RateLimits::default(),
+            socket_group: None,
         }
     }
 }
@@ -201,12 +212,14 @@ impl HostDevice {
 
 /// Claims the GID the backend's guests send from ([`gid_claim`]), for as long as the claim is
 /// held: before listening, so that a backend refused for a GID leaves the socket alone. The
-/// loopback host needs none: its GID reaches only the guests of its own process.
+/// loopback host needs none: its GID reaches only the guests of its own process (and it is not
+/// opened here: opening it starts its clock thread, and `--user` needs the process to have one
+/// thread).
 pub fn claim_guest_gid(config: &Config) -> Result<Option<gid_claim::GidClaim>, Error> {
-    let device = HostDevice::open(config)?;
     if hostverbs::loopback::is_loopback(&config.device) {
         return Ok(None);
     }
+    let device = HostDevice::open(config)?;
     let claim = gid_claim::claim(&config.device, config.port, device.gid, config.shared_gid)?;
     Ok(Some(claim))
 }

@@ -129,6 +129,10 @@ struct Args {
     /// Group whose members may open the management socket.
     #[arg(long, requires = "admin_socket")]
     admin_group: Option<String>,
+    /// Group whose members may connect to the guests' sockets (mode 0660), for front ends
+    /// that run as another user than the backend: libvirt's QEMU (libvirt-qemu on Debian).
+    #[arg(long)]
+    socket_group: Option<vhost_user::SocketGroup>,
     /// Check the host device and print what guests would be offered, then exit.
     #[arg(long, conflicts_with = "socket_path")]
     check: bool,
@@ -160,6 +164,7 @@ impl From<Args> for Config {
                 wqes_per_second: args.max_wqes_per_second,
                 bytes_per_second: args.max_bytes_per_second,
             },
+            socket_group: args.socket_group,
         }
     }
 }
@@ -219,10 +224,13 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
         Some(_) => vrdma_backend::claim_guest_gid(&config)?,
         None => None,
     };
-    let listener = socket_path.as_deref().map(vhost_user::listen).transpose()?;
+    let listener = socket_path
+        .as_deref()
+        .map(|path| vhost_user::listen(path, config.socket_group.as_ref()))
+        .transpose()?;
     let admin = listen_admin(admin)?;
     if let Some(user) = &user {
-        vrdma_backend::sandbox::run_as(user, config.guest_ip.is_some())?;
+        vrdma_backend::sandbox::run_as(user, &config, config.guest_ip.is_some())?;
     }
     vrdma_backend::exit_on_signals(&addresses)?;
     let result = check_or_serve(&config, listener, admin);
@@ -258,7 +266,9 @@ fn serve_declared(args: Args, path: &std::path::Path) -> Result<(), vrdma_backen
         .collect::<Result<Vec<_>, _>>()?;
     let admin = listen_admin(admin)?;
     if let Some(user) = &user {
-        vrdma_backend::sandbox::run_as(user, keep_net_admin)?;
+        // Guests added at run time claim their GIDs there, as `user`.
+        vrdma_backend::gid_claim::lock_dir();
+        vrdma_backend::sandbox::run_as(user, &config, keep_net_admin)?;
     }
     let addresses = vrdma_backend::GuestAddresses::default();
     vrdma_backend::exit_on_signals(&addresses)?;

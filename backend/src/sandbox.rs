@@ -81,14 +81,19 @@ impl std::str::FromStr for RunAs {
     }
 }
 
-/// Becomes `user` (its uid and primary group, no other groups, no capabilities) for good;
+/// Becomes `user` (its uid and primary group, and `config`'s socket group, which lets it give
+/// the sockets of guests added later to that group; no other groups, no capabilities) for good;
 /// with `keep_net_admin` it keeps CAP_NET_ADMIN alone, to take a guest's address off the host
 /// when it stops. Memory regions pin guest memory, which an unprivileged process may do only
 /// up to RLIMIT_MEMLOCK: the limit is lifted first (the guest quotas bound it instead).
 ///
 /// Call it while the process has one thread: capabilities belong to threads, and threads
 /// started later inherit the ones of the thread that starts them.
-pub fn run_as(user: &RunAs, keep_net_admin: bool) -> Result<(), SandboxError> {
+pub fn run_as(
+    user: &RunAs,
+    config: &crate::Config,
+    keep_net_admin: bool,
+) -> Result<(), SandboxError> {
     use nix::sys::resource::{setrlimit, Resource, RLIM_INFINITY};
     use nix::unistd::{setgroups, setresgid, setresuid, setuid, Uid};
 
@@ -106,7 +111,10 @@ pub fn run_as(user: &RunAs, keep_net_admin: bool) -> Result<(), SandboxError> {
     setrlimit(Resource::RLIMIT_MEMLOCK, RLIM_INFINITY, RLIM_INFINITY)
         .map_err(failed("lifting RLIMIT_MEMLOCK"))?;
     nix::sys::prctl::set_keepcaps(keep_net_admin).map_err(failed("PR_SET_KEEPCAPS"))?;
-    setgroups(&[user.gid]).map_err(failed("setgroups"))?;
+    let groups: Vec<_> = std::iter::once(user.gid)
+        .chain(config.socket_group.as_ref().map(|group| group.gid))
+        .collect();
+    setgroups(&groups).map_err(failed("setgroups"))?;
     setresgid(user.gid, user.gid, user.gid).map_err(failed("setresgid"))?;
     setresuid(user.uid, user.uid, user.uid).map_err(failed("setresuid"))?;
     if keep_net_admin {
@@ -156,6 +164,10 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_fchmodat,
     #[cfg(target_arch = "x86_64")]
     libc::SYS_chmod,
+    // ... and gives its socket to --socket-group.
+    libc::SYS_fchownat,
+    #[cfg(target_arch = "x86_64")]
+    libc::SYS_chown,
     libc::SYS_setsockopt,
     libc::SYS_getsockname,
     libc::SYS_recvfrom,
@@ -385,7 +397,12 @@ mod tests {
             eprintln!("claimed: {}", claim.is_ok());
             let dir = std::env::temp_dir();
             let socket = dir.join(format!("vrdma-sandbox-{}.sock", std::process::id()));
-            let listener = vhost::vhost_user::Listener::new(&socket, true);
+            // The group as --socket-group resolves it before the filter; the process's own.
+            let group = crate::vhost_user::SocketGroup {
+                name: "own".into(),
+                gid: nix::unistd::getegid(),
+            };
+            let listener = crate::vhost_user::listen(&socket, Some(&group));
             eprintln!("listening: {}", listener.is_ok());
             drop(listener);
             let _ = std::fs::remove_file(&socket);

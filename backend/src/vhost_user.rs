@@ -412,7 +412,9 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
     // Held while serving: no other backend serves guests on this GID unless all share it.
     let _claim = crate::claim_guest_gid(config)?;
     let serving = Serving::start(config)?;
-    let socket = serving.prepare(config.clone(), ONE_SOCKET, || listen(socket_path))?;
+    let socket = serving.prepare(config.clone(), ONE_SOCKET, || {
+        listen(socket_path, config.socket_group.as_ref())
+    })?;
     crate::sandbox::confine(config.seccomp)?;
     log::info!("accepting guests");
     serving.serve(socket, None)
@@ -435,11 +437,56 @@ impl Managed for RwLock<RdmaBackend> {
     }
 }
 
-/// The vhost-user socket at `socket_path`, listening (a file left there is replaced).
-pub fn listen(socket_path: &Path) -> Result<Listener, Error> {
+/// The vhost-user socket at `socket_path`, listening (a file left there is replaced); with
+/// `group`, that group's members may connect to it too.
+pub fn listen(socket_path: &Path, group: Option<&SocketGroup>) -> Result<Listener, Error> {
     let listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
+    if let Some(group) = group {
+        group.give(socket_path)?;
+    }
     log::info!("listening on {}", socket_path.display());
     Ok(listener)
+}
+
+/// A group whose members may connect to the guests' sockets (`--socket-group`): a front end
+/// that runs as another user than the backend, as libvirt's QEMU does. Resolved when the
+/// command line is read: a guest added at run time gets its socket under the seccomp filter,
+/// where the group database cannot be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SocketGroup {
+    pub name: String,
+    pub gid: nix::unistd::Gid,
+}
+
+impl std::str::FromStr for SocketGroup {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<SocketGroup, String> {
+        let group = nix::unistd::Group::from_name(name)
+            .map_err(|e| format!("cannot look up group {name}: {e}"))?
+            .ok_or_else(|| format!("no group named {name}"))?;
+        Ok(SocketGroup {
+            name: group.name,
+            gid: group.gid,
+        })
+    }
+}
+
+impl SocketGroup {
+    /// Makes the socket at `path` this group's, mode 0660. The backend owns the socket; once
+    /// it serves as `--user`, the group is among that user's ([`crate::sandbox::run_as`]),
+    /// which is what lets an owner give a file to a group without CAP_CHOWN.
+    fn give(&self, path: &Path) -> Result<(), Error> {
+        use std::os::unix::fs::PermissionsExt;
+        let failed = |source| Error::SocketGroup {
+            path: path.to_owned(),
+            group: self.name.clone(),
+            source,
+        };
+        nix::unistd::chown(path, None, Some(self.gid))
+            .map_err(|e| failed(std::io::Error::from(e)))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(failed)
+    }
 }
 
 /// The name of the one socket `--socket-path` serves, in reports.
@@ -768,4 +815,31 @@ fn start_connection(
         .send(daemon)
         .expect("the wait thread holds the receiver until it gets the daemon");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    #[test]
+    fn a_socket_group_gets_the_guests_socket_with_mode_0660() {
+        let own_group = nix::unistd::Group::from_gid(nix::unistd::getegid())
+            .unwrap()
+            .expect("the process's group has a name");
+        let group: SocketGroup = own_group.name.parse().unwrap();
+        let socket = std::env::temp_dir().join(format!("vrdma-group-{}.sock", std::process::id()));
+        let listener = listen(&socket, Some(&group)).unwrap();
+        let meta = std::fs::metadata(&socket).unwrap();
+        assert_eq!(meta.gid(), group.gid.as_raw());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o660);
+        drop(listener);
+        let _ = std::fs::remove_file(&socket);
+    }
+
+    #[test]
+    fn a_group_that_does_not_exist_is_refused_by_name() {
+        let error = "vrdma-no-such-group".parse::<SocketGroup>().unwrap_err();
+        assert_eq!(error, "no group named vrdma-no-such-group");
+    }
 }

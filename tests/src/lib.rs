@@ -260,6 +260,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         shared_gid: true,
         unsealed_memory: vrdma_backend::memory_regions::UnsealedFiles::Refuse,
         rate_limits: vrdma_backend::datapath::RateLimits::default(),
+        socket_group: None,
     };
     serve_in_background(config, socket)
 }

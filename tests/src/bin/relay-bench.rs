@@ -329,6 +329,7 @@ fn start_loopback_backend(poller_cpu: usize) -> std::path::PathBuf {
         shared_gid: false,
         unsealed_memory: vrdma_backend::memory_regions::UnsealedFiles::Refuse,
         rate_limits: vrdma_backend::datapath::RateLimits::default(),
+        socket_group: None,
     };
     serve_in_background(config, socket).socket
 }
