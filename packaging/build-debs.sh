@@ -2,7 +2,7 @@
 # Builds vrdma's Debian packages from the workspace (release), into target/debs/ (or OUT_DIR):
 # - vrdma-backend: vhost-user-rdma and vrdmactl, the systemd unit (backend/systemd), its
 #   users, the default guest declarations (/etc/vrdma/guests.toml) and options
-#   (/etc/default/vrdma-backend);
+#   (/etc/default/vrdma-backend), a libvirt domain for a VM with a vrdma device (an example);
 # - vrdma-guest: for programs in a VM (or on a host) that use a vrdma device: vrdma's
 #   libibverbs.so.1 (/usr/lib/vrdma), vrdma-run, the guest service vrdmad and its unit.
 # usage: packaging/build-debs.sh [OUT_DIR]   (prints the packages' paths)
@@ -41,8 +41,9 @@ CONTROL
   echo "$out/${name}_${version}_${arch}.deb"
 }
 
-# maintainer_scripts NAME USERS_FILE UNIT: make the unit's users, enable and start the unit
-# where systemd runs (and stop it before removal).
+# maintainer_scripts NAME USERS_FILE UNIT: make the unit's users (and, if the package has
+# one, its tmpfiles.d folders), enable and start the unit where systemd runs (and stop it
+# before removal).
 maintainer_scripts() {
   local root=$work/$1 users=$2 unit=$3
   mkdir -p "$root/DEBIAN"
@@ -51,10 +52,15 @@ maintainer_scripts() {
 set -e
 if [ "\$1" = configure ]; then
   systemd-sysusers /usr/lib/sysusers.d/$users
+  if [ -f /usr/lib/tmpfiles.d/$1.conf ] && command -v systemd-tmpfiles >/dev/null; then
+    systemd-tmpfiles --create /usr/lib/tmpfiles.d/$1.conf
+  fi
   if [ -d /run/systemd/system ]; then
     systemctl daemon-reload
     systemctl enable $unit
-    systemctl restart $unit
+    # A unit that cannot start yet (no RDMA device, no vrdma device in this VM) must not
+    # fail the installation: it says so, and the journal says why.
+    systemctl restart $unit || echo "$unit did not start: see journalctl -u $unit" >&2
   fi
 fi
 SCRIPT
@@ -79,8 +85,10 @@ install -D -m 0755 target/release/vhost-user-rdma "$backend/usr/bin/vhost-user-r
 install -D -m 0755 target/release/vrdmactl "$backend/usr/bin/vrdmactl"
 install -D -m 0644 backend/systemd/vrdma-backend.service "$backend/lib/systemd/system/vrdma-backend.service"
 install -D -m 0644 backend/systemd/vrdma-backend.sysusers "$backend/usr/lib/sysusers.d/vrdma-backend.conf"
+install -D -m 0644 backend/systemd/vrdma-backend.tmpfiles "$backend/usr/lib/tmpfiles.d/vrdma-backend.conf"
 install -D -m 0644 backend/systemd/guests.toml "$backend/etc/vrdma/guests.toml"
 install -D -m 0644 backend/systemd/vrdma-backend.default "$backend/etc/default/vrdma-backend"
+install -D -m 0644 backend/libvirt/vrdma-vm.xml "$backend/usr/share/doc/vrdma-backend/examples/vrdma-vm.xml"
 maintainer_scripts vrdma-backend vrdma-backend.conf vrdma-backend.service
 package vrdma-backend "libc6, libibverbs1, ibverbs-providers, systemd | systemd-standalone-sysusers" \
   "vhost-user backend of vrdma, a paravirtual RDMA device for virtual machines

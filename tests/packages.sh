@@ -23,7 +23,9 @@ backend=$(printf '%s\n' "${debs[@]}" | grep /vrdma-backend_)
 guest=$(printf '%s\n' "${debs[@]}" | grep /vrdma-guest_)
 expect "$backend" /usr/bin/vhost-user-rdma /usr/bin/vrdmactl \
   /lib/systemd/system/vrdma-backend.service /usr/lib/sysusers.d/vrdma-backend.conf \
-  /etc/vrdma/guests.toml /etc/default/vrdma-backend /usr/share/doc/vrdma-backend/README.md
+  /usr/lib/tmpfiles.d/vrdma-backend.conf \
+  /etc/vrdma/guests.toml /etc/default/vrdma-backend /usr/share/doc/vrdma-backend/README.md \
+  /usr/share/doc/vrdma-backend/examples/vrdma-vm.xml
 expect "$guest" /usr/lib/vrdma/libibverbs.so.1 /usr/lib/vrdma/vrdma-run /usr/bin/vrdma-run \
   /usr/sbin/vrdmad /lib/systemd/system/vrdmad.service /usr/lib/sysusers.d/vrdma.conf
 conffiles=$(dpkg-deb --ctrl-tarfile "$backend" | tar -xO ./conffiles)

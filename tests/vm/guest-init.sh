@@ -3,7 +3,9 @@
 # (read-only 9p) and the run's results folder (writable 9p, mounted at the same path it has on
 # the machine), brings up rdma_rxe on a veth, runs the command and records its exit code.
 # Kernel command line: vrdma.results=PATH (required), vrdma.rxe=0 to leave rdma_rxe out,
-# vrdma.net=ADDRESS/PREFIX to put ADDRESS on the network card eth0 and rdma_rxe on eth0.
+# vrdma.net=ADDRESS/PREFIX to put ADDRESS on the network card eth0 and rdma_rxe on eth0,
+# vrdma.root=PATH to boot the machine's folder PATH (a clean system, tests/vm/clean-root.sh)
+# with systemd instead of running the command in the machine's root (see boot_clean_root).
 /bin/busybox --install -s /bin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
@@ -12,11 +14,13 @@ mount -t devtmpfs devtmpfs /dev
 results=
 want_rxe=1
 net=
+clean_root=
 for arg in $(cat /proc/cmdline); do
   case "$arg" in
     vrdma.results=*) results=${arg#vrdma.results=} ;;
     vrdma.rxe=*) want_rxe=${arg#vrdma.rxe=} ;;
     vrdma.net=*) net=${arg#vrdma.net=} ;;
+    vrdma.root=*) clean_root=${arg#vrdma.root=} ;;
   esac
 done
 
@@ -76,6 +80,43 @@ fi
 if [ "$want_rxe" = 1 ]; then
   chroot /newroot rdma link add rxe0 type rxe netdev $rxe_netdev || echo "guest-init: rdma link add rxe0 failed"
 fi
+
+# The clean system PATH, booted by its own systemd: read-only below a tmpfs (nothing it does
+# outlives the guest), the machine's root read-only at /machine, the results folder where it
+# is on the machine. The command runs as a unit once the system is up, its output on the
+# console; it then powers the guest off.
+boot_clean_root() {
+  local lower=/newroot$clean_root unit
+  [ -x "$lower/lib/systemd/systemd" ] || fail "vrdma.root=$clean_root holds no systemd"
+  mkdir -p /clean /upper
+  mount -t tmpfs tmpfs /upper && mkdir -p /upper/data /upper/work
+  mount -t overlay overlay -o "lowerdir=$lower,upperdir=/upper/data,workdir=/upper/work" /clean ||
+    fail "cannot mount the clean root's overlay"
+  mkdir -p /clean/machine "/clean$results"
+  mount --bind /newroot /clean/machine
+  mount --bind "/newroot$results" "/clean$results"
+  unit=/clean/etc/systemd/system/vrdma-harness.service
+  cat >"$unit" <<UNIT
+[Unit]
+Description=the command tests/vm/run.sh gave this guest
+After=multi-user.target
+[Service]
+Type=oneshot
+ExecStart=/bin/sh -c '/bin/bash $results/cmd.sh; echo \$? >$results/rc; sync; systemctl --no-block --check-inhibitors=no poweroff'
+StandardOutput=tty
+StandardError=tty
+TTYPath=/dev/ttyS0
+[Install]
+WantedBy=multi-user.target
+UNIT
+  mkdir -p /clean/etc/systemd/system/multi-user.target.wants
+  ln -s ../vrdma-harness.service /clean/etc/systemd/system/multi-user.target.wants/
+  # The console is the command's; no login prompt on it.
+  ln -s /dev/null /clean/etc/systemd/system/serial-getty@ttyS0.service
+  umount /proc /sys 2>/dev/null
+  exec switch_root /clean /lib/systemd/systemd
+}
+[ -n "$clean_root" ] && boot_clean_root
 
 chroot /newroot /bin/bash "$results/cmd.sh"
 echo $? >"/newroot$results/rc"
