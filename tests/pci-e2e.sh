@@ -15,14 +15,17 @@
 #              and serves the next at once
 #     reopen   a backend restart under the running VM: guest-lib reports the device reset,
 #              opens the device again and creates a QP
-#   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one: real
-#   RDMA through the PCI device; once the VM is shut down, every host object it had is released
+#   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one,
+#   started by a real libvirtd from the documented domain (backend/libvirt/vrdma-vm.xml): real
+#   RDMA through the PCI device; once the VM is destroyed, every host object it had is released
 #   (`rdma resource`):
 #     native   guest-lib attached to the device directly makes checked round trips and RDMA
 #              WRITE+READ with a native ibverbs program on rxe0, and an unmodified
 #              ibv_rc_pingpong through vrdma's libibverbs pairs with a native ibv_rc_pingpong
 #     users    the guest service over the device, and through it two unprivileged users'
 #              unmodified ibv_rc_pingpong pair
+#     held     `virsh destroy` while a guest-lib program in the VM holds a QP and more: the
+#              backend releases every host object the VM had
 # The parts are split for time: a nested VM is emulated inside an emulated guest, where
 # booting alone takes minutes and each process started costs seconds.
 # Prints one `pci-e2e: CHECK ok|FAILED (N s)` line per check; exits 1 if any failed.
@@ -36,10 +39,12 @@ source "$repo/tests/listening.sh"
 bin=$(cd "$1" && pwd)
 device=${2:-}
 case "$device" in
-  loopback) parts=${VRDMA_PCI_PARTS:-service,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100} ;;
+  loopback) parts=${VRDMA_PCI_PARTS:-service,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
+    launch=() ;;
   rxe0)
     [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
-    parts=${VRDMA_PCI_PARTS:-native,users} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20} ;;
+    parts=${VRDMA_PCI_PARTS:-native,users,held} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20}
+    launch=(--libvirt vrdma-nested) ;;
   *) echo "usage: $0 BIN_DIR loopback|rxe0" >&2; exit 2 ;;
 esac
 # Socket, logs, the peers' files, and copies of what the VM runs as other users: in a folder
@@ -307,13 +312,38 @@ check_native() {
     pingpong_with_native
 }
 
+objects_released() {
+  local start=$SECONDS now
+  while now=$(host_objects) && [ "$now" != "$baseline" ]; do
+    if [ $((SECONDS - start)) -gt 30 ]; then
+      echo "pci-e2e: host objects (pd cq qp mr) $now, before the VM $baseline" >&2
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+
+# --- part held: the VM is destroyed (libvirt) while its program holds host objects.
+destroy_under_a_program() {
+  wait_line "$exchange/held.from-vm" '^qpn=' 600 >/dev/null || { show_logs held; return 1; }
+  local held
+  held=$(host_objects)
+  [ "$held" != "$baseline" ] || { echo "pci-e2e: the VM's program holds no host object" >&2; return 1; }
+  echo "pci-e2e: host objects before the VM: $baseline; with its program: $held"
+  virsh -q -c qemu:///system destroy "${launch[1]}" >/dev/null && objects_released
+}
+check_held() {
+  check "virsh destroy while a program in the VM holds a QP: the backend releases all it held" \
+    destroy_under_a_program
+}
+
 start_backend || exit 1
 [ "$device" = rxe0 ] && baseline=$(host_objects)
 cp -r "$bin/guest-endpoint" "$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" \
   "$unprivileged/" && chmod -R a+rX "$unprivileged" || exit 1
 # The VM can write only to its own run folder (below $runs): that is the exchange.
 VRDMA_NOTIFY_QUEUES=1 "$repo/tests/vm/run.sh" --no-rxe --mem 768 --timeout 2400 --run-in "$runs" \
-  --vrdma "$socket" -- "$repo/tests/pci-guest.sh" "$bin" "$round_trips" "$unprivileged" "$parts" \
+  --vrdma "$socket" "${launch[@]}" -- "$repo/tests/pci-guest.sh" "$bin" "$round_trips" "$unprivileged" "$parts" \
   >"$logs/vm.log" 2>&1 &
 vm=$!
 until exchange=$(ls -d "$runs"/run.* 2>/dev/null); do
@@ -327,17 +357,19 @@ for part in "${parts_to_check[@]}"; do "check_$part"; done
 vm_ok() {
   wait "$vm" || { echo "--- the VM's log" >&2; tail -n 30 "$logs/vm.log" >&2; return 1; }
 }
-check "the VM ran its programs and shut down" vm_ok
-objects_released() {
-  local start=$SECONDS now
-  while now=$(host_objects) && [ "$now" != "$baseline" ]; do
-    if [ $((SECONDS - start)) -gt 30 ]; then
-      echo "pci-e2e: host objects (pd cq qp mr) $now, before the VM $baseline" >&2
-      return 1
-    fi
-    sleep 0.5
-  done
+# Destroyed, the VM leaves no exit code: libvirt's word on how it ended counts, and the
+# domain is gone once run.sh has undefined it.
+vm_destroyed() {
+  wait "$vm"
+  grep -q "domain ${launch[1]} is shut off (destroyed)" "$logs/vm.log" &&
+    ! virsh -q -c qemu:///system dominfo "${launch[1]}" >/dev/null 2>&1 ||
+    { echo "--- the VM's log" >&2; tail -n 30 "$logs/vm.log" >&2; return 1; }
 }
+if [[ ",$parts," == *,held,* ]]; then
+  check "libvirt: the domain was destroyed, then undefined" vm_destroyed
+else
+  check "the VM ran its programs and shut down" vm_ok
+fi
 [ "$device" = rxe0 ] && check "every host object of the VM released after it shut down" objects_released
 kill "$backend" 2>/dev/null
 wait "$backend" 2>/dev/null

@@ -19,6 +19,9 @@
 #   native   guest-lib attached to the PCI device directly (session native-peer), then an
 #            unmodified ibv_rc_pingpong through vrdma's libibverbs; this VM has no network,
 #            so its TCP address exchange is relayed through pingpong.up / pingpong.down
+#   held     guest-lib attached to the PCI device makes its objects (QP and all), says its QP
+#            number and waits for a peer that never comes: the VM is destroyed under it
+#            (session held; the last part, as the VM does not end by itself then)
 # usage: tests/pci-guest.sh BIN_DIR ROUND_TRIPS UNPRIVILEGED_DIR PARTS
 #   UNPRIVILEGED_DIR holds copies of guest-endpoint, vrdma-run and vrdma-ibverbs/ that any
 #   user may run (the checkout may lie below a folder only its owner may enter)
@@ -293,11 +296,13 @@ part_native() {
   echo $? >"$exchange/pingpong.vm-rc"
 }
 
+part_held() { session held -- pong pci 1; }
+
 modprobe uio_pci_generic 2>/dev/null # the initramfs loaded it already, if it has it
 IFS=, read -ra parts_to_run <<<"$parts"
 for part in "${parts_to_run[@]}"; do
   case "$part" in
-    service | users | reopen | native) "part_$part" ;;
+    service | users | reopen | native | held) "part_$part" ;;
     *) echo "pci-guest.sh: unknown part '$part'" >&2; exit 2 ;;
   esac
 done

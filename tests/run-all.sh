@@ -3,8 +3,9 @@
 # integration tests on this machine, a VM with a vrdma PCI device served by the loopback host
 # (tests/pci-e2e.sh), then the integration tests that need real RDMA inside a QEMU guest with
 # rdma_rxe (tests/vm/), the cross-host tests (two such guests joined by an emulated Ethernet
-# link, tests/cross-host.sh), a benchmark smoke run, and a nested VM with the vrdma PCI device
-# inside the rxe guest. Installs what it needs on first use (tests/vm/setup.sh, and the patched
+# link, tests/cross-host.sh), a benchmark smoke run, a nested VM with the vrdma PCI device
+# inside the rxe guest (started by libvirt), and the Debian packages installed on a clean
+# system booted with systemd (tests/install-check.sh). Installs what it needs on first use (tests/vm/setup.sh, and the patched
 # QEMU of tests/vm/qemu/build.sh); caches under target/.
 #   VRDMA_VM_NO_RXE=1  boot the guest without rdma_rxe: the RDMA tests must then fail.
 set -euo pipefail
@@ -72,8 +73,11 @@ VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENC
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 \
   tests/vm/two-hosts.sh -- tests/bench-cross-host.sh "$PWD/target/debug"
 
-step "a nested VM with the vrdma PCI device, served through rxe0 in the rxe guest (about 10 minutes)"
+step "a nested VM with the vrdma PCI device started by libvirt, served through rxe0 in the rxe guest (about 5 minutes)"
 tests/vm/run.sh -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
+
+step "the packages installed on a clean Debian system booted with systemd (its root made once: about a minute)"
+tests/install-check.sh target/debs/*.deb
 step "done"
 }
 
@@ -84,9 +88,9 @@ run_all 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 # One closing line for every runner above: the totals of their "test result:" lines and of
-# the PCI-device VM and cross-host checks.
+# the PCI-device VM, cross-host and clean-install checks.
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
-     /^(\[[ab]\] )?(pci-e2e|cross-host): .* ok( \([0-9]+ s\))?$/ { p++ }
-     /^(\[[ab]\] )?(pci-e2e|cross-host): .* FAILED( \([0-9]+ s\))?$/ { f++ }
+     /^(\[[ab]\] )?(pci-e2e|cross-host|install): .* ok( \([0-9]+ s\))?$/ { p++ }
+     /^(\[[ab]\] )?(pci-e2e|cross-host|install): .* FAILED( \([0-9]+ s\))?$/ { f++ }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"

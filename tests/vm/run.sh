@@ -4,8 +4,8 @@
 # there unchanged. Prints the command's output and exits with its exit code.
 #
 # usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--cpus N] [--timeout SECONDS] [--vrdma SOCKET]
-#                        [--host-net ADDRESS/PREFIX,PORT,PEER_PORT] [--run-in DIR]
-#                        -- COMMAND [ARG...]
+#                        [--libvirt NAME] [--host-net ADDRESS/PREFIX,PORT,PEER_PORT]
+#                        [--root DIR] [--run-in DIR] -- COMMAND [ARG...]
 #   --no-rxe        boot without loading rdma_rxe (also VRDMA_VM_NO_RXE=1): RDMA tests must
 #                   then fail
 #   --cpus N        N vCPUs (2 by default; 1 in a nested guest)
@@ -16,6 +16,10 @@
 #                   give the guest a network card (eth0, with ADDRESS) whose frames travel as
 #                   UDP datagrams from 127.0.0.1:PORT to 127.0.0.1:PEER_PORT, where another
 #                   guest's card listens (tests/vm/two-hosts.sh); rxe0 then sits on eth0
+#   --root DIR      boot the clean system in DIR (tests/vm/clean-root.sh) with its own
+#                   systemd, not the machine's root: writable, though nothing written stays;
+#                   the machine's root is at /machine in it, and the command runs from
+#                   /machine followed by the current folder (give it relative paths)
 #   --run-in DIR    make the guest's writable folder (run.*) below DIR, where a caller
 #                   running beside the guest finds it, and leave it there for the caller to
 #                   read and remove (without this option it is removed when the guest ends)
@@ -26,7 +30,7 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 rxe=$([ "${VRDMA_VM_NO_RXE:-0}" = 1 ] && echo 0 || echo 1) mem=3072 limit=${VRDMA_VM_TIMEOUT:-1800}
-vrdma_socket= host_net= cpus= runs_in= keep_run=0
+vrdma_socket= host_net= cpus= runs_in= keep_run=0 libvirt_domain= clean_root=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-rxe) rxe=0; shift ;;
@@ -34,6 +38,8 @@ while [ $# -gt 0 ]; do
     --cpus) cpus=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
     --vrdma) vrdma_socket=$2; shift 2 ;;
+    --libvirt) libvirt_domain=$2; shift 2 ;;
+    --root) clean_root=$(cd "$2" && pwd); shift 2 ;;
     --host-net) host_net=$2; shift 2 ;;
     --run-in) runs_in=$2 keep_run=1; shift 2 ;;
     --) shift; break ;;
@@ -41,7 +47,13 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] [--host-net ...] [--run-in DIR] -- COMMAND [ARG...]" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] [--libvirt NAME] [--host-net ...] [--run-in DIR] -- COMMAND [ARG...]" >&2; exit 2; }
+if [ -n "$libvirt_domain" ]; then
+  [ -n "$vrdma_socket" ] && [ -n "${VRDMA_VM_RUN_DIR:-}" ] && [ -z "$host_net" ] ||
+    { echo "run.sh: --libvirt starts a VM with --vrdma inside a harness guest (and no --host-net)" >&2; exit 2; }
+  [[ "$libvirt_domain" =~ ^[A-Za-z0-9_.-]+$ ]] ||
+    { echo "run.sh: --libvirt takes a domain name of letters, digits, '.', '_' and '-', not '$libvirt_domain'" >&2; exit 2; }
+fi
 
 qemu=(qemu-system-x86_64)
 if [ -n "$vrdma_socket" ]; then
@@ -89,7 +101,7 @@ case "$run" in *[[:space:]]*) echo "run.sh: the repository path must not contain
 [ "$keep_run" = 1 ] || trap 'rm -rf "$run"' EXIT
 
 {
-  echo "cd $(printf '%q' "$PWD") || exit 125"
+  echo "cd $(printf '%q' "${clean_root:+/machine}$PWD") || exit 125"
   echo "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp"
   echo "export RUST_BACKTRACE=${RUST_BACKTRACE:-0}"
   [ -n "${RUST_LOG:-}" ] && echo "export RUST_LOG=$(printf '%q' "$RUST_LOG")"
@@ -114,14 +126,50 @@ case "$run" in *[[:space:]]*) echo "run.sh: the repository path must not contain
 # The kernel arguments after tsc=reliable skip boot work that costs an emulated guest seconds
 # and a nested one about a minute (measured with initcall_debug): the crypto self-tests, the
 # timer check, audit, and the CPU vulnerability mitigations (a test guest runs only the tests).
-timeout --foreground "$limit" "${qemu[@]}" \
-  -accel tcg -m "$mem" -smp "$cpus" -nographic -no-reboot "${nic[@]}" \
-  -kernel "$cache/kernel/vmlinuz" -initrd "$cache/initrd.gz" \
-  -append "console=ttyS0 quiet loglevel=3 panic=-1 tsc=reliable cryptomgr.notests no_timer_check audit=0 mitigations=off vrdma.results=$run vrdma.rxe=$rxe $net_arg" \
-  -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on \
-  -virtfs "local,path=$run,mount_tag=results,security_model=none" \
-  </dev/null | sed -u -e 's/\r//g; s/\x1b[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' \
-  -e '/^SeaBIOS (version/d; s/^Booting from ROM\.*//; /reboot: Power down/d' || true
+kernel_args="console=ttyS0 quiet loglevel=3 panic=-1 tsc=reliable cryptomgr.notests no_timer_check audit=0 mitigations=off vrdma.results=$run vrdma.rxe=$rxe $net_arg${clean_root:+ vrdma.root=$clean_root}"
+# What the guest prints on its console, without terminal escapes and firmware chatter.
+console_filter() {
+  sed -u -e 's/\r//g; s/\x1b[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' \
+    -e '/^SeaBIOS (version/d; s/^Booting from ROM\.*//; /reboot: Power down/d'
+}
+
+# The guest as a libvirt domain: its console is a file, followed until the domain is shut off.
+start_with_libvirt() {
+  "$repo/tests/vm/libvirtd.sh"
+  "$repo/tests/vm/libvirt-domain.py" "$repo/backend/libvirt/vrdma-vm.xml" "$libvirt_domain" \
+    "$mem" "$cpus" "$patched" "$vrdma_socket" "$queues" "$cache/kernel/vmlinuz" "$cache/initrd.gz" \
+    "$kernel_args" "$run" "$run/console.log" >"$run/domain.xml"
+  : >"$run/console.log"
+  virsh -q -c qemu:///system define "$run/domain.xml" >/dev/null
+  # errexit holds in the trap too: each step goes on whatever the one before it did.
+  trap 'virsh -q -c qemu:///system destroy "$libvirt_domain" >/dev/null 2>&1 || true
+    virsh -q -c qemu:///system undefine "$libvirt_domain" >/dev/null 2>&1 || true
+    [ "$keep_run" = 1 ] || rm -rf "$run"' EXIT
+  virsh -q -c qemu:///system start "$libvirt_domain" >/dev/null
+  tail -n +1 -F "$run/console.log" 2>/dev/null > >(console_filter) &
+  local console=$! start=$SECONDS
+  until [ "$(virsh -q -c qemu:///system domstate "$libvirt_domain" 2>/dev/null)" = "shut off" ]; do
+    if [ $((SECONDS - start)) -ge "$limit" ]; then
+      virsh -q -c qemu:///system destroy "$libvirt_domain" >/dev/null 2>&1 || true
+      break
+    fi
+    sleep 1
+  done
+  echo "run.sh: domain $libvirt_domain is $(virsh -q -c qemu:///system domstate --reason "$libvirt_domain" 2>&1)"
+  sleep 1 # the console's last lines
+  kill "$console" 2>/dev/null || true
+}
+
+if [ -n "$libvirt_domain" ]; then
+  start_with_libvirt
+else
+  timeout --foreground "$limit" "${qemu[@]}" \
+    -accel tcg -m "$mem" -smp "$cpus" -nographic -no-reboot "${nic[@]}" \
+    -kernel "$cache/kernel/vmlinuz" -initrd "$cache/initrd.gz" -append "$kernel_args" \
+    -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on \
+    -virtfs "local,path=$run,mount_tag=results,security_model=none" \
+    </dev/null | console_filter || true
+fi
 
 if [ ! -f "$run/rc" ]; then
   echo "run.sh: the guest ended without the command's exit code (boot failure or timeout after ${limit}s)" >&2

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares everything the VM harness needs, idempotently:
-#   - Debian packages (QEMU 10 from bookworm-backports, rdma-core, perftest, busybox, libclang);
+#   - Debian packages (QEMU 10 from bookworm-backports, rdma-core, perftest, busybox, libclang,
+#     libvirt, debootstrap);
 #   - the Debian kernel package, unpacked under target/vm/kernel/;
 #   - an initramfs that loads virtio/9p/veth/rdma_rxe modules and runs tests/vm/guest-init.sh.
 # Prints the cache directory on success. Safe to run any number of times.
@@ -34,7 +35,11 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
   # UCX's tools (ucx_info, ucx_perftest), run on vrdma0 (tests/tests/ibverbs_rxe.rs)
   ucx-utils
   # to count the backend's instructions per WQE in the benchmark (callgrind)
-  valgrind)
+  valgrind
+  # libvirt, which starts the nested VM in the rxe guest (tests/vm/libvirtd.sh)
+  libvirt-daemon-system libvirt-clients
+  # the clean Debian system the packages are installed on (tests/vm/clean-root.sh)
+  debootstrap)
 
 # deb822 sources entry for bookworm-backports, derived from the machine's main Debian entry so
 # that no package host is named here.
@@ -134,7 +139,8 @@ verify_setup() {
     fail "this QEMU has no vhost-user devices" "install Debian's qemu-system-x86 from bookworm-backports"
   local tool
   for tool in rdma:iproute2 ibv_devinfo:ibverbs-utils ib_write_bw:perftest busybox:busybox-static \
-    cpio:cpio depmod:kmod valgrind:valgrind ninja:ninja-build ucx_perftest:ucx-utils; do
+    cpio:cpio depmod:kmod valgrind:valgrind ninja:ninja-build ucx_perftest:ucx-utils \
+    libvirtd:libvirt-daemon-system virsh:libvirt-clients debootstrap:debootstrap; do
     command -v "${tool%%:*}" >/dev/null || [ -x "/sbin/${tool%%:*}" ] ||
       fail "${tool%%:*} is missing" "apt-get install ${tool#*:}"
   done
