@@ -47,7 +47,7 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] [--libvirt NAME] [--host-net ...] [--run-in DIR] -- COMMAND [ARG...]" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] [--libvirt NAME] [--host-net ...] [--root DIR] [--run-in DIR] -- COMMAND [ARG...]" >&2; exit 2; }
 if [ -n "$libvirt_domain" ]; then
   [ -n "$vrdma_socket" ] && [ -n "${VRDMA_VM_RUN_DIR:-}" ] && [ -z "$host_net" ] ||
     { echo "run.sh: --libvirt starts a VM with --vrdma inside a harness guest (and no --host-net)" >&2; exit 2; }
