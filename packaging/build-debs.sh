@@ -4,7 +4,8 @@
 #   users, the default guest declarations (/etc/vrdma/guests.toml) and options
 #   (/etc/default/vrdma-backend), a libvirt domain for a VM with a vrdma device (an example);
 # - vrdma-guest: for programs in a VM (or on a host) that use a vrdma device: vrdma's
-#   libibverbs.so.1 (/usr/lib/vrdma), vrdma-run, the guest service vrdmad and its unit.
+#   libibverbs.so.1 (/usr/lib/vrdma), vrdma-run, the guest service vrdmad and its unit, which
+#   the vrdma PCI device starts (udev rule).
 # usage: packaging/build-debs.sh [OUT_DIR]   (prints the packages' paths)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,11 +42,22 @@ CONTROL
   echo "$out/${name}_${version}_${arch}.deb"
 }
 
-# maintainer_scripts NAME USERS_FILE UNIT: make the unit's users (and, if the package has
-# one, its tmpfiles.d folders), enable and start the unit where systemd runs (and stop it
-# before removal).
+# maintainer_scripts NAME USERS_FILE UNIT START: make the unit's users (and, if the package
+# has one, its tmpfiles.d folders), and where systemd runs start the unit: START "boot"
+# enables it and starts it now, "device" leaves that to the package's udev rule (the unit is
+# wanted by a device: udev is told to look at the devices again); stop it before removal.
 maintainer_scripts() {
-  local root=$work/$1 users=$2 unit=$3
+  local root=$work/$1 users=$2 unit=$3 start
+  case "$4" in
+    boot)
+      # A unit that cannot start yet (no RDMA device) must not fail the installation: it
+      # says so, and the journal says why.
+      start="systemctl enable $unit
+    systemctl restart $unit || echo \"$unit did not start: see journalctl -u $unit\" >&2" ;;
+    device)
+      start="udevadm control --reload-rules || true
+    udevadm trigger --action=add --subsystem-match=pci --attr-match=vendor=0x1af4 --attr-match=device=0x106a || true" ;;
+  esac
   mkdir -p "$root/DEBIAN"
   cat >"$root/DEBIAN/postinst" <<SCRIPT
 #!/bin/sh
@@ -57,10 +69,7 @@ if [ "\$1" = configure ]; then
   fi
   if [ -d /run/systemd/system ]; then
     systemctl daemon-reload
-    systemctl enable $unit
-    # A unit that cannot start yet (no RDMA device, no vrdma device in this VM) must not
-    # fail the installation: it says so, and the journal says why.
-    systemctl restart $unit || echo "$unit did not start: see journalctl -u $unit" >&2
+    $start
   fi
 fi
 SCRIPT
@@ -89,7 +98,7 @@ install -D -m 0644 backend/systemd/vrdma-backend.tmpfiles "$backend/usr/lib/tmpf
 install -D -m 0644 backend/systemd/guests.toml "$backend/etc/vrdma/guests.toml"
 install -D -m 0644 backend/systemd/vrdma-backend.default "$backend/etc/default/vrdma-backend"
 install -D -m 0644 backend/libvirt/vrdma-vm.xml "$backend/usr/share/doc/vrdma-backend/examples/vrdma-vm.xml"
-maintainer_scripts vrdma-backend vrdma-backend.conf vrdma-backend.service
+maintainer_scripts vrdma-backend vrdma-backend.conf vrdma-backend.service boot
 package vrdma-backend "libc6, libibverbs1, ibverbs-providers, systemd | systemd-standalone-sysusers" \
   "vhost-user backend of vrdma, a paravirtual RDMA device for virtual machines
  Serves the vrdma virtio device (id 42) to QEMU and cloud-hypervisor guests over
@@ -102,6 +111,7 @@ install -D -m 0755 guest-lib/ibverbs/vrdma-run "$guest/usr/lib/vrdma/vrdma-run"
 install -D -m 0755 target/release/vrdmad "$guest/usr/sbin/vrdmad"
 install -D -m 0644 guest-lib/service/systemd/vrdmad.service "$guest/lib/systemd/system/vrdmad.service"
 install -D -m 0644 guest-lib/service/systemd/vrdma.sysusers "$guest/usr/lib/sysusers.d/vrdma.conf"
+install -D -m 0644 guest-lib/service/systemd/60-vrdma.rules "$guest/usr/lib/udev/rules.d/60-vrdma.rules"
 mkdir -p "$guest/usr/bin"
 cat >"$guest/usr/bin/vrdma-run" <<'RUN'
 #!/bin/sh
@@ -109,7 +119,7 @@ cat >"$guest/usr/bin/vrdma-run" <<'RUN'
 VRDMA_IBVERBS_DIR=${VRDMA_IBVERBS_DIR:-/usr/lib/vrdma} exec /usr/lib/vrdma/vrdma-run "$@"
 RUN
 chmod 0755 "$guest/usr/bin/vrdma-run"
-maintainer_scripts vrdma-guest vrdma.conf vrdmad.service
+maintainer_scripts vrdma-guest vrdma.conf vrdmad.service device
 package vrdma-guest "libc6, kmod, systemd | systemd-standalone-sysusers" \
   "vrdma's libibverbs and guest service, for programs that use a vrdma device
  Unmodified libibverbs programs run on a vrdma device through vrdma-run; inside a

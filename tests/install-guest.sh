@@ -2,8 +2,9 @@
 # Runs in a clean Debian 12 system booted by its own systemd (tests/install-check.sh starts
 # it): installs vrdma's packages as an operator would, `apt-get install ./*.deb`, with the
 # local package source tests/vm/clean-root.sh filled (the guest has no network), then checks
-# that the backend's unit started the daemon as its packaged configuration says, that it
-# serves a guest added at run time, and that removing the package stops it.
+# that the VM's vrdma device started the guest service and programs pair through it, that the
+# backend's unit started the daemon as its packaged configuration says, that it serves a
+# guest added at run time, and that removing the package stops it.
 # Prints `install: CHECK ok|FAILED` per check; exits 1 if any failed.
 # usage: tests/install-guest.sh DEPS_DIR DEB...   (the folder and the packages: paths as this
 #        system sees them)
@@ -35,9 +36,40 @@ installed() {
   apt-get update -qq >/tmp/apt.log 2>&1 &&
     DEBIAN_FRONTEND=noninteractive apt-get install -y /tmp/debs/*.deb >>/tmp/apt.log 2>&1 ||
     { tail -n 20 /tmp/apt.log >&2; return 1; }
-  grep -E '^(Setting up|vrdma)' /tmp/apt.log | sed 's/^/install:   /'
+  grep -E '^Setting up vrdma|did not start' /tmp/apt.log | sed 's/^/install:   /'
 }
 check "apt-get install ./vrdma-backend_*.deb ./vrdma-guest_*.deb on a clean system" installed
+
+# The guest side: this VM's vrdma device started the guest service (the package's udev
+# rule), and two programs pair through it (Debian's ibv_rc_pingpong, from the machine, on
+# vrdma's libibverbs as installed).
+vrdmad_active() { [ "$(systemctl is-active vrdmad)" = active ]; }
+started_by_the_device() {
+  wait_for 120 vrdmad_active || {
+    systemctl status --no-pager vrdmad >&2
+    journalctl -u vrdmad --no-pager | tail -n 20 >&2
+    return 1
+  }
+  # What it said of the device (informative).
+  journalctl _SYSTEMD_UNIT=vrdmad.service --no-pager -o cat | grep -m1 -i "device" |
+    sed 's/^/install:   vrdmad: /'
+  return 0
+}
+check "the vrdma PCI device started vrdmad (udev), once the package was installed" started_by_the_device
+
+pingpong_through_vrdmad() {
+  local pingpong=(vrdma-run --device service -- /machine/usr/bin/ibv_rc_pingpong -d vrdma0 -g 0 -c -n 20 -p 18530)
+  "${pingpong[@]}" >/tmp/server.out 2>&1 &
+  local server=$!
+  sleep 2
+  wait_for 60 "${pingpong[@]}" 127.0.0.1 >/tmp/client.out 2>&1 && wait "$server" &&
+    grep -q ' iters in ' /tmp/client.out || {
+    tail -n 5 /tmp/server.out /tmp/client.out >&2
+    return 1
+  }
+  grep ' iters in ' /tmp/client.out | sed 's/^/install:   /'
+}
+check "ibv_rc_pingpong -c pair through the installed vrdma-run and vrdmad" pingpong_through_vrdmad
 
 backend_active() { [ "$(systemctl is-active vrdma-backend)" = active ]; }
 started_by_the_unit() {

@@ -27,7 +27,8 @@ expect "$backend" /usr/bin/vhost-user-rdma /usr/bin/vrdmactl \
   /etc/vrdma/guests.toml /etc/default/vrdma-backend /usr/share/doc/vrdma-backend/README.md \
   /usr/share/doc/vrdma-backend/examples/vrdma-vm.xml
 expect "$guest" /usr/lib/vrdma/libibverbs.so.1 /usr/lib/vrdma/vrdma-run /usr/bin/vrdma-run \
-  /usr/sbin/vrdmad /lib/systemd/system/vrdmad.service /usr/lib/sysusers.d/vrdma.conf
+  /usr/sbin/vrdmad /lib/systemd/system/vrdmad.service /usr/lib/sysusers.d/vrdma.conf \
+  /usr/lib/udev/rules.d/60-vrdma.rules
 conffiles=$(dpkg-deb --ctrl-tarfile "$backend" | tar -xO ./conffiles)
 [ "$conffiles" = $'/etc/default/vrdma-backend\n/etc/vrdma/guests.toml' ] ||
   [ "$conffiles" = $'/etc/vrdma/guests.toml\n/etc/default/vrdma-backend' ] ||

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepares, once, what tests/install-check.sh installs vrdma's packages on: a clean Debian 12
-# root file system (debootstrap, minbase with systemd as init) under target/vm/clean-root/,
+# root file system (debootstrap, minbase with systemd and udev) under target/vm/clean-root/,
 # and, for the packages built now, a local package source holding every package they need
 # that the clean root lacks (under target/vm/clean-deps/): the guest that boots the root has
 # no network, so apt resolves and installs from that folder. The root is never booted
@@ -24,23 +24,26 @@ mirror() {
   awk '/^URIs:/ { print $2; exit }' "$main"
 }
 
-if [ ! -f "$root/.complete" ]; then
+# What every installed Debian system has and the packages rely on: systemd as init, udev
+# (which starts vrdmad when the vrdma device appears).
+include=systemd,systemd-sysv,udev
+if [ "$(cat "$root/.complete" 2>/dev/null)" != "$include" ]; then
   command -v debootstrap >/dev/null || fail "debootstrap is missing" "run tests/vm/setup.sh (or apt-get install debootstrap)"
   log "making a clean Debian 12 root with systemd (once; a few minutes; log: $cache/clean-root.log)"
   rm -rf "$root"
-  debootstrap --variant=minbase --include=systemd,systemd-sysv bookworm "$root" "$(mirror)" \
+  debootstrap --variant=minbase --include="$include" bookworm "$root" "$(mirror)" \
     >"$cache/clean-root.log" 2>&1 ||
     fail "debootstrap failed (log: $cache/clean-root.log)" "check the network and the machine's Debian mirror"
-  # What a booted test guest needs of it: a root password-less console is not needed (the
-  # harness runs its command as a unit); no machine id yet, as on a fresh install.
+  # No machine id yet, as on a fresh install.
   rm -f "$root/etc/machine-id" && touch "$root/etc/machine-id"
-  touch "$root/.complete"
+  echo "$include" >"$root/.complete"
 fi
 
 # The packages' dependencies the root lacks, downloaded as apt would on it (its dpkg status
 # file stands in for the machine's), into a local source; done again when the packages'
-# dependencies change.
-want=$(for deb in "${debs[@]}"; do dpkg-deb -f "$deb" Package Depends; done | sha256sum | cut -d' ' -f1)
+# dependencies or the root change.
+want=$({ echo "$include"; for deb in "${debs[@]}"; do dpkg-deb -f "$deb" Package Depends; done; } |
+  sha256sum | cut -d' ' -f1)
 if [ "$(cat "$deps/.for" 2>/dev/null)" != "$want" ]; then
   log "downloading what the packages need into a local package source ($deps)"
   rm -rf "$deps" && mkdir -p "$deps/partial"

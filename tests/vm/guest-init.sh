@@ -102,7 +102,7 @@ Description=the command tests/vm/run.sh gave this guest
 After=multi-user.target
 [Service]
 Type=oneshot
-ExecStart=/bin/sh -c '/bin/bash $results/cmd.sh; echo \$? >$results/rc; sync; systemctl --no-block --check-inhibitors=no poweroff'
+ExecStart=/bin/sh -c '/bin/bash $results/cmd.sh; echo \$? >$results/rc; sync; systemctl --no-block start poweroff.target --job-mode=replace-irreversibly'
 StandardOutput=tty
 StandardError=tty
 TTYPath=/dev/ttyS0
