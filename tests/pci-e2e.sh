@@ -40,11 +40,11 @@ bin=$(cd "$1" && pwd)
 device=${2:-}
 case "$device" in
   loopback) parts=${VRDMA_PCI_PARTS:-service,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
-    launch=() ;;
+    domain= launch=() ;;
   rxe0)
     [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
     parts=${VRDMA_PCI_PARTS:-native,users,held} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20}
-    launch=(--libvirt vrdma-nested) ;;
+    domain=vrdma-nested launch=(--libvirt "$domain") ;;
   *) echo "usage: $0 BIN_DIR loopback|rxe0" >&2; exit 2 ;;
 esac
 # Socket, logs, the peers' files, and copies of what the VM runs as other users: in a folder
@@ -330,7 +330,7 @@ destroy_under_a_program() {
   held=$(host_objects)
   [ "$held" != "$baseline" ] || { echo "pci-e2e: the VM's program holds no host object" >&2; return 1; }
   echo "pci-e2e: host objects before the VM: $baseline; with its program: $held"
-  virsh -q -c qemu:///system destroy "${launch[1]}" >/dev/null && objects_released
+  virsh -q -c qemu:///system destroy "$domain" >/dev/null && objects_released
 }
 check_held() {
   check "virsh destroy while a program in the VM holds a QP: the backend releases all it held" \
@@ -361,8 +361,8 @@ vm_ok() {
 # domain is gone once run.sh has undefined it.
 vm_destroyed() {
   wait "$vm"
-  grep -q "domain ${launch[1]} is shut off (destroyed)" "$logs/vm.log" &&
-    ! virsh -q -c qemu:///system dominfo "${launch[1]}" >/dev/null 2>&1 ||
+  grep -q "domain $domain is shut off (destroyed)" "$logs/vm.log" &&
+    ! virsh -q -c qemu:///system dominfo "$domain" >/dev/null 2>&1 ||
     { echo "--- the VM's log" >&2; tail -n 30 "$logs/vm.log" >&2; return 1; }
 }
 if [[ ",$parts," == *,held,* ]]; then

@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::datapath::RateLimits;
 use crate::device::GuestReport;
+use crate::sandbox::{GroupError, SocketGroup};
 
 /// The longest request line read.
 const MAX_REQUEST: u64 = 256;
@@ -445,6 +446,13 @@ pub fn listen(path: &Path, group: Option<&str>) -> Result<AdminSocket, AdminErro
         path: path.to_owned(),
         source,
     };
+    let group = group
+        .map(SocketGroup::named)
+        .transpose()
+        .map_err(|e| match e {
+            GroupError::NotFound(name) => AdminError::NoSuchGroup(name),
+            GroupError::Lookup { name, source } => AdminError::Group { name, source },
+        })?;
     match std::fs::symlink_metadata(path) {
         Ok(meta) if std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()) => {
             std::fs::remove_file(path).map_err(socket_error)?;
@@ -458,19 +466,11 @@ pub fn listen(path: &Path, group: Option<&str>) -> Result<AdminSocket, AdminErro
         Err(e) => return Err(socket_error(e)),
     }
     let listener = UnixListener::bind(path).map_err(socket_error)?;
-    let mode = if group.is_some() { 0o660 } else { 0o600 };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(socket_error)?;
-    if let Some(name) = group {
-        let gid = nix::unistd::Group::from_name(name)
-            .map_err(|source| AdminError::Group {
-                name: name.to_string(),
-                source,
-            })?
-            .ok_or_else(|| AdminError::NoSuchGroup(name.to_string()))?
-            .gid;
-        nix::unistd::chown(path, None, Some(gid))
-            .map_err(|e| socket_error(std::io::Error::from(e)))?;
+    match group {
+        Some(group) => group.give(path),
+        None => std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)),
     }
+    .map_err(socket_error)?;
     log::info!("management socket on {}", path.display());
     Ok(AdminSocket {
         listener,

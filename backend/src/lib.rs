@@ -117,7 +117,7 @@ pub struct Config {
     pub rate_limits: datapath::RateLimits,
     /// The group whose members may connect to the guests' sockets (front ends running as
     /// another user: libvirt's QEMU); `None` leaves them to the backend's user.
-    pub socket_group: Option<vhost_user::SocketGroup>,
+    pub socket_group: Option<sandbox::SocketGroup>,
 }
 
 #[cfg(test)]

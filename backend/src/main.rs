@@ -7,7 +7,7 @@ use vrdma_backend::admin::AdminSocket;
 use vrdma_backend::guest_address::GuestIp;
 use vrdma_backend::guests::{ClaimedGuest, Declarations};
 use vrdma_backend::memory_regions::UnsealedFiles;
-use vrdma_backend::sandbox::{RunAs, SeccompMode};
+use vrdma_backend::sandbox::{RunAs, SeccompMode, SocketGroup};
 use vrdma_backend::{limits, vhost_user, Config, HostDevice, Quotas};
 
 /// vhost-user backend of the vrdma paravirtual RDMA device (virtio id 42).
@@ -132,7 +132,7 @@ struct Args {
     /// Group whose members may connect to the guests' sockets (mode 0660), for front ends
     /// that run as another user than the backend: libvirt's QEMU (libvirt-qemu on Debian).
     #[arg(long)]
-    socket_group: Option<vhost_user::SocketGroup>,
+    socket_group: Option<SocketGroup>,
     /// Check the host device and print what guests would be offered, then exit.
     #[arg(long, conflicts_with = "socket_path")]
     check: bool,
@@ -230,7 +230,11 @@ fn run(args: Args) -> Result<(), vrdma_backend::Error> {
         .transpose()?;
     let admin = listen_admin(admin)?;
     if let Some(user) = &user {
-        vrdma_backend::sandbox::run_as(user, &config, config.guest_ip.is_some())?;
+        vrdma_backend::sandbox::run_as(
+            user,
+            config.socket_group.as_ref(),
+            config.guest_ip.is_some(),
+        )?;
     }
     vrdma_backend::exit_on_signals(&addresses)?;
     let result = check_or_serve(&config, listener, admin);
@@ -268,7 +272,7 @@ fn serve_declared(args: Args, path: &std::path::Path) -> Result<(), vrdma_backen
     if let Some(user) = &user {
         // Guests added at run time claim their GIDs there, as `user`.
         vrdma_backend::gid_claim::lock_dir();
-        vrdma_backend::sandbox::run_as(user, &config, keep_net_admin)?;
+        vrdma_backend::sandbox::run_as(user, config.socket_group.as_ref(), keep_net_admin)?;
     }
     let addresses = vrdma_backend::GuestAddresses::default();
     vrdma_backend::exit_on_signals(&addresses)?;

@@ -81,8 +81,58 @@ impl std::str::FromStr for RunAs {
     }
 }
 
-/// Becomes `user` (its uid and primary group, and `config`'s socket group, which lets it give
-/// the sockets of guests added later to that group; no other groups, no capabilities) for good;
+/// A group whose members may open one of the backend's sockets: the guests' (`--socket-group`,
+/// for front ends running as another user, as libvirt's QEMU does) or the management socket
+/// (`--admin-group`). Looked up before the backend is confined: a guest added at run time gets
+/// its socket under the seccomp filter, where the group database cannot be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SocketGroup {
+    pub name: String,
+    pub gid: nix::unistd::Gid,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GroupError {
+    #[error("no group named {0}")]
+    NotFound(String),
+    #[error("cannot look up group {name}: {source}")]
+    Lookup { name: String, source: nix::Error },
+}
+
+impl SocketGroup {
+    pub fn named(name: &str) -> Result<SocketGroup, GroupError> {
+        let group = nix::unistd::Group::from_name(name)
+            .map_err(|source| GroupError::Lookup {
+                name: name.to_string(),
+                source,
+            })?
+            .ok_or_else(|| GroupError::NotFound(name.to_string()))?;
+        Ok(SocketGroup {
+            name: group.name,
+            gid: group.gid,
+        })
+    }
+
+    /// Makes the socket at `path` this group's, mode 0660. The backend owns the socket; once
+    /// it serves as `--user`, the group is among that user's ([`run_as`]), which is what lets
+    /// an owner give a file to a group without CAP_CHOWN.
+    pub fn give(&self, path: &std::path::Path) -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        nix::unistd::chown(path, None, Some(self.gid))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+    }
+}
+
+impl std::str::FromStr for SocketGroup {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<SocketGroup, String> {
+        SocketGroup::named(name).map_err(|e| e.to_string())
+    }
+}
+
+/// Becomes `user` (its uid and primary group, and `socket_group`, which lets it give the
+/// sockets of guests added later to that group; no other groups, no capabilities) for good;
 /// with `keep_net_admin` it keeps CAP_NET_ADMIN alone, to take a guest's address off the host
 /// when it stops. Memory regions pin guest memory, which an unprivileged process may do only
 /// up to RLIMIT_MEMLOCK: the limit is lifted first (the guest quotas bound it instead).
@@ -91,7 +141,7 @@ impl std::str::FromStr for RunAs {
 /// started later inherit the ones of the thread that starts them.
 pub fn run_as(
     user: &RunAs,
-    config: &crate::Config,
+    socket_group: Option<&SocketGroup>,
     keep_net_admin: bool,
 ) -> Result<(), SandboxError> {
     use nix::sys::resource::{setrlimit, Resource, RLIM_INFINITY};
@@ -112,7 +162,7 @@ pub fn run_as(
         .map_err(failed("lifting RLIMIT_MEMLOCK"))?;
     nix::sys::prctl::set_keepcaps(keep_net_admin).map_err(failed("PR_SET_KEEPCAPS"))?;
     let groups: Vec<_> = std::iter::once(user.gid)
-        .chain(config.socket_group.as_ref().map(|group| group.gid))
+        .chain(socket_group.map(|group| group.gid))
         .collect();
     setgroups(&groups).map_err(failed("setgroups"))?;
     setresgid(user.gid, user.gid, user.gid).map_err(failed("setresgid"))?;
@@ -398,7 +448,7 @@ mod tests {
             let dir = std::env::temp_dir();
             let socket = dir.join(format!("vrdma-sandbox-{}.sock", std::process::id()));
             // The group as --socket-group resolves it before the filter; the process's own.
-            let group = crate::vhost_user::SocketGroup {
+            let group = SocketGroup {
                 name: "own".into(),
                 gid: nix::unistd::getegid(),
             };
@@ -415,6 +465,12 @@ mod tests {
         for line in ["claimed: true", "listening: true", "added"] {
             assert!(stderr.contains(line), "{stderr}");
         }
+    }
+
+    #[test]
+    fn a_group_that_does_not_exist_is_refused_by_name() {
+        let error = "vrdma-no-such-group".parse::<SocketGroup>().unwrap_err();
+        assert_eq!(error, "no group named vrdma-no-such-group");
     }
 
     #[test]

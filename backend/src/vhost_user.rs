@@ -439,54 +439,22 @@ impl Managed for RwLock<RdmaBackend> {
 
 /// The vhost-user socket at `socket_path`, listening (a file left there is replaced); with
 /// `group`, that group's members may connect to it too.
-pub fn listen(socket_path: &Path, group: Option<&SocketGroup>) -> Result<Listener, Error> {
+pub fn listen(
+    socket_path: &Path,
+    group: Option<&crate::sandbox::SocketGroup>,
+) -> Result<Listener, Error> {
     let listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
     if let Some(group) = group {
-        group.give(socket_path)?;
+        group
+            .give(socket_path)
+            .map_err(|source| Error::SocketGroup {
+                path: socket_path.to_owned(),
+                group: group.name.clone(),
+                source,
+            })?;
     }
     log::info!("listening on {}", socket_path.display());
     Ok(listener)
-}
-
-/// A group whose members may connect to the guests' sockets (`--socket-group`): a front end
-/// that runs as another user than the backend, as libvirt's QEMU does. Resolved when the
-/// command line is read: a guest added at run time gets its socket under the seccomp filter,
-/// where the group database cannot be read.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SocketGroup {
-    pub name: String,
-    pub gid: nix::unistd::Gid,
-}
-
-impl std::str::FromStr for SocketGroup {
-    type Err = String;
-
-    fn from_str(name: &str) -> Result<SocketGroup, String> {
-        let group = nix::unistd::Group::from_name(name)
-            .map_err(|e| format!("cannot look up group {name}: {e}"))?
-            .ok_or_else(|| format!("no group named {name}"))?;
-        Ok(SocketGroup {
-            name: group.name,
-            gid: group.gid,
-        })
-    }
-}
-
-impl SocketGroup {
-    /// Makes the socket at `path` this group's, mode 0660. The backend owns the socket; once
-    /// it serves as `--user`, the group is among that user's ([`crate::sandbox::run_as`]),
-    /// which is what lets an owner give a file to a group without CAP_CHOWN.
-    fn give(&self, path: &Path) -> Result<(), Error> {
-        use std::os::unix::fs::PermissionsExt;
-        let failed = |source| Error::SocketGroup {
-            path: path.to_owned(),
-            group: self.name.clone(),
-            source,
-        };
-        nix::unistd::chown(path, None, Some(self.gid))
-            .map_err(|e| failed(std::io::Error::from(e)))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(failed)
-    }
 }
 
 /// The name of the one socket `--socket-path` serves, in reports.
@@ -827,7 +795,7 @@ mod tests {
         let own_group = nix::unistd::Group::from_gid(nix::unistd::getegid())
             .unwrap()
             .expect("the process's group has a name");
-        let group: SocketGroup = own_group.name.parse().unwrap();
+        let group: crate::sandbox::SocketGroup = own_group.name.parse().unwrap();
         let socket = std::env::temp_dir().join(format!("vrdma-group-{}.sock", std::process::id()));
         let listener = listen(&socket, Some(&group)).unwrap();
         let meta = std::fs::metadata(&socket).unwrap();
@@ -835,11 +803,5 @@ mod tests {
         assert_eq!(meta.permissions().mode() & 0o777, 0o660);
         drop(listener);
         let _ = std::fs::remove_file(&socket);
-    }
-
-    #[test]
-    fn a_group_that_does_not_exist_is_refused_by_name() {
-        let error = "vrdma-no-such-group".parse::<SocketGroup>().unwrap_err();
-        assert_eq!(error, "no group named vrdma-no-such-group");
     }
 }

@@ -534,7 +534,7 @@ fn a_socket_group_lets_its_members_connect_to_declared_and_added_guests() {
     std::fs::write(&config, declared).unwrap();
     let admin = dir.join("admin.sock");
     let users = "users"
-        .parse::<vrdma_backend::vhost_user::SocketGroup>()
+        .parse::<vrdma_backend::sandbox::SocketGroup>()
         .unwrap()
         .gid;
     let _backend = serve_declared(
