@@ -305,6 +305,9 @@ const ALLOWED: &[libc::c_long] = &[
 
 /// Confines every thread of the process as `mode` says. Threads started later inherit it.
 pub fn confine(mode: SeccompMode) -> Result<(), SandboxError> {
+    if mode != SeccompMode::None {
+        crate::hostverbs::cm::prepare();
+    }
     let mismatch = match mode {
         SeccompMode::None => return Ok(()),
         SeccompMode::Log => SeccompAction::Log,

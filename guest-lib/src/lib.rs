@@ -46,6 +46,7 @@ pub const DEVICE_NODE_NUMBERS: (u64, u64) = (1, 3);
 
 pub use direct::DirectOptions;
 pub use shm::SharedBuffer;
+pub use verbs::cm::{self, CmEvent, CmId, ConnParam};
 pub use verbs::work;
 pub use verbs::{
     access, qp_attr_mask, random_psn, AddressHandle, AhAttr, Chain, CompletionQueue, Device,

@@ -19,7 +19,8 @@ pub(crate) const WANTED_FEATURES: u64 = features::VERSION_1
     | features::SRQ
     | features::ATOMIC
     | features::INDIRECT_PAGE_LIST
-    | features::DOORBELL_AREAS;
+    | features::DOORBELL_AREAS
+    | features::CM;
 
 pub trait Transport: Send + Sync {
     /// The device configuration space, read at attach time.

@@ -1,6 +1,7 @@
 //! The verbs API: typed objects over the device's control commands, each destroyed on the
 //! device when dropped. Children keep their parents alive (a QP its PD and CQs, an MR its PD).
 
+pub mod cm;
 mod posting;
 pub mod work;
 
@@ -363,6 +364,7 @@ impl Device {
             event_kind::QP_FATAL => DeviceEvent::QpFatal(handle),
             event_kind::SRQ_LIMIT_REACHED => DeviceEvent::SrqLimitReached(handle),
             event_kind::SRQ_ERROR => DeviceEvent::SrqError(handle),
+            event_kind::CM_EVENT => DeviceEvent::CmEvent(handle),
             event_kind::DEVICE_FATAL => DeviceEvent::DeviceFatal,
             event_kind::PORT_ACTIVE | event_kind::PORT_ERROR if handle <= u32::from(u8::MAX) => {
                 let port = handle as u8;

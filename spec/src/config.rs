@@ -17,6 +17,8 @@ pub mod features {
     /// Doorbell areas besides SET_NOTIFY_AREA's (ADD_DOORBELL_AREA, SPEC.md §8.6), for a
     /// driver that shares the device among programs.
     pub const DOORBELL_AREAS: u64 = 1 << 5;
+    /// Connection management on the driver's own address (CM_* commands, SPEC.md §13).
+    pub const CM: u64 = 1 << 6;
     /// VIRTIO_F_VERSION_1: mandatory, the device is modern-only.
     pub const VERSION_1: u64 = 1 << 32;
 }

@@ -1,5 +1,6 @@
 //! Control queue: request/response framing and every command (SPEC.md §5).
 
+use crate::cm;
 use crate::mem::PageList;
 use crate::{wire_struct, Le16, Le32, Le64};
 
@@ -71,6 +72,20 @@ wire_enum! {
         SetNotifyArea = 19,
         AddDoorbellArea = 20,
         DestroyDoorbellArea = 21,
+        CmCreateId = 22,
+        CmDestroyId = 23,
+        CmBind = 24,
+        CmResolveAddr = 25,
+        CmResolveRoute = 26,
+        CmListen = 27,
+        CmConnect = 28,
+        CmAccept = 29,
+        CmReject = 30,
+        CmDisconnect = 31,
+        CmEstablish = 32,
+        CmInitQpAttr = 33,
+        CmQuery = 34,
+        CmGetEvent = 35,
     }
 }
 
@@ -126,7 +141,12 @@ impl Opcode {
             | Self::DestroyQp
             | Self::DestroyAh
             | Self::DestroySrq
-            | Self::DestroyDoorbellArea => size_of::<HandleRequest>(),
+            | Self::DestroyDoorbellArea
+            | Self::CmDestroyId
+            | Self::CmDisconnect
+            | Self::CmEstablish
+            | Self::CmQuery
+            | Self::CmGetEvent => size_of::<HandleRequest>(),
             Self::CreateCq => size_of::<CreateCqRequest>(),
             Self::RegMr => size_of::<RegMrRequest>(),
             Self::CreateQp => size_of::<CreateQpRequest>(),
@@ -136,6 +156,14 @@ impl Opcode {
             Self::ModifySrq => size_of::<ModifySrqRequest>(),
             Self::SetNotifyArea => size_of::<SetNotifyAreaRequest>(),
             Self::AddDoorbellArea => size_of::<AddDoorbellAreaRequest>(),
+            Self::CmCreateId => size_of::<cm::CmCreateIdRequest>(),
+            Self::CmBind => size_of::<cm::CmBindRequest>(),
+            Self::CmResolveAddr => size_of::<cm::CmResolveAddrRequest>(),
+            Self::CmResolveRoute => size_of::<cm::CmResolveRouteRequest>(),
+            Self::CmListen => size_of::<cm::CmListenRequest>(),
+            Self::CmConnect | Self::CmAccept => size_of::<cm::CmConnectRequest>(),
+            Self::CmReject => size_of::<cm::CmRejectRequest>(),
+            Self::CmInitQpAttr => size_of::<cm::CmInitQpAttrRequest>(),
         }
     }
 
@@ -146,9 +174,14 @@ impl Opcode {
             Self::QueryDevice => size_of::<DeviceAttr>(),
             Self::QueryPort => size_of::<PortAttr>(),
             Self::QueryGid => size_of::<QueryGidResponse>(),
-            Self::AllocPd | Self::CreateCq | Self::CreateAh | Self::AddDoorbellArea => {
-                size_of::<CreatedResponse>()
-            }
+            Self::AllocPd
+            | Self::CreateCq
+            | Self::CreateAh
+            | Self::AddDoorbellArea
+            | Self::CmCreateId => size_of::<CreatedResponse>(),
+            Self::CmInitQpAttr => size_of::<ModifyQpRequest>(),
+            Self::CmQuery => size_of::<cm::CmIdInfo>(),
+            Self::CmGetEvent => size_of::<cm::CmEvent>(),
             Self::RegMr => size_of::<RegMrResponse>(),
             Self::CreateQp => size_of::<CreateQpResponse>(),
             Self::QueryQp => size_of::<QpAttr>(),
@@ -162,7 +195,17 @@ impl Opcode {
             | Self::ModifySrq
             | Self::DestroySrq
             | Self::SetNotifyArea
-            | Self::DestroyDoorbellArea => 0,
+            | Self::DestroyDoorbellArea
+            | Self::CmDestroyId
+            | Self::CmBind
+            | Self::CmResolveAddr
+            | Self::CmResolveRoute
+            | Self::CmListen
+            | Self::CmConnect
+            | Self::CmAccept
+            | Self::CmReject
+            | Self::CmDisconnect
+            | Self::CmEstablish => 0,
         }
     }
 }
@@ -652,18 +695,18 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip_and_unknown_values_are_rejected() {
-        for raw in 1..=21u16 {
+        for raw in 1..=35u16 {
             let op = Opcode::try_from(raw).unwrap();
             assert_eq!(op as u16, raw);
         }
         assert_eq!(Opcode::try_from(0), Err(0));
-        assert_eq!(Opcode::try_from(22), Err(22));
+        assert_eq!(Opcode::try_from(36), Err(36));
         assert_eq!(Opcode::try_from(u16::MAX), Err(u16::MAX));
     }
 
     #[test]
     fn every_request_and_response_size_is_a_multiple_of_eight() {
-        for raw in 1..=21u16 {
+        for raw in 1..=35u16 {
             let op = Opcode::try_from(raw).unwrap();
             assert_eq!(op.request_size() % 8, 0, "{op:?}");
             assert_eq!(op.response_size() % 8, 0, "{op:?}");

@@ -220,6 +220,9 @@ pub mod event_kind {
     /// The device stopped taking WQEs from an SRQ (a malformed WQE, an unusable ring); every
     /// QP receiving from it fails too; `handle` is the SRQ.
     pub const SRQ_ERROR: u16 = 8;
+    /// Connection-manager events are queued on an id that had none (SPEC.md §13.4); `handle`
+    /// is the CM id.
+    pub const CM_EVENT: u16 = 9;
 
     /// The constant's name, or `None` for a kind this specification does not define.
     pub fn name(kind: u16) -> Option<&'static str> {
@@ -232,12 +235,13 @@ pub mod event_kind {
             PORT_ACTIVE => "PORT_ACTIVE",
             PORT_ERROR => "PORT_ERROR",
             SRQ_ERROR => "SRQ_ERROR",
+            CM_EVENT => "CM_EVENT",
             _ => return None,
         })
     }
 
     /// One more than the largest kind defined.
-    pub const KINDS: usize = SRQ_ERROR as usize + 1;
+    pub const KINDS: usize = CM_EVENT as usize + 1;
 }
 
 /// An entry the device writes into a buffer of the event queue (SPEC.md §8.4).

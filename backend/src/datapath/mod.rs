@@ -395,6 +395,12 @@ impl DataPath {
         *self.shared.sink.lock().unwrap_or_else(|e| e.into_inner()) = Some(sink);
     }
 
+    /// A way for another thread of the connection (the connection manager's) to raise
+    /// events for the guest.
+    pub fn event_raiser(&self) -> EventRaiser {
+        EventRaiser(Arc::clone(&self.shared))
+    }
+
     /// The notify area the guest set (SPEC.md §8.5), if any since the last reset.
     pub fn notify_area(&self) -> Option<NotifyArea> {
         self.shared.areas().get(0).map(|area| area.place)
@@ -814,6 +820,23 @@ impl Shared {
             }
             None => log::debug!("host event {event:?} not forwarded"),
         }
+    }
+}
+
+/// Raises events for the guest of one connection (SPEC.md §8.4), from any thread.
+#[derive(Clone)]
+pub struct EventRaiser(Arc<Shared>);
+
+impl EventRaiser {
+    pub fn raise(&self, kind: u16, handle: u32) {
+        self.0.post_event(kind, handle);
+        // A sleeping poller delivers what the event queue had no buffer for.
+        let _ = self.0.shard.wake.write(1);
+    }
+
+    /// The connection's log budget.
+    pub fn log_budget(&self) -> &LogBudget {
+        &self.0.log
     }
 }
 

@@ -2,6 +2,7 @@
 //! and executed on host verbs. It knows nothing of vhost-user: requests come in as bytes, guest
 //! memory as any [`GuestMemoryBackend`].
 
+mod cm;
 mod local_peers;
 mod objects;
 mod refusal;
@@ -62,6 +63,8 @@ pub struct Device {
     /// The RC QPs of every guest of the backend, and this connection's identity among them.
     peers: Arc<LocalPeers>,
     connection: u64,
+    /// Connection management on the guest's own address, where it has one (SPEC.md §13).
+    cm: Option<cm::ConnectionManager>,
 }
 
 /// Whether `bytes` more of `kind` fit a quota of `quota` bytes with `used` in use.
@@ -165,12 +168,16 @@ impl Device {
             host.port,
         )?;
         data_path.set_rate_limits(config.rate_limits);
+        let cm = Self::connection_manager(config, &host, &advertised, &data_path);
+        let offered =
+            limits::offered_features(&host_attr) | if cm.is_some() { features::CM } else { 0 };
         Ok(Device {
+            cm,
             refusals: RefusalLog::new(data_path.log_budget().clone()),
             data_path,
             quotas: config.quotas,
-            offered: limits::offered_features(&host_attr),
-            features: limits::offered_features(&host_attr),
+            offered,
+            features: offered,
             host,
             host_attr,
             port,
@@ -180,6 +187,29 @@ impl Device {
             connection: peers.new_connection(),
             peers: Arc::clone(peers),
         })
+    }
+
+    /// The connection manager of a guest with an address of its own on a host device that
+    /// has one; `None` (and the feature not offered) otherwise.
+    fn connection_manager(
+        config: &Config,
+        host: &HostDevice,
+        advertised: &DeviceConfig,
+        data_path: &DataPath,
+    ) -> Option<cm::ConnectionManager> {
+        let ip = config.guest_ip?;
+        if hostverbs::loopback::is_loopback(&config.device) {
+            return None;
+        }
+        let quota = advertised.max_qp.to_native() as usize;
+        let device = (config.device.as_str(), host.port, host.gid_index);
+        match cm::ConnectionManager::new(ip.address, device, quota, data_path.event_raiser()) {
+            Ok(cm) => Some(cm),
+            Err(e) => {
+                log::warn!("connection management not offered to the guest at {ip}: {e} (is the rdma_ucm module loaded?)");
+                None
+            }
+        }
     }
 
     /// The configuration space (SPEC.md §3).
@@ -210,6 +240,9 @@ impl Device {
 
     /// Destroys every object of the connection (device reset, SPEC.md §5.3.1).
     pub fn reset(&mut self) {
+        if let Some(cm) = &self.cm {
+            cm.clear();
+        }
         self.data_path.clear();
         let count = self.objects.count();
         self.objects = Objects::new();
@@ -313,6 +346,20 @@ impl Device {
             Opcode::CreateSrq => self.create_srq(mem, parse(payload)),
             Opcode::DestroySrq => self.destroy_srq(parse(payload)),
             Opcode::ModifySrq => self.modify_srq(parse(payload)),
+            Opcode::CmCreateId
+            | Opcode::CmDestroyId
+            | Opcode::CmBind
+            | Opcode::CmResolveAddr
+            | Opcode::CmResolveRoute
+            | Opcode::CmListen
+            | Opcode::CmConnect
+            | Opcode::CmAccept
+            | Opcode::CmReject
+            | Opcode::CmDisconnect
+            | Opcode::CmEstablish
+            | Opcode::CmInitQpAttr
+            | Opcode::CmQuery
+            | Opcode::CmGetEvent => self.cm_command(opcode, payload),
         }
     }
 

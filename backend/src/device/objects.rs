@@ -70,6 +70,8 @@ pub struct Objects {
     pub mrs: HashMap<Handle, MrEntry>,
     pub cqs: HashMap<Handle, CqEntry>,
     pub pds: HashMap<Handle, PdEntry>,
+    /// CM ids, by the key the connection manager knows them by.
+    pub cm_ids: HashMap<Handle, u64>,
 }
 
 fn bad_handle(kind: &'static str, handle: Handle) -> CommandError {
@@ -116,6 +118,7 @@ impl Objects {
             || self.qps.contains_key(&h)
             || self.ahs.contains_key(&h)
             || self.srqs.contains_key(&h)
+            || self.cm_ids.contains_key(&h)
     }
 
     pub fn pd(&self, h: Handle) -> Result<&PdEntry, CommandError> {
@@ -259,6 +262,7 @@ impl Objects {
             + self.qps.len()
             + self.ahs.len()
             + self.srqs.len()
+            + self.cm_ids.len()
     }
 }
 

@@ -43,6 +43,18 @@ pub enum Refusal {
     #[error("SET_NOTIFY_AREA was already issued since the last reset")]
     NotifyAreaSet,
 
+    // Connection management (§13).
+    #[error("address {0} is not the driver's own (nor 0.0.0.0)")]
+    ForeignAddress(String),
+    #[error("{0}: not an IPv4 address (family 2, bytes past the address zero)")]
+    NotIpv4(&'static str),
+    #[error("port space {0:#x} is neither TCP (0x106) nor UDP (0x111)")]
+    PortSpace(u32),
+    #[error("the id cannot {0} in its state")]
+    CmState(String),
+    #[error("QP {qp:#x} is connected by another CM id")]
+    QpOfAnotherId { qp: u32 },
+
     // Field rules.
     #[error("{field} {value:#x}: unknown or disallowed bits {bits:#x}")]
     UnknownBits {
@@ -171,6 +183,11 @@ impl Refusal {
             Busy { .. } => Status::Busy,
             Quota { .. } | ByteQuota { .. } | NoDoorbellBit => Status::NoResources,
             NotifyAreaSet
+            | ForeignAddress(_)
+            | NotIpv4(_)
+            | PortSpace(_)
+            | CmState(_)
+            | QpOfAnotherId { .. }
             | UnknownBits { .. }
             | Reserved
             | NotBoolean { .. }
@@ -199,7 +216,7 @@ impl Refusal {
     /// The response's `detail` (SPEC.md §5.1): the host's errno where the host decided.
     pub fn detail(&self) -> u32 {
         match self {
-            Refusal::QpTransition(_) => libc::EINVAL as u32,
+            Refusal::QpTransition(_) | Refusal::CmState(_) => libc::EINVAL as u32,
             _ => 0,
         }
     }

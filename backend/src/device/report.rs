@@ -102,7 +102,7 @@ impl Device {
     pub fn report(&self, guest: u64) -> GuestReport {
         let objects = &self.objects;
         let quotas = &self.quotas;
-        let counts = [
+        let mut counts = vec![
             ("pd", objects.pds.len(), quotas.max_pd),
             ("cq", objects.cqs.len(), quotas.max_cq),
             ("mr", objects.mrs.len(), quotas.max_mr),
@@ -110,6 +110,11 @@ impl Device {
             ("srq", objects.srqs.len(), quotas.max_srq),
             ("ah", objects.ahs.len(), quotas.max_ah),
         ];
+        let events = self.data_path.events_raised();
+        if let Some(cm) = &self.cm {
+            // Those of connection requests not taken yet included (SPEC.md §13.1).
+            counts.push(("cm_id", cm.id_count(), self.config.max_qp.to_native()));
+        }
         let mut qps: Vec<QpReport> = objects
             .qps
             .iter()
@@ -171,14 +176,18 @@ impl Device {
                 .into_iter()
                 .map(|(status, count)| (crate::hostverbs::wc_status_name(status), count))
                 .collect(),
-            events: self
-                .data_path
-                .events_raised()
+            events: events
                 .into_iter()
                 .map(|(kind, count)| {
                     let name = vrdma_spec::ring::event_kind::name(kind);
                     (name.map_or_else(|| kind.to_string(), str::to_string), count)
                 })
+                .chain(
+                    self.cm
+                        .as_ref()
+                        .map(|cm| ("CM_EVENT_DROPPED".to_string(), cm.dropped_events())),
+                )
+                .filter(|&(_, count)| count != 0)
                 .collect(),
             refusals: self.refusals.by_rule().clone(),
             host_failures: self.refusals.host_failures(),

@@ -7,6 +7,7 @@
 //! `Arc` of what it depends on (a QP keeps its PD and CQs alive, an MR its PD and the memory
 //! it covers), so no drop order can free a parent while a child still uses it.
 
+pub mod cm;
 pub mod loopback;
 mod memory;
 mod qp;

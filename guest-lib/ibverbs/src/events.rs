@@ -210,7 +210,10 @@ fn async_event_of(
         DeviceEvent::PortActive(port) => (IBV_EVENT_PORT_ACTIVE, Element::Port(port)),
         DeviceEvent::PortError(port) => (IBV_EVENT_PORT_ERR, Element::Port(port)),
         DeviceEvent::DeviceFatal => (IBV_EVENT_DEVICE_FATAL, Element::Device),
-        DeviceEvent::CqCompletion(_) | DeviceEvent::Unknown { .. } => return None,
+        // Connection management is librdmacm's, not an asynchronous event of verbs.
+        DeviceEvent::CqCompletion(_) | DeviceEvent::CmEvent(_) | DeviceEvent::Unknown { .. } => {
+            return None
+        }
     };
     Some(AsyncEvent { kind, element })
 }

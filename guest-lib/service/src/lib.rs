@@ -276,7 +276,9 @@ impl Service {
         Ok(Arc::new(Service {
             welcome: Welcome {
                 version: vrdma_guest::service::protocol::VERSION,
-                features: transport.features(),
+                // Connection management is not shared among programs yet: its commands are
+                // refused (`requests::plan`), so programs are not offered it.
+                features: transport.features() & !features::CM,
                 // Each program is told these of the region it is handed (see
                 // `DoorbellRegion::welcome`).
                 notify_len: 0,

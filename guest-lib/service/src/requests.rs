@@ -128,6 +128,25 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
                 "SET_NOTIFY_AREA: the service set the device's up for every program",
             ))
         }
+        Opcode::CmCreateId
+        | Opcode::CmDestroyId
+        | Opcode::CmBind
+        | Opcode::CmResolveAddr
+        | Opcode::CmResolveRoute
+        | Opcode::CmListen
+        | Opcode::CmConnect
+        | Opcode::CmAccept
+        | Opcode::CmReject
+        | Opcode::CmDisconnect
+        | Opcode::CmEstablish
+        | Opcode::CmInitQpAttr
+        | Opcode::CmQuery
+        | Opcode::CmGetEvent => {
+            return Err((
+                Status::Unsupported,
+                "connection management is not served through the service (yet)",
+            ))
+        }
         Opcode::AddDoorbellArea | Opcode::DestroyDoorbellArea => {
             return Err((
                 Status::InvalidArgument,
@@ -443,6 +462,21 @@ mod tests {
         assert_eq!(
             status(&request(Opcode::DestroyDoorbellArea, &destroy)),
             Err(Status::InvalidArgument)
+        );
+    }
+
+    #[test]
+    fn connection_management_is_not_forwarded() {
+        let status = |request: &[u8]| plan(request).map(|_| ()).map_err(|(status, _)| status);
+        let create = vrdma_spec::cm::CmCreateIdRequest::default();
+        assert_eq!(
+            status(&request(Opcode::CmCreateId, &create)),
+            Err(Status::Unsupported)
+        );
+        let get = HandleRequest::default();
+        assert_eq!(
+            status(&request(Opcode::CmGetEvent, &get)),
+            Err(Status::Unsupported)
         );
     }
 

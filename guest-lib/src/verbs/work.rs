@@ -115,6 +115,8 @@ pub enum DeviceEvent {
     PortActive(u8),
     /// The port left the active state.
     PortError(u8),
+    /// Connection-manager events wait on a CM id (its handle): [`crate::CmId::get_event`].
+    CmEvent(u32),
     Unknown {
         kind: u16,
         handle: u32,

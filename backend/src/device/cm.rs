@@ -1,0 +1,845 @@
+//! Connection management for the guest (SPEC.md §13): CM ids on the host's connection
+//! manager, bound only to the guest's own address, their events queued per id and announced
+//! on the event queue. The guest's QPs stay the guest's: the device only names their numbers
+//! in the CM's messages and tells the guest the attributes of each transition.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_spec::cm::{
+    cm_event, port_space, CmAddr, CmBindRequest, CmConnParam, CmConnectRequest, CmCreateIdRequest,
+    CmEvent as WireCmEvent, CmIdInfo as WireCmIdInfo, CmInitQpAttrRequest, CmListenRequest,
+    CmRejectRequest, CmResolveAddrRequest, CmResolveRouteRequest, MAX_BACKLOG, MAX_TIMEOUT_MS,
+};
+use vrdma_spec::ctrl::{
+    qp_attr_mask, qp_state, CreatedResponse, HandleRequest, ModifyQpRequest, QpAttr as WireQpAttr,
+    GUEST_GID_INDEX, PORT_NUM,
+};
+use vrdma_spec::ring::event_kind;
+use vrdma_spec::{ctrl, Le32};
+
+use super::objects::Handle;
+use super::{parse, reply, CommandError, CommandResult, Device, Refusal};
+use crate::datapath::EventRaiser;
+use crate::hostverbs::cm::{CmChannel, CmEvent, CmId, ConnParam, PortSpace};
+use crate::hostverbs::{self, AhAttr, QpType};
+
+/// Events other than connection requests kept on one id the guest does not take; later
+/// ones are dropped.
+const MAX_QUEUED_EVENTS: usize = 16;
+
+/// What an id is for, which decides the commands it takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// Created by CM_CREATE_ID: binds, resolves, connects or listens.
+    Active {
+        connecting: bool,
+    },
+    Listening {
+        backlog: u32,
+    },
+    /// Came with a connection request: accepted or rejected once.
+    Passive {
+        answered: bool,
+    },
+}
+
+struct Queued {
+    event: u32,
+    status: i32,
+    /// CONNECT_REQUEST: the key of the id it came on.
+    new_key: Option<u64>,
+    param: ConnParam,
+    ud_ah: Option<AhAttr>,
+}
+
+struct IdEntry {
+    id: Arc<CmId>,
+    /// `None` for the id of a connection request the guest has not taken yet.
+    handle: Option<Handle>,
+    space: PortSpace,
+    role: Role,
+    /// The QP the id connects (or accepted with).
+    qp: Option<Handle>,
+    events: VecDeque<Queued>,
+    /// Connection requests queued on a listening id.
+    requests: u32,
+}
+
+/// The connection's ids by key (what their host ids carry), shared with the event thread.
+struct CmTable {
+    next_key: u64,
+    ids: HashMap<u64, IdEntry>,
+    /// Ids the connection may hold, those of requests not taken yet included.
+    quota: usize,
+    /// Events dropped: their id's queue was full, or the id was gone.
+    dropped: u64,
+}
+
+impl CmTable {
+    fn new_key(&mut self) -> u64 {
+        self.next_key += 1;
+        self.next_key
+    }
+
+    /// Takes out the id with `key` and, for a listener, the ids of its requests not taken
+    /// yet: the caller drops them outside the lock (a destroy may wait for the event thread).
+    fn remove(&mut self, key: u64) -> Vec<Arc<CmId>> {
+        let Some(entry) = self.ids.remove(&key) else {
+            return Vec::new();
+        };
+        let mut gone = vec![entry.id];
+        for queued in entry.events {
+            if let Some(child) = queued.new_key.and_then(|k| self.ids.remove(&k)) {
+                // Never taken: the peer is refused (destroying it would too, more slowly).
+                let _ = child.id.reject(&[]);
+                gone.push(child.id);
+            }
+        }
+        gone
+    }
+}
+
+/// The connection manager of one guest connection.
+pub struct ConnectionManager {
+    channel: Arc<CmChannel>,
+    table: Arc<Mutex<CmTable>>,
+    /// The guest's own address: the only one its ids bind to.
+    own: Ipv4Addr,
+    /// The host device and port the ids must be bound to, and the host's index of the
+    /// guest's GID.
+    device: String,
+    host_port: u8,
+    host_gid_index: u8,
+    stop: Arc<AtomicBool>,
+    wake: EventFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn lock(table: &Mutex<CmTable>) -> MutexGuard<'_, CmTable> {
+    table.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ConnectionManager {
+    /// Opens the host's connection manager for a guest whose address is `own`, on `device`
+    /// (its port `host_port`, the guest's GID at `host_gid_index`), with at most `quota`
+    /// ids; events are raised through `events`.
+    pub fn new(
+        own: Ipv4Addr,
+        (device, host_port, host_gid_index): (&str, u8, u8),
+        quota: usize,
+        events: EventRaiser,
+    ) -> hostverbs::Result<ConnectionManager> {
+        let os_error = |call| move |source| hostverbs::Error::Verbs { call, source };
+        let channel = CmChannel::new()?;
+        let table = Arc::new(Mutex::new(CmTable {
+            next_key: 0,
+            ids: HashMap::new(),
+            quota,
+            dropped: 0,
+        }));
+        let wake = EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?;
+        let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
+        for fd in [wake.as_raw_fd(), channel.fd()] {
+            epoll
+                .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, 0))
+                .map_err(os_error("epoll_ctl"))?;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (channel, table, stop) = (Arc::clone(&channel), Arc::clone(&table), stop.clone());
+            std::thread::Builder::new()
+                .name("vrdma-cm-events".into())
+                .spawn(move || {
+                    let mut ready = [EpollEvent::default(); 2];
+                    while !stop.load(Ordering::Acquire) {
+                        if let Err(e) = epoll.wait(-1, &mut ready) {
+                            if e.kind() != std::io::ErrorKind::Interrupted {
+                                log::error!("CM event thread: epoll_wait: {e}");
+                                return;
+                            }
+                        }
+                        while let Some(event) = channel.take_event() {
+                            route(&table, event, &events);
+                        }
+                    }
+                })
+                .map_err(os_error("spawn the CM event thread"))?
+        };
+        Ok(ConnectionManager {
+            channel,
+            table,
+            own,
+            device: device.to_owned(),
+            host_port,
+            host_gid_index,
+            stop,
+            wake,
+            thread: Some(thread),
+        })
+    }
+
+    /// Destroys every id (device reset).
+    pub fn clear(&self) {
+        let gone: Vec<_> = {
+            let mut table = lock(&self.table);
+            let keys: Vec<u64> = table.ids.keys().copied().collect();
+            keys.into_iter().flat_map(|k| table.remove(k)).collect()
+        };
+        drop(gone);
+    }
+
+    /// Ids held (those of requests not taken yet included).
+    pub fn id_count(&self) -> usize {
+        lock(&self.table).ids.len()
+    }
+
+    /// Events dropped so far.
+    pub fn dropped_events(&self) -> u64 {
+        lock(&self.table).dropped
+    }
+
+    /// The id with `handle` and its key.
+    fn find(&self, objects: &super::Objects, handle: Handle) -> Result<u64, CommandError> {
+        objects.cm_ids.get(&handle).copied().ok_or_else(|| {
+            Refusal::BadHandle {
+                kind: "CM id",
+                handle,
+            }
+            .into()
+        })
+    }
+
+    /// Runs `f` on the entry of the id `key` (which [`Self::find`] found) under the table's
+    /// lock.
+    fn with_entry<T>(
+        &self,
+        key: u64,
+        f: impl FnOnce(&mut IdEntry) -> Result<T, CommandError>,
+    ) -> Result<T, CommandError> {
+        let mut table = lock(&self.table);
+        // Only the control path removes ids, so one it found is there.
+        let entry = table
+            .ids
+            .get_mut(&key)
+            .ok_or(Refusal::CmState("be found".into()))?;
+        f(entry)
+    }
+
+    /// Checks the id is bound to the device's own port (so QP numbers mean the same on both).
+    fn check_device(&self, id: &CmId, what: &str) -> Result<(), CommandError> {
+        let info = id.info();
+        if info.device.as_deref() != Some(self.device.as_str()) || info.port_num != self.host_port {
+            return Err(
+                Refusal::CmState(format!("{what} before it is bound to the device")).into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The host's attributes of a transition in the guest's view (SPEC.md §13.3).
+    fn guest_view(&self, attr: hostverbs::QpAttr, mask: u32) -> Result<WireQpAttr, CommandError> {
+        let mut attr = attr;
+        if mask & qp_attr_mask::PORT != 0 {
+            attr.port_num = PORT_NUM;
+        }
+        if mask & qp_attr_mask::AV != 0 {
+            attr.ah_attr = self.guest_ah(attr.ah_attr)?;
+        }
+        Ok(WireQpAttr::from(&attr))
+    }
+
+    /// An address vector of the host's in the guest's view: its source can only be the
+    /// guest's GID.
+    fn guest_ah(&self, ah: AhAttr) -> Result<AhAttr, CommandError> {
+        if ah.sgid_index != self.host_gid_index {
+            return Err(CommandError::Host {
+                status: ctrl::Status::HostError,
+                errno: libc::EADDRNOTAVAIL as u32,
+                message: format!(
+                    "the connection manager chose source GID index {}, not the guest's {}",
+                    ah.sgid_index, self.host_gid_index
+                ),
+            });
+        }
+        Ok(AhAttr {
+            sgid_index: GUEST_GID_INDEX,
+            port_num: PORT_NUM,
+            ..ah
+        })
+    }
+}
+
+impl Drop for ConnectionManager {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        self.clear();
+    }
+}
+
+/// Queues `event` on its id (the event thread's work), announcing it when the id's queue was
+/// empty.
+fn route(table: &Mutex<CmTable>, event: CmEvent, events: &EventRaiser) {
+    let mut rejected = None;
+    let announce = {
+        let mut table = lock(table);
+        let table = &mut *table;
+        let full = table.ids.len() >= table.quota;
+        let Some(entry) = table.ids.get_mut(&event.key) else {
+            // Its id is gone: a request on it is refused when the new id drops below.
+            table.dropped += 1;
+            return;
+        };
+        let queued = Queued {
+            event: event.event,
+            status: event.status,
+            new_key: None,
+            param: event.param,
+            ud_ah: event.ud_ah,
+        };
+        if let Some(new_id) = event.new_id {
+            let listening =
+                matches!(entry.role, Role::Listening { backlog } if entry.requests < backlog);
+            if !listening || full {
+                // Past the backlog or the quota (or not listening any more): refused here.
+                table.dropped += 1;
+                rejected = Some(new_id);
+                None
+            } else {
+                entry.requests += 1;
+                let (handle, was_empty, space) =
+                    (entry.handle, entry.events.is_empty(), entry.space);
+                let key = table.new_key();
+                new_id.set_key(key);
+                if let Some(listener) = table.ids.get_mut(&event.key) {
+                    listener.events.push_back(Queued {
+                        new_key: Some(key),
+                        ..queued
+                    });
+                }
+                table.ids.insert(
+                    key,
+                    IdEntry {
+                        id: Arc::new(new_id),
+                        handle: None,
+                        space,
+                        role: Role::Passive { answered: false },
+                        qp: None,
+                        events: VecDeque::new(),
+                        requests: 0,
+                    },
+                );
+                handle.filter(|_| was_empty)
+            }
+        } else if entry.events.len() >= MAX_QUEUED_EVENTS {
+            table.dropped += 1;
+            None
+        } else {
+            let was_empty = entry.events.is_empty();
+            entry.events.push_back(queued);
+            entry.handle.filter(|_| was_empty)
+        }
+    };
+    if let Some(id) = rejected {
+        let _ = id.reject(&[]);
+        events
+            .log_budget()
+            .info(|| "a connection request past the backlog or id quota was rejected".into());
+    }
+    if let Some(handle) = announce {
+        events.raise(event_kind::CM_EVENT, handle);
+    }
+}
+
+/// A source address the guest names (SPEC.md §13.2): `own`, 0.0.0.0 (standing for `own`),
+/// or none (family 0, where `optional`), with any port.
+fn own_source(own: Ipv4Addr, addr: &CmAddr, optional: bool) -> Result<SocketAddrV4, Refusal> {
+    if optional && *addr == CmAddr::default() {
+        return Ok(SocketAddrV4::new(own, 0));
+    }
+    let address = addr.to_ipv4().ok_or(Refusal::NotIpv4("source address"))?;
+    if !address.ip().is_unspecified() && *address.ip() != own {
+        return Err(Refusal::ForeignAddress(address.ip().to_string()));
+    }
+    Ok(SocketAddrV4::new(own, address.port()))
+}
+
+fn conn_param(
+    wire: &CmConnParam,
+    config: &vrdma_spec::config::DeviceConfig,
+) -> Result<ConnParam, Refusal> {
+    let range = |field, value: u8, max: u32| {
+        if u32::from(value) > max {
+            Err(Refusal::OutOfRange {
+                field,
+                value: value.into(),
+                min: 0,
+                max: max.into(),
+            })
+        } else {
+            Ok(value)
+        }
+    };
+    let boolean = |field, value: u8| match value {
+        0 | 1 => Ok(value),
+        _ => Err(Refusal::NotBoolean { field, value }),
+    };
+    Ok(ConnParam {
+        responder_resources: range(
+            "responder_resources",
+            wire.responder_resources,
+            config.max_qp_rd_atom.to_native(),
+        )?,
+        initiator_depth: range(
+            "initiator_depth",
+            wire.initiator_depth,
+            config.max_qp_init_rd_atom.to_native(),
+        )?,
+        flow_control: boolean("flow_control", wire.flow_control)?,
+        retry_count: range("retry_count", wire.retry_count, 7)?,
+        rnr_retry_count: range("rnr_retry_count", wire.rnr_retry_count, 7)?,
+        srq: boolean("srq", wire.srq)? == 1,
+        qp_num: 0,
+        qkey: 0,
+        private_data: wire.private_data().to_vec(),
+    })
+}
+
+fn timeout(value: u32) -> Result<u32, Refusal> {
+    if value == 0 || value > MAX_TIMEOUT_MS {
+        return Err(Refusal::OutOfRange {
+            field: "timeout_ms",
+            value: value.into(),
+            min: 1,
+            max: MAX_TIMEOUT_MS.into(),
+        });
+    }
+    Ok(value)
+}
+
+/// A host refusal of a CM call: EINVAL is the id's state (SPEC.md §13.3).
+fn host(what: &'static str) -> impl FnOnce(hostverbs::Error) -> CommandError {
+    move |e| match e.errno() {
+        Some(libc::EINVAL) => Refusal::CmState(format!("{what} ({e})")).into(),
+        _ => CommandError::from(e),
+    }
+}
+
+/// The connection's connection manager, if the driver negotiated it. (A function of the
+/// two fields, so that the device's other fields stay free to borrow.)
+fn negotiated(
+    cm: &Option<ConnectionManager>,
+    features: u64,
+) -> Result<&ConnectionManager, CommandError> {
+    match cm {
+        Some(cm) if features & vrdma_spec::config::features::CM != 0 => Ok(cm),
+        _ => Err(Refusal::NotNegotiated("CM").into()),
+    }
+}
+
+impl Device {
+    /// Carries out a CM_* command (SPEC.md §13.3).
+    pub(super) fn cm_command(&mut self, opcode: ctrl::Opcode, payload: &[u8]) -> CommandResult {
+        use ctrl::Opcode::*;
+        negotiated(&self.cm, self.features)?;
+        match opcode {
+            CmCreateId => self.cm_create_id(parse(payload)),
+            CmDestroyId => self.cm_destroy_id(parse(payload)),
+            CmBind => self.cm_bind(parse(payload)),
+            CmResolveAddr => self.cm_resolve_addr(parse(payload)),
+            CmResolveRoute => self.cm_resolve_route(parse(payload)),
+            CmListen => self.cm_listen(parse(payload)),
+            CmConnect => self.cm_connect(parse(payload), false),
+            CmAccept => self.cm_connect(parse(payload), true),
+            CmReject => self.cm_reject(parse(payload)),
+            CmDisconnect => self.cm_simple(parse(payload), "disconnect", CmId::disconnect),
+            CmEstablish => self.cm_simple(parse(payload), "establish", CmId::establish),
+            CmInitQpAttr => self.cm_init_qp_attr(parse(payload)),
+            CmQuery => self.cm_query(parse(payload)),
+            CmGetEvent => self.cm_get_event(parse(payload)),
+            _ => unreachable!("cm_command is called for CM opcodes only"),
+        }
+    }
+
+    fn cm_create_id(&mut self, req: CmCreateIdRequest) -> CommandResult {
+        let space = match req.port_space.to_native() {
+            port_space::TCP => PortSpace::Tcp,
+            port_space::UDP => PortSpace::Udp,
+            other => return Err(Refusal::PortSpace(other).into()),
+        };
+        let cm = negotiated(&self.cm, self.features)?;
+        let mut table = lock(&cm.table);
+        if table.ids.len() >= table.quota {
+            return Err(Refusal::Quota {
+                kind: "CM id",
+                max: u32::try_from(table.quota).unwrap_or(u32::MAX),
+            }
+            .into());
+        }
+        let key = table.new_key();
+        let id = cm.channel.create_id(space, key)?;
+        let handle = self.objects.new_handle();
+        table.ids.insert(
+            key,
+            IdEntry {
+                id: Arc::new(id),
+                handle: Some(handle),
+                space,
+                role: Role::Active { connecting: false },
+                qp: None,
+                events: VecDeque::new(),
+                requests: 0,
+            },
+        );
+        drop(table);
+        self.objects.cm_ids.insert(handle, key);
+        reply(CreatedResponse {
+            handle: Le32::from(handle),
+            value: Le32::from(0),
+        })
+    }
+
+    fn cm_destroy_id(&mut self, req: HandleRequest) -> CommandResult {
+        let handle = req.handle.to_native();
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, handle)?;
+        let gone = lock(&cm.table).remove(key);
+        self.objects.cm_ids.remove(&handle);
+        drop(gone);
+        Ok(Vec::new())
+    }
+
+    fn cm_bind(&mut self, req: CmBindRequest) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.id.to_native())?;
+        let address = own_source(cm.own, &req.addr, false)?;
+        let id = cm.with_entry(key, |e| Ok(Arc::clone(&e.id)))?;
+        id.bind(address).map_err(host("bind"))?;
+        Ok(Vec::new())
+    }
+
+    fn cm_resolve_addr(&mut self, req: CmResolveAddrRequest) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.id.to_native())?;
+        let src = own_source(cm.own, &req.src, true)?;
+        let dst = req
+            .dst
+            .to_ipv4()
+            .filter(|d| !d.ip().is_unspecified())
+            .ok_or(Refusal::NotIpv4("destination address"))?;
+        let timeout = timeout(req.timeout_ms.to_native())?;
+        let id = cm.with_entry(key, |e| match e.role {
+            Role::Active { .. } => Ok(Arc::clone(&e.id)),
+            _ => Err(Refusal::CmState("resolve an address".into()).into()),
+        })?;
+        id.resolve_addr(src, dst, timeout)
+            .map_err(host("resolve an address"))?;
+        Ok(Vec::new())
+    }
+
+    fn cm_resolve_route(&mut self, req: CmResolveRouteRequest) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.id.to_native())?;
+        let timeout = timeout(req.timeout_ms.to_native())?;
+        let id = cm.with_entry(key, |e| Ok(Arc::clone(&e.id)))?;
+        id.resolve_route(timeout).map_err(host("resolve a route"))?;
+        Ok(Vec::new())
+    }
+
+    fn cm_listen(&mut self, req: CmListenRequest) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.id.to_native())?;
+        let backlog = match req.backlog.to_native() {
+            0 => MAX_BACKLOG,
+            b => b.min(MAX_BACKLOG),
+        };
+        cm.with_entry(key, |e| {
+            if e.role != (Role::Active { connecting: false }) {
+                return Err(Refusal::CmState("listen".into()).into());
+            }
+            e.id.listen(backlog).map_err(host("listen"))?;
+            e.role = Role::Listening { backlog };
+            Ok(())
+        })?;
+        Ok(Vec::new())
+    }
+
+    /// CM_CONNECT, or CM_ACCEPT when `accept`.
+    fn cm_connect(&mut self, req: CmConnectRequest, accept: bool) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.id.to_native())?;
+        let param = conn_param(&req.param, &self.config)?;
+        let qp_handle = req.qp.to_native();
+        let qp = self.objects.qp(qp_handle)?;
+        let (qp_num, qp_type) = (qp.host.qp_num(), qp.host.qp_type());
+        let what = if accept { "accept" } else { "connect" };
+        let mut table = lock(&cm.table);
+        let taken = table
+            .ids
+            .iter()
+            .any(|(&k, e)| k != key && e.qp == Some(qp_handle));
+        if taken {
+            return Err(Refusal::QpOfAnotherId { qp: qp_handle }.into());
+        }
+        let entry = table.ids.get_mut(&key).ok_or(Refusal::BadHandle {
+            kind: "CM id",
+            handle: req.id.to_native(),
+        })?;
+        let wanted = match entry.space {
+            PortSpace::Tcp => QpType::Rc,
+            PortSpace::Udp => QpType::Ud,
+        };
+        if qp_type != wanted {
+            return Err(Refusal::QpType(qp_type as u8).into());
+        }
+        let next = match (entry.role, accept) {
+            (Role::Active { connecting: false }, false) => Role::Active { connecting: true },
+            (Role::Passive { answered: false }, true) => Role::Passive { answered: true },
+            _ => return Err(Refusal::CmState(what.into()).into()),
+        };
+        cm.check_device(&entry.id, what)?;
+        let result = match accept {
+            true => entry.id.accept(&param, qp_num),
+            false => entry.id.connect(&param, qp_num),
+        };
+        result.map_err(host(what))?;
+        entry.role = next;
+        entry.qp = Some(qp_handle);
+        Ok(Vec::new())
+    }
+
+    fn cm_reject(&mut self, req: CmRejectRequest) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.id.to_native())?;
+        let data = &req.private_data[..usize::from(req.private_data_len)];
+        cm.with_entry(key, |e| {
+            if e.role != (Role::Passive { answered: false }) {
+                return Err(Refusal::CmState("reject".into()).into());
+            }
+            e.id.reject(data).map_err(host("reject"))?;
+            e.role = Role::Passive { answered: true };
+            Ok(())
+        })?;
+        Ok(Vec::new())
+    }
+
+    fn cm_simple(
+        &mut self,
+        req: HandleRequest,
+        what: &'static str,
+        call: fn(&CmId) -> hostverbs::Result<()>,
+    ) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.handle.to_native())?;
+        let id = cm.with_entry(key, |e| Ok(Arc::clone(&e.id)))?;
+        call(&id).map_err(host(what))?;
+        Ok(Vec::new())
+    }
+
+    fn cm_init_qp_attr(&mut self, req: CmInitQpAttrRequest) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.id.to_native())?;
+        if req.reserved != [0; 3] {
+            return Err(Refusal::Reserved.into());
+        }
+        if !matches!(req.qp_state, qp_state::INIT | qp_state::RTR | qp_state::RTS) {
+            return Err(Refusal::NoSuchQpState(req.qp_state.into()).into());
+        }
+        let id = cm.with_entry(key, |e| Ok(Arc::clone(&e.id)))?;
+        cm.check_device(&id, "give QP attributes")?;
+        let (attr, mask) = id
+            .init_qp_attr(req.qp_state.into())
+            .map_err(host("give QP attributes"))?;
+        let mask = mask & qp_attr_mask::SUPPORTED;
+        let mut attr = cm.guest_view(attr, mask)?;
+        // Only the access rights of SPEC.md §5.11: the host's connection manager may add
+        // its own (the flush rights of newer kernels), and atomics only where negotiated.
+        let mut rights = ctrl::access::ALL;
+        if self.features & vrdma_spec::config::features::ATOMIC == 0 {
+            rights &= !ctrl::access::REMOTE_ATOMIC;
+        }
+        attr.qp_access_flags = Le32::from(attr.qp_access_flags.to_native() & rights);
+        reply(ModifyQpRequest {
+            handle: Le32::from(0),
+            attr_mask: Le32::from(mask),
+            attr,
+        })
+    }
+
+    fn cm_query(&mut self, req: HandleRequest) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.handle.to_native())?;
+        let info = cm.with_entry(key, |e| Ok(e.id.info()))?;
+        let addr = |a: Option<SocketAddrV4>| a.map(CmAddr::ipv4).unwrap_or_default();
+        let bound = info.device.as_deref() == Some(cm.device.as_str());
+        reply(WireCmIdInfo {
+            src: addr(info.src),
+            dst: addr(info.dst),
+            sgid: if bound { info.sgid.0 } else { [0; 16] },
+            dgid: info.dgid.0,
+            pkey: info.pkey.into(),
+            path_mtu: info.path_mtu,
+            num_paths: info.num_paths,
+            port_num: if bound { PORT_NUM } else { 0 },
+            reserved: [0; 3],
+        })
+    }
+
+    fn cm_get_event(&mut self, req: HandleRequest) -> CommandResult {
+        let cm = negotiated(&self.cm, self.features)?;
+        let key = cm.find(&self.objects, req.handle.to_native())?;
+        let mut table = lock(&cm.table);
+        let entry = table.ids.get_mut(&key).ok_or(Refusal::BadHandle {
+            kind: "CM id",
+            handle: req.handle.to_native(),
+        })?;
+        let Some(queued) = entry.events.pop_front() else {
+            return reply(WireCmEvent {
+                event: Le32::from(cm_event::NONE),
+                ..WireCmEvent::default()
+            });
+        };
+        let pending = entry.events.len();
+        if queued.new_key.is_some() {
+            entry.requests = entry.requests.saturating_sub(1);
+        }
+        let ah_attr = match queued.ud_ah {
+            Some(ah) => ctrl::AhAttr::from(&cm.guest_ah(ah)?),
+            None => ctrl::AhAttr::default(),
+        };
+        // The request's id becomes the guest's now, with a handle of its own.
+        let mut new_handle = 0;
+        let mut announce_new = false;
+        if let Some(child) = queued.new_key.and_then(|k| table.ids.get_mut(&k)) {
+            new_handle = self.objects.new_handle();
+            child.handle = Some(new_handle);
+            announce_new = !child.events.is_empty();
+            self.objects
+                .cm_ids
+                .insert(new_handle, queued.new_key.unwrap_or_default());
+        }
+        drop(table);
+        if announce_new {
+            self.data_path
+                .event_raiser()
+                .raise(event_kind::CM_EVENT, new_handle);
+        }
+        reply(WireCmEvent {
+            event: Le32::from(queued.event),
+            status: Le32::from(queued.status as u32),
+            new_id: Le32::from(new_handle),
+            pending: Le32::from(u32::try_from(pending).unwrap_or(u32::MAX)),
+            // What the host gave fits the wire: its lengths are bytes.
+            param: queued.param.to_wire().unwrap_or_default(),
+            ah_attr,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OWN: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+
+    fn addr(text: &str) -> CmAddr {
+        CmAddr::ipv4(text.parse().unwrap())
+    }
+
+    #[test]
+    fn a_guest_names_only_its_own_source_address() {
+        let own = |a: &CmAddr, optional| own_source(OWN, a, optional);
+        assert_eq!(
+            own(&addr("192.0.2.10:7471"), false),
+            Ok("192.0.2.10:7471".parse().unwrap())
+        );
+        // 0.0.0.0 and no address at all (where allowed) stand for the guest's own.
+        assert_eq!(
+            own(&addr("0.0.0.0:80"), false),
+            Ok("192.0.2.10:80".parse().unwrap())
+        );
+        assert_eq!(
+            own(&CmAddr::default(), true),
+            Ok("192.0.2.10:0".parse().unwrap())
+        );
+        assert_eq!(
+            own(&CmAddr::default(), false),
+            Err(Refusal::NotIpv4("source address"))
+        );
+        assert_eq!(
+            own(&addr("192.0.2.11:7471"), true),
+            Err(Refusal::ForeignAddress("192.0.2.11".into()))
+        );
+        let mut ipv6_like = addr("192.0.2.10:1");
+        ipv6_like.family = vrdma_spec::Le16::from(10);
+        assert_eq!(
+            own(&ipv6_like, true),
+            Err(Refusal::NotIpv4("source address"))
+        );
+    }
+
+    #[test]
+    fn connection_parameters_are_bounded_by_the_device() {
+        let config = vrdma_spec::config::DeviceConfig {
+            max_qp_rd_atom: Le32::from(4),
+            max_qp_init_rd_atom: Le32::from(2),
+            ..Default::default()
+        };
+        let wire = |f: &dyn Fn(&mut CmConnParam)| {
+            let mut p = CmConnParam {
+                responder_resources: 4,
+                initiator_depth: 2,
+                retry_count: 7,
+                rnr_retry_count: 7,
+                private_data_len: 3,
+                ..CmConnParam::default()
+            };
+            p.private_data[..3].copy_from_slice(b"abc");
+            f(&mut p);
+            p
+        };
+        let ok = conn_param(&wire(&|_| {}), &config).unwrap();
+        assert_eq!(
+            (ok.responder_resources, &ok.private_data[..]),
+            (4, &b"abc"[..])
+        );
+        let refused = |f: &dyn Fn(&mut CmConnParam)| conn_param(&wire(f), &config).unwrap_err();
+        assert!(matches!(
+            refused(&|p| p.responder_resources = 5),
+            Refusal::OutOfRange {
+                field: "responder_resources",
+                ..
+            }
+        ));
+        assert!(matches!(
+            refused(&|p| p.initiator_depth = 3),
+            Refusal::OutOfRange {
+                field: "initiator_depth",
+                ..
+            }
+        ));
+        assert!(matches!(
+            refused(&|p| p.retry_count = 8),
+            Refusal::OutOfRange {
+                field: "retry_count",
+                ..
+            }
+        ));
+        assert!(matches!(
+            refused(&|p| p.srq = 2),
+            Refusal::NotBoolean { field: "srq", .. }
+        ));
+        assert!(timeout(0).is_err() && timeout(MAX_TIMEOUT_MS + 1).is_err());
+        assert_eq!(timeout(2000), Ok(2000));
+    }
+}

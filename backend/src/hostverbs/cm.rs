@@ -1,0 +1,423 @@
+//! The host's RDMA connection manager (librdmacm): an event channel per guest connection and
+//! CM ids on it, as RAII wrappers. Ids never own a QP here: connection parameters carry the
+//! number of a QP the device created, and the device moves its QPs itself (SPEC.md §13).
+
+use std::ffi::CStr;
+use std::io;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::RawFd;
+use std::os::raw::{c_int, c_void};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use rdma_sys::*;
+
+pub use vrdma_spec::cm::ConnParam;
+
+use super::{check, last_error, set_nonblocking, AhAttr, Error, Gid, QpAttr, Result};
+
+/// librdmacm's port spaces the device serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PortSpace {
+    /// RC QPs.
+    Tcp,
+    /// UD QPs.
+    Udp,
+}
+
+impl PortSpace {
+    fn raw(self) -> rdma_port_space::Type {
+        match self {
+            PortSpace::Tcp => rdma_port_space::RDMA_PS_TCP,
+            PortSpace::Udp => rdma_port_space::RDMA_PS_UDP,
+        }
+    }
+}
+
+/// One event taken from the channel, copied out and acknowledged.
+pub struct CmEvent {
+    /// librdmacm's `rdma_cm_event_type`.
+    pub event: u32,
+    pub status: i32,
+    /// The key of the id it concerns (for a connection request: of the listening id).
+    pub key: u64,
+    /// For a connection request: the new id, keyed 0 until [`CmId::set_key`].
+    pub new_id: Option<CmId>,
+    pub param: ConnParam,
+    /// UD connection requests and ESTABLISHED: the address vector of the peer, in the
+    /// host's view.
+    pub ud_ah: Option<AhAttr>,
+}
+
+/// Does once what librdmacm does the first time a process resolves a route and that a
+/// confined process may not: it connects to the ibacm service's socket, if one is there (its
+/// address resolution service; on RoCE librdmacm goes on without it). Called before the
+/// seccomp filter is installed; harmless where the connection manager is missing.
+pub fn prepare() {
+    // SAFETY: all-zero is a valid rdma_addrinfo hint (no flags, no addresses).
+    let mut hints: rdma_addrinfo = unsafe { std::mem::zeroed() };
+    hints.ai_family = libc::AF_INET;
+    let mut result: *mut rdma_addrinfo = std::ptr::null_mut();
+    // SAFETY: no node or service; `hints` is valid for the call and `result` a valid
+    // out-pointer, freed below when the call filled it.
+    let ret = unsafe { rdma_getaddrinfo(std::ptr::null(), std::ptr::null(), &hints, &mut result) };
+    if ret == 0 && !result.is_null() {
+        // SAFETY: `result` came from rdma_getaddrinfo and is freed once.
+        unsafe { rdma_freeaddrinfo(result) };
+    }
+}
+
+/// A librdmacm event channel: readable when an event waits. Non-blocking.
+pub struct CmChannel {
+    raw: NonNull<rdma_event_channel>,
+}
+
+// SAFETY: librdmacm's calls on a channel are thread safe (it locks per id and per channel);
+// the wrapper owns the pointer and frees it only in Drop, after every id (each holds an Arc).
+unsafe impl Send for CmChannel {}
+// SAFETY: as above: shared references only make librdmacm calls.
+unsafe impl Sync for CmChannel {}
+
+impl CmChannel {
+    /// Opens the connection manager (`/dev/infiniband/rdma_cm`, the `rdma_ucm` module).
+    pub fn new() -> Result<Arc<CmChannel>> {
+        // SAFETY: no arguments; the result is checked for NULL.
+        let raw = NonNull::new(unsafe { rdma_create_event_channel() })
+            .ok_or_else(|| last_error("rdma_create_event_channel"))?;
+        let channel = CmChannel { raw };
+        set_nonblocking(channel.fd()).map_err(|source| Error::Verbs {
+            call: "fcntl(O_NONBLOCK) on the CM event channel",
+            source,
+        })?;
+        Ok(Arc::new(channel))
+    }
+
+    /// Readable when an event is waiting.
+    pub fn fd(&self) -> RawFd {
+        // SAFETY: the channel is alive; its fd is set at creation.
+        unsafe { (*self.raw.as_ptr()).fd }
+    }
+
+    /// A new id on this channel, keyed `key` (what its events are routed by).
+    pub fn create_id(self: &Arc<Self>, space: PortSpace, key: u64) -> Result<CmId> {
+        let mut id: *mut rdma_cm_id = std::ptr::null_mut();
+        // SAFETY: the channel is alive; `id` is a valid out-pointer; the context is an
+        // integer key, never dereferenced.
+        check("rdma_create_id", unsafe {
+            rdma_create_id(self.raw.as_ptr(), &mut id, key as *mut c_void, space.raw())
+        })?;
+        let raw = NonNull::new(id).ok_or_else(|| last_error("rdma_create_id"))?;
+        Ok(CmId {
+            raw,
+            _channel: Arc::clone(self),
+        })
+    }
+
+    /// Takes the next event, copies what it carries and acknowledges it, so that nothing
+    /// waits on it (a destroy of its id waits for its acknowledgement). `None` when none
+    /// waits.
+    pub fn take_event(self: &Arc<Self>) -> Option<CmEvent> {
+        let mut raw: *mut rdma_cm_event = std::ptr::null_mut();
+        // SAFETY: the channel is alive and non-blocking; `raw` is a valid out-pointer.
+        if unsafe { rdma_get_cm_event(self.raw.as_ptr(), &mut raw) } != 0 || raw.is_null() {
+            return None;
+        }
+        // SAFETY: `raw` is the event just returned, valid until acknowledged below; its ids
+        // are alive at least as long.
+        let event = unsafe { self.copy_event(&*raw) };
+        // SAFETY: acknowledged once, after its last use.
+        unsafe { rdma_ack_cm_event(raw) };
+        Some(event)
+    }
+
+    /// # Safety
+    /// `raw` is an unacknowledged event of this channel.
+    unsafe fn copy_event(self: &Arc<Self>, raw: &rdma_cm_event) -> CmEvent {
+        let key_of = |id: *mut rdma_cm_id| (*id).context as u64;
+        let is_request = raw.event == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST;
+        let (key, new_id) = match NonNull::new(raw.listen_id) {
+            Some(listen_id) if is_request => {
+                let new_id = NonNull::new(raw.id).map(|id| {
+                    // Until the device keys it, none of its events can be routed.
+                    (*id.as_ptr()).context = std::ptr::null_mut();
+                    CmId {
+                        raw: id,
+                        _channel: Arc::clone(self),
+                    }
+                });
+                (key_of(listen_id.as_ptr()), new_id)
+            }
+            _ => (key_of(raw.id), None),
+        };
+        let ud = (*raw.id).ps == rdma_port_space::RDMA_PS_UDP
+            && matches!(
+                raw.event,
+                rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST
+                    | rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED
+            );
+        let copy = |data: *const c_void, len: u8| match data.is_null() {
+            true => Vec::new(),
+            // SAFETY: librdmacm gives `len` bytes at `data`, valid until the ack.
+            false => std::slice::from_raw_parts(data.cast::<u8>(), len.into()).to_vec(),
+        };
+        let (param, ud_ah) = if ud {
+            let ud = &raw.param.ud;
+            let param = ConnParam {
+                qp_num: ud.qp_num,
+                qkey: ud.qkey,
+                private_data: copy(ud.private_data, ud.private_data_len),
+                ..ConnParam::default()
+            };
+            (param, Some(AhAttr::from(&ud.ah_attr)))
+        } else {
+            let conn = &raw.param.conn;
+            let param = ConnParam {
+                responder_resources: conn.responder_resources,
+                initiator_depth: conn.initiator_depth,
+                flow_control: conn.flow_control,
+                retry_count: conn.retry_count,
+                rnr_retry_count: conn.rnr_retry_count,
+                srq: conn.srq != 0,
+                qp_num: conn.qp_num,
+                qkey: 0,
+                private_data: copy(conn.private_data, conn.private_data_len),
+            };
+            (param, None)
+        };
+        CmEvent {
+            event: raw.event,
+            status: raw.status,
+            key,
+            new_id,
+            param,
+            ud_ah,
+        }
+    }
+}
+
+impl Drop for CmChannel {
+    fn drop(&mut self) {
+        // SAFETY: every id of the channel is gone (each held an Arc of it); freed once.
+        unsafe { rdma_destroy_event_channel(self.raw.as_ptr()) };
+    }
+}
+
+/// The addresses and route of an id.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CmIdInfo {
+    pub src: Option<SocketAddrV4>,
+    pub dst: Option<SocketAddrV4>,
+    pub sgid: Gid,
+    pub dgid: Gid,
+    pub pkey: u16,
+    /// ibv_mtu of the first path; 0 without one.
+    pub path_mtu: u8,
+    pub num_paths: u8,
+    /// The host device the id is bound to, once it is.
+    pub device: Option<String>,
+    pub port_num: u8,
+}
+
+/// A connection-manager id. Dropping it destroys it (a connected id disconnects first).
+pub struct CmId {
+    raw: NonNull<rdma_cm_id>,
+    _channel: Arc<CmChannel>,
+}
+
+// SAFETY: librdmacm locks per id; the wrapper owns the pointer and frees it only in Drop.
+unsafe impl Send for CmId {}
+// SAFETY: shared references only make librdmacm calls, thread safe on one id.
+unsafe impl Sync for CmId {}
+
+fn sockaddr_in(address: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: address.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*address.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+/// The IPv4 address in `storage`, if it holds one with a non-zero address or port.
+fn from_sockaddr(storage: &libc::sockaddr_in) -> Option<SocketAddrV4> {
+    if storage.sin_family != libc::AF_INET as libc::sa_family_t {
+        return None;
+    }
+    let ip = Ipv4Addr::from(u32::from_be(storage.sin_addr.s_addr));
+    let port = u16::from_be(storage.sin_port);
+    (!ip.is_unspecified() || port != 0).then_some(SocketAddrV4::new(ip, port))
+}
+
+impl CmId {
+    fn ptr(&self) -> *mut rdma_cm_id {
+        self.raw.as_ptr()
+    }
+
+    /// Keys the id: its events are routed by `key` from now on.
+    pub fn set_key(&self, key: u64) {
+        // SAFETY: the id is alive; librdmacm only hands the context back in events, which
+        // the one event thread reads after this call for ids it keyed itself.
+        unsafe { (*self.ptr()).context = key as *mut c_void };
+    }
+
+    pub fn bind(&self, address: SocketAddrV4) -> Result<()> {
+        let mut sin = sockaddr_in(address);
+        // SAFETY: the id is alive; `sin` is a valid sockaddr_in, copied by the call.
+        check("rdma_bind_addr", unsafe {
+            rdma_bind_addr(self.ptr(), (&mut sin as *mut libc::sockaddr_in).cast())
+        })
+    }
+
+    pub fn resolve_addr(
+        &self,
+        src: SocketAddrV4,
+        dst: SocketAddrV4,
+        timeout_ms: u32,
+    ) -> Result<()> {
+        let (mut src, mut dst) = (sockaddr_in(src), sockaddr_in(dst));
+        let timeout = c_int::try_from(timeout_ms).unwrap_or(c_int::MAX);
+        // SAFETY: the id is alive; both sockaddrs are valid and copied by the call.
+        check("rdma_resolve_addr", unsafe {
+            rdma_resolve_addr(
+                self.ptr(),
+                (&mut src as *mut libc::sockaddr_in).cast(),
+                (&mut dst as *mut libc::sockaddr_in).cast(),
+                timeout,
+            )
+        })
+    }
+
+    pub fn resolve_route(&self, timeout_ms: u32) -> Result<()> {
+        let timeout = c_int::try_from(timeout_ms).unwrap_or(c_int::MAX);
+        // SAFETY: the id is alive.
+        check("rdma_resolve_route", unsafe {
+            rdma_resolve_route(self.ptr(), timeout)
+        })
+    }
+
+    pub fn listen(&self, backlog: u32) -> Result<()> {
+        let backlog = c_int::try_from(backlog).unwrap_or(c_int::MAX);
+        // SAFETY: the id is alive.
+        check("rdma_listen", unsafe { rdma_listen(self.ptr(), backlog) })
+    }
+
+    fn raw_param(param: &ConnParam, qp_num: u32) -> Result<rdma_conn_param> {
+        let private_data_len = u8::try_from(param.private_data.len())
+            .map_err(|_| Error::InvalidArgument("private data over 255 bytes".into()))?;
+        Ok(rdma_conn_param {
+            private_data: match param.private_data.is_empty() {
+                true => std::ptr::null(),
+                false => param.private_data.as_ptr().cast(),
+            },
+            private_data_len,
+            responder_resources: param.responder_resources,
+            initiator_depth: param.initiator_depth,
+            flow_control: param.flow_control,
+            retry_count: param.retry_count,
+            rnr_retry_count: param.rnr_retry_count,
+            srq: param.srq.into(),
+            qp_num,
+        })
+    }
+
+    /// Connects with the QP numbered `qp_num` (of the same host device).
+    pub fn connect(&self, param: &ConnParam, qp_num: u32) -> Result<()> {
+        let mut raw = Self::raw_param(param, qp_num)?;
+        // SAFETY: the id is alive; `raw` and the private data it points to outlive the call,
+        // which copies them.
+        check("rdma_connect", unsafe {
+            rdma_connect(self.ptr(), &mut raw)
+        })
+    }
+
+    /// Accepts the connection request this id came from, with the QP numbered `qp_num`.
+    pub fn accept(&self, param: &ConnParam, qp_num: u32) -> Result<()> {
+        let mut raw = Self::raw_param(param, qp_num)?;
+        // SAFETY: as in `connect`.
+        check("rdma_accept", unsafe { rdma_accept(self.ptr(), &mut raw) })
+    }
+
+    pub fn reject(&self, private_data: &[u8]) -> Result<()> {
+        let len = u8::try_from(private_data.len())
+            .map_err(|_| Error::InvalidArgument("private data over 255 bytes".into()))?;
+        let data = match private_data.is_empty() {
+            true => std::ptr::null(),
+            false => private_data.as_ptr().cast(),
+        };
+        // SAFETY: the id is alive; the data outlives the call, which copies it.
+        check("rdma_reject", unsafe { rdma_reject(self.ptr(), data, len) })
+    }
+
+    pub fn disconnect(&self) -> Result<()> {
+        // SAFETY: the id is alive.
+        check("rdma_disconnect", unsafe { rdma_disconnect(self.ptr()) })
+    }
+
+    pub fn establish(&self) -> Result<()> {
+        // SAFETY: the id is alive.
+        check("rdma_establish", unsafe { rdma_establish(self.ptr()) })
+    }
+
+    /// The attributes (and their mask) that move a QP of this id to `state`, in the host's
+    /// view.
+    pub fn init_qp_attr(&self, state: u32) -> Result<(QpAttr, u32)> {
+        // SAFETY: all-zero is a valid ibv_qp_attr.
+        let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = state;
+        let mut mask: c_int = 0;
+        // SAFETY: the id is alive; both out-pointers are valid.
+        check("rdma_init_qp_attr", unsafe {
+            rdma_init_qp_attr(self.ptr(), &mut attr, &mut mask)
+        })?;
+        let mask = mask as u32;
+        let attr = QpAttr::from_ibv(&attr, mask).map_err(|state| Error::Verbs {
+            call: "rdma_init_qp_attr",
+            source: io::Error::other(format!("QP state {state} is not one of ibverbs'")),
+        })?;
+        Ok((attr, mask))
+    }
+
+    /// The id's addresses, route and device.
+    pub fn info(&self) -> CmIdInfo {
+        // SAFETY: the id is alive; librdmacm keeps its route and addresses in it, and the
+        // sockaddr unions are read as the sockaddr_in their family says they are.
+        unsafe {
+            let id = &*self.ptr();
+            let addr = &id.route.addr;
+            let ib = &addr.addr.ibaddr;
+            let path = match (id.route.num_paths > 0, id.route.path_rec.is_null()) {
+                (true, false) => Some(&*id.route.path_rec),
+                _ => None,
+            };
+            let device = NonNull::new(id.verbs).map(|verbs| {
+                CStr::from_ptr(ibv_get_device_name((*verbs.as_ptr()).device))
+                    .to_string_lossy()
+                    .into_owned()
+            });
+            CmIdInfo {
+                src: from_sockaddr(&addr.src_addr_union.src_sin),
+                dst: from_sockaddr(&addr.dst_addr_union.dst_sin),
+                sgid: Gid(ib.sgid.raw),
+                dgid: Gid(ib.dgid.raw),
+                pkey: u16::from_be(ib.pkey),
+                path_mtu: path.map_or(0, |p| p.mtu),
+                num_paths: u8::try_from(id.route.num_paths).unwrap_or(0),
+                device,
+                port_num: id.port_num,
+            }
+        }
+    }
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        // SAFETY: the id is alive and destroyed once; every event of it that was taken was
+        // acknowledged at once (`take_event`), so this does not wait on the event thread.
+        let ret = unsafe { rdma_destroy_id(self.ptr()) };
+        if ret != 0 {
+            log::warn!("rdma_destroy_id: {}", io::Error::last_os_error());
+        }
+    }
+}
