@@ -19,8 +19,10 @@ log() { echo "vm-setup: $*" >&2; }
 # rdma_rxe or a network card needs (a nested guest has neither and skips them: each module
 # costs seconds under emulation inside emulation).
 # crc32_generic: rxe needs the crc32 shash when a link is added (ENOENT otherwise).
+# rdma_ucm: the connection manager for programs (/dev/infiniband/rdma_cm), which librdmacm
+# programs and the backend's connection management (SPEC.md §13) use.
 base_modules=(9p 9pnet_virtio overlay uio_pci_generic)
-network_modules=(crc32_generic veth virtio_net ib_uverbs rdma_rxe)
+network_modules=(crc32_generic veth virtio_net ib_uverbs rdma_rxe rdma_ucm)
 
 # QEMU comes from bookworm-backports (10.x: bookworm's 7.2 lacks vhost-user-device); the rest
 # from the main suite.
