@@ -52,12 +52,19 @@ readelf -V "$system_lib" | awk '
     [ "$first" = 1 ] && { echo "  local: *;"; first=0; }
     echo "}${parent:+ $parent};"
   done <"$work/nodes"
+  # The functions behind vrdma's librdmacm.so.1 (below), under a node of their own.
+  echo "VRDMA_RDMACM_PRIVATE {"
+  echo "  global:"
+  grep '^vrdma_rdmacm_' "$work/defined" | sed 's/^/    /; s/$/;/'
+  echo "};"
 } >"$work/libibverbs.map"
 
 exported=$(awk '{ print $2 }' "$work/system" | sort -u | comm -12 - "$work/defined")
 missing=$(awk '{ print $2 }' "$work/system" | sort -u | comm -23 - "$work/defined")
 undefined_args=()
-for symbol in $exported; do undefined_args+=("-Wl,--undefined=$symbol"); done
+for symbol in $exported $(grep '^vrdma_rdmacm_' "$work/defined"); do
+  undefined_args+=("-Wl,--undefined=$symbol")
+done
 
 cc -shared -o "$out/libibverbs.so.1.tmp" -Wl,-soname,libibverbs.so.1 \
   -Wl,--version-script="$work/libibverbs.map" -Wl,--gc-sections -Wl,-z,now \
@@ -66,4 +73,54 @@ mv "$out/libibverbs.so.1.tmp" "$out/libibverbs.so.1"
 cp "$work/libibverbs.map" "$out/libibverbs.map"
 log "$(wc -w <<<"$exported") symbols exported, $(wc -w <<<"$missing") of the system library's not provided (see $out/not-provided)"
 echo "$missing" >"$out/not-provided"
+
+# librdmacm.so.1: every default-versioned function of the system's librdmacm, each a jump to
+# this library's vrdma_rdmacm_<name> (or, for those not served, to vrdma_rdmacm_unserved
+# with the function's name), so that the connection manager and the verbs share the one
+# device connection and objects of libibverbs.so.1. x86-64 jumps: arguments pass untouched.
+system_cm="$(pkg-config --variable=libdir librdmacm 2>/dev/null)/librdmacm.so.1"
+[ -e "$system_cm" ] || { log "no system librdmacm.so.1 to take symbol versions from: apt-get install librdmacm-dev"; exit 1; }
+objdump -T "$system_cm" | awk 'NF > 2 && $(NF-1) ~ /^RDMACM_/ && $NF !~ /^RDMACM_/ { print $(NF-1), $NF }' |
+  sort -k2 >"$work/cm-system"
+readelf -V "$system_cm" | awk '
+  /Version definition section/ { in_defs = 1; next }
+  /Version needs section/ { in_defs = 0 }
+  in_defs && /Name: RDMACM_/ { if (node) print node, parent; node = $NF; parent = "" }
+  in_defs && /Parent 1:/ { parent = $NF }
+  END { if (node) print node, parent }' >"$work/cm-nodes"
+{
+  echo ".text"
+  while read -r _ symbol; do
+    echo ".globl $symbol"
+    echo ".type $symbol, @function"
+    echo "$symbol:"
+    if grep -qx "vrdma_rdmacm_$symbol" "$work/defined"; then
+      echo "  jmp vrdma_rdmacm_$symbol@PLT"
+    else
+      echo "  leaq .Lname_$symbol(%rip), %rdi"
+      echo "  jmp vrdma_rdmacm_unserved@PLT"
+    fi
+  done <"$work/cm-system"
+  echo ".section .rodata"
+  while read -r _ symbol; do
+    grep -qx "vrdma_rdmacm_$symbol" "$work/defined" || echo ".Lname_$symbol: .asciz \"$symbol\""
+  done <"$work/cm-system"
+  echo '.section .note.GNU-stack,"",@progbits'
+} >"$work/rdmacm.s"
+{
+  first=1
+  while read -r node parent; do
+    echo "$node {"
+    symbols=$(awk -v node="$node" '$1 == node { print $2 }' "$work/cm-system")
+    [ -n "$symbols" ] && { echo "  global:"; sed 's/^/    /; s/$/;/' <<<"$symbols"; }
+    [ "$first" = 1 ] && { echo "  local: *;"; first=0; }
+    echo "}${parent:+ $parent};"
+  done <"$work/cm-nodes"
+} >"$work/librdmacm.map"
+cc -shared -o "$out/librdmacm.so.1.tmp" -Wl,-soname,librdmacm.so.1 \
+  -Wl,--version-script="$work/librdmacm.map" -Wl,-z,now "$work/rdmacm.s" \
+  -L"$out" -l:libibverbs.so.1
+mv "$out/librdmacm.so.1.tmp" "$out/librdmacm.so.1"
+served=$(awk '{ print $2 }' "$work/cm-system" | sed 's/^/vrdma_rdmacm_/' | sort | comm -12 - "$work/defined" | wc -l)
+log "librdmacm.so.1: $served of $(wc -l <"$work/cm-system") functions served, the rest fail with ENOSYS"
 echo "$out"

@@ -480,6 +480,38 @@ impl DataPath {
         }
     }
 
+    /// Waits, at most `limit`, until every receive the guest published on `qp`'s RQ before
+    /// this call is on the host QP: the pool thread posts them, woken here. A connection
+    /// manager's message must not overtake them (SPEC.md §13.3): a UD peer's first datagram
+    /// would find no receive, where native posting would have put it there already. A guest
+    /// that publishes receives without ringing their doorbell costs itself the wait.
+    pub fn flush_receives(&self, qp: &QpData, limit: std::time::Duration) {
+        if qp.rq.is_none() {
+            return;
+        }
+        let published = {
+            let mem = self.shared.mem.read().unwrap_or_else(|e| e.into_inner());
+            let Some(mem) = mem.as_ref() else { return };
+            let at = qp.doorbell + vrdma_spec::ring::QpDoorbell::RQ_PRODUCER;
+            match guest_access::load::<u32>(&mem.memory(), at, Ordering::Acquire) {
+                Ok(published) => published,
+                Err(_) => return,
+            }
+        };
+        let _ = self.shared.shard.wake.write(1);
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let progress = &qp.progress.lock().progress;
+            if progress.failed || ring_pending(published, progress.rq_consumer) == 0 {
+                return;
+            }
+            if std::time::Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
+
     /// Tells the guest the device needs a reset (SPEC.md §8.4).
     pub fn device_fatal(&self) {
         self.shared.post_event(event_kind::DEVICE_FATAL, 0);

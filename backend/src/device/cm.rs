@@ -34,6 +34,10 @@ use crate::hostverbs::{self, AhAttr, QpType};
 /// ones are dropped.
 const MAX_QUEUED_EVENTS: usize = 16;
 
+/// The longest a CM_CONNECT or CM_ACCEPT waits for the receives the guest posted before it
+/// to reach the host QP.
+const RECEIVE_FLUSH_LIMIT: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// What an id is for, which decides the commands it takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Role {
@@ -290,6 +294,12 @@ impl Drop for ConnectionManager {
 /// Queues `event` on its id (the event thread's work), announcing it when the id's queue was
 /// empty.
 fn route(table: &Mutex<CmTable>, event: CmEvent, events: &EventRaiser) {
+    log::debug!(
+        "CM event {} (status {}) for id key {}",
+        cm_event::name(event.event),
+        event.status,
+        event.key
+    );
     let mut rejected = None;
     let announce = {
         let mut table = lock(table);
@@ -582,6 +592,8 @@ impl Device {
         let qp_handle = req.qp.to_native();
         let qp = self.objects.qp(qp_handle)?;
         let (qp_num, qp_type) = (qp.host.qp_num(), qp.host.qp_type());
+        // What the guest posted before it asked must be on the host before the message goes.
+        self.data_path.flush_receives(&qp.data, RECEIVE_FLUSH_LIMIT);
         let what = if accept { "accept" } else { "connect" };
         let mut table = lock(&cm.table);
         let taken = table
@@ -660,6 +672,10 @@ impl Device {
         let (attr, mask) = id
             .init_qp_attr(req.qp_state.into())
             .map_err(host("give QP attributes"))?;
+        log::debug!(
+            "CM QP attributes for state {}: mask {mask:#x}, {attr:?}",
+            req.qp_state
+        );
         let mask = mask & qp_attr_mask::SUPPORTED;
         let mut attr = cm.guest_view(attr, mask)?;
         // Only the access rights of SPEC.md §5.11: the host's connection manager may add
@@ -713,8 +729,14 @@ impl Device {
         if queued.new_key.is_some() {
             entry.requests = entry.requests.saturating_sub(1);
         }
+        // The peer's address vector, as the guest names sources: by its one GID (the host
+        // leaves the source of a received request's vector unresolved).
         let ah_attr = match queued.ud_ah {
-            Some(ah) => ctrl::AhAttr::from(&cm.guest_ah(ah)?),
+            Some(ah) => ctrl::AhAttr::from(&AhAttr {
+                sgid_index: GUEST_GID_INDEX,
+                port_num: PORT_NUM,
+                ..ah
+            }),
             None => ctrl::AhAttr::default(),
         };
         // The request's id becomes the guest's now, with a handle of its own.

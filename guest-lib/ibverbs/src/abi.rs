@@ -160,7 +160,9 @@ fn errno_of(error: &vrdma_guest::Error) -> c_int {
 // ---- device list -------------------------------------------------------------------------
 
 #[no_mangle]
-unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *mut ibv_device {
+pub(crate) unsafe extern "C" fn ibv_get_device_list(
+    num_devices: *mut c_int,
+) -> *mut *mut ibv_device {
     let device = vrdma_device();
     // NULL-terminated, freed by ibv_free_device_list with free().
     // SAFETY: calloc has no preconditions; the result is checked.
@@ -187,7 +189,7 @@ unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *mut i
 }
 
 #[no_mangle]
-unsafe extern "C" fn ibv_free_device_list(list: *mut *mut ibv_device) {
+pub(crate) unsafe extern "C" fn ibv_free_device_list(list: *mut *mut ibv_device) {
     // SAFETY: `list` came from ibv_get_device_list's calloc (or is NULL).
     unsafe { libc::free(list.cast()) };
 }
@@ -249,7 +251,7 @@ fn open_failure(device: &VrdmaDevice, error: &vrdma_guest::Error) -> String {
 // ---- open / close ------------------------------------------------------------------------
 
 #[no_mangle]
-unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_context {
+pub(crate) unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_context {
     let Some(ours) = device_of(device) else {
         set_errno(libc::ENODEV);
         return ptr::null_mut();
@@ -311,7 +313,23 @@ unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_contex
         async_events,
     }));
     // SAFETY: `context` is a valid, uniquely owned allocation until ibv_close_device.
-    unsafe { ptr::addr_of_mut!((*context).verbs.context) }
+    let opened = unsafe { ptr::addr_of_mut!((*context).verbs.context) };
+    open_contexts().push(opened as usize);
+    opened
+}
+
+/// The contexts open in the process, oldest first, by address: connection management uses
+/// the program's own (a backend serves a process one connection).
+fn open_contexts() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    static OPEN: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    OPEN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether `context` is open, and the oldest open context.
+pub(crate) fn open_context(context: Option<*mut ibv_context>) -> (bool, Option<*mut ibv_context>) {
+    let open = open_contexts();
+    let is_open = context.is_some_and(|c| open.contains(&(c as usize)));
+    (is_open, open.first().map(|&c| c as *mut ibv_context))
 }
 
 #[no_mangle]
@@ -319,6 +337,7 @@ unsafe extern "C" fn ibv_close_device(context: *mut ibv_context) -> c_int {
     if context.is_null() {
         return libc::EINVAL;
     }
+    open_contexts().retain(|&c| c != context as usize);
     // SAFETY: per libibverbs' contract `context` came from ibv_open_device and is closed
     // once; the VrdmaContext it sits in was made by Box::new there.
     let owned = unsafe {

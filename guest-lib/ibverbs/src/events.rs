@@ -36,7 +36,7 @@ impl<T: Copy> EventQueue<T> {
         }))
     }
 
-    fn push(&self, item: T) {
+    pub(crate) fn push(&self, item: T) {
         self.ready
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -116,6 +116,8 @@ pub(crate) enum ObjectKind {
 struct Routes {
     channels: HashMap<u32, (usize, Arc<Channel>)>,
     objects: HashMap<(ObjectKind, u32), usize>,
+    /// CM ids (their address) and the channel their events go to, by device handle.
+    cm_ids: HashMap<u32, (usize, Arc<crate::rdmacm::CmChannel>)>,
 }
 
 /// The thread that routes one context's events.
@@ -157,6 +159,23 @@ impl Dispatcher {
     /// Completion events of CQ `handle` (at `cq`) go to `channel` from now on.
     pub(crate) fn watch(&self, handle: u32, cq: usize, channel: Arc<Channel>) {
         self.routes().channels.insert(handle, (cq, channel));
+    }
+
+    /// Events of CM id `handle` (at `id`) go to `channel` from now on.
+    pub(crate) fn watch_cm(&self, handle: u32, id: usize, channel: Arc<crate::rdmacm::CmChannel>) {
+        self.routes().cm_ids.insert(handle, (id, channel));
+    }
+
+    /// The address of CM id `handle`, while it is watched.
+    pub(crate) fn cm_id(&self, handle: u32) -> Option<usize> {
+        self.routes().cm_ids.get(&handle).map(|(id, _)| *id)
+    }
+
+    /// CM id `handle` is being destroyed: no more events about it, and none left to take.
+    pub(crate) fn forget_cm(&self, handle: u32) {
+        if let Some((_, channel)) = self.routes().cm_ids.remove(&handle) {
+            channel.forget(|&ready| ready == handle);
+        }
     }
 
     /// Object `handle` is being destroyed: no more events about it, and none left to take.
@@ -231,6 +250,12 @@ fn route_events(
                 let route = routes().channels.get(&handle).cloned();
                 if let Some((cq, channel)) = route {
                     channel.push(cq);
+                }
+            }
+            Ok(Some(DeviceEvent::CmEvent(handle))) => {
+                let route = routes().cm_ids.get(&handle).map(|(_, c)| Arc::clone(c));
+                if let Some(channel) = route {
+                    channel.push(handle);
                 }
             }
             Ok(Some(event)) => match async_event_of(event, &routes().objects) {

@@ -21,6 +21,7 @@ mod events;
 mod objects;
 mod private;
 mod qp_ex;
+mod rdmacm;
 mod strings;
 mod translate;
 mod unserved;

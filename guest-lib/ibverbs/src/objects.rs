@@ -116,6 +116,15 @@ impl VrdmaQp {
     }
 }
 
+/// guest-lib's QP behind a program's.
+///
+/// # Safety
+/// `qp` must be a live QP of this library's.
+pub(crate) unsafe fn qp_of<'a>(qp: *mut ibv_qp) -> &'a QueuePair {
+    // SAFETY: per the contract.
+    unsafe { ours::<VrdmaQp>(qp) }.inner()
+}
+
 /// Posts the program's list of requests from `first` on through `chain`, with one doorbell
 /// for all of them: 0, or an errno with `*bad_wr` at the first request not posted (those
 /// before it are posted, as verbs does).
@@ -226,7 +235,7 @@ unsafe fn forget_events(context: *mut ibv_context, kind: ObjectKind, handle: u32
 // ---- PD, MR, AH --------------------------------------------------------------------------
 
 #[no_mangle]
-unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd {
+pub(crate) unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd {
     if context.is_null() {
         set_errno(libc::EINVAL);
         return ptr::null_mut();
@@ -249,7 +258,7 @@ unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd {
 }
 
 #[no_mangle]
-unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
+pub(crate) unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
     // SAFETY: a PD from ibv_alloc_pd, per the API contract.
     if !pd.is_null() && unsafe { ours::<VrdmaPd>(pd) }.inner.in_use() {
         return busy();
@@ -338,6 +347,49 @@ unsafe extern "C" fn ibv_query_qp_data_in_order(
     0
 }
 
+/// `ibv_init_ah_from_wc`: the address vector back to the sender of a datagram received with
+/// a GRH (UD; see [`translate::ah_from_grh`]).
+#[no_mangle]
+unsafe extern "C" fn ibv_init_ah_from_wc(
+    _context: *mut ibv_context,
+    port_num: u8,
+    wc: *mut ibv_wc,
+    grh: *mut rdma_sys::ibv_grh,
+    ah_attr: *mut ibv_ah_attr,
+) -> c_int {
+    if wc.is_null() || grh.is_null() || ah_attr.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: the caller's completion, the 40-byte GRH at the start of its receive buffer,
+    // and an attribute block to fill, per the API contract.
+    let (wc, grh, ah_attr) = unsafe { (&*wc, &*grh.cast::<[u8; 40]>(), &mut *ah_attr) };
+    if wc.wc_flags & rdma_sys::ibv_wc_flags::IBV_WC_GRH.0 == 0 {
+        // Without a GRH there is no address to answer on a RoCE port.
+        set_errno(libc::EINVAL);
+        return libc::EINVAL;
+    }
+    *ah_attr = ibv_ah_attr::from(&translate::ah_from_grh(grh, wc.sl, port_num));
+    0
+}
+
+#[no_mangle]
+unsafe extern "C" fn ibv_create_ah_from_wc(
+    pd: *mut ibv_pd,
+    wc: *mut ibv_wc,
+    grh: *mut rdma_sys::ibv_grh,
+    port_num: u8,
+) -> *mut ibv_ah {
+    // SAFETY: all-zero is a valid ibv_ah_attr.
+    let mut attr: ibv_ah_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: the caller's PD, completion and GRH, per the API contract.
+    unsafe {
+        if pd.is_null() || ibv_init_ah_from_wc((*pd).context, port_num, wc, grh, &mut attr) != 0 {
+            return ptr::null_mut();
+        }
+        ibv_create_ah(pd, &mut attr)
+    }
+}
+
 #[no_mangle]
 unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
     // SAFETY: an MR from ibv_reg_mr, deregistered once, per the API contract.
@@ -377,7 +429,9 @@ unsafe extern "C" fn ibv_destroy_ah(ah: *mut ibv_ah) -> c_int {
 // ---- CQ ----------------------------------------------------------------------------------
 
 #[no_mangle]
-unsafe extern "C" fn ibv_create_comp_channel(context: *mut ibv_context) -> *mut ibv_comp_channel {
+pub(crate) unsafe extern "C" fn ibv_create_comp_channel(
+    context: *mut ibv_context,
+) -> *mut ibv_comp_channel {
     if context.is_null() {
         set_errno(libc::EINVAL);
         return ptr::null_mut();
@@ -400,7 +454,7 @@ unsafe extern "C" fn ibv_create_comp_channel(context: *mut ibv_context) -> *mut 
 }
 
 #[no_mangle]
-unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut ibv_comp_channel) -> c_int {
+pub(crate) unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut ibv_comp_channel) -> c_int {
     // SAFETY: a channel from ibv_create_comp_channel, per the API contract.
     if !channel.is_null() && unsafe { (*channel).refcnt } != 0 {
         return busy(); // CQs still report to it, as libibverbs refuses too
@@ -451,7 +505,7 @@ unsafe extern "C" fn ibv_ack_cq_events(cq: *mut ibv_cq, nevents: c_uint) {
 }
 
 #[no_mangle]
-unsafe extern "C" fn ibv_create_cq(
+pub(crate) unsafe extern "C" fn ibv_create_cq(
     context: *mut ibv_context,
     cqe: c_int,
     cq_context: *mut c_void,
@@ -662,7 +716,7 @@ completion_field_readers! {
 }
 
 #[no_mangle]
-unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
+pub(crate) unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
     if cq.is_null() {
         return libc::EINVAL;
     }
@@ -733,7 +787,10 @@ pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c
 // ---- QP ----------------------------------------------------------------------------------
 
 #[no_mangle]
-unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, init: *mut ibv_qp_init_attr) -> *mut ibv_qp {
+pub(crate) unsafe extern "C" fn ibv_create_qp(
+    pd: *mut ibv_pd,
+    init: *mut ibv_qp_init_attr,
+) -> *mut ibv_qp {
     if pd.is_null() || init.is_null() {
         set_errno(libc::EINVAL);
         return ptr::null_mut();
@@ -878,7 +935,11 @@ unsafe extern "C" fn ibv_qp_to_qp_ex(qp: *mut ibv_qp) -> *mut ibv_qp_ex {
 }
 
 #[no_mangle]
-unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_int) -> c_int {
+pub(crate) unsafe extern "C" fn ibv_modify_qp(
+    qp: *mut ibv_qp,
+    attr: *mut ibv_qp_attr,
+    mask: c_int,
+) -> c_int {
     if qp.is_null() || attr.is_null() {
         return libc::EINVAL;
     }
@@ -937,7 +998,7 @@ unsafe extern "C" fn ibv_query_qp(
 }
 
 #[no_mangle]
-unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
+pub(crate) unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
     if !qp.is_null() {
         // SAFETY: a QP from ibv_create_qp, per the API contract; its context outlives it.
         unsafe { forget_events((*qp).context, ObjectKind::Qp, (*qp).handle) };

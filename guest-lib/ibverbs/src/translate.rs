@@ -177,6 +177,35 @@ pub fn wc(from: &WorkCompletion) -> ibv_wc {
     }
 }
 
+/// The address vector back to the sender of a received datagram, from its 40-byte GRH
+/// (`ibv_init_ah_from_wc`). On RoCEv2 over IPv4 the GRH's first 20 bytes are zero and the
+/// datagram's IPv4 header follows (as the kernel and rxe lay it out): the sender is then its
+/// IPv4 source address. The source is the device's one GID (index 0), the hop limit 0xff.
+pub(crate) fn ah_from_grh(grh: &[u8; 40], sl: u8, port_num: u8) -> vrdma_guest::AhAttr {
+    let ipv4 = &grh[20..];
+    let is_ipv4 = grh[..20] == [0; 20] && ipv4[0] == 0x45;
+    let (dgid, traffic_class, flow_label) = if is_ipv4 {
+        let source = std::net::Ipv4Addr::new(ipv4[12], ipv4[13], ipv4[14], ipv4[15]);
+        (vrdma_guest::Gid::from(source), ipv4[1], 0)
+    } else {
+        let word = u32::from_be_bytes([grh[0], grh[1], grh[2], grh[3]]);
+        let mut sgid = [0; 16];
+        sgid.copy_from_slice(&grh[8..24]);
+        (vrdma_guest::Gid(sgid), (word >> 20) as u8, word & 0xf_ffff)
+    };
+    vrdma_guest::AhAttr {
+        dgid,
+        flow_label,
+        sgid_index: 0,
+        hop_limit: 0xff,
+        traffic_class,
+        is_global: true,
+        dlid: 0,
+        sl,
+        port_num,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,5 +341,32 @@ mod tests {
         for (cq, cq_ex) in pairs {
             assert_eq!(cq, cq_ex);
         }
+    }
+
+    #[test]
+    fn a_datagrams_grh_names_its_sender() {
+        // RoCEv2 over IPv4: 20 zero bytes, then the IPv4 header (source 192.0.2.9, TOS 0x10).
+        let mut grh = [0u8; 40];
+        grh[20] = 0x45;
+        grh[21] = 0x10;
+        grh[32..36].copy_from_slice(&[192, 0, 2, 9]);
+        let ah = ah_from_grh(&grh, 0, 1);
+        assert_eq!(
+            ah.dgid,
+            vrdma_guest::Gid::from(std::net::Ipv4Addr::new(192, 0, 2, 9))
+        );
+        assert_eq!(
+            (ah.traffic_class, ah.sgid_index, ah.hop_limit, ah.is_global),
+            (0x10, 0, 0xff, true)
+        );
+        // A GRH proper: version 6, traffic class 0x22, flow 0x12345, source GID at 8..24.
+        let mut grh = [0u8; 40];
+        grh[..4].copy_from_slice(&(6u32 << 28 | 0x22 << 20 | 0x12345).to_be_bytes());
+        grh[8..24].copy_from_slice(&[0xfe; 16]);
+        let ah = ah_from_grh(&grh, 3, 1);
+        assert_eq!(
+            (ah.dgid, ah.traffic_class, ah.flow_label, ah.sl),
+            (vrdma_guest::Gid([0xfe; 16]), 0x22, 0x12345, 3)
+        );
     }
 }

@@ -38,8 +38,6 @@ unserved! {
     ibv_resize_cq(P, c_int) -> int;
     ibv_query_ece(P, P) -> int;
     ibv_set_ece(P, P) -> int;
-    ibv_create_ah_from_wc(P, P, P, u8) -> null;
-    ibv_init_ah_from_wc(P, u8, P, P, P) -> int;
     ibv_attach_mcast(P, P, u16) -> int;
     ibv_detach_mcast(P, P, u16) -> int;
     ibv_resolve_eth_l2_from_gid(P, P, P, P) -> int;

@@ -1,0 +1,1252 @@
+//! librdmacm's API on vrdma's connection management (SPEC.md §13), so unmodified rdma_cm
+//! programs run on vrdma. The functions are this library's `vrdma_rdmacm_*`; `link.sh`
+//! builds a `librdmacm.so.1` whose versioned `rdma_*` symbols jump to them, so the CM and the
+//! verbs share one device connection and one set of objects, as librdmacm and libibverbs do
+//! in a process.
+//!
+//! An id's events are taken from the device by the thread of the context (`events`), which
+//! puts the id's handle on its channel; `rdma_get_cm_event` takes them from the device and
+//! does what librdmacm does with them: for an id with a QP it moves the QP at CONNECT_RESPONSE
+//! and establishes the connection, as librdmacm does for QPs made with `rdma_create_qp`.
+//! Ids made without a channel are synchronous: each call waits for its own event.
+
+use std::ffi::CStr;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::AsRawFd;
+use std::os::raw::{c_char, c_int, c_void};
+use std::ptr;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use rdma_sys::{
+    ibv_comp_channel, ibv_context, ibv_cq, ibv_pd, ibv_qp_attr, ibv_qp_init_attr, ibv_qp_type,
+    ibv_sa_path_rec, rdma_addrinfo, rdma_cm_event, rdma_cm_event_type as event_type, rdma_cm_id,
+    rdma_conn_param, rdma_event_channel, rdma_port_space,
+};
+use vrdma_guest::cm::{event, port_space};
+use vrdma_guest::{CmEvent, CmId, ConnParam, QpState};
+
+use crate::abi::{context_of, raise_errno, report_once, set_errno};
+use crate::events::EventQueue;
+use crate::objects;
+
+/// `rdma_getaddrinfo` flags.
+const RAI_PASSIVE: c_int = 1;
+const RAI_NUMERICHOST: c_int = 2;
+/// librdmacm's "as many as the device allows" for responder resources and initiator depth.
+const RDMA_MAX_RESP_RES: u8 = 0xff;
+/// Waits of synchronous ids, and the route timeout `rdma_create_ep` uses.
+const EP_TIMEOUT_MS: c_int = 2000;
+
+/// A channel: the ids with events waiting, by handle.
+pub(crate) type CmChannel = EventQueue<u32>;
+
+#[repr(C)]
+struct VrdmaEventChannel {
+    channel: rdma_event_channel,
+    queue: Arc<CmChannel>,
+}
+
+#[repr(C)]
+struct VrdmaCmId {
+    id: rdma_cm_id,
+    inner: CmId,
+    queue: Arc<CmChannel>,
+    /// The channel the program did not give (a synchronous id's own).
+    own_channel: Option<Box<VrdmaEventChannel>>,
+    /// The PD `rdma_create_qp` allocated for want of one.
+    own_pd: *mut ibv_pd,
+    /// The CQs (and their channels) `rdma_create_qp` made for want of them, for
+    /// `rdma_get_send_comp`/`rdma_get_recv_comp`.
+    own_cqs: Vec<(*mut ibv_cq, *mut ibv_comp_channel)>,
+    /// The route's one path, for `route.path_rec`.
+    path: ibv_sa_path_rec,
+    /// `rdma_create_ep` on a passive id: what `rdma_get_request` makes QPs of.
+    request_qp: Option<(*mut ibv_pd, ibv_qp_init_attr)>,
+}
+
+/// An event as programs see it, with the private data it points to.
+#[repr(C)]
+struct VrdmaCmEvent {
+    event: rdma_cm_event,
+    private_data: Vec<u8>,
+}
+
+fn fail<T>(errno: c_int, value: T) -> T {
+    set_errno(errno);
+    value
+}
+
+fn failed(errno: c_int) -> c_int {
+    fail(errno, -1)
+}
+
+/// The errno the last failed call left.
+fn last_errno() -> c_int {
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+fn io_errno(error: &vrdma_guest::Error) -> c_int {
+    raise_errno(error);
+    -1
+}
+
+/// The context connection management uses: the program's own, if it opened one (a backend
+/// serves a process one connection; librdmacm programs that open the device themselves, like
+/// perftest, make their QPs on that context), else one opened here and kept for the process,
+/// as librdmacm keeps one per device.
+fn cm_context() -> Option<*mut ibv_context> {
+    static CURRENT: std::sync::Mutex<Option<usize>> = std::sync::Mutex::new(None);
+    let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+    let (still_open, oldest) = crate::abi::open_context(current.map(|c| c as *mut ibv_context));
+    if still_open {
+        return current.map(|c| c as *mut ibv_context);
+    }
+    let context = oldest.or_else(|| {
+        // SAFETY: this library's own device list and open; the list is freed at once and the
+        // context kept for the life of the process.
+        unsafe {
+            let list = crate::abi::ibv_get_device_list(ptr::null_mut());
+            let first = if list.is_null() {
+                ptr::null_mut()
+            } else {
+                *list
+            };
+            let context = if first.is_null() {
+                ptr::null_mut()
+            } else {
+                crate::abi::ibv_open_device(first)
+            };
+            crate::abi::ibv_free_device_list(list);
+            (!context.is_null()).then_some(context)
+        }
+    })?;
+    *current = Some(context as usize);
+    Some(context)
+}
+
+/// # Safety
+/// `id` must be an id this library made and not yet destroyed.
+unsafe fn ours<'a>(id: *mut rdma_cm_id) -> &'a mut VrdmaCmId {
+    // SAFETY: per the contract, `id` is the first field of a live VrdmaCmId.
+    unsafe { &mut *id.cast::<VrdmaCmId>() }
+}
+
+fn sockaddr_in(address: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: address.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*address.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+/// The IPv4 address a program passed, if it is one.
+///
+/// # Safety
+/// `addr` must be NULL or a valid sockaddr of its family's size.
+unsafe fn ipv4_of(addr: *const libc::sockaddr) -> Option<SocketAddrV4> {
+    if addr.is_null() {
+        return None;
+    }
+    // SAFETY: per the contract; the family says it is a sockaddr_in.
+    unsafe {
+        if c_int::from((*addr).sa_family) != libc::AF_INET {
+            return None;
+        }
+        let sin = &*addr.cast::<libc::sockaddr_in>();
+        Some(SocketAddrV4::new(
+            Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+            u16::from_be(sin.sin_port),
+        ))
+    }
+}
+
+impl VrdmaCmId {
+    /// Copies the device's view of the id's addresses and route into the C id.
+    fn refresh_route(&mut self) {
+        let Ok(info) = self.inner.query() else {
+            return;
+        };
+        // Writes of the sockaddr_in members of the address unions, as librdmacm fills them.
+        let addr = &mut self.id.route.addr;
+        if let Some(src) = info.src.to_ipv4() {
+            addr.src_addr_union.src_sin = sockaddr_in(src);
+        }
+        if let Some(dst) = info.dst.to_ipv4() {
+            addr.dst_addr_union.dst_sin = sockaddr_in(dst);
+        }
+        addr.addr.ibaddr = rdma_sys::rdma_ib_addr {
+            sgid: rdma_sys::ibv_gid { raw: info.sgid },
+            dgid: rdma_sys::ibv_gid { raw: info.dgid },
+            pkey: info.pkey.to_native().to_be(),
+        };
+        self.id.port_num = info.port_num;
+        if info.num_paths > 0 {
+            self.path.dgid.raw = info.dgid;
+            self.path.sgid.raw = info.sgid;
+            self.path.pkey = info.pkey.to_native().to_be();
+            self.path.mtu = info.path_mtu;
+            self.path.hop_limit = 1;
+            self.id.route.path_rec = &mut self.path;
+            self.id.route.num_paths = 1;
+        }
+    }
+
+    /// Moves the id's QP to `state` with the connection manager's attributes. Before RTR
+    /// the INIT attributes are applied again, as librdmacm does: once the connection's
+    /// parameters are exchanged they grant the remote reads the responder resources allow.
+    fn move_qp(&self, state: QpState) -> c_int {
+        if self.id.qp.is_null() {
+            return 0;
+        }
+        if state == QpState::Rtr && self.move_qp(QpState::Init) != 0 {
+            return -1;
+        }
+        let (attr, mask) = match self.inner.init_qp_attr(state) {
+            Ok(found) => found,
+            Err(e) => return io_errno(&e),
+        };
+        let mut raw = ibv_qp_attr::from(&attr);
+        // SAFETY: the id's QP, made by rdma_create_qp, and an attribute block of our own.
+        let ret = unsafe { objects::ibv_modify_qp(self.id.qp, &mut raw, mask as c_int) };
+        if ret != 0 {
+            return failed(ret);
+        }
+        0
+    }
+
+    fn qp_to_error(&self) {
+        if self.id.qp.is_null() {
+            return;
+        }
+        // SAFETY: all-zero is a valid ibv_qp_attr; the QP is the id's.
+        unsafe {
+            let mut attr: ibv_qp_attr = std::mem::zeroed();
+            attr.qp_state = rdma_sys::ibv_qp_state::IBV_QPS_ERR;
+            objects::ibv_modify_qp(
+                self.id.qp,
+                &mut attr,
+                rdma_sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int,
+            );
+        }
+    }
+
+    fn is_sync(&self) -> bool {
+        self.own_channel.is_some()
+    }
+}
+
+/// A new C id around `inner` on `queue` (and `channel`, the program's, or NULL).
+fn new_id(
+    inner: CmId,
+    context: *mut ibv_context,
+    channel: *mut rdma_event_channel,
+    queue: Arc<CmChannel>,
+    user_context: *mut c_void,
+    space: u32,
+) -> *mut VrdmaCmId {
+    // SAFETY: rdma_cm_id is C data (pointers, integers, sockaddr unions) valid as zero.
+    let mut id: rdma_cm_id = unsafe { std::mem::zeroed() };
+    id.verbs = context;
+    id.channel = channel;
+    id.context = user_context;
+    id.ps = space;
+    id.qp_type = if space == port_space::UDP {
+        ibv_qp_type::IBV_QPT_UD
+    } else {
+        ibv_qp_type::IBV_QPT_RC
+    };
+    let made = Box::into_raw(Box::new(VrdmaCmId {
+        id,
+        inner,
+        queue,
+        own_channel: None,
+        own_pd: ptr::null_mut(),
+        own_cqs: Vec::new(),
+        // SAFETY: ibv_sa_path_rec is C data valid as zero.
+        path: unsafe { std::mem::zeroed() },
+        request_qp: None,
+    }));
+    // SAFETY: just made; the CM context is this library's.
+    unsafe { watch(made) };
+    made
+}
+
+/// Routes the events of `id` to its channel's queue.
+///
+/// # Safety
+/// `id` must be a live id of this library's.
+unsafe fn watch(id: *mut VrdmaCmId) {
+    // SAFETY: per the contract; its context is the CM context.
+    let id = unsafe { &*id };
+    let queue = Arc::clone(&id.queue);
+    // SAFETY: the id's context is the CM context, open for the life of the process.
+    unsafe { context_of(id.id.verbs) }
+        .with_dispatcher(|d| d.watch_cm(id.inner.handle(), ptr::from_ref(id) as usize, queue));
+}
+
+// ---- channels ----------------------------------------------------------------------------
+
+fn new_channel() -> Option<Box<VrdmaEventChannel>> {
+    let queue = CmChannel::new().ok()?;
+    Some(Box::new(VrdmaEventChannel {
+        channel: rdma_event_channel {
+            fd: queue.as_raw_fd(),
+        },
+        queue,
+    }))
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_create_event_channel() -> *mut rdma_event_channel {
+    match new_channel() {
+        Some(channel) => Box::into_raw(channel).cast(),
+        None => fail(libc::ENOMEM, ptr::null_mut()),
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_destroy_event_channel(channel: *mut rdma_event_channel) {
+    if !channel.is_null() {
+        // SAFETY: a channel rdma_create_event_channel made, destroyed once.
+        drop(unsafe { Box::from_raw(channel.cast::<VrdmaEventChannel>()) });
+    }
+}
+
+// ---- ids ---------------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_create_id(
+    channel: *mut rdma_event_channel,
+    id: *mut *mut rdma_cm_id,
+    context: *mut c_void,
+    space: rdma_port_space::Type,
+) -> c_int {
+    if id.is_null() || !matches!(space, port_space::TCP | port_space::UDP) {
+        report_once(
+            "cm_ps",
+            "rdma_create_id: only RDMA_PS_TCP and RDMA_PS_UDP are served",
+        );
+        return failed(libc::EINVAL);
+    }
+    let Some(verbs) = cm_context() else {
+        return failed(libc::ENODEV);
+    };
+    // SAFETY: the CM context is this library's.
+    let device = &unsafe { context_of(verbs) }.device;
+    let inner = match device.create_cm_id(space) {
+        Ok(inner) => inner,
+        Err(e) => {
+            report_once("cm_create", &format!("rdma_create_id failed: {e} (connection management needs a device with an address of its own: the backend's --guest-ip)"));
+            return io_errno(&e);
+        }
+    };
+    let (queue, own) = if channel.is_null() {
+        let Some(own) = new_channel() else {
+            return failed(libc::ENOMEM);
+        };
+        (Arc::clone(&own.queue), Some(own))
+    } else {
+        // SAFETY: a channel of this library's, per the API contract.
+        (
+            Arc::clone(&unsafe { &*channel.cast::<VrdmaEventChannel>() }.queue),
+            None,
+        )
+    };
+    let made = new_id(inner, verbs, channel, queue, context, space);
+    // SAFETY: just made.
+    unsafe {
+        if let Some(own) = own {
+            (*made).id.channel = ptr::from_ref(&own.channel).cast_mut();
+            (*made).own_channel = Some(own);
+        }
+        *id = made.cast();
+    }
+    0
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
+    if id.is_null() {
+        return failed(libc::EINVAL);
+    }
+    // SAFETY: an id of this library's, destroyed once, per the API contract.
+    let owned = unsafe { Box::from_raw(id.cast::<VrdmaCmId>()) };
+    // SAFETY: the id's context is the CM context.
+    unsafe { context_of(owned.id.verbs) }.with_dispatcher(|d| d.forget_cm(owned.inner.handle()));
+    free_event(owned.id.event);
+    if !owned.own_pd.is_null() {
+        // SAFETY: the PD rdma_create_qp allocated; its QP is gone (rdma_destroy_qp first).
+        unsafe { objects::ibv_dealloc_pd(owned.own_pd) };
+    }
+    drop(owned); // the device's id goes with its CmId
+    0
+}
+
+/// Frees an event of a synchronous id that the next call replaces.
+fn free_event(event: *mut rdma_cm_event) {
+    if !event.is_null() {
+        // SAFETY: an event this library made, freed once.
+        drop(unsafe { Box::from_raw(event.cast::<VrdmaCmEvent>()) });
+    }
+}
+
+/// For a synchronous id: waits for its next event and keeps it in `id->event`; 0 when it is
+/// `wanted`, else -1 with the event's errno.
+fn complete(id: &mut VrdmaCmId, wanted: u32) -> c_int {
+    if !id.is_sync() {
+        return 0;
+    }
+    free_event(id.id.event);
+    id.id.event = ptr::null_mut();
+    let mut event: *mut rdma_cm_event = ptr::null_mut();
+    let channel = ptr::from_ref(&id.own_channel.as_ref().expect("sync").channel).cast_mut();
+    // SAFETY: the id's own channel; `event` a valid out-pointer.
+    if unsafe { vrdma_rdmacm_rdma_get_cm_event(channel, &mut event) } != 0 {
+        return -1;
+    }
+    id.id.event = event;
+    // SAFETY: just taken.
+    let (kind, status) = unsafe { ((*event).event, (*event).status) };
+    if kind == wanted {
+        return 0;
+    }
+    let errno = match (kind, status) {
+        (_, s) if s < 0 => -s,
+        (event_type::RDMA_CM_EVENT_REJECTED, _) => libc::ECONNREFUSED,
+        (event_type::RDMA_CM_EVENT_UNREACHABLE, _) => libc::ENETUNREACH,
+        _ => libc::EINVAL,
+    };
+    failed(errno)
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_bind_addr(
+    id: *mut rdma_cm_id,
+    addr: *mut libc::sockaddr,
+) -> c_int {
+    // SAFETY: per the API contract.
+    let (id, addr) = unsafe { (ours(id), ipv4_of(addr)) };
+    let Some(addr) = addr else {
+        report_once(
+            "cm_af",
+            "vrdma's connection management serves IPv4 addresses only",
+        );
+        return failed(libc::EAFNOSUPPORT);
+    };
+    match id.inner.bind(addr) {
+        Ok(()) => {
+            id.refresh_route();
+            0
+        }
+        Err(e) => io_errno(&e),
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_resolve_addr(
+    id: *mut rdma_cm_id,
+    src: *mut libc::sockaddr,
+    dst: *mut libc::sockaddr,
+    timeout_ms: c_int,
+) -> c_int {
+    // SAFETY: per the API contract.
+    let (id, src, dst) = unsafe { (ours(id), ipv4_of(src), ipv4_of(dst)) };
+    let Some(dst) = dst else {
+        return failed(libc::EAFNOSUPPORT);
+    };
+    let timeout = Duration::from_millis(timeout_ms.clamp(1, 60_000) as u64);
+    if let Err(e) = id.inner.resolve_addr(src, dst, timeout) {
+        return io_errno(&e);
+    }
+    complete(id, event_type::RDMA_CM_EVENT_ADDR_RESOLVED)
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_resolve_route(
+    id: *mut rdma_cm_id,
+    timeout_ms: c_int,
+) -> c_int {
+    // SAFETY: per the API contract.
+    let id = unsafe { ours(id) };
+    let timeout = Duration::from_millis(timeout_ms.clamp(1, 60_000) as u64);
+    if let Err(e) = id.inner.resolve_route(timeout) {
+        return io_errno(&e);
+    }
+    complete(id, event_type::RDMA_CM_EVENT_ROUTE_RESOLVED)
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_listen(id: *mut rdma_cm_id, backlog: c_int) -> c_int {
+    // SAFETY: per the API contract.
+    let id = unsafe { ours(id) };
+    match id.inner.listen(u32::try_from(backlog).unwrap_or(0)) {
+        Ok(()) => {
+            id.refresh_route();
+            0
+        }
+        Err(e) => io_errno(&e),
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_migrate_id(
+    id: *mut rdma_cm_id,
+    channel: *mut rdma_event_channel,
+) -> c_int {
+    if channel.is_null() {
+        return failed(libc::EINVAL);
+    }
+    // SAFETY: per the API contract.
+    let (id, channel) = unsafe { (ours(id), &*channel.cast::<VrdmaEventChannel>()) };
+    id.queue = Arc::clone(&channel.queue);
+    id.own_channel = None;
+    id.id.channel = ptr::from_ref(&channel.channel).cast_mut();
+    // SAFETY: a live id of this library's.
+    unsafe { watch(id) };
+    0
+}
+
+// ---- QPs ---------------------------------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_create_qp(
+    id: *mut rdma_cm_id,
+    pd: *mut ibv_pd,
+    attr: *mut ibv_qp_init_attr,
+) -> c_int {
+    if attr.is_null() {
+        return failed(libc::EINVAL);
+    }
+    // SAFETY: per the API contract.
+    let id = unsafe { ours(id) };
+    let pd = if pd.is_null() {
+        if id.own_pd.is_null() {
+            // SAFETY: the id's context is the CM context.
+            id.own_pd = unsafe { objects::ibv_alloc_pd(id.id.verbs) };
+        }
+        id.own_pd
+    } else {
+        pd
+    };
+    // SAFETY: a PD of this library's.
+    if pd.is_null() || unsafe { (*pd).context } != id.id.verbs {
+        return failed(libc::EINVAL);
+    }
+    // SAFETY: the caller's attributes; the QP type is the id's.
+    let attr = unsafe { &mut *attr };
+    attr.qp_type = id.id.qp_type;
+    // Like librdmacm, CQs with completion channels for a QP given none.
+    for (cq, depth) in [
+        (&mut attr.send_cq, attr.cap.max_send_wr),
+        (&mut attr.recv_cq, attr.cap.max_recv_wr),
+    ] {
+        if cq.is_null() {
+            // SAFETY: the id's context; the channel and CQ are kept until rdma_destroy_qp.
+            let made = unsafe { own_cq(id.id.verbs, depth.max(1)) };
+            let Some((made_cq, channel)) = made else {
+                return -1;
+            };
+            id.own_cqs.push((made_cq, channel));
+            *cq = made_cq;
+        }
+    }
+    // SAFETY: a PD of the id's context and the caller's attributes.
+    let qp = unsafe { objects::ibv_create_qp(pd, attr) };
+    if qp.is_null() {
+        return -1;
+    }
+    id.id.qp = qp;
+    id.id.pd = pd;
+    id.id.send_cq = attr.send_cq;
+    id.id.recv_cq = attr.recv_cq;
+    // SAFETY: the CQs the QP was just made with, the program's or our own.
+    unsafe {
+        id.id.send_cq_channel = (*attr.send_cq).channel;
+        id.id.recv_cq_channel = (*attr.recv_cq).channel;
+    }
+    id.id.srq = attr.srq;
+    let ready = id.move_qp(QpState::Init) == 0
+        && (id.id.qp_type != ibv_qp_type::IBV_QPT_UD || ud_ready(qp) == 0);
+    if !ready {
+        let errno = last_errno();
+        // SAFETY: the QP just made.
+        unsafe { objects::ibv_destroy_qp(qp) };
+        id.id.qp = ptr::null_mut();
+        return failed(errno);
+    }
+    0
+}
+
+/// Moves a UD QP from INIT to RTS, as librdmacm does (RTR and RTS take only the state and
+/// a send PSN of 0).
+fn ud_ready(qp: *mut rdma_sys::ibv_qp) -> c_int {
+    use rdma_sys::ibv_qp_attr_mask as m;
+    for (state, mask) in [
+        (rdma_sys::ibv_qp_state::IBV_QPS_RTR, m::IBV_QP_STATE.0),
+        (
+            rdma_sys::ibv_qp_state::IBV_QPS_RTS,
+            m::IBV_QP_STATE.0 | m::IBV_QP_SQ_PSN.0,
+        ),
+    ] {
+        // SAFETY: all-zero is a valid ibv_qp_attr; the QP is the caller's, just made.
+        let ret = unsafe {
+            let mut attr: ibv_qp_attr = std::mem::zeroed();
+            attr.qp_state = state;
+            objects::ibv_modify_qp(qp, &mut attr, mask as c_int)
+        };
+        if ret != 0 {
+            return failed(ret);
+        }
+    }
+    0
+}
+
+/// A CQ of `depth` with a completion channel of its own.
+///
+/// # Safety
+/// `context` must be the CM context.
+unsafe fn own_cq(
+    context: *mut ibv_context,
+    depth: u32,
+) -> Option<(*mut ibv_cq, *mut ibv_comp_channel)> {
+    // SAFETY: per the contract; each object is checked before use.
+    unsafe {
+        let channel = objects::ibv_create_comp_channel(context);
+        if channel.is_null() {
+            return None;
+        }
+        let depth = c_int::try_from(depth).unwrap_or(c_int::MAX);
+        let cq = objects::ibv_create_cq(context, depth, ptr::null_mut(), channel, 0);
+        if cq.is_null() {
+            objects::ibv_destroy_comp_channel(channel);
+            return None;
+        }
+        Some((cq, channel))
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_destroy_qp(id: *mut rdma_cm_id) {
+    // SAFETY: per the API contract.
+    let id = unsafe { ours(id) };
+    if !id.id.qp.is_null() {
+        // SAFETY: the QP rdma_create_qp made, destroyed once, then the CQs it made for it.
+        unsafe {
+            objects::ibv_destroy_qp(id.id.qp);
+            for (cq, channel) in id.own_cqs.drain(..) {
+                objects::ibv_destroy_cq(cq);
+                objects::ibv_destroy_comp_channel(channel);
+            }
+        }
+        id.id.qp = ptr::null_mut();
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_init_qp_attr(
+    id: *mut rdma_cm_id,
+    attr: *mut ibv_qp_attr,
+    mask: *mut c_int,
+) -> c_int {
+    if attr.is_null() || mask.is_null() {
+        return failed(libc::EINVAL);
+    }
+    // SAFETY: per the API contract.
+    let (id, attr, mask) = unsafe { (ours(id), &mut *attr, &mut *mask) };
+    let state = match attr.qp_state {
+        rdma_sys::ibv_qp_state::IBV_QPS_INIT => QpState::Init,
+        rdma_sys::ibv_qp_state::IBV_QPS_RTR => QpState::Rtr,
+        rdma_sys::ibv_qp_state::IBV_QPS_RTS => QpState::Rts,
+        _ => return failed(libc::EINVAL),
+    };
+    match id.inner.init_qp_attr(state) {
+        Ok((found, found_mask)) => {
+            *attr = ibv_qp_attr::from(&found);
+            *mask = found_mask as c_int;
+            0
+        }
+        Err(e) => io_errno(&e),
+    }
+}
+
+// ---- connecting --------------------------------------------------------------------------
+
+/// The parameters a program gave, or librdmacm's defaults; 0xff asks for the device's most.
+///
+/// # Safety
+/// `param` must be NULL or valid, its private data `private_data_len` bytes.
+unsafe fn conn_param(id: &VrdmaCmId, param: *const rdma_conn_param) -> Result<ConnParam, c_int> {
+    // SAFETY: the CM context is this library's.
+    let config = unsafe { context_of(id.id.verbs) }.device.config();
+    let (max_resp, max_init) = (
+        config.max_qp_rd_atom.to_native().min(255) as u8,
+        config.max_qp_init_rd_atom.to_native().min(255) as u8,
+    );
+    let pick = |asked: u8, max: u8| match asked {
+        RDMA_MAX_RESP_RES => Ok(max),
+        n if n <= max => Ok(n),
+        _ => Err(libc::EINVAL),
+    };
+    if param.is_null() {
+        return Ok(ConnParam {
+            responder_resources: max_resp,
+            initiator_depth: max_init,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            ..ConnParam::default()
+        });
+    }
+    // SAFETY: per the contract.
+    let p = unsafe { &*param };
+    let private_data = if p.private_data.is_null() || p.private_data_len == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: per the contract.
+        unsafe {
+            std::slice::from_raw_parts(p.private_data.cast::<u8>(), p.private_data_len.into())
+        }
+        .to_vec()
+    };
+    Ok(ConnParam {
+        responder_resources: pick(p.responder_resources, max_resp)?,
+        initiator_depth: pick(p.initiator_depth, max_init)?,
+        flow_control: p.flow_control,
+        retry_count: p.retry_count.min(7),
+        rnr_retry_count: p.rnr_retry_count.min(7),
+        srq: p.srq != 0 || !id.id.srq.is_null(),
+        qp_num: 0,
+        qkey: 0,
+        private_data,
+    })
+}
+
+/// The id's QP as guest-lib knows it.
+fn qp_of(id: &VrdmaCmId) -> Result<&vrdma_guest::QueuePair, c_int> {
+    if id.id.qp.is_null() {
+        report_once(
+            "cm_qp",
+            "rdma_connect/rdma_accept on an id without a QP from rdma_create_qp is not served",
+        );
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: the QP rdma_create_qp made on the id.
+    Ok(unsafe { objects::qp_of(id.id.qp) })
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_connect(
+    id: *mut rdma_cm_id,
+    param: *mut rdma_conn_param,
+) -> c_int {
+    // SAFETY: per the API contract.
+    let id = unsafe { ours(id) };
+    // SAFETY: per the API contract.
+    let result = unsafe { conn_param(id, param) }
+        .and_then(|param| Ok((qp_of(id)?, param)))
+        .and_then(|(qp, param)| id.inner.connect(qp, &param).map_err(|e| raise_errno(&e)));
+    if let Err(errno) = result {
+        return failed(errno);
+    }
+    complete(id, event_type::RDMA_CM_EVENT_ESTABLISHED)
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_accept(
+    id: *mut rdma_cm_id,
+    param: *mut rdma_conn_param,
+) -> c_int {
+    // SAFETY: per the API contract.
+    let id = unsafe { ours(id) };
+    if id.id.qp_type != ibv_qp_type::IBV_QPT_UD
+        && (id.move_qp(QpState::Rtr) != 0 || id.move_qp(QpState::Rts) != 0)
+    {
+        return -1;
+    }
+    // SAFETY: per the API contract.
+    let result = unsafe { conn_param(id, param) }
+        .and_then(|param| Ok((qp_of(id)?, param)))
+        .and_then(|(qp, param)| id.inner.accept(qp, &param).map_err(|e| raise_errno(&e)));
+    if let Err(errno) = result {
+        return failed(errno);
+    }
+    if id.id.qp_type == ibv_qp_type::IBV_QPT_UD {
+        return 0;
+    }
+    complete(id, event_type::RDMA_CM_EVENT_ESTABLISHED)
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_reject(
+    id: *mut rdma_cm_id,
+    private_data: *const c_void,
+    len: u8,
+) -> c_int {
+    // SAFETY: per the API contract.
+    let id = unsafe { ours(id) };
+    let data = if private_data.is_null() {
+        &[][..]
+    } else {
+        // SAFETY: per the API contract, `len` bytes.
+        unsafe { std::slice::from_raw_parts(private_data.cast::<u8>(), len.into()) }
+    };
+    match id.inner.reject(data) {
+        Ok(()) => 0,
+        Err(e) => io_errno(&e),
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_disconnect(id: *mut rdma_cm_id) -> c_int {
+    // SAFETY: per the API contract.
+    let id = unsafe { ours(id) };
+    id.qp_to_error();
+    match id.inner.disconnect() {
+        Ok(()) => 0,
+        Err(e) => io_errno(&e),
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_establish(id: *mut rdma_cm_id) -> c_int {
+    // SAFETY: per the API contract.
+    let id = unsafe { ours(id) };
+    match id.inner.establish() {
+        Ok(()) => 0,
+        Err(e) => io_errno(&e),
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_notify(_id: *mut rdma_cm_id, _event: c_int) -> c_int {
+    // The device hears of the first receive itself (an RTU is sent by CM_ESTABLISH).
+    0
+}
+
+// ---- events ------------------------------------------------------------------------------
+
+/// What librdmacm does with an event before the program sees it; the event the program
+/// sees.
+fn process(id: &mut VrdmaCmId, mut taken: CmEvent) -> (u32, i32, CmEvent) {
+    let mut kind = taken.event;
+    let mut status = taken.status;
+    match kind {
+        event::ADDR_RESOLVED | event::ROUTE_RESOLVED => id.refresh_route(),
+        event::CONNECT_RESPONSE if !id.id.qp.is_null() => {
+            let moved = id.move_qp(QpState::Rtr) == 0 && id.move_qp(QpState::Rts) == 0;
+            let established = moved && id.inner.establish().is_ok();
+            if established {
+                kind = event::ESTABLISHED;
+            } else {
+                let errno = last_errno();
+                let _ = id.inner.reject(&[]);
+                kind = event::CONNECT_ERROR;
+                status = -errno;
+            }
+        }
+        event::REJECTED | event::DISCONNECTED => id.qp_to_error(),
+        _ => {}
+    }
+    taken.event = kind;
+    (kind, status, taken)
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_get_cm_event(
+    channel: *mut rdma_event_channel,
+    out: *mut *mut rdma_cm_event,
+) -> c_int {
+    if channel.is_null() || out.is_null() {
+        return failed(libc::EINVAL);
+    }
+    // SAFETY: a channel of this library's, per the API contract.
+    let channel = unsafe { &*channel.cast::<VrdmaEventChannel>() };
+    loop {
+        let handle = match channel.queue.take() {
+            Ok(handle) => handle,
+            Err(errno) => return failed(errno),
+        };
+        let Some(id) = lookup(handle) else { continue };
+        // SAFETY: a live id of this library's (ids are forgotten before they are freed).
+        let id = unsafe { ours(id) };
+        let taken = match id.inner.get_event() {
+            Ok(Some(taken)) => taken,
+            Ok(None) => continue,
+            Err(e) => return io_errno(&e),
+        };
+        if taken.pending > 0 {
+            channel.queue.push(handle);
+        }
+        let (kind, status, mut taken) = process(id, taken);
+        // SAFETY: rdma_cm_event is C data valid as zero.
+        let mut event: rdma_cm_event = unsafe { std::mem::zeroed() };
+        event.id = ptr::from_mut(&mut id.id);
+        event.event = kind;
+        event.status = status;
+        if let Some(new) = taken.new_id.take() {
+            let made = new_id(
+                new,
+                id.id.verbs,
+                id.id.channel,
+                Arc::clone(&id.queue),
+                id.id.context,
+                id.id.ps,
+            );
+            // SAFETY: just made.
+            unsafe { (*made).refresh_route() };
+            event.listen_id = ptr::from_mut(&mut id.id);
+            event.id = made.cast();
+        }
+        let mut boxed = Box::new(VrdmaCmEvent {
+            event,
+            private_data: std::mem::take(&mut taken.param.private_data),
+        });
+        let data = boxed.private_data.as_ptr().cast::<c_void>();
+        let len = boxed.private_data.len() as u8;
+        let data = if len == 0 { ptr::null() } else { data };
+        match taken.ah_attr {
+            Some(ah) => {
+                let ud = rdma_sys::rdma_ud_param {
+                    private_data: data,
+                    private_data_len: len,
+                    ah_attr: rdma_sys::ibv_ah_attr::from(&ah),
+                    qp_num: taken.param.qp_num,
+                    qkey: taken.param.qkey,
+                };
+                boxed.event.param.ud = ud;
+            }
+            None => {
+                let p = &taken.param;
+                boxed.event.param.conn = rdma_conn_param {
+                    private_data: data,
+                    private_data_len: len,
+                    responder_resources: p.responder_resources,
+                    initiator_depth: p.initiator_depth,
+                    flow_control: p.flow_control,
+                    retry_count: p.retry_count,
+                    rnr_retry_count: p.rnr_retry_count,
+                    srq: p.srq.into(),
+                    qp_num: p.qp_num,
+                };
+            }
+        }
+        // SAFETY: the caller's out-pointer.
+        unsafe { *out = Box::into_raw(boxed).cast() };
+        return 0;
+    }
+}
+
+/// The id with device handle `handle`, if it still exists.
+fn lookup(handle: u32) -> Option<*mut rdma_cm_id> {
+    let context = cm_context()?;
+    // SAFETY: the CM context is this library's.
+    unsafe { context_of(context) }
+        .with_dispatcher(|d| d.cm_id(handle))
+        .map(|address| address as *mut rdma_cm_id)
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_ack_cm_event(event: *mut rdma_cm_event) -> c_int {
+    if event.is_null() {
+        return failed(libc::EINVAL);
+    }
+    free_event(event);
+    0
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_event_str(kind: c_int) -> *const c_char {
+    static NAMES: OnceLock<Vec<std::ffi::CString>> = OnceLock::new();
+    let names = NAMES.get_or_init(|| {
+        (0..=16)
+            .map(|k| std::ffi::CString::new(event::name(k)).expect("no NUL"))
+            .collect()
+    });
+    let index = usize::try_from(kind).unwrap_or(16).min(16);
+    names[index].as_ptr()
+}
+
+// ---- endpoints and addresses ----------------------------------------------------------
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_getaddrinfo(
+    node: *const c_char,
+    service: *const c_char,
+    hints: *const rdma_addrinfo,
+    res: *mut *mut rdma_addrinfo,
+) -> c_int {
+    if res.is_null() || (node.is_null() && service.is_null()) {
+        return failed(libc::EINVAL);
+    }
+    // SAFETY: per the API contract.
+    let hints = (!hints.is_null()).then(|| unsafe { &*hints });
+    let flags = hints.map_or(0, |h| h.ai_flags);
+    let passive = flags & RAI_PASSIVE != 0;
+    let text = |s: *const c_char| {
+        // SAFETY: NUL-terminated strings, per the API contract.
+        (!s.is_null()).then(|| unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned())
+    };
+    let port: u16 = match text(service) {
+        None => 0,
+        Some(s) => match s.parse() {
+            Ok(port) => port,
+            Err(_) => return failed(libc::EINVAL),
+        },
+    };
+    let ip = match text(node) {
+        None => Ipv4Addr::UNSPECIFIED,
+        Some(name) => match name.parse::<Ipv4Addr>() {
+            Ok(ip) => ip,
+            Err(_) if flags & RAI_NUMERICHOST != 0 => return failed(libc::EINVAL),
+            Err(_) => match first_ipv4(&name) {
+                Some(ip) => ip,
+                None => return failed(libc::EADDRNOTAVAIL),
+            },
+        },
+    };
+    let address = Box::into_raw(Box::new(sockaddr_in(SocketAddrV4::new(ip, port))));
+    // SAFETY: rdma_addrinfo is C data valid as zero.
+    let mut info: rdma_addrinfo = unsafe { std::mem::zeroed() };
+    info.ai_flags = flags;
+    info.ai_family = libc::AF_INET;
+    info.ai_qp_type = hints.map_or(0, |h| h.ai_qp_type);
+    info.ai_port_space = match hints.map_or(0, |h| h.ai_port_space) {
+        0 if info.ai_qp_type == ibv_qp_type::IBV_QPT_UD as c_int => port_space::UDP as c_int,
+        0 => port_space::TCP as c_int,
+        space => space,
+    };
+    if info.ai_qp_type == 0 {
+        info.ai_qp_type = if info.ai_port_space == port_space::UDP as c_int {
+            ibv_qp_type::IBV_QPT_UD as c_int
+        } else {
+            ibv_qp_type::IBV_QPT_RC as c_int
+        };
+    }
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    if passive {
+        info.ai_src_addr = address.cast();
+        info.ai_src_len = len;
+    } else {
+        info.ai_dst_addr = address.cast();
+        info.ai_dst_len = len;
+    }
+    // SAFETY: the caller's out-pointer.
+    unsafe { *res = Box::into_raw(Box::new(info)) };
+    0
+}
+
+/// A host name's first IPv4 address.
+fn first_ipv4(name: &str) -> Option<Ipv4Addr> {
+    use std::net::ToSocketAddrs;
+    (name, 0).to_socket_addrs().ok()?.find_map(|a| match a {
+        std::net::SocketAddr::V4(v4) => Some(*v4.ip()),
+        std::net::SocketAddr::V6(_) => None,
+    })
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_freeaddrinfo(res: *mut rdma_addrinfo) {
+    let mut next = res;
+    while !next.is_null() {
+        // SAFETY: an rdma_addrinfo rdma_getaddrinfo made, with its one boxed sockaddr_in.
+        let info = unsafe { Box::from_raw(next) };
+        for addr in [info.ai_src_addr, info.ai_dst_addr] {
+            if !addr.is_null() {
+                // SAFETY: as above.
+                drop(unsafe { Box::from_raw(addr.cast::<libc::sockaddr_in>()) });
+            }
+        }
+        next = info.ai_next;
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_create_ep(
+    id: *mut *mut rdma_cm_id,
+    res: *mut rdma_addrinfo,
+    pd: *mut ibv_pd,
+    qp_init_attr: *mut ibv_qp_init_attr,
+) -> c_int {
+    if id.is_null() || res.is_null() {
+        return failed(libc::EINVAL);
+    }
+    // SAFETY: per the API contract.
+    let res = unsafe { &*res };
+    let mut made: *mut rdma_cm_id = ptr::null_mut();
+    // SAFETY: a synchronous id (no channel).
+    let ret = unsafe {
+        vrdma_rdmacm_rdma_create_id(
+            ptr::null_mut(),
+            &mut made,
+            ptr::null_mut(),
+            res.ai_port_space as u32,
+        )
+    };
+    if ret != 0 {
+        return ret;
+    }
+    // SAFETY: just made; the addresses are the caller's.
+    let ret = unsafe {
+        if res.ai_flags & RAI_PASSIVE != 0 {
+            let ret = vrdma_rdmacm_rdma_bind_addr(made, res.ai_src_addr.cast());
+            if ret == 0 && !qp_init_attr.is_null() {
+                ours(made).request_qp = Some((pd, *qp_init_attr));
+            }
+            ret
+        } else {
+            let mut ret = vrdma_rdmacm_rdma_resolve_addr(
+                made,
+                res.ai_src_addr.cast(),
+                res.ai_dst_addr.cast(),
+                EP_TIMEOUT_MS,
+            );
+            if ret == 0 {
+                ret = vrdma_rdmacm_rdma_resolve_route(made, EP_TIMEOUT_MS);
+            }
+            if ret == 0 && !qp_init_attr.is_null() {
+                ret = vrdma_rdmacm_rdma_create_qp(made, pd, qp_init_attr);
+            }
+            ret
+        }
+    };
+    if ret != 0 {
+        let errno = last_errno();
+        // SAFETY: the id just made.
+        unsafe { vrdma_rdmacm_rdma_destroy_id(made) };
+        return failed(errno);
+    }
+    // SAFETY: the caller's out-pointer.
+    unsafe { *id = made };
+    0
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_destroy_ep(id: *mut rdma_cm_id) {
+    // SAFETY: per the API contract.
+    unsafe {
+        vrdma_rdmacm_rdma_destroy_qp(id);
+        vrdma_rdmacm_rdma_destroy_id(id);
+    }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_get_request(
+    listen: *mut rdma_cm_id,
+    id: *mut *mut rdma_cm_id,
+) -> c_int {
+    if id.is_null() {
+        return failed(libc::EINVAL);
+    }
+    // SAFETY: per the API contract.
+    let listener = unsafe { ours(listen) };
+    if !listener.is_sync() {
+        return failed(libc::EINVAL);
+    }
+    if complete(listener, event_type::RDMA_CM_EVENT_CONNECT_REQUEST) != 0 {
+        return -1;
+    }
+    let event = std::mem::replace(&mut listener.id.event, ptr::null_mut());
+    // SAFETY: the request event just taken; its id is the new one, made synchronous here.
+    let (made, new) = unsafe { ((*event).id, ours((*event).id)) };
+    if let Some(own) = new_channel() {
+        new.queue = Arc::clone(&own.queue);
+        new.id.channel = ptr::from_ref(&own.channel).cast_mut();
+        new.own_channel = Some(own);
+        // SAFETY: a live id of this library's.
+        unsafe { watch(new) };
+    }
+    new.id.event = event;
+    if let Some((pd, mut attr)) = listener.request_qp {
+        // SAFETY: the new id and the attributes rdma_create_ep kept.
+        if unsafe { vrdma_rdmacm_rdma_create_qp(made, pd, &mut attr) } != 0 {
+            let errno = last_errno();
+            let _ = new.inner.reject(&[]);
+            // SAFETY: the new id, never handed out.
+            unsafe { vrdma_rdmacm_rdma_destroy_id(made) };
+            return failed(errno);
+        }
+    }
+    // SAFETY: the caller's out-pointer.
+    unsafe { *id = made };
+    0
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_get_src_port(id: *mut rdma_cm_id) -> u16 {
+    // SAFETY: per the API contract; the source is a sockaddr_in once bound.
+    unsafe { ours(id).id.route.addr.src_addr_union.src_sin.sin_port }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_get_dst_port(id: *mut rdma_cm_id) -> u16 {
+    // SAFETY: as above.
+    unsafe { ours(id).id.route.addr.dst_addr_union.dst_sin.sin_port }
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_get_devices(count: *mut c_int) -> *mut *mut ibv_context {
+    let context = cm_context();
+    // SAFETY: calloc has no preconditions; the result is checked. NULL-terminated.
+    let list = unsafe { libc::calloc(2, std::mem::size_of::<*mut ibv_context>()) }
+        .cast::<*mut ibv_context>();
+    if list.is_null() {
+        return fail(libc::ENOMEM, ptr::null_mut());
+    }
+    if let Some(context) = context {
+        // SAFETY: room for two.
+        unsafe { *list = context };
+    }
+    if !count.is_null() {
+        // SAFETY: the caller's int.
+        unsafe { *count = c_int::from(context.is_some()) };
+    }
+    list
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_free_devices(list: *mut *mut ibv_context) {
+    // SAFETY: rdma_get_devices' calloc, or NULL.
+    unsafe { libc::free(list.cast()) };
+}
+
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_rdma_set_option(
+    _id: *mut rdma_cm_id,
+    level: c_int,
+    name: c_int,
+    _value: *mut c_void,
+    _len: usize,
+) -> c_int {
+    // RDMA_OPTION_ID (0): TOS (0), REUSEADDR (1), AFONLY (2), ACK_TIMEOUT (3): the device's
+    // defaults stand; accepted, as a device without the option's effect would.
+    if level == 0 && (0..=3).contains(&name) {
+        return 0;
+    }
+    report_once(
+        "cm_option",
+        "rdma_set_option: only the RDMA_OPTION_ID options are accepted",
+    );
+    failed(libc::ENOSYS)
+}
+
+/// Every librdmacm function vrdma does not serve (rsockets, multicast, SRQs on ids, ECE):
+/// -1 (as int or ssize_t) with ENOSYS, said once per function.
+///
+/// # Safety
+/// `name` must be a NUL-terminated string (link.sh's stubs pass the function's name).
+#[no_mangle]
+unsafe extern "C" fn vrdma_rdmacm_unserved(name: *const c_char) -> i64 {
+    // SAFETY: per the contract.
+    let name = unsafe { CStr::from_ptr(name) }
+        .to_string_lossy()
+        .into_owned();
+    let kind: &'static str = Box::leak(name.into_boxed_str());
+    report_once(kind, &format!("{kind} is not served by vrdma's librdmacm"));
+    set_errno(libc::ENOSYS);
+    -1
+}

@@ -1,0 +1,165 @@
+//! rdma-core's unmodified rdma_cm programs (`rdma_server`/`rdma_client`, `rping`) on vrdma,
+//! through `vrdma-run` and vrdma's `librdmacm.so.1`: against native programs on rxe0 both
+//! ways, and vrdma to vrdma between two guests of one host. Each guest has an address of its
+//! own (`--guest-ip`); the native end uses the host's, 192.168.77.1. Runs inside the VM
+//! harness, where `rdma_ucm` is loaded.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use vrdma_tests::{spawn_backend_process, BackendProcess};
+
+const HOST: &str = "192.168.77.1";
+
+fn library_dir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/vrdma-ibverbs");
+    assert!(
+        dir.join("librdmacm.so.1").exists(),
+        "no librdmacm.so.1 in {}: run guest-lib/ibverbs/link.sh first",
+        dir.display()
+    );
+    dir
+}
+
+/// A guest: its backend (with `address` its own) and socket.
+struct Guest {
+    _backend: BackendProcess,
+    socket: PathBuf,
+    address: &'static str,
+}
+
+fn guest(name: &str, address: &'static str) -> Guest {
+    let socket =
+        std::env::temp_dir().join(format!("vrdma-rdmacm-{name}-{}.sock", std::process::id()));
+    let backend = spawn_backend_process(&socket, &["--guest-ip", &format!("{address}/24")]);
+    Guest {
+        _backend: backend,
+        socket,
+        address,
+    }
+}
+
+/// Where a program runs: natively on rxe0, or on a guest's vrdma0 through `vrdma-run`.
+#[derive(Clone, Copy)]
+enum On<'a> {
+    Native,
+    Vrdma(&'a Guest),
+}
+
+impl On<'_> {
+    fn address(&self) -> &str {
+        match self {
+            On::Native => HOST,
+            On::Vrdma(guest) => guest.address,
+        }
+    }
+
+    fn command(&self, program: &[&str]) -> Command {
+        let mut command = Command::new("timeout");
+        command.arg("60");
+        if let On::Vrdma(guest) = self {
+            command
+                .arg(
+                    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                        .join("../guest-lib/ibverbs/vrdma-run"),
+                )
+                .args(["--device", path(&guest.socket), "--"])
+                .env("VRDMA_IBVERBS_DIR", library_dir());
+        }
+        command.args(program);
+        command
+    }
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 path")
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Runs `server` on one side and `client` on the other: the client is started again while
+/// the server does not listen yet (nothing tells when it does: it answers REJECTED until
+/// then). Both must exit 0; returns the client's output.
+fn pair(server_on: On, server: &[&str], client_on: On, client: &[&str]) -> String {
+    let server_process: Child = server_on
+        .command(server)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the server");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let client_output = loop {
+        let output = client_on.command(client).output().expect("run the client");
+        if output.status.success() || Instant::now() > deadline {
+            break output;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let server_output = server_process
+        .wait_with_output()
+        .expect("wait for the server");
+    assert!(
+        client_output.status.success() && server_output.status.success(),
+        "{client:?}: {}\n{}\n{server:?}: {}\n{}",
+        client_output.status,
+        text(&client_output),
+        server_output.status,
+        text(&server_output)
+    );
+    text(&client_output)
+}
+
+/// rdma_server and rdma_client (synchronous endpoints, `rdma_getaddrinfo`, `rdma_get_request`,
+/// inline sends) from `server_on` to `client_on`.
+fn rdma_server_client(server_on: On, client_on: On, port: u16) {
+    let port = port.to_string();
+    let bind = server_on.address().to_string();
+    let output = pair(
+        server_on,
+        &["rdma_server", "-s", &bind, "-p", &port],
+        client_on,
+        &["rdma_client", "-s", &bind, "-p", &port],
+    );
+    assert!(output.contains("rdma_client: end 0"), "{output}");
+}
+
+/// rping (an event channel and a thread of its own, RDMA READ and WRITE of the peer's
+/// buffers, `-v` data checked by the program) from `server_on` to `client_on`.
+fn rping(server_on: On, client_on: On, port: u16) {
+    let port = port.to_string();
+    let address = server_on.address().to_string();
+    let output = pair(
+        server_on,
+        &["rping", "-s", "-a", &address, "-p", &port, "-C", "10"],
+        client_on,
+        &["rping", "-c", "-a", &address, "-p", &port, "-C", "10", "-v"],
+    );
+    assert_eq!(output.matches("ping data:").count(), 10, "{output}");
+}
+
+#[test]
+#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
+fn rdma_server_and_rdma_client_run_unmodified_on_vrdma() {
+    let a = guest("server-a", "192.168.77.71");
+    let b = guest("server-b", "192.168.77.72");
+    rdma_server_client(On::Native, On::Vrdma(&a), 7501);
+    rdma_server_client(On::Vrdma(&a), On::Native, 7502);
+    rdma_server_client(On::Vrdma(&a), On::Vrdma(&b), 7503);
+}
+
+#[test]
+#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
+fn rping_runs_unmodified_on_vrdma() {
+    let a = guest("rping-a", "192.168.77.73");
+    let b = guest("rping-b", "192.168.77.74");
+    rping(On::Native, On::Vrdma(&a), 7511);
+    rping(On::Vrdma(&a), On::Native, 7512);
+    rping(On::Vrdma(&a), On::Vrdma(&b), 7513);
+}
