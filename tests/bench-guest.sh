@@ -129,6 +129,44 @@ instructions_per_wqe "$bin" rxe0 "$rxe_lib" "$writes" 128 "taken in batches of u
 # while its completion is on its way (the count swings with timing between runs).
 instructions_per_wqe "$bin" rxe0 "$rxe_lib" "$((writes / 4))" 1 "one in flight, so one per pass" ||
   failures=$((failures + 1))
+# Connection set-up through rdma_cm (SPEC.md §13): rdma-core's unmodified cmtime, natively and
+# through vrdma's librdmacm.so.1, each vrdma end a guest with an address of its own.
+cm_connections=${VRDMA_BENCH_CM_CONNECTIONS:-50}
+"$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma-cm-a.sock --guest-ip 192.168.77.91/24 &
+cm_a=$!
+"$bin/vhost-user-rdma" --device rxe0 --socket-path /tmp/vrdma-cm-b.sock --guest-ip 192.168.77.92/24 &
+cm_b=$!
+trap 'kill $backend $pinned_backend $cm_a $cm_b 2>/dev/null' EXIT
+sleep 2
+# cmtime between a server at ADDRESS and a client, each natively (-) or on a vrdma socket;
+# prints the client's report.
+cm_pair() { # ADDRESS SERVER_SOCKET CLIENT_SOCKET PORT
+  local server_run=() client_run=()
+  [ "$2" = - ] || server_run=("$vrdma_run" --device "$2" --)
+  [ "$3" = - ] || client_run=("$vrdma_run" --device "$3" --)
+  timeout 120 "${server_run[@]}" cmtime -b "$1" -p "$4" -c "$cm_connections" >/tmp/cmtime-server.log 2>&1 &
+  local server=$!
+  # cmtime's server says nothing once it listens, and rdma_cm ports are not TCP ports.
+  sleep 3
+  timeout 120 "${client_run[@]}" cmtime -s "$1" -p "$4" -c "$cm_connections" || true
+  wait $server || true
+}
+# Microseconds per connection of STEP in a cmtime report.
+cm_step() { awk -v step="$1" -F: '{ sub(/ +$/, "", $1) } $1 == step { split($2, f, " "); print f[4]; exit }'; }
+native_cm=$(cm_pair 192.168.77.1 - - 7601)
+vrdma_cm=$(cm_pair 192.168.77.1 - /tmp/vrdma-cm-a.sock 7602)
+both_cm=$(cm_pair 192.168.77.92 /tmp/vrdma-cm-b.sock /tmp/vrdma-cm-a.sock 7603)
+echo
+echo "Connection set-up through rdma_cm: rdma-core's unmodified cmtime, $cm_connections connections, microseconds per connection of each step as its client reports them; natively on rxe0, and through vrdma's librdmacm.so.1 (vrdma-run) from a guest with its own address, to a native server and to a server in a second guest."
+echo
+echo "| step | native rxe | vrdma client, native server | ratio | vrdma client, vrdma server | ratio |"
+echo "|---|---|---|---|---|---|"
+for step in "resolve addr" "resolve route" "create qp" connect disconnect; do
+  n=$(cm_step "$step" <<<"$native_cm") v=$(cm_step "$step" <<<"$vrdma_cm") b=$(cm_step "$step" <<<"$both_cm")
+  ratio() { awk -v n="$1" -v v="$2" 'BEGIN { if (n > 0 && v > 0) printf "%.1f", v / n; else print "n/a" }'; }
+  echo "| $step | ${n:-failed} us | ${v:-failed} us | $(ratio "$n" "$v") | ${b:-failed} us | $(ratio "$n" "$b") |"
+  [ -n "$n" ] && [ -n "$v" ] && [ -n "$b" ] || failures=$((failures + 1))
+done
 if [ "$failures" -gt 0 ]; then
   echo "bench: $failures tests produced no result" >&2
   exit 1

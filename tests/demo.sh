@@ -40,7 +40,7 @@ cross_table=$(sed -n 's/^\[a\] \(|.*\)/\1/p' "$cross_log")
 # Table rows, the backend's CPU and instruction lines, the line that introduces the pinned
 # latency table, and the blank lines between them (other output is skipped).
 table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
-             /^(Backend (CPU|instructions)|Latency with the poller)/ { print ""; print; gap = 1; next }
+             /^(Backend (CPU|instructions)|Latency with the poller|Connection set-up)/ { print ""; print; gap = 1; next }
              /^$/ { gap = 1 }' "$log")
 [ -n "$table" ] || { echo "demo: the benchmark produced no table" >&2; exit 1; }
 {

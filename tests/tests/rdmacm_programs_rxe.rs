@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use vrdma_tests::{spawn_backend_process, BackendProcess};
+use vrdma_tests::{host_resource_counts, spawn_backend_process, BackendProcess};
 
 const HOST: &str = "192.168.77.1";
 
@@ -245,5 +245,63 @@ fn perftest_connects_with_rdma_cm_on_vrdma() {
             perftest(test, server, client, port);
             port += 1;
         }
+    }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
+fn a_guest_killed_mid_connection_leaves_nothing_and_its_peer_sees_the_disconnect() {
+    let a = guest("killed", "192.168.77.79");
+    let counts = || {
+        let all = host_resource_counts();
+        (all.get("cm_id").copied(), all.get("qp").copied())
+    };
+    let baseline = counts();
+    // rping without a count runs until its peer goes.
+    let mut server = On::Vrdma(&a)
+        .command(&["rping", "-s", "-a", a.address, "-p", "7541"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the vrdma server");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let client = loop {
+        let mut client = On::Native
+            .command(&["rping", "-c", "-a", a.address, "-p", "7541"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the native client");
+        std::thread::sleep(Duration::from_secs(2));
+        // Still running: connected (a refused client exits at once).
+        if client.try_wait().expect("poll the client").is_none() {
+            break client;
+        }
+        assert!(Instant::now() < deadline, "the client never connected");
+    };
+    // The program under vrdma-run, and whatever it runs, killed.
+    let killed = Command::new("pkill")
+        .args(["-KILL", "-f", "^rping -s -a 192.168.77.79"])
+        .status()
+        .expect("run pkill");
+    assert!(killed.success(), "no vrdma rping to kill");
+    let _ = server.wait();
+    // The peer hears of it and stops (its `timeout` would say 124).
+    let output = client.wait_with_output().expect("wait for the client");
+    assert_ne!(
+        output.status.code(),
+        Some(124),
+        "the native peer never saw the disconnect"
+    );
+    // The backend destroyed the guest's cm id and QP with its connection.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while counts() != baseline {
+        assert!(
+            Instant::now() < deadline,
+            "host cm ids and QPs: {:?} before, {:?} now",
+            baseline,
+            counts()
+        );
+        std::thread::sleep(Duration::from_millis(100));
     }
 }

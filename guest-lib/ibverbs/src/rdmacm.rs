@@ -849,7 +849,9 @@ fn process(id: &mut VrdmaCmId, mut taken: CmEvent) -> (u32, i32, CmEvent) {
                 status = -errno;
             }
         }
-        event::REJECTED | event::DISCONNECTED => id.qp_to_error(),
+        // As librdmacm: a rejected connection's QP fails; a disconnected one's was failed by
+        // whoever disconnected (rdma_disconnect).
+        event::REJECTED => id.qp_to_error(),
         _ => {}
     }
     taken.event = kind;
