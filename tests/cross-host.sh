@@ -17,6 +17,11 @@
 #   rc-pingpong      Debian's ibv_rc_pingpong -c: a1 <-> native on host b
 #   link-fault       host b takes its link down for 3 s under a1's stream of WRITEs: a1 sees
 #                    a retry-exceeded completion (nothing hangs), then new QPs work
+#   rdma_cm          rping through rdma_cm (vrdma's librdmacm.so.1): a1 as client of a native
+#                    server on host b, a native client on host b of a1 as server, a1 to b1;
+#                    and perftest -R (ib_send_bw): a1 to a native server on host b, and a
+#                    native client on host b of a1. Afterwards rxe0 holds no more cm ids or
+#                    QPs than before (a backend's librdmacm keeps one context of the device)
 #   backends-stop    SIGTERM stops each backend (exit 0) and its guest address leaves eth0
 #                    and the GID table
 # After every check with RDMA traffic, rxe0's objects (`rdma resource`) return to what they
@@ -203,6 +208,62 @@ two_guests() {
   [ $first = 0 ] && [ $second = 0 ]
 }
 
+# retry_client LOG COMMAND...: a client started again while its server does not listen yet
+# (rdma_cm clients are refused then, and nothing says when a server listens).
+retry_client() {
+  local log=$1
+  shift
+  for _ in $(seq 60); do
+    timeout 120 "$@" >"$log" 2>&1 && return 0
+    sleep 2
+  done
+  echo "--- $log" >&2
+  tail -n 20 "$log" >&2
+  return 1
+}
+
+# rdma_cm_pair PORT SERVER_HOST SERVER_GUEST SERVER_ADDRESS CLIENT_GUEST PROGRAM...: PROGRAM's
+# server (its arguments then `-s`-less) on SERVER_HOST and client on the other host, each as
+# the guest named or natively ("-"). PROGRAM is rping or perftest's ib_send_bw; the client
+# checks its own output.
+rdma_cm_pair() {
+  local port=$1 server_host=$2 server_guest=$3 address=$4 client_guest=$5 program=$6 run=()
+  local log=$logs/$program-$port.log guest
+  if [ "$host" = "$server_host" ]; then guest=$server_guest; else guest=$client_guest; fi
+  [ "$guest" = - ] || run=("$vrdma_run" --device "$(socket "$guest")" --)
+  case "$program/$([ "$host" = "$server_host" ] && echo server || echo client)" in
+    rping/server) timeout 300 "${run[@]}" rping -s -a "$address" -p "$port" -C 10 >"$log" 2>&1 ;;
+    rping/client)
+      retry_client "$log" "${run[@]}" rping -c -a "$address" -p "$port" -C 10 -v &&
+        [ "$(grep -c 'ping data:' "$log")" = 10 ] ;;
+    ib_send_bw/server) timeout 300 "${run[@]}" ib_send_bw -R -n 200 -p "$port" >"$log" 2>&1 ;;
+    ib_send_bw/client)
+      retry_client "$log" "${run[@]}" ib_send_bw -R -n 200 -p "$port" "$address" &&
+        grep -q '^ 65536 ' "$log" ;;
+  esac || { echo "--- $log" >&2; tail -n 20 "$log" >&2; return 1; }
+}
+
+# rxe0's cm ids and QPs.
+cm_objects() { rdma resource show | awk '$2 == "rxe0:" { for (i = 3; i < NF; i += 2) if ($i == "cm_id" || $i == "qp") printf " %s %s", $i, $(i + 1) }'; }
+
+# The rdma_cm checks: afterwards rxe0 holds the cm ids and QPs it held before.
+rdma_cm() {
+  local before now status=0
+  before=$(cm_objects)
+  rdma_cm_pair 7110 b - "$host_b" a1 rping || status=1
+  rdma_cm_pair 7111 a a1 "$a1" - rping || status=1
+  rdma_cm_pair 7112 b b1 "$b1" a1 rping || status=1
+  rdma_cm_pair 7113 b - "$host_b" a1 ib_send_bw || status=1
+  rdma_cm_pair 7114 a a1 "$a1" - ib_send_bw || status=1
+  for _ in $(seq 30); do
+    now=$(cm_objects)
+    [ "$now" = "$before" ] && return $status
+    sleep 0.5
+  done
+  echo "cross-host: rxe0 holds$now, before the rdma_cm checks it held$before" >&2
+  return 1
+}
+
 backends_stop() {
   local guest name address status=0
   for guest in "${guests[@]}"; do
@@ -236,5 +297,6 @@ else
   check rc-pingpong traffic rc_pingpong
   check link-fault traffic run_check server "$host_b" "$a1" 7105 - --link-fault eth0
 fi
+check rdma_cm rdma_cm
 check backends-stop backends_stop
 [ "$failures" -eq 0 ]
