@@ -4,7 +4,7 @@
 //! ([`ctrl::AhAttr`], [`ctrl::QpAttr`]) convert from and to them here, once.
 
 #[cfg(feature = "ibverbs")]
-mod ibv;
+pub mod ibv;
 
 use crate::ctrl::{self, qp_state};
 use crate::{Gid, Le16, Le32};

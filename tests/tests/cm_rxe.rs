@@ -174,16 +174,7 @@ fn finished(program: Child, name: &str) {
 fn connect_with_retries(device: &Device, endpoint: &Endpoint, server: SocketAddrV4) -> CmId {
     let deadline = Instant::now() + WAIT;
     loop {
-        let id = device.create_cm_id(port_space::TCP).unwrap();
-        id.resolve_addr(None, server, Duration::from_secs(2))
-            .unwrap();
-        expect_event(device, &id, event::ADDR_RESOLVED);
-        id.resolve_route(Duration::from_secs(2)).unwrap();
-        expect_event(device, &id, event::ROUTE_RESOLVED);
-        id.move_qp(&endpoint.qp, QpState::Init)
-            .expect("the CM's INIT attributes");
-        endpoint.post_recv();
-        id.connect(&endpoint.qp, &param()).expect("CM_CONNECT");
+        let id = request(device, endpoint, server);
         let answer = next_event(device, &id);
         if answer.event == event::CONNECT_RESPONSE {
             return id;
@@ -309,8 +300,8 @@ fn listen(device: &Device, port: u16, backlog: u32) -> CmId {
     listener
 }
 
-/// Resolves `server` and sends a connection request from `endpoint`'s QP; the answer is
-/// the id's next event.
+/// Resolves `server` and sends a connection request from `endpoint`'s QP (a receive posted
+/// first); the answer is the id's next event.
 fn request(device: &Device, endpoint: &Endpoint, server: SocketAddrV4) -> CmId {
     let id = device.create_cm_id(port_space::TCP).unwrap();
     id.resolve_addr(None, server, Duration::from_secs(2))
@@ -318,8 +309,10 @@ fn request(device: &Device, endpoint: &Endpoint, server: SocketAddrV4) -> CmId {
     expect_event(device, &id, event::ADDR_RESOLVED);
     id.resolve_route(Duration::from_secs(2)).unwrap();
     expect_event(device, &id, event::ROUTE_RESOLVED);
-    id.move_qp(&endpoint.qp, QpState::Init).unwrap();
-    id.connect(&endpoint.qp, &param()).unwrap();
+    id.move_qp(&endpoint.qp, QpState::Init)
+        .expect("the CM's INIT attributes");
+    endpoint.post_recv();
+    id.connect(&endpoint.qp, &param()).expect("CM_CONNECT");
     id
 }
 

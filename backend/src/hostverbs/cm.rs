@@ -4,7 +4,7 @@
 
 use std::ffi::CStr;
 use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::SocketAddrV4;
 use std::os::fd::RawFd;
 use std::os::raw::{c_int, c_void};
 use std::ptr::NonNull;
@@ -13,6 +13,7 @@ use std::sync::Arc;
 use rdma_sys::*;
 
 pub use vrdma_spec::cm::ConnParam;
+use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
 use super::{check, last_error, set_nonblocking, AhAttr, Error, Gid, QpAttr, Result};
 
@@ -229,25 +230,9 @@ unsafe impl Send for CmId {}
 // SAFETY: shared references only make librdmacm calls, thread safe on one id.
 unsafe impl Sync for CmId {}
 
-fn sockaddr_in(address: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: address.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(*address.ip()).to_be(),
-        },
-        sin_zero: [0; 8],
-    }
-}
-
 /// The IPv4 address in `storage`, if it holds one with a non-zero address or port.
 fn from_sockaddr(storage: &libc::sockaddr_in) -> Option<SocketAddrV4> {
-    if storage.sin_family != libc::AF_INET as libc::sa_family_t {
-        return None;
-    }
-    let ip = Ipv4Addr::from(u32::from_be(storage.sin_addr.s_addr));
-    let port = u16::from_be(storage.sin_port);
-    (!ip.is_unspecified() || port != 0).then_some(SocketAddrV4::new(ip, port))
+    from_sockaddr_in(storage).filter(|a| !a.ip().is_unspecified() || a.port() != 0)
 }
 
 impl CmId {

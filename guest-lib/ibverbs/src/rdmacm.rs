@@ -25,6 +25,7 @@ use rdma_sys::{
 };
 use vrdma_guest::cm::{event, port_space};
 use vrdma_guest::{CmEvent, CmId, ConnParam, QpState};
+use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
 use crate::abi::{context_of, raise_errno, report_once, set_errno};
 use crate::events::EventQueue;
@@ -134,17 +135,6 @@ unsafe fn ours<'a>(id: *mut rdma_cm_id) -> &'a mut VrdmaCmId {
     unsafe { &mut *id.cast::<VrdmaCmId>() }
 }
 
-fn sockaddr_in(address: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: address.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(*address.ip()).to_be(),
-        },
-        sin_zero: [0; 8],
-    }
-}
-
 /// The IPv4 address a program passed, if it is one.
 ///
 /// # Safety
@@ -158,11 +148,7 @@ unsafe fn ipv4_of(addr: *const libc::sockaddr) -> Option<SocketAddrV4> {
         if c_int::from((*addr).sa_family) != libc::AF_INET {
             return None;
         }
-        let sin = &*addr.cast::<libc::sockaddr_in>();
-        Some(SocketAddrV4::new(
-            Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
-            u16::from_be(sin.sin_port),
-        ))
+        from_sockaddr_in(&*addr.cast::<libc::sockaddr_in>())
     }
 }
 

@@ -48,6 +48,28 @@ const _: () = {
     assert!(qp_attr_mask::DEST_QPN == m::IBV_QP_DEST_QPN.0);
 };
 
+/// An IPv4 address and port as the sockets API (and librdmacm) holds them.
+pub fn sockaddr_in(address: std::net::SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: address.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*address.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+/// The IPv4 address and port in `sin`, if its family is IPv4.
+pub fn from_sockaddr_in(sin: &libc::sockaddr_in) -> Option<std::net::SocketAddrV4> {
+    (sin.sin_family == libc::AF_INET as libc::sa_family_t).then(|| {
+        std::net::SocketAddrV4::new(
+            u32::from_be(sin.sin_addr.s_addr).into(),
+            u16::from_be(sin.sin_port),
+        )
+    })
+}
+
 impl From<&QpCaps> for ibv_qp_cap {
     fn from(c: &QpCaps) -> Self {
         ibv_qp_cap {
@@ -195,5 +217,18 @@ mod tests {
         assert_eq!(AhAttr::from(&back.ah_attr), attr.ah_attr);
         raw.qp_state = 7;
         assert_eq!(QpAttr::from_ibv(&raw, qp_attr_mask::STATE), Err(7));
+    }
+
+    #[test]
+    fn ipv4_addresses_go_to_sockaddr_in_and_back() {
+        let address = "192.0.2.1:7471".parse().unwrap();
+        let sin = sockaddr_in(address);
+        assert_eq!(sin.sin_port, 7471u16.to_be());
+        assert_eq!(from_sockaddr_in(&sin), Some(address));
+        let other = libc::sockaddr_in {
+            sin_family: libc::AF_INET6 as libc::sa_family_t,
+            ..sin
+        };
+        assert_eq!(from_sockaddr_in(&other), None);
     }
 }
