@@ -211,10 +211,10 @@ two_guests() {
 # retry_client LOG COMMAND...: a client started again while its server does not listen yet
 # (rdma_cm clients are refused then, and nothing says when a server listens).
 retry_client() {
-  local log=$1
+  local log=$1 start=$SECONDS
   shift
-  for _ in $(seq 60); do
-    timeout 120 "$@" >"$log" 2>&1 && return 0
+  while [ $((SECONDS - start)) -lt 120 ]; do
+    timeout 60 "$@" >"$log" 2>&1 && return 0
     sleep 2
   done
   echo "--- $log" >&2
@@ -232,11 +232,11 @@ rdma_cm_pair() {
   if [ "$host" = "$server_host" ]; then guest=$server_guest; else guest=$client_guest; fi
   [ "$guest" = - ] || run=("$vrdma_run" --device "$(socket "$guest")" --)
   case "$program/$([ "$host" = "$server_host" ] && echo server || echo client)" in
-    rping/server) timeout 300 "${run[@]}" rping -s -a "$address" -p "$port" -C 10 >"$log" 2>&1 ;;
+    rping/server) timeout 150 "${run[@]}" rping -s -a "$address" -p "$port" -C 10 >"$log" 2>&1 ;;
     rping/client)
       retry_client "$log" "${run[@]}" rping -c -a "$address" -p "$port" -C 10 -v &&
         [ "$(grep -c 'ping data:' "$log")" = 10 ] ;;
-    ib_send_bw/server) timeout 300 "${run[@]}" ib_send_bw -R -n 200 -p "$port" >"$log" 2>&1 ;;
+    ib_send_bw/server) timeout 150 "${run[@]}" ib_send_bw -R -n 200 -p "$port" >"$log" 2>&1 ;;
     ib_send_bw/client)
       retry_client "$log" "${run[@]}" ib_send_bw -R -n 200 -p "$port" "$address" &&
         grep -q '^ 65536 ' "$log" ;;

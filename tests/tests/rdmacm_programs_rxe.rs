@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use vrdma_tests::{host_resource_counts, spawn_backend_process, BackendProcess};
+use vrdma_tests::{host_resource_counts, spawn_backend_process, BackendProcess, ServiceProcess};
 
 const HOST: &str = "192.168.77.1";
 
@@ -41,31 +41,38 @@ fn guest(name: &str, address: &'static str) -> Guest {
     }
 }
 
-/// Where a program runs: natively on rxe0, or on a guest's vrdma0 through `vrdma-run`.
+/// Where a program runs: natively on rxe0, on a guest's vrdma0 through `vrdma-run`, or on
+/// it through the guest service that shares it (its target).
 #[derive(Clone, Copy)]
 enum On<'a> {
     Native,
     Vrdma(&'a Guest),
+    Service(&'a Guest, &'a str),
 }
 
 impl On<'_> {
     fn address(&self) -> &str {
         match self {
             On::Native => HOST,
-            On::Vrdma(guest) => guest.address,
+            On::Vrdma(guest) | On::Service(guest, _) => guest.address,
         }
     }
 
     fn command(&self, program: &[&str]) -> Command {
         let mut command = Command::new("timeout");
         command.arg("60");
-        if let On::Vrdma(guest) = self {
+        let device = match self {
+            On::Native => None,
+            On::Vrdma(guest) => Some(path(&guest.socket)),
+            On::Service(_, target) => Some(*target),
+        };
+        if let Some(device) = device {
             command
                 .arg(
                     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
                         .join("../guest-lib/ibverbs/vrdma-run"),
                 )
-                .args(["--device", path(&guest.socket), "--"])
+                .args(["--device", device, "--"])
                 .env("VRDMA_IBVERBS_DIR", library_dir());
         }
         command.args(program);
@@ -304,4 +311,19 @@ fn a_guest_killed_mid_connection_leaves_nothing_and_its_peer_sees_the_disconnect
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+#[test]
+#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
+fn rdma_cm_programs_share_a_device_through_the_guest_service() {
+    let a = guest("service", "192.168.77.80");
+    let service = ServiceProcess::start(&a.socket, &[]);
+    let target = service.target();
+    let through = On::Service(&a, &target);
+    // Each end a program of its own: with a native peer both ways, and both through vrdmad
+    // (their CM ids and events kept apart by it), connected to each other.
+    rping(On::Native, through, 7561);
+    rping(through, On::Native, 7562);
+    rping(through, through, 7563);
+    udaddy(through, On::Native);
 }

@@ -132,6 +132,8 @@ impl Limits {
         let part = |max: u32| max.div_ceil(options.share.max(1)).max(1);
         let objects_per_program = [
             (ObjectKind::Qp, config.max_qp.to_native()),
+            // The device's CM id quota is its QP quota (SPEC.md §13.1).
+            (ObjectKind::CmId, config.max_qp.to_native()),
             (ObjectKind::Srq, config.max_srq.to_native()),
             (ObjectKind::Ah, config.max_ah.to_native()),
             (ObjectKind::Mr, config.max_mr.to_native()),
@@ -276,9 +278,7 @@ impl Service {
         Ok(Arc::new(Service {
             welcome: Welcome {
                 version: vrdma_guest::service::protocol::VERSION,
-                // Connection management is not shared among programs yet: its commands are
-                // refused (`requests::plan`), so programs are not offered it.
-                features: transport.features() & !features::CM,
+                features: transport.features(),
                 // Each program is told these of the region it is handed (see
                 // `DoorbellRegion::welcome`).
                 notify_len: 0,
@@ -430,6 +430,7 @@ impl Service {
             event_kind::CQ_COMPLETION | event_kind::CQ_ERROR => Some(ObjectKind::Cq),
             event_kind::QP_FATAL => Some(ObjectKind::Qp),
             event_kind::SRQ_LIMIT_REACHED | event_kind::SRQ_ERROR => Some(ObjectKind::Srq),
+            event_kind::CM_EVENT => Some(ObjectKind::CmId),
             _ => None,
         };
         let Some(object) = object else {

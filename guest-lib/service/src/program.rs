@@ -232,6 +232,9 @@ impl Program<'_> {
         let header: Option<ResponseHeader> = read_wire(&reply);
         if header.map(|h| h.status.to_native()) == Some(Status::Ok as u16) {
             self.record(&plan.creates, &plan.destroys, &reply);
+            if let Some((kind, offset)) = plan.adopts {
+                self.adopt(kind, offset, &reply);
+            }
             if opcode == Opcode::QueryDevice {
                 self.show_program_limits(&mut reply);
             }
@@ -273,6 +276,25 @@ impl Program<'_> {
                 handles.remove(&handle);
             }
             owners.remove(&(kind, handle));
+        }
+    }
+
+    /// Notes the object the device made for the program and named at `offset` of the
+    /// response payload, if it named one (a CM id of a connection request). The device
+    /// bounds these (a listener's backlog, its id quota), so no program quota applies.
+    fn adopt(&mut self, kind: ObjectKind, offset: usize, reply: &[u8]) {
+        let at = std::mem::size_of::<ResponseHeader>() + offset;
+        let Some(handle) = reply.get(at..at + 4) else {
+            return;
+        };
+        let handle = u32::from_le_bytes(handle.try_into().expect("4 bytes"));
+        if handle != 0 {
+            self.objects.entry(kind).or_default().insert(handle);
+            self.service
+                .owners
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert((kind, handle), self.id);
         }
     }
 

@@ -21,7 +21,9 @@ const HEADER: usize = size_of::<RequestHeader>();
 /// The kinds of device objects (SPEC.md §5.3.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ObjectKind {
-    // In the order a program's objects are destroyed when it goes: users before what they use.
+    // In the order a program's objects are destroyed when it goes: users before what they use
+    // (a CM id names its QP in its messages; destroying it first disconnects the peer).
+    CmId,
     Qp,
     Srq,
     Ah,
@@ -31,7 +33,8 @@ pub enum ObjectKind {
 }
 
 impl ObjectKind {
-    pub const ALL: [ObjectKind; 6] = [
+    pub const ALL: [ObjectKind; 7] = [
+        ObjectKind::CmId,
         ObjectKind::Qp,
         ObjectKind::Srq,
         ObjectKind::Ah,
@@ -43,6 +46,7 @@ impl ObjectKind {
     /// The command that destroys an object of this kind.
     pub fn destroy_opcode(self) -> Opcode {
         match self {
+            ObjectKind::CmId => Opcode::CmDestroyId,
             ObjectKind::Qp => Opcode::DestroyQp,
             ObjectKind::Srq => Opcode::DestroySrq,
             ObjectKind::Ah => Opcode::DestroyAh,
@@ -78,6 +82,10 @@ pub struct Plan {
     pub creates: Option<ObjectKind>,
     /// The object a successful request destroys.
     pub destroys: Option<(ObjectKind, u32)>,
+    /// An object the device made for the program and names in a successful response, at this
+    /// byte offset of the response payload (0 when none): the CM id of a connection request
+    /// that CM_GET_EVENT hands out.
+    pub adopts: Option<(ObjectKind, usize)>,
     /// Byte offset (in `bytes`) of the `le32` doorbell area a CREATE_QP or CREATE_SRQ names
     /// (SPEC.md §8.6), which the service sets to the program's own; the program leaves it 0.
     pub doorbell_area: Option<usize>,
@@ -117,6 +125,7 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
         records: Vec::new(),
         creates: None,
         destroys: None,
+        adopts: None,
         doorbell_area: None,
     };
     let handle = || handle_at(offset_of!(HandleRequest, handle));
@@ -128,25 +137,35 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
                 "SET_NOTIFY_AREA: the service set the device's up for every program",
             ))
         }
-        Opcode::CmCreateId
-        | Opcode::CmDestroyId
-        | Opcode::CmBind
+        // Every CM request names its id first (SPEC.md §13.3), CONNECT and ACCEPT a QP too.
+        Opcode::CmCreateId => plan.creates = Some(ObjectKind::CmId),
+        Opcode::CmDestroyId => {
+            plan.names.push((ObjectKind::CmId, handle()));
+            plan.destroys = Some((ObjectKind::CmId, handle()));
+        }
+        Opcode::CmConnect | Opcode::CmAccept => {
+            plan.names.push((ObjectKind::CmId, handle()));
+            plan.names.push((
+                ObjectKind::Qp,
+                handle_at(offset_of!(vrdma_spec::cm::CmConnectRequest, qp)),
+            ));
+        }
+        Opcode::CmGetEvent => {
+            plan.names.push((ObjectKind::CmId, handle()));
+            plan.adopts = Some((
+                ObjectKind::CmId,
+                offset_of!(vrdma_spec::cm::CmEvent, new_id),
+            ));
+        }
+        Opcode::CmBind
         | Opcode::CmResolveAddr
         | Opcode::CmResolveRoute
         | Opcode::CmListen
-        | Opcode::CmConnect
-        | Opcode::CmAccept
         | Opcode::CmReject
         | Opcode::CmDisconnect
         | Opcode::CmEstablish
         | Opcode::CmInitQpAttr
-        | Opcode::CmQuery
-        | Opcode::CmGetEvent => {
-            return Err((
-                Status::Unsupported,
-                "connection management is not served through the service (yet)",
-            ))
-        }
+        | Opcode::CmQuery => plan.names.push((ObjectKind::CmId, handle())),
         Opcode::AddDoorbellArea | Opcode::DestroyDoorbellArea => {
             return Err((
                 Status::InvalidArgument,
@@ -466,18 +485,29 @@ mod tests {
     }
 
     #[test]
-    fn connection_management_is_not_forwarded() {
-        let status = |request: &[u8]| plan(request).map(|_| ()).map_err(|(status, _)| status);
-        let create = vrdma_spec::cm::CmCreateIdRequest::default();
+    fn connection_management_names_the_programs_ids_and_qps() {
+        use vrdma_spec::cm::{CmConnectRequest, CmCreateIdRequest, CmEvent};
+        let create = plan(&request(Opcode::CmCreateId, &CmCreateIdRequest::default())).unwrap();
+        assert_eq!(create.creates, Some(ObjectKind::CmId));
+        let connect = CmConnectRequest {
+            id: Le32::from(5),
+            qp: Le32::from(9),
+            ..CmConnectRequest::default()
+        };
+        let connect = plan(&request(Opcode::CmAccept, &connect)).unwrap();
+        assert_eq!(connect.names, [(ObjectKind::CmId, 5), (ObjectKind::Qp, 9)]);
+        let handle = HandleRequest {
+            handle: Le32::from(5),
+            reserved: Le32::from(0),
+        };
+        let get = plan(&request(Opcode::CmGetEvent, &handle)).unwrap();
+        assert_eq!(get.names, [(ObjectKind::CmId, 5)]);
         assert_eq!(
-            status(&request(Opcode::CmCreateId, &create)),
-            Err(Status::Unsupported)
+            get.adopts,
+            Some((ObjectKind::CmId, std::mem::offset_of!(CmEvent, new_id)))
         );
-        let get = HandleRequest::default();
-        assert_eq!(
-            status(&request(Opcode::CmGetEvent, &get)),
-            Err(Status::Unsupported)
-        );
+        let destroy = plan(&request(Opcode::CmDestroyId, &handle)).unwrap();
+        assert_eq!(destroy.destroys, Some((ObjectKind::CmId, 5)));
     }
 
     #[test]
