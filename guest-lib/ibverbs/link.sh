@@ -29,29 +29,42 @@ mkdir -p "$out"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# Symbols this library defines, and each default-versioned symbol of the system's library
-# with its version node ("IBVERBS_1.1 ibv_get_device_list"; hidden "(IBVERBS_1.0)" copies
-# are old ABIs and are left out).
-nm -g --defined-only "$archive" 2>/dev/null | awk '$2 == "T" { print $3 }' | sort -u >"$work/defined"
-objdump -T "$system_lib" | awk 'NF > 2 && $(NF-1) ~ /^IBVERBS_/ && $NF !~ /^IBVERBS_/ { print $(NF-1), $NF }' |
-  sort -k2 >"$work/system"
-# Version nodes in definition order, each with its parent: "IBVERBS_1.1 IBVERBS_1.0".
-readelf -V "$system_lib" | awk '
-  /Version definition section/ { in_defs = 1; next }
-  /Version needs section/ { in_defs = 0 }
-  in_defs && /Name: IBVERBS_/ { if (node) print node, parent; node = $NF; parent = "" }
-  in_defs && /Parent 1:/ { parent = $NF }
-  END { if (node) print node, parent }' >"$work/nodes"
-
-{
-  first=1
+# versioned_symbols LIB PREFIX: each default-versioned symbol of LIB with its version node
+# ("IBVERBS_1.1 ibv_get_device_list"; hidden "(IBVERBS_1.0)" copies are old ABIs and are
+# left out), by symbol.
+versioned_symbols() {
+  objdump -T "$1" | awk -v prefix="^$2" 'NF > 2 && $(NF-1) ~ prefix && $NF !~ prefix { print $(NF-1), $NF }' |
+    sort -k2
+}
+# version_nodes LIB PREFIX: LIB's version nodes in definition order, each with its parent
+# ("IBVERBS_1.1 IBVERBS_1.0").
+version_nodes() {
+  readelf -V "$1" | awk -v prefix="Name: $2" '
+    /Version definition section/ { in_defs = 1; next }
+    /Version needs section/ { in_defs = 0 }
+    in_defs && $0 ~ prefix { if (node) print node, parent; node = $NF; parent = "" }
+    in_defs && /Parent 1:/ { parent = $NF }
+    END { if (node) print node, parent }'
+}
+# version_script SYMBOLS NODES KEEP: a version script giving each node of NODES its symbols
+# of SYMBOLS (as versioned_symbols prints them) that the sorted list KEEP holds.
+version_script() {
+  local first=1 node parent symbols
   while read -r node parent; do
     echo "$node {"
-    symbols=$(awk -v node="$node" '$1 == node { print $2 }' "$work/system" | sort | comm -12 - "$work/defined")
+    symbols=$(awk -v node="$node" '$1 == node { print $2 }' "$1" | sort | comm -12 - "$3")
     [ -n "$symbols" ] && { echo "  global:"; sed 's/^/    /; s/$/;/' <<<"$symbols"; }
     [ "$first" = 1 ] && { echo "  local: *;"; first=0; }
     echo "}${parent:+ $parent};"
-  done <"$work/nodes"
+  done <"$2"
+}
+
+# Symbols this library defines, and the system library's versioned ones and version nodes.
+nm -g --defined-only "$archive" 2>/dev/null | awk '$2 == "T" { print $3 }' | sort -u >"$work/defined"
+versioned_symbols "$system_lib" IBVERBS_ >"$work/system"
+version_nodes "$system_lib" IBVERBS_ >"$work/nodes"
+{
+  version_script "$work/system" "$work/nodes" "$work/defined"
   # The functions behind vrdma's librdmacm.so.1 (below), under a node of their own.
   echo "VRDMA_RDMACM_PRIVATE {"
   echo "  global:"
@@ -80,14 +93,8 @@ echo "$missing" >"$out/not-provided"
 # device connection and objects of libibverbs.so.1. x86-64 jumps: arguments pass untouched.
 system_cm="$(pkg-config --variable=libdir librdmacm 2>/dev/null)/librdmacm.so.1"
 [ -e "$system_cm" ] || { log "no system librdmacm.so.1 to take symbol versions from: apt-get install librdmacm-dev"; exit 1; }
-objdump -T "$system_cm" | awk 'NF > 2 && $(NF-1) ~ /^RDMACM_/ && $NF !~ /^RDMACM_/ { print $(NF-1), $NF }' |
-  sort -k2 >"$work/cm-system"
-readelf -V "$system_cm" | awk '
-  /Version definition section/ { in_defs = 1; next }
-  /Version needs section/ { in_defs = 0 }
-  in_defs && /Name: RDMACM_/ { if (node) print node, parent; node = $NF; parent = "" }
-  in_defs && /Parent 1:/ { parent = $NF }
-  END { if (node) print node, parent }' >"$work/cm-nodes"
+versioned_symbols "$system_cm" RDMACM_ >"$work/cm-system"
+version_nodes "$system_cm" RDMACM_ >"$work/cm-nodes"
 {
   echo ".text"
   while read -r _ symbol; do
@@ -107,16 +114,8 @@ readelf -V "$system_cm" | awk '
   done <"$work/cm-system"
   echo '.section .note.GNU-stack,"",@progbits'
 } >"$work/rdmacm.s"
-{
-  first=1
-  while read -r node parent; do
-    echo "$node {"
-    symbols=$(awk -v node="$node" '$1 == node { print $2 }' "$work/cm-system")
-    [ -n "$symbols" ] && { echo "  global:"; sed 's/^/    /; s/$/;/' <<<"$symbols"; }
-    [ "$first" = 1 ] && { echo "  local: *;"; first=0; }
-    echo "}${parent:+ $parent};"
-  done <"$work/cm-nodes"
-} >"$work/librdmacm.map"
+awk '{ print $2 }' "$work/cm-system" | sort -u >"$work/cm-all"
+version_script "$work/cm-system" "$work/cm-nodes" "$work/cm-all" >"$work/librdmacm.map"
 cc -shared -o "$out/librdmacm.so.1.tmp" -Wl,-soname,librdmacm.so.1 \
   -Wl,--version-script="$work/librdmacm.map" -Wl,-z,now "$work/rdmacm.s" \
   -L"$out" -l:libibverbs.so.1
