@@ -725,6 +725,21 @@ fn qp_of(id: &VrdmaCmId) -> Result<&vrdma_guest::QueuePair, c_int> {
     Ok(unsafe { objects::qp_of(id.id.qp) })
 }
 
+/// Sends the connection parameters the program gave (or librdmacm's defaults) with the
+/// id's QP by `send` (CM_CONNECT or CM_ACCEPT); the errno when it cannot.
+///
+/// # Safety
+/// As [`conn_param`].
+unsafe fn send_conn_param(
+    id: &VrdmaCmId,
+    param: *const rdma_conn_param,
+    send: fn(&CmId, &vrdma_guest::QueuePair, &ConnParam) -> vrdma_guest::Result<()>,
+) -> Result<(), c_int> {
+    // SAFETY: per the contract.
+    let param = unsafe { conn_param(id, param) }?;
+    send(&id.inner, qp_of(id)?, &param).map_err(|e| raise_errno(&e))
+}
+
 #[no_mangle]
 unsafe extern "C" fn vrdma_rdmacm_rdma_connect(
     id: *mut rdma_cm_id,
@@ -733,10 +748,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_connect(
     // SAFETY: per the API contract.
     let id = unsafe { ours(id) };
     // SAFETY: per the API contract.
-    let result = unsafe { conn_param(id, param) }
-        .and_then(|param| Ok((qp_of(id)?, param)))
-        .and_then(|(qp, param)| id.inner.connect(qp, &param).map_err(|e| raise_errno(&e)));
-    if let Err(errno) = result {
+    if let Err(errno) = unsafe { send_conn_param(id, param, CmId::connect) } {
         return failed(errno);
     }
     complete(id, event_type::RDMA_CM_EVENT_ESTABLISHED)
@@ -755,10 +767,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_accept(
         return -1;
     }
     // SAFETY: per the API contract.
-    let result = unsafe { conn_param(id, param) }
-        .and_then(|param| Ok((qp_of(id)?, param)))
-        .and_then(|(qp, param)| id.inner.accept(qp, &param).map_err(|e| raise_errno(&e)));
-    if let Err(errno) = result {
+    if let Err(errno) = unsafe { send_conn_param(id, param, CmId::accept) } {
         return failed(errno);
     }
     if id.id.qp_type == ibv_qp_type::IBV_QPT_UD {
