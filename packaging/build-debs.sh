@@ -4,8 +4,8 @@
 #   users, the default guest declarations (/etc/vrdma/guests.toml) and options
 #   (/etc/default/vrdma-backend), a libvirt domain for a VM with a vrdma device (an example);
 # - vrdma-guest: for programs in a VM (or on a host) that use a vrdma device: vrdma's
-#   libibverbs.so.1 (/usr/lib/vrdma), vrdma-run, the guest service vrdmad and its unit, which
-#   the vrdma PCI device starts (udev rule).
+#   libibverbs.so.1 and librdmacm.so.1 (/usr/lib/vrdma), vrdma-run, the guest service vrdmad
+#   and its unit, which the vrdma PCI device starts (udev rule).
 # usage: packaging/build-debs.sh [OUT_DIR]   (prints the packages' paths)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -99,7 +99,7 @@ install -D -m 0644 backend/systemd/guests.toml "$backend/etc/vrdma/guests.toml"
 install -D -m 0644 backend/systemd/vrdma-backend.default "$backend/etc/default/vrdma-backend"
 install -D -m 0644 backend/libvirt/vrdma-vm.xml "$backend/usr/share/doc/vrdma-backend/examples/vrdma-vm.xml"
 maintainer_scripts vrdma-backend vrdma-backend.conf vrdma-backend.service boot
-package vrdma-backend "libc6, libibverbs1, ibverbs-providers, systemd | systemd-standalone-sysusers" \
+package vrdma-backend "libc6, libgcc-s1, libibverbs1, librdmacm1, ibverbs-providers, systemd | systemd-standalone-sysusers" \
   "vhost-user backend of vrdma, a paravirtual RDMA device for virtual machines
  Serves the vrdma virtio device (id 42) to QEMU and cloud-hypervisor guests over
  vhost-user, relaying their RDMA to the host's verbs device. vrdmactl reads and
@@ -107,6 +107,7 @@ package vrdma-backend "libc6, libibverbs1, ibverbs-providers, systemd | systemd-
 
 guest=$work/vrdma-guest
 install -D -m 0644 "$lib_dir/libibverbs.so.1" "$guest/usr/lib/vrdma/libibverbs.so.1"
+install -D -m 0644 "$lib_dir/librdmacm.so.1" "$guest/usr/lib/vrdma/librdmacm.so.1"
 install -D -m 0755 guest-lib/ibverbs/vrdma-run "$guest/usr/lib/vrdma/vrdma-run"
 install -D -m 0755 target/release/vrdmad "$guest/usr/sbin/vrdmad"
 install -D -m 0644 guest-lib/service/systemd/vrdmad.service "$guest/lib/systemd/system/vrdmad.service"
@@ -120,7 +121,8 @@ VRDMA_IBVERBS_DIR=${VRDMA_IBVERBS_DIR:-/usr/lib/vrdma} exec /usr/lib/vrdma/vrdma
 RUN
 chmod 0755 "$guest/usr/bin/vrdma-run"
 maintainer_scripts vrdma-guest vrdma.conf vrdmad.service device
-package vrdma-guest "libc6, kmod, systemd | systemd-standalone-sysusers" \
-  "vrdma's libibverbs and guest service, for programs that use a vrdma device
- Unmodified libibverbs programs run on a vrdma device through vrdma-run; inside a
- VM, vrdmad shares the vrdma PCI device among the programs of group vrdma."
+package vrdma-guest "libc6, libgcc-s1, kmod, systemd | systemd-standalone-sysusers" \
+  "vrdma's libibverbs, librdmacm and guest service for programs on a vrdma device
+ Unmodified libibverbs and librdmacm programs run on a vrdma device through
+ vrdma-run; inside a VM, vrdmad shares the vrdma PCI device among the
+ programs of group vrdma."

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Debian packages (packaging/build-debs.sh): built from the workspace, they hold what they
-# should, their maintainer scripts parse, and apt resolves their dependencies on this system
+# should, their maintainer scripts parse, their Depends name the packages of every shared
+# library their programs need, and apt resolves their dependencies on this system
 # (apt-get --simulate: nothing is installed).
 # usage: tests/packages.sh
 set -euo pipefail
@@ -26,7 +27,7 @@ expect "$backend" /usr/bin/vhost-user-rdma /usr/bin/vrdmactl \
   /usr/lib/tmpfiles.d/vrdma-backend.conf \
   /etc/vrdma/guests.toml /etc/default/vrdma-backend /usr/share/doc/vrdma-backend/README.md \
   /usr/share/doc/vrdma-backend/examples/vrdma-vm.xml
-expect "$guest" /usr/lib/vrdma/libibverbs.so.1 /usr/lib/vrdma/vrdma-run /usr/bin/vrdma-run \
+expect "$guest" /usr/lib/vrdma/libibverbs.so.1 /usr/lib/vrdma/librdmacm.so.1 /usr/lib/vrdma/vrdma-run /usr/bin/vrdma-run \
   /usr/sbin/vrdmad /lib/systemd/system/vrdmad.service /usr/lib/sysusers.d/vrdma.conf \
   /usr/lib/udev/rules.d/60-vrdma.rules
 conffiles=$(dpkg-deb --ctrl-tarfile "$backend" | tar -xO ./conffiles)
@@ -55,7 +56,26 @@ listed=$("$work/root/usr/bin/vrdmactl" --socket "$work/admin.sock" list) ||
 kill "$backend_pid"
 wait "$backend_pid" 2>/dev/null || true
 grep -q "no guest is connected" <<<"$listed" || fail "vrdmactl list: $listed"
+# Every shared library a packaged program or library needs comes from a package its Depends
+# names (found by where this machine's dynamic linker finds it), or from the package itself.
+depends_cover_libraries() { # DEB
+  local deb=$1 root=$work/needs depends needed path owner libraries
+  libraries=$(ldconfig -p | grep -F "$(uname -m | tr _ -)") # this machine's kind's only
+  rm -rf "$root" && dpkg-deb --extract "$deb" "$root"
+  depends=$(dpkg-deb -f "$deb" Depends | tr ',|' '\n\n' | awk '{ print $1 }')
+  while read -r needed; do
+    [ -n "$(find "$root" -name "$needed" -print -quit)" ] && continue
+    path=$(awk -v lib="$needed" '$1 == lib && !found { print $NF; found = 1 }' <<<"$libraries")
+    [ -n "$path" ] || fail "$(basename "$deb") needs $needed, which this machine does not have"
+    owner=$(dpkg -S "$path" 2>/dev/null || dpkg -S "$(realpath "$path")" 2>/dev/null) ||
+      fail "$(basename "$deb") needs $needed ($path), which no package owns"
+    owner=${owner%%:*}
+    grep -qx "$owner" <<<"$depends" ||
+      fail "$(basename "$deb") needs $needed, from $owner, which its Depends does not name"
+  done < <(find "$root" -type f -exec sh -c 'objdump -p "$1" 2>/dev/null' _ {} \; | awk '/NEEDED/ { print $2 }' | sort -u)
+}
+for deb in "${debs[@]}"; do depends_cover_libraries "$deb"; done
 # Dependencies resolve (nothing is installed: --simulate).
 apt-get install --simulate "${debs[@]}" >"$work/apt.log" 2>&1 ||
   { cat "$work/apt.log" >&2; fail "apt-get cannot install the packages"; }
-echo "packages: ${debs[*]##*/}: contents, scripts, the packaged backend and apt's resolution checked"
+echo "packages: ${debs[*]##*/}: contents, scripts, the libraries their Depends cover, the packaged backend and apt's resolution checked"
