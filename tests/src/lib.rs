@@ -401,6 +401,65 @@ pub fn workspace_binary(name: &str) -> std::path::PathBuf {
     binary
 }
 
+/// Where link.sh put vrdma's libibverbs.so.1 and librdmacm.so.1 for this build:
+/// `$VRDMA_IBVERBS_DIR`, or target/debug/vrdma-ibverbs.
+pub fn vrdma_library_dir() -> std::path::PathBuf {
+    let dir = std::env::var_os("VRDMA_IBVERBS_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/debug/vrdma-ibverbs")
+        });
+    for library in ["libibverbs.so.1", "librdmacm.so.1"] {
+        assert!(
+            dir.join(library).exists(),
+            "no {library} in {}: run guest-lib/ibverbs/link.sh first",
+            dir.display()
+        );
+    }
+    dir
+}
+
+/// `vrdma-run`, which runs an unmodified program on a vrdma device.
+pub fn vrdma_run_script() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../guest-lib/ibverbs/vrdma-run")
+}
+
+/// A test program of tests/c/, compiled against the system's libraries (`-libverbs`,
+/// `-lrdmacm`: it runs natively, or on vrdma's through `vrdma-run`); removed on drop.
+pub struct CProgram(std::path::PathBuf);
+
+impl CProgram {
+    pub fn build(name: &str, libraries: &[&str]) -> CProgram {
+        let source =
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("c/{name}.c"));
+        let program = std::env::temp_dir().join(format!("vrdma-{name}-{}", std::process::id()));
+        let compiled = std::process::Command::new("cc")
+            .args(["-Wall", "-O1", "-o"])
+            .arg(&program)
+            .arg(&source)
+            .args(libraries)
+            .output()
+            .expect("run cc");
+        assert!(
+            compiled.status.success(),
+            "{}",
+            String::from_utf8_lossy(&compiled.stderr)
+        );
+        CProgram(program)
+    }
+
+    pub fn path(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 path")
+    }
+}
+
+impl Drop for CProgram {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Copies of workspace files for programs the tests run as another user (nobody): the
 /// checkout may lie below a folder only its owner may enter (a home, or a `mktemp -d`
 /// folder), so such programs run from copies in a folder of the temporary directory that

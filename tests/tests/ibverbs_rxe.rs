@@ -15,28 +15,10 @@ use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::{loopback, Context};
 use vrdma_tests::{
-    spawn_backend_process, start_backend, start_backend_on, test_device_name, wait_until_listening,
-    ServiceProcess, UnprivilegedCopies,
+    spawn_backend_process, start_backend, start_backend_on, test_device_name,
+    vrdma_library_dir as library_dir, vrdma_run_script as vrdma_run, wait_until_listening,
+    CProgram, ServiceProcess, UnprivilegedCopies,
 };
-
-/// Where link.sh put libibverbs.so.1 for this build.
-fn library_dir() -> PathBuf {
-    let dir = std::env::var_os("VRDMA_IBVERBS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/vrdma-ibverbs")
-        });
-    assert!(
-        dir.join("libibverbs.so.1").exists(),
-        "no libibverbs.so.1 in {}: run guest-lib/ibverbs/link.sh first",
-        dir.display()
-    );
-    dir
-}
-
-fn vrdma_run() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../guest-lib/ibverbs/vrdma-run")
-}
 
 /// Runs `program` under a time limit, with `env` set and vrdma's library in place; never
 /// hangs the test.
@@ -87,47 +69,18 @@ fn run_on_a_backend_of_its_own(name: &str, program: &[&str]) -> (Output, String)
     (output, log)
 }
 
-/// A test program of tests/c/, compiled against the system's libibverbs; removed on drop.
-struct CProgram(PathBuf);
-
-impl CProgram {
-    fn build(name: &str) -> CProgram {
-        let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("c/{name}.c"));
-        let program = std::env::temp_dir().join(format!("vrdma-{name}-{}", std::process::id()));
-        let compiled = Command::new("cc")
-            .args(["-Wall", "-O1", "-o"])
-            .arg(&program)
-            .arg(&source)
-            .arg("-libverbs")
-            .output()
-            .expect("run cc");
-        assert!(compiled.status.success(), "{}", text(&compiled.stderr));
-        CProgram(program)
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-
-    /// Starts the program with `vrdma-run --device socket`, its output piped.
-    fn spawn_on(&self, socket: &str, args: &[&str]) -> Child {
-        Command::new("timeout")
-            .arg("60")
-            .arg(vrdma_run())
-            .args(["--device", socket, "--", self.path()])
-            .args(args)
-            .env("VRDMA_IBVERBS_DIR", library_dir())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the program")
-    }
-}
-
-impl Drop for CProgram {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
+/// Starts `program` with `vrdma-run --device socket`, its output piped.
+fn spawn_on(program: &CProgram, socket: &str, args: &[&str]) -> Child {
+    Command::new("timeout")
+        .arg("60")
+        .arg(vrdma_run())
+        .args(["--device", socket, "--", program.path()])
+        .args(args)
+        .env("VRDMA_IBVERBS_DIR", library_dir())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the program")
 }
 
 /// Reads `child`'s output until it prints `line`; the reader goes on from there.
@@ -836,7 +789,7 @@ fn every_symbol_of_the_system_libibverbs_is_exported_with_its_version() {
 fn the_extended_qp_and_cq_apis_send_write_read_do_atomics_and_poll() {
     // A C program against libibverbs only (tests/c/qp_ex.c): no Debian binary uses the
     // ibv_wr_* API on a device like this one.
-    let program = CProgram::build("qp_ex");
+    let program = CProgram::build("qp_ex", &["-libverbs"]);
     let backend = start_backend();
     let output = run_on(
         backend.socket.to_str().unwrap(),
@@ -859,7 +812,7 @@ fn the_extended_qp_and_cq_apis_send_write_read_do_atomics_and_poll() {
 #[test]
 fn a_chain_of_work_requests_rings_one_doorbell_and_stops_at_a_refused_one() {
     const CHAINS: u64 = 8;
-    let program = CProgram::build("post_list");
+    let program = CProgram::build("post_list", &["-libverbs"]);
     let chains = CHAINS.to_string();
     if !loopback::is_loopback(&test_device_name()) {
         let native = Command::new("timeout")
@@ -901,7 +854,7 @@ fn a_chain_of_work_requests_rings_one_doorbell_and_stops_at_a_refused_one() {
 
 #[test]
 fn a_refused_work_request_reaches_the_program_as_qp_fatal_on_its_qp() {
-    let program = CProgram::build("async_events");
+    let program = CProgram::build("async_events", &["-libverbs"]);
     let backend = start_backend();
     let output = run_on(
         backend.socket.to_str().unwrap(),
@@ -965,9 +918,13 @@ fn the_host_link_going_down_and_up_reaches_the_program_as_port_events() {
         assert!(Instant::now() < deadline, "{device} never got an IPv4 GID");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let program = CProgram::build("async_events");
+    let program = CProgram::build("async_events", &["-libverbs"]);
     let backend = start_backend_on(device);
-    let mut child = program.spawn_on(backend.socket.to_str().unwrap(), &["vrdma0", "port"]);
+    let mut child = spawn_on(
+        &program,
+        backend.socket.to_str().unwrap(),
+        &["vrdma0", "port"],
+    );
     let stdout = wait_for_line(&mut child, "ready");
     ip(&["link", "set", netdev, "down"]);
     std::thread::sleep(Duration::from_secs(1));
@@ -982,8 +939,8 @@ fn a_backend_that_goes_away_reaches_the_program_as_device_fatal() {
     let socket = std::env::temp_dir().join(format!("vrdma-fatal-{}.sock", std::process::id()));
     // Beside the backends earlier tests started in this process, on the same GID.
     let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
-    let program = CProgram::build("async_events");
-    let mut child = program.spawn_on(socket.to_str().unwrap(), &["vrdma0", "fatal"]);
+    let program = CProgram::build("async_events", &["-libverbs"]);
+    let mut child = spawn_on(&program, socket.to_str().unwrap(), &["vrdma0", "fatal"]);
     let stdout = wait_for_line(&mut child, "ready");
     backend.kill().expect("kill the backend");
     backend.wait().expect("reap the backend");
@@ -996,8 +953,8 @@ fn a_backend_that_goes_away_reaches_the_program_as_device_fatal() {
 fn a_guest_service_that_goes_away_reaches_its_programs_as_device_fatal() {
     let backend = start_backend();
     let mut service = ServiceProcess::start(&backend.socket, &[]);
-    let program = CProgram::build("async_events");
-    let mut child = program.spawn_on(&service.target(), &["vrdma0", "fatal"]);
+    let program = CProgram::build("async_events", &["-libverbs"]);
+    let mut child = spawn_on(&program, &service.target(), &["vrdma0", "fatal"]);
     let stdout = wait_for_line(&mut child, "ready");
     service.child.kill().expect("kill vrdmad");
     service.child.wait().expect("reap vrdmad");

@@ -9,19 +9,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use vrdma_tests::{host_resource_counts, spawn_backend_process, BackendProcess, ServiceProcess};
+use vrdma_tests::{
+    host_resource_counts, spawn_backend_process, vrdma_library_dir as library_dir,
+    vrdma_run_script, BackendProcess, CProgram, ServiceProcess,
+};
 
 const HOST: &str = "192.168.77.1";
-
-fn library_dir() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/vrdma-ibverbs");
-    assert!(
-        dir.join("librdmacm.so.1").exists(),
-        "no librdmacm.so.1 in {}: run guest-lib/ibverbs/link.sh first",
-        dir.display()
-    );
-    dir
-}
 
 /// A guest: its backend (with `address` its own) and socket.
 struct Guest {
@@ -68,10 +61,7 @@ impl On<'_> {
         };
         if let Some(device) = device {
             command
-                .arg(
-                    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                        .join("../guest-lib/ibverbs/vrdma-run"),
-                )
+                .arg(vrdma_run_script())
                 .args(["--device", device, "--"])
                 .env("VRDMA_IBVERBS_DIR", library_dir());
         }
@@ -252,6 +242,29 @@ fn perftest_connects_with_rdma_cm_on_vrdma() {
             perftest(test, server, client, port);
             port += 1;
         }
+    }
+}
+
+/// A program that makes its QP itself and moves it with `rdma_init_qp_attr`, naming it by
+/// `conn_param.qp_num` (tests/c/cm_own_qp.c): the client completes the connection at
+/// CONNECT_RESPONSE with `rdma_establish`; a message each way on the QP.
+#[test]
+#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
+fn a_program_that_moves_its_own_qp_connects_through_rdma_cm() {
+    let program = CProgram::build("cm_own_qp", &["-lrdmacm", "-libverbs"]);
+    let a = guest("own-qp", "192.168.77.81");
+    for (server_on, client_on, port) in [
+        (On::Native, On::Vrdma(&a), "7541"),
+        (On::Vrdma(&a), On::Native, "7542"),
+    ] {
+        let address = server_on.address().to_string();
+        let output = pair(
+            server_on,
+            &[program.path(), "server", &address, port],
+            client_on,
+            &[program.path(), "client", &address, port],
+        );
+        assert!(output.contains("cm_own_qp: ok"), "{output}");
     }
 }
 

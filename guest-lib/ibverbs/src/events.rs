@@ -178,6 +178,17 @@ impl Dispatcher {
         }
     }
 
+    /// The address of a live object of `kind` that `matches` (called with the routes held,
+    /// so no object is forgotten, and so destroyed, meanwhile).
+    pub(crate) fn find(&self, kind: ObjectKind, matches: impl Fn(usize) -> bool) -> Option<usize> {
+        let routes = self.routes();
+        routes
+            .objects
+            .iter()
+            .find(|((k, _), &address)| *k == kind && matches(address))
+            .map(|(_, &address)| address)
+    }
+
     /// Object `handle` is being destroyed: no more events about it, and none left to take.
     pub(crate) fn forget(&self, kind: ObjectKind, handle: u32) {
         let (address, channel) = {

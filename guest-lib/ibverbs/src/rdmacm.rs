@@ -15,7 +15,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use rdma_sys::{
@@ -28,7 +28,7 @@ use vrdma_guest::{CmEvent, CmId, ConnParam, QpState};
 use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
 use crate::abi::{context_of, raise_errno, report_once, set_errno};
-use crate::events::EventQueue;
+use crate::events::{EventQueue, ObjectKind};
 use crate::objects;
 
 /// `rdma_getaddrinfo` flags.
@@ -64,6 +64,29 @@ struct VrdmaCmId {
     path: ibv_sa_path_rec,
     /// `rdma_create_ep` on a passive id: what `rdma_get_request` makes QPs of.
     request_qp: Option<(*mut ibv_pd, ibv_qp_init_attr)>,
+    /// The id's events the program has not acknowledged: `rdma_destroy_id` waits for them,
+    /// as librdmacm's does, so no event outlives the id it names.
+    unacked: Arc<Unacked>,
+}
+
+/// A count of events not acknowledged, and its waiters.
+#[derive(Default)]
+struct Unacked {
+    count: Mutex<u32>,
+    acked: Condvar,
+}
+
+impl Unacked {
+    fn lock(&self) -> std::sync::MutexGuard<'_, u32> {
+        self.count.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wait_for_none(&self) {
+        let mut count = self.lock();
+        while *count > 0 {
+            count = self.acked.wait(count).unwrap_or_else(|e| e.into_inner());
+        }
+    }
 }
 
 /// An event as programs see it, with the private data it points to.
@@ -71,6 +94,27 @@ struct VrdmaCmId {
 struct VrdmaCmEvent {
     event: rdma_cm_event,
     private_data: Vec<u8>,
+    /// The count of the id the event is accounted to (a connection request's: the listener's).
+    unacked: Arc<Unacked>,
+}
+
+impl VrdmaCmEvent {
+    fn new(event: rdma_cm_event, private_data: Vec<u8>, unacked: &Arc<Unacked>) -> Box<Self> {
+        *unacked.lock() += 1;
+        Box::new(Self {
+            event,
+            private_data,
+            unacked: Arc::clone(unacked),
+        })
+    }
+}
+
+impl Drop for VrdmaCmEvent {
+    fn drop(&mut self) {
+        let mut count = self.unacked.lock();
+        *count = count.saturating_sub(1);
+        self.unacked.acked.notify_all();
+    }
 }
 
 fn fail<T>(errno: c_int, value: T) -> T {
@@ -257,6 +301,7 @@ fn new_id(
         // SAFETY: ibv_sa_path_rec is C data valid as zero.
         path: unsafe { std::mem::zeroed() },
         request_qp: None,
+        unacked: Arc::default(),
     }));
     // SAFETY: just made; the CM context is this library's.
     unsafe { watch(made) };
@@ -362,10 +407,12 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_destroy_id(id: *mut rdma_cm_id) -> c_int 
         return failed(libc::EINVAL);
     }
     // SAFETY: an id of this library's, destroyed once, per the API contract.
-    let owned = unsafe { Box::from_raw(id.cast::<VrdmaCmId>()) };
+    let mut owned = unsafe { Box::from_raw(id.cast::<VrdmaCmId>()) };
+    // A synchronous id's last event is the library's to acknowledge; the program's own first.
+    free_event(std::mem::replace(&mut owned.id.event, ptr::null_mut()));
+    owned.unacked.wait_for_none();
     // SAFETY: the id's context is the CM context.
     unsafe { context_of(owned.id.verbs) }.with_dispatcher(|d| d.forget_cm(owned.inner.handle()));
-    free_event(owned.id.event);
     if !owned.own_pd.is_null() {
         // SAFETY: the PD rdma_create_qp allocated; its QP is gone (rdma_destroy_qp first).
         unsafe { objects::ibv_dealloc_pd(owned.own_pd) };
@@ -712,21 +759,43 @@ unsafe fn conn_param(id: &VrdmaCmId, param: *const rdma_conn_param) -> Result<Co
     })
 }
 
-/// The id's QP as guest-lib knows it.
-fn qp_of(id: &VrdmaCmId) -> Result<&vrdma_guest::QueuePair, c_int> {
-    if id.id.qp.is_null() {
-        report_once(
-            "cm_qp",
-            "rdma_connect/rdma_accept on an id without a QP from rdma_create_qp is not served",
-        );
-        return Err(libc::EINVAL);
-    }
-    // SAFETY: the QP rdma_create_qp made on the id.
-    Ok(unsafe { objects::qp_of(id.id.qp) })
+/// The QP a connection is made on, as guest-lib knows it: the id's, from `rdma_create_qp`, or
+/// else the program's own QP numbered `param->qp_num` (a program that moves its QP itself).
+///
+/// # Safety
+/// `param` must be NULL or valid.
+unsafe fn qp_of(
+    id: &VrdmaCmId,
+    param: *const rdma_conn_param,
+) -> Result<&vrdma_guest::QueuePair, c_int> {
+    let qp = if id.id.qp.is_null() {
+        // SAFETY: per the contract.
+        let qp_num = unsafe { param.as_ref() }.map_or(0, |p| p.qp_num);
+        // SAFETY: the id's context is the CM context; the dispatcher holds the addresses of
+        // the context's live QPs, read while none can be destroyed.
+        let found = unsafe { context_of(id.id.verbs) }.with_dispatcher(|d| {
+            d.find(ObjectKind::Qp, |address| {
+                // SAFETY: a live QP of the context (see above).
+                unsafe { (*(address as *const rdma_sys::ibv_qp)).qp_num == qp_num }
+            })
+        });
+        let Some(address) = found.filter(|_| qp_num != 0) else {
+            report_once(
+                "cm_qp",
+                "rdma_connect/rdma_accept: the id has no QP from rdma_create_qp, and conn_param's qp_num names no QP of the program's",
+            );
+            return Err(libc::EINVAL);
+        };
+        address as *mut rdma_sys::ibv_qp
+    } else {
+        id.id.qp
+    };
+    // SAFETY: a QP of this library's, the id's or the program's, live.
+    Ok(unsafe { objects::qp_of(qp) })
 }
 
 /// Sends the connection parameters the program gave (or librdmacm's defaults) with the
-/// id's QP by `send` (CM_CONNECT or CM_ACCEPT); the errno when it cannot.
+/// connection's QP by `send` (CM_CONNECT or CM_ACCEPT); the errno when it cannot.
 ///
 /// # Safety
 /// As [`conn_param`].
@@ -736,8 +805,8 @@ unsafe fn send_conn_param(
     send: fn(&CmId, &vrdma_guest::QueuePair, &ConnParam) -> vrdma_guest::Result<()>,
 ) -> Result<(), c_int> {
     // SAFETY: per the contract.
-    let param = unsafe { conn_param(id, param) }?;
-    send(&id.inner, qp_of(id)?, &param).map_err(|e| raise_errno(&e))
+    let (wire, qp) = unsafe { (conn_param(id, param)?, qp_of(id, param)?) };
+    send(&id.inner, qp, &wire).map_err(|e| raise_errno(&e))
 }
 
 #[no_mangle]
@@ -833,15 +902,29 @@ fn process(id: &mut VrdmaCmId, mut taken: CmEvent) -> (u32, i32, CmEvent) {
     match kind {
         event::ADDR_RESOLVED | event::ROUTE_RESOLVED => id.refresh_route(),
         event::CONNECT_RESPONSE if !id.id.qp.is_null() => {
-            let moved = id.move_qp(QpState::Rtr) == 0 && id.move_qp(QpState::Rts) == 0;
-            let established = moved && id.inner.establish().is_ok();
-            if established {
-                kind = event::ESTABLISHED;
+            let step = if id.move_qp(QpState::Rtr) != 0 {
+                Err(("moving its QP to RTR", last_errno()))
+            } else if id.move_qp(QpState::Rts) != 0 {
+                Err(("moving its QP to RTS", last_errno()))
             } else {
-                let errno = last_errno();
-                let _ = id.inner.reject(&[]);
-                kind = event::CONNECT_ERROR;
-                status = -errno;
+                id.inner
+                    .establish()
+                    .map_err(|e| ("establishing it", raise_errno(&e)))
+            };
+            match step {
+                Ok(()) => kind = event::ESTABLISHED,
+                Err((what, errno)) => {
+                    report_once(
+                        "cm_connect_response",
+                        &format!(
+                            "a connection's response was refused: {what} failed: {}",
+                            std::io::Error::from_raw_os_error(errno)
+                        ),
+                    );
+                    let _ = id.inner.reject(&[]);
+                    kind = event::CONNECT_ERROR;
+                    status = -errno;
+                }
             }
         }
         // As librdmacm: a rejected connection's QP fails; a disconnected one's was failed by
@@ -899,10 +982,12 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_get_cm_event(
             event.listen_id = ptr::from_mut(&mut id.id);
             event.id = made.cast();
         }
-        let mut boxed = Box::new(VrdmaCmEvent {
+        // Accounted to the id the event came to: a connection request's listener.
+        let mut boxed = VrdmaCmEvent::new(
             event,
-            private_data: std::mem::take(&mut taken.param.private_data),
-        });
+            std::mem::take(&mut taken.param.private_data),
+            &id.unacked,
+        );
         let data = boxed.private_data.as_ptr().cast::<c_void>();
         let len = boxed.private_data.len() as u8;
         let data = if len == 0 { ptr::null() } else { data };
