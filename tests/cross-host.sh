@@ -17,11 +17,12 @@
 #   rc-pingpong      Debian's ibv_rc_pingpong -c: a1 <-> native on host b
 #   link-fault       host b takes its link down for 3 s under a1's stream of WRITEs: a1 sees
 #                    a retry-exceeded completion (nothing hangs), then new QPs work
-#   rdma_cm          rping through rdma_cm (vrdma's librdmacm.so.1): a1 as client of a native
-#                    server on host b, a native client on host b of a1 as server, a1 to b1;
-#                    and perftest -R (ib_send_bw): a1 to a native server on host b, and a
-#                    native client on host b of a1. Afterwards rxe0 holds no more cm ids or
-#                    QPs than before (a backend's librdmacm keeps one context of the device)
+#   rdma_cm          Debian's rdma_cm programs through vrdma's librdmacm.so.1, each as a1 the
+#                    client of a native server on host b and as a1 the server of a native
+#                    client there: rping, ucmatose (4 connections), udaddy (UD),
+#                    rdma_server/rdma_client, perftest -R (ib_write_lat, ib_send_bw,
+#                    ib_read_bw); and rping a1 to b1. Afterwards rxe0 holds no more cm ids
+#                    or QPs than before (a backend's librdmacm keeps one context of the device)
 #   backends-stop    SIGTERM stops each backend (exit 0) and its guest address leaves eth0
 #                    and the GID table
 # After every check with RDMA traffic, rxe0's objects (`rdma resource`) return to what they
@@ -222,25 +223,50 @@ retry_client() {
   return 1
 }
 
-# rdma_cm_pair PORT SERVER_HOST SERVER_GUEST SERVER_ADDRESS CLIENT_GUEST PROGRAM...: PROGRAM's
-# server (its arguments then `-s`-less) on SERVER_HOST and client on the other host, each as
-# the guest named or natively ("-"). PROGRAM is rping or perftest's ib_send_bw; the client
-# checks its own output.
+# cm_command PROGRAM ROLE ADDRESS PORT: the server's or client's command line of PROGRAM
+# (rdma_server for the rdma_server/rdma_client pair), ADDRESS being the server's; udaddy's
+# port is its own (7174).
+cm_command() {
+  local program=$1 role=$2 address=$3 port=$4
+  case "$program/$role" in
+    rping/server) echo rping -s -a "$address" -p "$port" -C 10 ;;
+    rping/client) echo rping -c -a "$address" -p "$port" -C 10 -v ;;
+    ucmatose/server) echo ucmatose -b "$address" -p "$port" -c 4 -C 10 ;;
+    ucmatose/client) echo ucmatose -s "$address" -p "$port" -c 4 -C 10 ;;
+    udaddy/server) echo udaddy -b "$address" ;;
+    udaddy/client) echo udaddy -s "$address" ;;
+    rdma_server/server) echo rdma_server -s "$address" -p "$port" ;;
+    rdma_server/client) echo rdma_client -s "$address" -p "$port" ;;
+    ib_*/server) echo "$program" -R -n 100 -p "$port" ;;
+    ib_*/client) echo "$program" -R -n 100 -p "$port" "$address" ;;
+  esac
+}
+
+# cm_client_ok PROGRAM LOG: the client's output shows it did its work.
+cm_client_ok() {
+  case "$1" in
+    rping) [ "$(grep -c 'ping data:' "$2")" = 10 ] ;;
+    ucmatose | udaddy) grep -q 'return status 0' "$2" ;;
+    rdma_server) grep -q 'rdma_client: end 0' "$2" ;;
+    ib_*) grep -Eq '^ +[0-9]+ +[0-9]+ ' "$2" ;; # a result row
+  esac
+}
+
+# rdma_cm_pair PORT SERVER_HOST SERVER_GUEST SERVER_ADDRESS CLIENT_GUEST PROGRAM: PROGRAM's
+# server on SERVER_HOST and its client on the other host, each as the guest named or natively
+# ("-"); both must exit 0 and the client show its work.
 rdma_cm_pair() {
   local port=$1 server_host=$2 server_guest=$3 address=$4 client_guest=$5 program=$6 run=()
-  local log=$logs/$program-$port.log guest
-  if [ "$host" = "$server_host" ]; then guest=$server_guest; else guest=$client_guest; fi
+  local role=client guest=$client_guest log command
+  if [ "$host" = "$server_host" ]; then role=server guest=$server_guest; fi
+  log=$logs/$program-$port-$role.log
   [ "$guest" = - ] || run=("$vrdma_run" --device "$(socket "$guest")" --)
-  case "$program/$([ "$host" = "$server_host" ] && echo server || echo client)" in
-    rping/server) timeout 150 "${run[@]}" rping -s -a "$address" -p "$port" -C 10 >"$log" 2>&1 ;;
-    rping/client)
-      retry_client "$log" "${run[@]}" rping -c -a "$address" -p "$port" -C 10 -v &&
-        [ "$(grep -c 'ping data:' "$log")" = 10 ] ;;
-    ib_send_bw/server) timeout 150 "${run[@]}" ib_send_bw -R -n 200 -p "$port" >"$log" 2>&1 ;;
-    ib_send_bw/client)
-      retry_client "$log" "${run[@]}" ib_send_bw -R -n 200 -p "$port" "$address" &&
-        grep -q '^ 65536 ' "$log" ;;
-  esac || { echo "--- $log" >&2; tail -n 20 "$log" >&2; return 1; }
+  read -ra command <<<"$(cm_command "$program" "$role" "$address" "$port")"
+  if [ "$role" = server ]; then
+    timeout 150 "${run[@]}" "${command[@]}" >"$log" 2>&1
+  else
+    retry_client "$log" "${run[@]}" "${command[@]}" && cm_client_ok "$program" "$log"
+  fi || { echo "--- $log" >&2; tail -n 20 "$log" >&2; return 1; }
 }
 
 # rxe0's cm ids and QPs.
@@ -248,13 +274,16 @@ cm_objects() { rdma resource show | awk '$2 == "rxe0:" { for (i = 3; i < NF; i +
 
 # The rdma_cm checks: afterwards rxe0 holds the cm ids and QPs it held before.
 rdma_cm() {
-  local before now status=0
+  local before now status=0 port program
   before=$(cm_objects)
-  rdma_cm_pair 7110 b - "$host_b" a1 rping || status=1
-  rdma_cm_pair 7111 a a1 "$a1" - rping || status=1
-  rdma_cm_pair 7112 b b1 "$b1" a1 rping || status=1
-  rdma_cm_pair 7113 b - "$host_b" a1 ib_send_bw || status=1
-  rdma_cm_pair 7114 a a1 "$a1" - ib_send_bw || status=1
+  # Each program both ways between a1 and a native peer on host b, then rping a1 to b1.
+  port=7110
+  for program in rping ucmatose udaddy rdma_server ib_write_lat ib_send_bw ib_read_bw; do
+    rdma_cm_pair $port b - "$host_b" a1 "$program" || status=1
+    rdma_cm_pair $((port + 1)) a a1 "$a1" - "$program" || status=1
+    port=$((port + 2))
+  done
+  rdma_cm_pair $port b b1 "$b1" a1 rping || status=1
   for _ in $(seq 30); do
     now=$(cm_objects)
     [ "$now" = "$before" ] && return $status
