@@ -23,7 +23,10 @@
 #              WRITE+READ with a native ibverbs program on rxe0, and an unmodified
 #              ibv_rc_pingpong through vrdma's libibverbs pairs with a native ibv_rc_pingpong
 #     users    the guest service over the device, and through it two unprivileged users'
-#              unmodified ibv_rc_pingpong pair
+#              unmodified ibv_rc_pingpong pair; then rdma_cm through the service (the backend
+#              gives the VM an address of its own): an unprivileged user's unmodified rping
+#              on vrdma's librdmacm, the client of a native rping server here, then the
+#              server of a native client
 #     held     `virsh destroy` while a guest-lib program in the VM holds a QP and more: the
 #              backend releases every host object the VM had
 # The parts are split for time: a nested VM is emulated inside an emulated guest, where
@@ -40,11 +43,14 @@ bin=$(cd "$1" && pwd)
 device=${2:-}
 case "$device" in
   loopback) parts=${VRDMA_PCI_PARTS:-service,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
-    domain= launch=() ;;
+    domain= launch=() native_address= vm_address= own_address=() ;;
   rxe0)
     [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
     parts=${VRDMA_PCI_PARTS:-native,users,held} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20}
-    domain=vrdma-nested launch=(--libvirt "$domain") ;;
+    domain=vrdma-nested launch=(--libvirt "$domain")
+    # The rxe guest's address (tests/vm/guest-init.sh) and the VM's own, for rdma_cm.
+    native_address=192.168.77.1 vm_address=192.168.77.60
+    own_address=(--guest-ip "$vm_address/24") ;;
   *) echo "usage: $0 BIN_DIR loopback|rxe0" >&2; exit 2 ;;
 esac
 # Socket, logs, the peers' files, and copies of what the VM runs as other users: in a folder
@@ -77,7 +83,7 @@ start_backend() {
   rm -f "$socket"
   # The VM and its direct-attach peer are served at once, on the backend's one GID.
   RUST_LOG=info "$bin/vhost-user-rdma" --device "$device" --socket-path "$socket" --shared-gid \
-    >>"$logs/backend.log" 2>&1 &
+    "${own_address[@]}" >>"$logs/backend.log" 2>&1 &
   backend=$!
   for _ in $(seq 300); do
     [ "$(accepting "$logs/backend.log")" -gt "${before:-0}" ] && return 0
@@ -253,8 +259,32 @@ check_service() {
     service_restarted
 }
 
+# The VM's rping client, then its server (see tests/pci-guest.sh), with native peers here.
+rping_with_native() {
+  local server ok=0 line
+  timeout 900 rping -s -a "$native_address" -p 18530 -C 5 >"$work/rping-server.out" 2>&1 &
+  server=$!
+  line=$(wait_line "$exchange/cm.vm" '^client ' 900) && [ "$line" = "client 0" ] &&
+    [ "$(grep -c 'ping data:' "$exchange/rping-client.out")" = 5 ] || { ok=1; kill "$server"; }
+  wait "$server" || ok=1
+  # The VM's server: started again until it listens.
+  for _ in $(seq 60); do
+    [ "$ok" = 0 ] || break
+    timeout 60 rping -c -a "$vm_address" -p 18531 -C 5 -v >"$work/rping-client.out" 2>&1 && break
+    sleep 2
+  done
+  [ "$(grep -c 'ping data:' "$work/rping-client.out" 2>/dev/null)" = 5 ] || ok=1
+  line=$(wait_line "$exchange/cm.vm" '^server ' 300) && [ "$line" = "server 0" ] || ok=1
+  [ "$ok" = 0 ] || {
+    tail -n 5 "$work"/rping-*.out "$exchange"/rping-*.out "$exchange/cm.vm" >&2
+    return 1
+  }
+}
 check_users() {
   check "two unprivileged users' unmodified ibv_rc_pingpong -c pair through vrdmad" users_pair
+  [ -z "$vm_address" ] ||
+    check "rdma_cm in the VM: an unprivileged user's rping (vrdma's librdmacm, vrdmad) <-> native rping, both ways" \
+      rping_with_native
 }
 
 # --- part reopen: the backend is killed and started again under the running VM.
@@ -344,6 +374,7 @@ cp -r "$bin/guest-endpoint" "$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-
 # The VM can write only to its own run folder (below $runs): that is the exchange.
 VRDMA_NOTIFY_QUEUES=1 "$repo/tests/vm/run.sh" --no-rxe --mem 768 --timeout 2400 --run-in "$runs" \
   --vrdma "$socket" "${launch[@]}" -- "$repo/tests/pci-guest.sh" "$bin" "$round_trips" "$unprivileged" "$parts" \
+  "${vm_address:+$native_address $vm_address}" \
   >"$logs/vm.log" 2>&1 &
 vm=$!
 until exchange=$(ls -d "$runs"/run.* 2>/dev/null); do

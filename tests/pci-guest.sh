@@ -14,7 +14,10 @@
 #            the service, then an ib_write_bw and an ib_send_lat pair at once beside a third
 #            pair whose client is killed (users.vm); a service restart under a waiting
 #            program: how that program ended and whether the next one works (restart.vm)
-#   users    the guest service, and through it two users' ibv_rc_pingpong pair (users.vm)
+#   users    the guest service, and through it two users' ibv_rc_pingpong pair (users.vm);
+#            given CM_ADDRESSES, then rping through vrdma's librdmacm and the service, as an
+#            unprivileged user: the client of a native server outside the VM, then the server
+#            of a native client there (cm.vm: `client RC`, `server RC`)
 #   reopen   a backend restart under the running VM (session reopen)
 #   native   guest-lib attached to the PCI device directly (session native-peer), then an
 #            unmodified ibv_rc_pingpong through vrdma's libibverbs; this VM has no network,
@@ -22,12 +25,14 @@
 #   held     guest-lib attached to the PCI device makes its objects (QP and all), says its QP
 #            number and waits for a peer that never comes: the VM is destroyed under it
 #            (session held; the last part, as the VM does not end by itself then)
-# usage: tests/pci-guest.sh BIN_DIR ROUND_TRIPS UNPRIVILEGED_DIR PARTS
+# usage: tests/pci-guest.sh BIN_DIR ROUND_TRIPS UNPRIVILEGED_DIR PARTS [CM_ADDRESSES]
 #   UNPRIVILEGED_DIR holds copies of guest-endpoint, vrdma-run and vrdma-ibverbs/ that any
 #   user may run (the checkout may lie below a folder only its owner may enter)
+#   CM_ADDRESSES "NATIVE OWN": the native peer's address and the device's own (the backend's
+#   --guest-ip), for rdma_cm
 set -uo pipefail
 exchange=${VRDMA_VM_RUN_DIR:?run me inside the VM harness} bin=$1 round_trips=$2
-unprivileged=$3 parts=$4
+unprivileged=$3 parts=$4 cm_addresses=${5:-}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 source "$repo/tests/listening.sh"
 
@@ -273,11 +278,29 @@ part_service() {
   stop_service
 }
 
-# Two users' programs through the guest service, and nothing more (for the nested VM).
+# rping_pairs NATIVE OWN: rping as uid 65534 through the service, the client of the native
+# server at NATIVE (started again until that server listens), then a server on OWN for a
+# native client; their exit codes go to cm.vm.
+rping_pairs() {
+  local rc
+  for _ in $(seq 100); do
+    as_user 65534 timeout 120 rping -c -a "$1" -p 18530 -C 5 -v >"$exchange/rping-client.out" 2>&1
+    rc=$?
+    [ "$rc" = 0 ] && break
+    pause 2
+  done
+  echo "client $rc" >>"$exchange/cm.vm"
+  as_user 65534 timeout 600 rping -s -a "$2" -p 18531 -C 5 >"$exchange/rping-server.out" 2>&1
+  echo "server $?" >>"$exchange/cm.vm"
+}
+
+# Two users' programs through the guest service, and rdma_cm's rping (for the nested VM).
 part_users() {
   start_service vrdmad.log
   users_pair pingpong 18520 ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 20
   echo end >>"$exchange/users.vm"
+  # shellcheck disable=SC2086 # two addresses
+  [ -z "$cm_addresses" ] || rping_pairs $cm_addresses
   stop_service
 }
 
