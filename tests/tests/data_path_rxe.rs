@@ -246,6 +246,43 @@ fn rdma_write_and_read_move_exact_bytes_from_1_byte_to_64_mib() {
     target.finish();
 }
 
+/// A receive posted just before the QP is moved to the error state completes with
+/// WR_FLUSH_ERR (SPEC.md §5.11): rxe flushes only the receives its QP holds when it enters
+/// the state and takes later ones without a word, so the device must have taken the ring's
+/// first. Each round races the poller that takes the receive with the MODIFY_QP.
+#[test]
+fn a_receive_posted_just_before_the_error_state_is_flushed() {
+    use vrdma_guest::{qp_attr_mask, QpAttr};
+    let backend = start_backend();
+    let a = Endpoint::new(&backend, QpType::Rc, 4096);
+    let to = |qp_state| {
+        (
+            QpAttr {
+                qp_state,
+                ..Default::default()
+            },
+            qp_attr_mask::STATE,
+        )
+    };
+    for round in 0..10 {
+        vrdma_tests::connect_to_itself(&a.device, &a.qp).unwrap();
+        a.qp.post_recv(&[RecvWr {
+            wr_id: round,
+            sges: &[a.sge(0, 64)],
+        }])
+        .unwrap();
+        let (attr, mask) = to(QpState::Err);
+        a.qp.modify(&attr, mask).unwrap();
+        let done = wait_for_guest_completions(&a.cq, 1);
+        assert_eq!(
+            (done[0].wr_id, done[0].status),
+            (round, wc_status::WR_FLUSH_ERR)
+        );
+        let (attr, mask) = to(QpState::Reset);
+        a.qp.modify(&attr, mask).unwrap();
+    }
+}
+
 #[test]
 fn atomics_leave_an_exact_count() {
     let backend = start_backend();

@@ -55,6 +55,9 @@ const SLEEP_LIMIT_MS: i32 = 100;
 
 /// Completion statuses counted one by one (ibv_wc_status has 24).
 const STATUS_SLOTS: usize = 32;
+/// The longest [`DataPath::flush_receives`] waits for the receives the guest published
+/// (SPEC.md §5.11, §13.3).
+const RECEIVE_FLUSH_LIMIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The nonzero counters of `counters`, by index.
 fn counted(counters: &[AtomicU64]) -> impl Iterator<Item = (usize, u64)> + '_ {
@@ -480,12 +483,14 @@ impl DataPath {
         }
     }
 
-    /// Waits, at most `limit`, until every receive the guest published on `qp`'s RQ before
-    /// this call is on the host QP: the pool thread posts them, woken here. A connection
-    /// manager's message must not overtake them (SPEC.md §13.3): a UD peer's first datagram
-    /// would find no receive, where native posting would have put it there already. A guest
-    /// that publishes receives without ringing their doorbell costs itself the wait.
-    pub fn flush_receives(&self, qp: &QpData, limit: std::time::Duration) {
+    /// Waits, at most [`RECEIVE_FLUSH_LIMIT`], until every receive the guest published on
+    /// `qp`'s RQ before this call is on the host QP: the pool thread posts them, woken here.
+    /// A connection manager's message must not overtake them (SPEC.md §13.3): a UD peer's
+    /// first datagram would find no receive, where native posting would have put it there
+    /// already. Nor may the error state (§5.11): the host flushes only the receives it holds
+    /// (rxe takes later ones without a word), so one taken after it would never complete. A
+    /// guest that publishes receives without ringing their doorbell costs itself the wait.
+    pub fn flush_receives(&self, qp: &QpData) {
         if qp.rq.is_none() {
             return;
         }
@@ -499,7 +504,7 @@ impl DataPath {
             }
         };
         let _ = self.shared.shard.wake.write(1);
-        let deadline = std::time::Instant::now() + limit;
+        let deadline = std::time::Instant::now() + RECEIVE_FLUSH_LIMIT;
         loop {
             let progress = &qp.progress.lock().progress;
             if progress.failed || ring_pending(published, progress.rq_consumer) == 0 {

@@ -34,10 +34,6 @@ use crate::hostverbs::{self, AhAttr, QpType};
 /// ones are dropped.
 const MAX_QUEUED_EVENTS: usize = 16;
 
-/// The longest a CM_CONNECT or CM_ACCEPT waits for the receives the guest posted before it
-/// to reach the host QP.
-const RECEIVE_FLUSH_LIMIT: std::time::Duration = std::time::Duration::from_millis(100);
-
 /// What an id is for, which decides the commands it takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Role {
@@ -593,7 +589,7 @@ impl Device {
         let qp = self.objects.qp(qp_handle)?;
         let (qp_num, qp_type) = (qp.host.qp_num(), qp.host.qp_type());
         // What the guest posted before it asked must be on the host before the message goes.
-        self.data_path.flush_receives(&qp.data, RECEIVE_FLUSH_LIMIT);
+        self.data_path.flush_receives(&qp.data);
         let what = if accept { "accept" } else { "connect" };
         let mut table = lock(&cm.table);
         let taken = table

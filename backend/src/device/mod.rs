@@ -843,6 +843,10 @@ impl Device {
             self.peers
                 .connect(self.connection, qp_num, attr.dest_qp_num)?;
         }
+        // Receives the guest posted before it failed the QP must flush with the rest.
+        if mask & hostverbs::qp_attr_mask::STATE != 0 && attr.qp_state == hostverbs::QpState::Err {
+            self.data_path.flush_receives(&entry.data);
+        }
         // Every field was checked above; what the host still refuses is the transition from
         // the QP's current state, or an attribute that state needs (SPEC.md §5.11).
         entry
