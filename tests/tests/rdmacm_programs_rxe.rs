@@ -82,10 +82,21 @@ fn text(output: &Output) -> String {
     )
 }
 
-/// Runs `server` on one side and `client` on the other: the client is started again while
-/// the server does not listen yet (nothing tells when it does: it answers REJECTED until
-/// then). Both must exit 0; returns the client's output.
-fn pair(server_on: On, server: &[&str], client_on: On, client: &[&str]) -> String {
+/// Whether an rdma_cm id on rxe0 (a native program's or a backend's) listens on `port`.
+fn cm_listening(port: u16) -> bool {
+    let listed = Command::new("rdma")
+        .args(["resource", "show", "cm_id"])
+        .output()
+        .expect("run rdma");
+    String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .any(|l| l.contains("state LISTEN") && l.contains(&format!(":{port} ")))
+}
+
+/// Runs `server` on one side and, once it listens on `port`, `client` on the other (rdma_cm
+/// ports are not TCP ports: `rdma resource` tells). Both must exit 0; returns the client's
+/// output.
+fn pair(server_on: On, server: &[&str], client_on: On, client: &[&str], port: u16) -> String {
     let server_process: Child = server_on
         .command(server)
         .stdout(Stdio::piped())
@@ -93,13 +104,10 @@ fn pair(server_on: On, server: &[&str], client_on: On, client: &[&str]) -> Strin
         .spawn()
         .expect("start the server");
     let deadline = Instant::now() + Duration::from_secs(30);
-    let client_output = loop {
-        let output = client_on.command(client).output().expect("run the client");
-        if output.status.success() || Instant::now() > deadline {
-            break output;
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    while !cm_listening(port) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let client_output = client_on.command(client).output().expect("run the client");
     let server_output = server_process
         .wait_with_output()
         .expect("wait for the server");
@@ -124,6 +132,7 @@ fn rdma_server_client(server_on: On, client_on: On, port: u16) {
         &["rdma_server", "-s", &bind, "-p", &port],
         client_on,
         &["rdma_client", "-s", &bind, "-p", &port],
+        port.parse().unwrap(),
     );
     assert!(output.contains("rdma_client: end 0"), "{output}");
 }
@@ -138,6 +147,7 @@ fn rping(server_on: On, client_on: On, port: u16) {
         &["rping", "-s", "-a", &address, "-p", &port, "-C", "10"],
         client_on,
         &["rping", "-c", "-a", &address, "-p", &port, "-C", "10", "-v"],
+        port.parse().unwrap(),
     );
     assert_eq!(output.matches("ping data:").count(), 10, "{output}");
 }
@@ -177,9 +187,18 @@ fn ucmatose(server_on: On, client_on: On, port: u16) {
         .copied()
         .chain(common)
         .collect();
-    let output = pair(server_on, &server, client_on, &client);
+    let output = pair(
+        server_on,
+        &server,
+        client_on,
+        &client,
+        port.parse().unwrap(),
+    );
     assert!(output.contains("return status 0"), "{output}");
 }
+
+/// udaddy's port, which it does not let be chosen.
+const UDADDY_PORT: u16 = 7174;
 
 /// udaddy: UD QPs, their peers' address vectors from the connection manager (the client's)
 /// and from the datagrams' GRH (the server's replies). Its port is fixed.
@@ -190,6 +209,7 @@ fn udaddy(server_on: On, client_on: On) {
         &["udaddy", "-b", &address],
         client_on,
         &["udaddy", "-s", &address],
+        UDADDY_PORT,
     );
     assert!(output.contains("return status 0"), "{output}");
 }
@@ -216,6 +236,7 @@ fn perftest(test: &str, server_on: On, client_on: On, port: u16) -> String {
         &[test, "-R", "-n", "100", "-p", &port],
         client_on,
         &[test, "-R", "-n", "100", "-p", &port, &address],
+        port.parse().unwrap(),
     );
     assert!(
         output
@@ -263,6 +284,7 @@ fn a_program_that_moves_its_own_qp_connects_through_rdma_cm() {
             &[program.path(), "server", &address, port],
             client_on,
             &[program.path(), "client", &address, port],
+            port.parse().unwrap(),
         );
         assert!(output.contains("cm_own_qp: ok"), "{output}");
     }
