@@ -52,9 +52,24 @@ pub struct CmEvent {
 
 /// Does once what librdmacm does the first time a process resolves a route and that a
 /// confined process may not: it connects to the ibacm service's socket, if one is there (its
-/// address resolution service; on RoCE librdmacm goes on without it). Called before the
-/// seccomp filter is installed; harmless where the connection manager is missing.
+/// address resolution service; on RoCE librdmacm goes on without it). And, where the
+/// connection manager is (`rdma_ucm`), it has librdmacm open the device contexts it keeps for
+/// the life of the process, which it would otherwise open at a guest's first bind: the
+/// backend then holds the same host objects before its guests use connection management as
+/// after. Called before the seccomp filter is installed; harmless where the connection
+/// manager is missing.
 pub fn prepare() {
+    if std::path::Path::new("/dev/infiniband/rdma_cm").exists() {
+        let mut count: c_int = 0;
+        // SAFETY: a valid out-pointer; the list (not the contexts it names, which librdmacm
+        // keeps) is freed once, when the call returned one.
+        unsafe {
+            let list = rdma_get_devices(&mut count);
+            if !list.is_null() {
+                rdma_free_devices(list);
+            }
+        }
+    }
     // SAFETY: all-zero is a valid rdma_addrinfo hint (no flags, no addresses).
     let mut hints: rdma_addrinfo = unsafe { std::mem::zeroed() };
     hints.ai_family = libc::AF_INET;
