@@ -249,8 +249,8 @@ cm_client() {
 cm_command() {
   local program=$1 role=$2 address=$3 port=$4
   case "$program/$role" in
-    rping/server) echo rping -s -a "$address" -p "$port" -C 10 ;;
-    rping/client) echo rping -c -a "$address" -p "$port" -C 10 -v ;;
+    rping/server) echo rping -s -a "$address" -p "$port" -C 100 ;;
+    rping/client) echo rping -c -a "$address" -p "$port" -C 100 -v ;;
     ucmatose/server) echo ucmatose -b "$address" -p "$port" -c 4 -C 10 ;;
     ucmatose/client) echo ucmatose -s "$address" -p "$port" -c 4 -C 10 ;;
     udaddy/server) echo udaddy -b "$address" ;;
@@ -265,7 +265,7 @@ cm_command() {
 # cm_client_ok PROGRAM LOG: the client's output shows it did its work.
 cm_client_ok() {
   case "$1" in
-    rping) [ "$(grep -c 'ping data:' "$2")" = 10 ] ;;
+    rping) [ "$(grep -c 'ping data:' "$2")" = 100 ] ;;
     ucmatose | udaddy) grep -q 'return status 0' "$2" ;;
     rdma_server) grep -q 'rdma_client: end 0' "$2" ;;
     ib_*) grep -Eq '^ +[0-9]+ +[0-9]+ ' "$2" ;; # a result row

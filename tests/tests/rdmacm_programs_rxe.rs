@@ -144,12 +144,14 @@ fn rping(server_on: On, client_on: On, port: u16) {
     let address = server_on.address().to_string();
     let output = pair(
         server_on,
-        &["rping", "-s", "-a", &address, "-p", &port, "-C", "10"],
+        &["rping", "-s", "-a", &address, "-p", &port, "-C", "100"],
         client_on,
-        &["rping", "-c", "-a", &address, "-p", &port, "-C", "10", "-v"],
+        &[
+            "rping", "-c", "-a", &address, "-p", &port, "-C", "100", "-v",
+        ],
         port.parse().unwrap(),
     );
-    assert_eq!(output.matches("ping data:").count(), 10, "{output}");
+    assert_eq!(output.matches("ping data:").count(), 100, "{output}");
 }
 
 #[test]
@@ -275,8 +277,8 @@ fn a_program_that_moves_its_own_qp_connects_through_rdma_cm() {
     let program = CProgram::build("cm_own_qp", &["-lrdmacm", "-libverbs"]);
     let a = guest("own-qp", "192.168.77.81");
     for (server_on, client_on, port) in [
-        (On::Native, On::Vrdma(&a), "7541"),
-        (On::Vrdma(&a), On::Native, "7542"),
+        (On::Native, On::Vrdma(&a), "7551"),
+        (On::Vrdma(&a), On::Native, "7552"),
     ] {
         let address = server_on.address().to_string();
         let output = pair(
