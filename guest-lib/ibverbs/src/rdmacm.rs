@@ -518,11 +518,9 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_resolve_route(
 unsafe extern "C" fn vrdma_rdmacm_rdma_listen(id: *mut rdma_cm_id, backlog: c_int) -> c_int {
     // SAFETY: per the API contract.
     let id = unsafe { ours(id) };
+    // The addresses are the ones the bind gave (the driver's own, §13): nothing to query.
     match id.inner.listen(u32::try_from(backlog).unwrap_or(0)) {
-        Ok(()) => {
-            id.refresh_route();
-            0
-        }
+        Ok(()) => 0,
         Err(e) => io_errno(&e),
     }
 }
