@@ -180,7 +180,7 @@ impl Opcode {
             | Self::AddDoorbellArea
             | Self::CmCreateId => size_of::<CreatedResponse>(),
             Self::CmInitQpAttr => size_of::<ModifyQpRequest>(),
-            Self::CmQuery => size_of::<cm::CmIdInfo>(),
+            Self::CmBind | Self::CmQuery => size_of::<cm::CmIdInfo>(),
             Self::CmGetEvent => size_of::<cm::CmEvent>(),
             Self::RegMr => size_of::<RegMrResponse>(),
             Self::CreateQp => size_of::<CreateQpResponse>(),
@@ -197,7 +197,6 @@ impl Opcode {
             | Self::SetNotifyArea
             | Self::DestroyDoorbellArea
             | Self::CmDestroyId
-            | Self::CmBind
             | Self::CmResolveAddr
             | Self::CmResolveRoute
             | Self::CmListen

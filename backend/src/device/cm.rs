@@ -531,7 +531,9 @@ impl Device {
         let address = own_source(cm.own, &req.addr, false)?;
         let id = cm.with_entry(key, |e| Ok(Arc::clone(&e.id)))?;
         id.bind(address).map_err(host("bind"))?;
-        Ok(Vec::new())
+        // The bound id as CM_QUERY tells it, which the driver needs next (librdmacm fills
+        // the id's addresses after a bind): a command less.
+        id_info(cm, key)
     }
 
     fn cm_resolve_addr(&mut self, req: CmResolveAddrRequest) -> CommandResult {
@@ -691,20 +693,7 @@ impl Device {
     fn cm_query(&mut self, req: HandleRequest) -> CommandResult {
         let cm = negotiated(&self.cm, self.features)?;
         let key = cm.find(&self.objects, req.handle.to_native())?;
-        let info = cm.with_entry(key, |e| Ok(e.id.info()))?;
-        let addr = |a: Option<SocketAddrV4>| a.map(CmAddr::ipv4).unwrap_or_default();
-        let bound = info.device.as_deref() == Some(cm.device.as_str());
-        reply(WireCmIdInfo {
-            src: addr(info.src),
-            dst: addr(info.dst),
-            sgid: if bound { info.sgid.0 } else { [0; 16] },
-            dgid: info.dgid.0,
-            pkey: info.pkey.into(),
-            path_mtu: info.path_mtu,
-            num_paths: info.num_paths,
-            port_num: if bound { PORT_NUM } else { 0 },
-            reserved: [0; 3],
-        })
+        id_info(cm, key)
     }
 
     fn cm_get_event(&mut self, req: HandleRequest) -> CommandResult {
@@ -762,6 +751,24 @@ impl Device {
             ah_attr,
         })
     }
+}
+
+/// The addresses and route of the id keyed `key` (CM_QUERY's and CM_BIND's response).
+fn id_info(cm: &ConnectionManager, key: u64) -> CommandResult {
+    let info = cm.with_entry(key, |e| Ok(e.id.info()))?;
+    let addr = |a: Option<SocketAddrV4>| a.map(CmAddr::ipv4).unwrap_or_default();
+    let bound = info.device.as_deref() == Some(cm.device.as_str());
+    reply(WireCmIdInfo {
+        src: addr(info.src),
+        dst: addr(info.dst),
+        sgid: if bound { info.sgid.0 } else { [0; 16] },
+        dgid: info.dgid.0,
+        pkey: info.pkey.into(),
+        path_mtu: info.path_mtu,
+        num_paths: info.num_paths,
+        port_num: if bound { PORT_NUM } else { 0 },
+        reserved: [0; 3],
+    })
 }
 
 #[cfg(test)]

@@ -199,9 +199,13 @@ unsafe fn ipv4_of(addr: *const libc::sockaddr) -> Option<SocketAddrV4> {
 impl VrdmaCmId {
     /// Copies the device's view of the id's addresses and route into the C id.
     fn refresh_route(&mut self) {
-        let Ok(info) = self.inner.query() else {
-            return;
-        };
+        if let Ok(info) = self.inner.query() {
+            self.take_route(&info);
+        }
+    }
+
+    /// Copies `info`, the device's view of the id's addresses and route, into the C id.
+    fn take_route(&mut self, info: &vrdma_spec::cm::CmIdInfo) {
         // Writes of the sockaddr_in members of the address unions, as librdmacm fills them.
         let addr = &mut self.id.route.addr;
         if let Some(src) = info.src.to_ipv4() {
@@ -473,8 +477,8 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_bind_addr(
         return failed(libc::EAFNOSUPPORT);
     };
     match id.inner.bind(addr) {
-        Ok(()) => {
-            id.refresh_route();
+        Ok(info) => {
+            id.take_route(&info);
             0
         }
         Err(e) => io_errno(&e),

@@ -96,14 +96,14 @@ impl CmId {
         Le32::from(self.handle)
     }
 
-    /// Binds to this driver's own address (0.0.0.0 stands for it) and `address`'s port.
-    pub fn bind(&self, address: SocketAddrV4) -> Result<()> {
+    /// Binds to this driver's own address (0.0.0.0 stands for it) and `address`'s port;
+    /// the bound id's addresses and route (as [`CmId::query`] tells them).
+    pub fn bind(&self, address: SocketAddrV4) -> Result<CmIdInfo> {
         let request = CmBindRequest {
             id: self.id(),
             addr: CmAddr::ipv4(address),
         };
-        self.device.command::<_, Empty>(Opcode::CmBind, &request)?;
-        Ok(())
+        self.device.command(Opcode::CmBind, &request)
     }
 
     /// Resolves `dst` (ADDR_RESOLVED or ADDR_ERROR follows), from `src` or this driver's own
