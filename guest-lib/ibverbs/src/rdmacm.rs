@@ -64,12 +64,13 @@ struct VrdmaCmId {
     path: ibv_sa_path_rec,
     /// `rdma_create_ep` on a passive id: what `rdma_get_request` makes QPs of.
     request_qp: Option<(*mut ibv_pd, ibv_qp_init_attr)>,
-    /// The id's events the program has not acknowledged: `rdma_destroy_id` waits for them,
-    /// as librdmacm's does, so no event outlives the id it names.
+    /// The id's events the program has not acknowledged, and those being taken:
+    /// `rdma_destroy_id` waits for them, as librdmacm's does, so no event outlives the id it
+    /// names.
     unacked: Arc<Unacked>,
 }
 
-/// A count of events not acknowledged, and its waiters.
+/// A count of an id's events not acknowledged (or being taken), and its waiters.
 #[derive(Default)]
 struct Unacked {
     count: Mutex<u32>,
@@ -81,6 +82,12 @@ impl Unacked {
         self.count.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Counts one more event until the hold is dropped.
+    fn hold(self: &Arc<Self>) -> Hold {
+        *self.lock() += 1;
+        Hold(Arc::clone(self))
+    }
+
     fn wait_for_none(&self) {
         let mut count = self.lock();
         while *count > 0 {
@@ -89,32 +96,24 @@ impl Unacked {
     }
 }
 
+/// One event of an id counted: being taken, then until the program acknowledges it.
+struct Hold(Arc<Unacked>);
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let mut count = self.0.lock();
+        *count = count.saturating_sub(1);
+        self.0.acked.notify_all();
+    }
+}
+
 /// An event as programs see it, with the private data it points to.
 #[repr(C)]
 struct VrdmaCmEvent {
     event: rdma_cm_event,
     private_data: Vec<u8>,
-    /// The count of the id the event is accounted to (a connection request's: the listener's).
-    unacked: Arc<Unacked>,
-}
-
-impl VrdmaCmEvent {
-    fn new(event: rdma_cm_event, private_data: Vec<u8>, unacked: &Arc<Unacked>) -> Box<Self> {
-        *unacked.lock() += 1;
-        Box::new(Self {
-            event,
-            private_data,
-            unacked: Arc::clone(unacked),
-        })
-    }
-}
-
-impl Drop for VrdmaCmEvent {
-    fn drop(&mut self) {
-        let mut count = self.unacked.lock();
-        *count = count.saturating_sub(1);
-        self.unacked.acked.notify_all();
-    }
+    /// Counted on the id the event came to (a connection request's: the listener).
+    _hold: Hold,
 }
 
 fn fail<T>(errno: c_int, value: T) -> T {
@@ -412,11 +411,12 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_destroy_id(id: *mut rdma_cm_id) -> c_int 
     }
     // SAFETY: an id of this library's, destroyed once, per the API contract.
     let mut owned = unsafe { Box::from_raw(id.cast::<VrdmaCmId>()) };
-    // A synchronous id's last event is the library's to acknowledge; the program's own first.
+    // A synchronous id's last event is the library's to acknowledge.
     free_event(std::mem::replace(&mut owned.id.event, ptr::null_mut()));
-    owned.unacked.wait_for_none();
+    // No event finds the id from now on; those found before are acknowledged first.
     // SAFETY: the id's context is the CM context.
     unsafe { context_of(owned.id.verbs) }.with_dispatcher(|d| d.forget_cm(owned.inner.handle()));
+    owned.unacked.wait_for_none();
     if !owned.own_pd.is_null() {
         // SAFETY: the PD rdma_create_qp allocated; its QP is gone (rdma_destroy_qp first).
         unsafe { objects::ibv_dealloc_pd(owned.own_pd) };
@@ -953,8 +953,11 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_get_cm_event(
             Ok(handle) => handle,
             Err(errno) => return failed(errno),
         };
-        let Some(id) = lookup(handle) else { continue };
-        // SAFETY: a live id of this library's (ids are forgotten before they are freed).
+        let Some((id, hold)) = lookup(handle) else {
+            continue;
+        };
+        // SAFETY: a live id of this library's: ids are forgotten before they are freed, and
+        // not freed while held.
         let id = unsafe { ours(id) };
         let taken = match id.inner.get_event() {
             Ok(Some(taken)) => taken,
@@ -984,12 +987,11 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_get_cm_event(
             event.listen_id = ptr::from_mut(&mut id.id);
             event.id = made.cast();
         }
-        // Accounted to the id the event came to: a connection request's listener.
-        let mut boxed = VrdmaCmEvent::new(
+        let mut boxed = Box::new(VrdmaCmEvent {
             event,
-            std::mem::take(&mut taken.param.private_data),
-            &id.unacked,
-        );
+            private_data: std::mem::take(&mut taken.param.private_data),
+            _hold: hold,
+        });
         let data = boxed.private_data.as_ptr().cast::<c_void>();
         let len = boxed.private_data.len() as u8;
         let data = if len == 0 { ptr::null() } else { data };
@@ -1025,13 +1027,18 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_get_cm_event(
     }
 }
 
-/// The id with device handle `handle`, if it still exists.
-fn lookup(handle: u32) -> Option<*mut rdma_cm_id> {
+/// The id with device handle `handle`, if it still exists, held (see `rdma_destroy_id`): the
+/// hold is taken where the id is found, so no destroy frees it in between.
+fn lookup(handle: u32) -> Option<(*mut rdma_cm_id, Hold)> {
     let context = cm_context()?;
     // SAFETY: the CM context is this library's.
-    unsafe { context_of(context) }
-        .with_dispatcher(|d| d.cm_id(handle))
-        .map(|address| address as *mut rdma_cm_id)
+    unsafe { context_of(context) }.with_dispatcher(|d| {
+        let id = d.cm_id(handle)? as *mut rdma_cm_id;
+        // SAFETY: watched, so live: rdma_destroy_id forgets it (under this lock) first. Only
+        // the count is borrowed, which is shared.
+        let unacked = unsafe { &(*id.cast::<VrdmaCmId>()).unacked };
+        Some((id, unacked.hold()))
+    })
 }
 
 #[no_mangle]
