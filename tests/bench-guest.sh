@@ -149,6 +149,10 @@ cm_pair() { # ADDRESS SERVER_SOCKET CLIENT_SOCKET PORT
   # cmtime's server says nothing once it listens, and rdma_cm ports are not TCP ports.
   sleep 3
   timeout 120 "${client_run[@]}" cmtime -s "$1" -p "$4" -c "$cm_connections" || true
+  # The report is the client's: its server gets a few seconds to end, then is stopped (one
+  # left waiting for a disconnect it missed would hold the run for its whole time limit).
+  for _ in $(seq 20); do kill -0 $server 2>/dev/null || break; sleep 0.5; done
+  kill $server 2>/dev/null
   wait $server || true
 }
 # Microseconds per connection of STEP in a cmtime report.
