@@ -34,6 +34,7 @@ set -uo pipefail
 # stops reading at its match before cmd has written everything (SIGPIPE).
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
+source "$repo/tests/listening.sh"
 bin=$(cd "$1" && pwd)
 rdma_check=$2
 : "${VRDMA_HOST:?run me through tests/vm/two-hosts.sh}"
@@ -212,8 +213,6 @@ two_guests() {
 # A server's host tells the client's it listens: rdma_cm ports are not TCP ports, and a client
 # refused while its server is not listening yet cannot simply start again (ucmatose's server
 # ends at the first of its four connections the client gave up).
-# cm_listening PORT: an id on rxe0 (a native program's or a backend's) listens on PORT.
-cm_listening() { grep -q "state LISTEN .* src-addr [0-9.]*:$1 " <<<"$(rdma resource show cm_id)"; }
 
 # cm_serve PORT LISTEN_PORT LOG COMMAND...: runs the server COMMAND; once it listens on
 # LISTEN_PORT, the TCP port PORT + 1000 of this host accepts a connection (the client's signal
@@ -223,7 +222,7 @@ cm_serve() {
   shift 3
   timeout 150 "$@" >"$log" 2>&1 &
   server=$!
-  for _ in $(seq 120); do cm_listening "$listen_port" && break; sleep 0.5; done
+  wait_until_cm_listening "$listen_port" 60 # one that never listens fails its client
   busybox nc -l -p $((port + 1000)) </dev/null >/dev/null 2>&1 &
   wait "$server"
   status=$?

@@ -267,12 +267,10 @@ rping_with_native() {
   line=$(wait_line "$exchange/cm.vm" '^client ' 900) && [ "$line" = "client 0" ] &&
     [ "$(grep -c 'ping data:' "$exchange/rping-client.out")" = 5 ] || { ok=1; kill "$server"; }
   wait "$server" || ok=1
-  # The VM's server: started again until it listens.
-  for _ in $(seq 60); do
-    [ "$ok" = 0 ] || break
-    timeout 60 rping -c -a "$vm_address" -p 18531 -C 5 -v >"$work/rping-client.out" 2>&1 && break
-    sleep 2
-  done
+  # The VM's server, once it listens (the backend's id for it is on rxe0 here).
+  if [ "$ok" = 0 ] && wait_until_cm_listening 18531 600; then
+    timeout 60 rping -c -a "$vm_address" -p 18531 -C 5 -v >"$work/rping-client.out" 2>&1
+  fi
   [ "$(grep -c 'ping data:' "$work/rping-client.out" 2>/dev/null)" = 5 ] || ok=1
   line=$(wait_line "$exchange/cm.vm" '^server ' 300) && [ "$line" = "server 0" ] || ok=1
   [ "$ok" = 0 ] || {
