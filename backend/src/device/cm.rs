@@ -572,10 +572,14 @@ impl Device {
             b => b.min(MAX_BACKLOG),
         };
         cm.with_entry(key, |e| {
-            if e.role != (Role::Active { connecting: false }) {
-                return Err(Refusal::CmState("listen".into()).into());
+            match e.role {
+                Role::Active { connecting: false } => {
+                    e.id.listen(backlog).map_err(host("listen"))?
+                }
+                // Listening already: the backlog is the device's to keep (SPEC.md §13.3).
+                Role::Listening { .. } => {}
+                _ => return Err(Refusal::CmState("listen".into()).into()),
             }
-            e.id.listen(backlog).map_err(host("listen"))?;
             e.role = Role::Listening { backlog };
             Ok(())
         })?;
