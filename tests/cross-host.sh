@@ -20,9 +20,8 @@
 #   rdma_cm          Debian's rdma_cm programs through vrdma's librdmacm.so.1, each as a1 the
 #                    client of a native server on host b and as a1 the server of a native
 #                    client there: rping, ucmatose (4 connections), udaddy (UD),
-#                    rdma_server/rdma_client; perftest -R (ib_write_lat, ib_send_bw,
-#                    ib_read_bw) with a1 the client of a native server, and a1 the server of
-#                    b1 (see rdma_cm below); and rping a1 to b1
+#                    rdma_server/rdma_client, perftest -R (ib_write_lat, ib_send_bw,
+#                    ib_read_bw); and rping a1 to b1
 #   backends-stop    SIGTERM stops each backend (exit 0) and its guest address leaves eth0
 #                    and the GID table
 # After every check with RDMA traffic, rxe0's objects (`rdma resource`) return to what they
@@ -293,18 +292,10 @@ rdma_cm_pair() {
 rdma_cm() {
   local status=0 port program
   # Each program both ways between a1 and a native peer on host b, then rping a1 to b1.
-  # perftest's vrdma server has a vrdma client (b1): Debian's perftest (4.5-0.17) client makes
-  # its test connection the moment the parameters are exchanged, and when the server is not
-  # listening again yet it retries on ids it has destroyed and crashes; a vrdma server,
-  # each of whose CM calls is a control command (about 0.6 ms under emulation), loses
-  # that race to a native client often.
   port=7110
   for program in rping ucmatose udaddy rdma_server ib_write_lat ib_send_bw ib_read_bw; do
     rdma_cm_pair $port b - "$host_b" a1 "$program" || status=1
-    case "$program" in
-      ib_*) rdma_cm_pair $((port + 1)) a a1 "$a1" b1 "$program" || status=1 ;;
-      *) rdma_cm_pair $((port + 1)) a a1 "$a1" - "$program" || status=1 ;;
-    esac
+    rdma_cm_pair $((port + 1)) a a1 "$a1" - "$program" || status=1
     port=$((port + 2))
   done
   rdma_cm_pair $port b b1 "$b1" a1 rping || status=1

@@ -4,28 +4,10 @@
  * The client sends a message, the server answers it, the client disconnects.
  * usage: cm_own_qp server|client ADDRESS PORT   (the server binds ADDRESS, the client
  *        connects to it); prints "cm_own_qp: ok" at the end of a clean run. */
-#include "checks.h"
-#include <arpa/inet.h>
-#include <rdma/rdma_cma.h>
+#include "cm_checks.h"
 
 #define MESSAGE "a message on the program's own QP"
 #define ANSWER "an answer on the program's own QP"
-
-/* The next event on `channel`, which must be `wanted`; acknowledged. Returns its id. */
-static struct rdma_cm_id *expect_event(struct rdma_event_channel *channel,
-				       enum rdma_cm_event_type wanted)
-{
-	struct rdma_cm_event *event;
-	CHECK(rdma_get_cm_event(channel, &event) == 0, "rdma_get_cm_event");
-	if (event->event != wanted) {
-		fprintf(stderr, "cm_own_qp: %s (status %d), expected %s\n",
-			rdma_event_str(event->event), event->status, rdma_event_str(wanted));
-		exit(1);
-	}
-	struct rdma_cm_id *id = event->id;
-	CHECK(rdma_ack_cm_event(event) == 0, "rdma_ack_cm_event");
-	return id;
-}
 
 /* Moves `qp` to `state` with the connection manager's attributes for it. */
 static void move_qp(struct rdma_cm_id *id, struct ibv_qp *qp, enum ibv_qp_state state)

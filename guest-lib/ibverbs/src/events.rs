@@ -6,16 +6,17 @@
 //! may poll it before `ibv_get_cq_event` or `ibv_get_async_event`.
 
 use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddrV4;
 use std::os::fd::AsRawFd;
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdma_sys::ibv_event_type;
 use vmm_sys_util::eventfd::{EventFd, EFD_SEMAPHORE};
-use vrdma_guest::{Device, DeviceEvent, Error};
+use vrdma_guest::{CmId, Device, DeviceEvent, Error};
 
 /// How often the dispatcher looks up from the event queue to see whether to stop.
 const WAKE_INTERVAL: Duration = Duration::from_millis(100);
@@ -118,6 +119,28 @@ struct Routes {
     objects: HashMap<(ObjectKind, u32), usize>,
     /// CM ids (their address) and the channel their events go to, by device handle.
     cm_ids: HashMap<u32, (usize, Arc<crate::rdmacm::CmChannel>)>,
+    /// Listeners the program destroyed that still listen on the device for a while.
+    lingering: Vec<Lingering>,
+}
+
+/// A listener the program destroyed, still listening on the device until `until`: a program
+/// that binds an id to its address within that time takes it over, with the connection
+/// requests that came meanwhile (`rdmacm::vrdma_rdmacm_rdma_destroy_id` says why). Its events
+/// go nowhere until then; the device keeps them.
+pub(crate) struct Lingering {
+    pub(crate) id: CmId,
+    pub(crate) addr: SocketAddrV4,
+    pub(crate) until: Instant,
+}
+
+impl Lingering {
+    /// Whether a bind to `addr` takes this listener over: the same port, and the same address
+    /// or none (0.0.0.0 stands for the driver's own).
+    fn serves(&self, addr: SocketAddrV4) -> bool {
+        addr.port() != 0
+            && addr.port() == self.addr.port()
+            && (addr.ip().is_unspecified() || addr.ip() == self.addr.ip())
+    }
 }
 
 /// The thread that routes one context's events.
@@ -164,6 +187,18 @@ impl Dispatcher {
     /// Events of CM id `handle` (at `id`) go to `channel` from now on.
     pub(crate) fn watch_cm(&self, handle: u32, id: usize, channel: Arc<crate::rdmacm::CmChannel>) {
         self.routes().cm_ids.insert(handle, (id, channel));
+    }
+
+    /// Keeps `listener` listening until its time is up or a bind takes it over.
+    pub(crate) fn linger(&self, listener: Lingering) {
+        self.routes().lingering.push(listener);
+    }
+
+    /// The lingering listener a bind to `addr` takes over, if there is one.
+    pub(crate) fn take_lingering(&self, addr: SocketAddrV4) -> Option<CmId> {
+        let mut routes = self.routes();
+        let at = routes.lingering.iter().position(|l| l.serves(addr))?;
+        Some(routes.lingering.swap_remove(at).id)
     }
 
     /// The address of CM id `handle`, while it is watched.
@@ -256,6 +291,17 @@ fn route_events(
 ) {
     let routes = || routes.lock().unwrap_or_else(|e| e.into_inner());
     while !stop.load(Ordering::Acquire) {
+        let expired: Vec<Lingering> = {
+            let mut routes = routes();
+            let now = Instant::now();
+            let (expired, kept) = std::mem::take(&mut routes.lingering)
+                .into_iter()
+                .partition(|l| l.until <= now);
+            routes.lingering = kept;
+            expired
+        };
+        // Destroyed on the device (its requests refused) outside the lock.
+        drop(expired);
         match device.wait_event(WAKE_INTERVAL) {
             Ok(Some(DeviceEvent::CqCompletion(handle))) => {
                 let route = routes().channels.get(&handle).cloned();

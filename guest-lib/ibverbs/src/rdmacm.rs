@@ -16,7 +16,7 @@ use std::os::fd::AsRawFd;
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdma_sys::{
     ibv_comp_channel, ibv_context, ibv_cq, ibv_pd, ibv_qp_attr, ibv_qp_init_attr, ibv_qp_type,
@@ -28,7 +28,7 @@ use vrdma_guest::{CmEvent, CmId, ConnParam, QpState};
 use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
 use crate::abi::{context_of, raise_errno, report_once, set_errno};
-use crate::events::{EventQueue, ObjectKind};
+use crate::events::{EventQueue, Lingering, ObjectKind};
 use crate::objects;
 
 /// `rdma_getaddrinfo` flags.
@@ -38,6 +38,9 @@ const RAI_NUMERICHOST: c_int = 2;
 const RDMA_MAX_RESP_RES: u8 = 0xff;
 /// Waits of synchronous ids, and the route timeout `rdma_create_ep` uses.
 const EP_TIMEOUT_MS: c_int = 2000;
+/// How long a destroyed listener still listens on the device for a bind in this process to
+/// take it over (see `vrdma_rdmacm_rdma_destroy_id`).
+const LISTEN_LINGER: Duration = Duration::from_secs(2);
 
 /// A channel: the ids with events waiting, by handle.
 pub(crate) type CmChannel = EventQueue<u32>;
@@ -64,6 +67,13 @@ struct VrdmaCmId {
     path: ibv_sa_path_rec,
     /// `rdma_create_ep` on a passive id: what `rdma_get_request` makes QPs of.
     request_qp: Option<(*mut ibv_pd, ibv_qp_init_attr)>,
+    /// The address the id is bound to.
+    bound: Option<SocketAddrV4>,
+    /// The id listens.
+    listening: bool,
+    /// The device id is a destroyed listener this id took over at its bind: it listens on
+    /// the device already.
+    took_over: bool,
     /// The id's events the program has not acknowledged, and those being taken:
     /// `rdma_destroy_id` waits for them, as librdmacm's does, so no event outlives the id it
     /// names.
@@ -269,6 +279,27 @@ impl VrdmaCmId {
         }
     }
 
+    /// An id that took a lingering listener over at its bind but is used otherwise than to
+    /// listen gets a device id of its own, bound to the same address (the listener goes, its
+    /// requests refused).
+    fn give_back_listener(&mut self) -> vrdma_guest::Result<()> {
+        if !std::mem::take(&mut self.took_over) {
+            return Ok(());
+        }
+        // SAFETY: the id's context is the CM context.
+        let context = unsafe { context_of(self.id.verbs) };
+        let own = context.device.create_cm_id(self.id.ps)?;
+        let listener = std::mem::replace(&mut self.inner, own);
+        context.with_dispatcher(|d| d.forget_cm(listener.handle()));
+        drop(listener);
+        // SAFETY: a live id of this library's, with its new device id.
+        unsafe { watch(self) };
+        match self.bound {
+            Some(addr) => self.inner.bind(addr).map(|info| self.take_route(&info)),
+            None => Ok(()),
+        }
+    }
+
     fn is_sync(&self) -> bool {
         self.own_channel.is_some()
     }
@@ -304,6 +335,9 @@ fn new_id(
         // SAFETY: ibv_sa_path_rec is C data valid as zero.
         path: unsafe { std::mem::zeroed() },
         request_qp: None,
+        bound: None,
+        listening: false,
+        took_over: false,
         unacked: Arc::default(),
     }));
     // SAFETY: just made; the CM context is this library's.
@@ -421,7 +455,27 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_destroy_id(id: *mut rdma_cm_id) -> c_int 
         // SAFETY: the PD rdma_create_qp allocated; its QP is gone (rdma_destroy_qp first).
         unsafe { objects::ibv_dealloc_pd(owned.own_pd) };
     }
-    drop(owned); // the device's id goes with its CmId
+    let owned = *owned;
+    match (owned.listening, owned.bound) {
+        // A listener keeps listening on the device for a moment. Programs such as perftest
+        // destroy a listener and listen again on the same port, and their peer connects the
+        // moment it may: with a kernel between program and device the second listen is
+        // there in time, but each of vrdma's CM calls is a round trip to the device (under
+        // emulation, the three of create, bind and listen took longer than a native peer
+        // took to connect). A bind here to the same address takes the listener over with the
+        // requests that came meanwhile; else the device destroys it LISTEN_LINGER later,
+        // refusing them.
+        (true, Some(addr)) => {
+            let listener = Lingering {
+                id: owned.inner,
+                addr,
+                until: Instant::now() + LISTEN_LINGER,
+            };
+            // SAFETY: the id's context is the CM context.
+            unsafe { context_of(owned.id.verbs) }.with_dispatcher(|d| d.linger(listener));
+        }
+        _ => drop(owned), // the device's id goes with its CmId
+    }
     0
 }
 
@@ -476,8 +530,23 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_bind_addr(
         );
         return failed(libc::EAFNOSUPPORT);
     };
-    match id.inner.bind(addr) {
+    // SAFETY: the id's context is the CM context.
+    let dispatcher = unsafe { context_of(id.id.verbs) };
+    let bound = match dispatcher.with_dispatcher(|d| d.take_lingering(addr)) {
+        Some(listener) => {
+            let unbound = std::mem::replace(&mut id.inner, listener);
+            dispatcher.with_dispatcher(|d| d.forget_cm(unbound.handle()));
+            drop(unbound);
+            id.took_over = true;
+            // SAFETY: a live id of this library's, with its new device id.
+            unsafe { watch(id) };
+            id.inner.query()
+        }
+        None => id.inner.bind(addr),
+    };
+    match bound {
         Ok(info) => {
+            id.bound = info.src.to_ipv4();
             id.take_route(&info);
             0
         }
@@ -498,6 +567,9 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_resolve_addr(
         return failed(libc::EAFNOSUPPORT);
     };
     let timeout = Duration::from_millis(timeout_ms.clamp(1, 60_000) as u64);
+    if let Err(e) = id.give_back_listener() {
+        return io_errno(&e);
+    }
     if let Err(e) = id.inner.resolve_addr(src, dst, timeout) {
         return io_errno(&e);
     }
@@ -523,10 +595,15 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_listen(id: *mut rdma_cm_id, backlog: c_in
     // SAFETY: per the API contract.
     let id = unsafe { ours(id) };
     // The addresses are the ones the bind gave (the driver's own, §13): nothing to query.
-    match id.inner.listen(u32::try_from(backlog).unwrap_or(0)) {
-        Ok(()) => 0,
-        Err(e) => io_errno(&e),
+    if let Err(e) = id.inner.listen(u32::try_from(backlog).unwrap_or(0)) {
+        return io_errno(&e);
     }
+    id.listening = true;
+    if std::mem::take(&mut id.took_over) {
+        // Requests the listener took while it lingered: the device announced them to no one.
+        id.queue.push(id.inner.handle());
+    }
+    0
 }
 
 #[no_mangle]
