@@ -129,18 +129,25 @@ struct Routes {
 /// go nowhere until then; the device keeps them.
 pub(crate) struct Lingering {
     pub(crate) id: CmId,
+    /// Its port space (RDMA_PS_TCP or RDMA_PS_UDP) and address.
+    pub(crate) space: u32,
     pub(crate) addr: SocketAddrV4,
     pub(crate) until: Instant,
 }
 
-impl Lingering {
-    /// Whether a bind to `addr` takes this listener over: the same port, and the same address
-    /// or none (0.0.0.0 stands for the driver's own).
-    fn serves(&self, addr: SocketAddrV4) -> bool {
-        addr.port() != 0
-            && addr.port() == self.addr.port()
-            && (addr.ip().is_unspecified() || addr.ip() == self.addr.ip())
-    }
+/// Whether a bind of an id of `space` to `addr` takes over a listener of `listener_space`
+/// bound to `listener_addr`: the same port space and port (not 0: any free one), and the same
+/// address or none (0.0.0.0 stands for the driver's own).
+fn takes_over(
+    space: u32,
+    addr: SocketAddrV4,
+    listener_space: u32,
+    listener_addr: SocketAddrV4,
+) -> bool {
+    space == listener_space
+        && addr.port() != 0
+        && addr.port() == listener_addr.port()
+        && (addr.ip().is_unspecified() || addr.ip() == listener_addr.ip())
 }
 
 /// The thread that routes one context's events.
@@ -194,10 +201,13 @@ impl Dispatcher {
         self.routes().lingering.push(listener);
     }
 
-    /// The lingering listener a bind to `addr` takes over, if there is one.
-    pub(crate) fn take_lingering(&self, addr: SocketAddrV4) -> Option<CmId> {
+    /// The lingering listener a bind of an id of `space` to `addr` takes over, if any.
+    pub(crate) fn take_lingering(&self, space: u32, addr: SocketAddrV4) -> Option<CmId> {
         let mut routes = self.routes();
-        let at = routes.lingering.iter().position(|l| l.serves(addr))?;
+        let at = routes
+            .lingering
+            .iter()
+            .position(|l| takes_over(space, addr, l.space, l.addr))?;
         Some(routes.lingering.swap_remove(at).id)
     }
 
@@ -339,6 +349,20 @@ fn route_events(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bind_takes_over_a_lingering_listener_of_its_port_space_and_port_only() {
+        use vrdma_guest::cm::port_space::{TCP as tcp, UDP as udp};
+        let listener: SocketAddrV4 = "10.0.0.5:7000".parse().unwrap();
+        let at = |a: &str| a.parse::<SocketAddrV4>().unwrap();
+        assert!(takes_over(tcp, at("10.0.0.5:7000"), tcp, listener));
+        assert!(takes_over(tcp, at("0.0.0.0:7000"), tcp, listener));
+        assert!(!takes_over(udp, at("10.0.0.5:7000"), tcp, listener));
+        assert!(!takes_over(tcp, at("10.0.0.5:7001"), tcp, listener));
+        assert!(!takes_over(tcp, at("10.0.0.6:7000"), tcp, listener));
+        let any_port: SocketAddrV4 = "10.0.0.5:0".parse().unwrap();
+        assert!(!takes_over(tcp, at("10.0.0.5:0"), tcp, any_port));
+    }
 
     #[test]
     fn a_channel_hands_out_its_cqs_in_order_and_skips_forgotten_ones() {

@@ -468,6 +468,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_destroy_id(id: *mut rdma_cm_id) -> c_int 
         (true, Some(addr)) => {
             let listener = Lingering {
                 id: owned.inner,
+                space: owned.id.ps,
                 addr,
                 until: Instant::now() + LISTEN_LINGER,
             };
@@ -532,7 +533,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_bind_addr(
     };
     // SAFETY: the id's context is the CM context.
     let dispatcher = unsafe { context_of(id.id.verbs) };
-    let bound = match dispatcher.with_dispatcher(|d| d.take_lingering(addr)) {
+    let bound = match dispatcher.with_dispatcher(|d| d.take_lingering(id.id.ps, addr)) {
         Some(listener) => {
             let unbound = std::mem::replace(&mut id.inner, listener);
             dispatcher.with_dispatcher(|d| d.forget_cm(unbound.handle()));
