@@ -5,7 +5,6 @@
 #include "checks.h"
 #include <arpa/inet.h>
 #include <rdma/rdma_cma.h>
-#include <time.h>
 
 /* The next event on `channel`, which must be `wanted`; acknowledged. Returns its id. */
 static inline struct rdma_cm_id *expect_event(struct rdma_event_channel *channel,
@@ -17,12 +16,6 @@ static inline struct rdma_cm_id *expect_event(struct rdma_event_channel *channel
 		fprintf(stderr, "%s: %s (status %d), expected %s\n", program_invocation_short_name,
 			rdma_event_str(event->event), event->status, rdma_event_str(wanted));
 		exit(1);
-	}
-	if (getenv("CM_TRACE")) {
-		struct timespec t;
-		clock_gettime(CLOCK_MONOTONIC, &t);
-		fprintf(stderr, "%ld.%03ld %s: %s id %p\n", (long)t.tv_sec, t.tv_nsec / 1000000,
-			program_invocation_short_name, rdma_event_str(event->event), (void *)event->id);
 	}
 	struct rdma_cm_id *id = event->id;
 	CHECK(rdma_ack_cm_event(event) == 0, "rdma_ack_cm_event");

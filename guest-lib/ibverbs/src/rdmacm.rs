@@ -287,17 +287,25 @@ impl VrdmaCmId {
             return Ok(());
         }
         // SAFETY: the id's context is the CM context.
-        let context = unsafe { context_of(self.id.verbs) };
-        let own = context.device.create_cm_id(self.id.ps)?;
-        let listener = std::mem::replace(&mut self.inner, own);
-        context.with_dispatcher(|d| d.forget_cm(listener.handle()));
-        drop(listener);
-        // SAFETY: a live id of this library's, with its new device id.
-        unsafe { watch(self) };
+        let own = unsafe { context_of(self.id.verbs) }
+            .device
+            .create_cm_id(self.id.ps)?;
+        self.replace_device_id(own);
         match self.bound {
             Some(addr) => self.inner.bind(addr).map(|info| self.take_route(&info)),
             None => Ok(()),
         }
+    }
+
+    /// Makes `device_id` this id's device id; the old one's events go nowhere, and it is
+    /// destroyed.
+    fn replace_device_id(&mut self, device_id: CmId) {
+        let old = std::mem::replace(&mut self.inner, device_id);
+        // SAFETY: the id's context is the CM context.
+        unsafe { context_of(self.id.verbs) }.with_dispatcher(|d| d.forget_cm(old.handle()));
+        drop(old);
+        // SAFETY: a live id of this library's, with its new device id.
+        unsafe { watch(self) };
     }
 
     fn is_sync(&self) -> bool {
@@ -532,15 +540,12 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_bind_addr(
         return failed(libc::EAFNOSUPPORT);
     };
     // SAFETY: the id's context is the CM context.
-    let dispatcher = unsafe { context_of(id.id.verbs) };
-    let bound = match dispatcher.with_dispatcher(|d| d.take_lingering(id.id.ps, addr)) {
+    let lingering =
+        unsafe { context_of(id.id.verbs) }.with_dispatcher(|d| d.take_lingering(id.id.ps, addr));
+    let bound = match lingering {
         Some(listener) => {
-            let unbound = std::mem::replace(&mut id.inner, listener);
-            dispatcher.with_dispatcher(|d| d.forget_cm(unbound.handle()));
-            drop(unbound);
+            id.replace_device_id(listener);
             id.took_over = true;
-            // SAFETY: a live id of this library's, with its new device id.
-            unsafe { watch(id) };
             id.inner.query()
         }
         None => id.inner.bind(addr),
