@@ -220,13 +220,15 @@ impl Rig {
         let shard = Shard::new(EventFd::new(EFD_NONBLOCK).unwrap(), None);
         let shared = Arc::new(Shared::new(shard, 1, DOORBELL_BITS));
         *shared.mem.write().unwrap() = Some(GuestMemoryAtomic::new(mem.clone()));
-        shared.areas().set_first(
-            NotifyArea {
-                states: NOTIFY_AREA,
-                doorbell_bitmap: DOORBELL_BITMAP,
-            },
-            DOORBELL_BITS,
-        );
+        shared.change_areas(|areas| {
+            areas.set_first(
+                NotifyArea {
+                    states: NOTIFY_AREA,
+                    doorbell_bitmap: DOORBELL_BITMAP,
+                },
+                DOORBELL_BITS,
+            )
+        });
         let events = Arc::new(FakeEventQueue::default());
         *shared.sink.lock().unwrap() = Some(Arc::clone(&events) as _);
         shared.mrs.write().insert(

@@ -286,6 +286,20 @@ impl<'m> Mapped<'m> {
         Some(unsafe { AtomicU32::from_ptr(at) })
     }
 
+    /// The 8-byte word span `index` starts with, if it holds one and it is aligned.
+    #[inline(always)]
+    pub(super) fn word64(&self, index: usize) -> Option<&'m AtomicU64> {
+        let &Span { host, len, .. } = self.spans.get(index)?;
+        // A span outside guest memory has no length.
+        if len < size_of::<u64>() || !host.is_multiple_of(8) {
+            return None;
+        }
+        // SAFETY: the word lies inside span `index` (checked above), a slice of a region of
+        // the snapshot `'m` borrows, mapped for as long as it lives (see `span`), and is
+        // aligned; the guest's side of it is only ever accessed atomically.
+        Some(unsafe { AtomicU64::from_ptr(host as *mut u64) })
+    }
+
     /// An atomic load of the word at `offset` in span `index`.
     #[inline(always)]
     pub(super) fn load(&self, index: usize, offset: u64, order: Ordering) -> Option<u32> {

@@ -99,8 +99,8 @@ impl Rung {
 
 #[derive(Default)]
 struct ShardObjects {
-    /// QPs and SRQs by doorbell bit.
-    queues: HashMap<DoorbellBit, Rung>,
+    /// QPs and SRQs by doorbell bit, looked up for every queue a pass visits.
+    queues: HashMap<DoorbellBit, Rung, BuildHasherDefault<KeyHasher>>,
     /// Their doorbell bits by handle.
     bits: HashMap<u32, DoorbellBit>,
     /// The bitmap words holding their bits (area, byte offset in its bitmap), with how many
@@ -156,9 +156,10 @@ pub struct NotifyArea {
     pub doorbell_bitmap: u64,
 }
 
-/// Hashes the host's MR keys for the lookup every SGE makes: one multiply instead of SipHash.
-/// The host chooses the keys and a guest holds a bounded number of them, so there is nothing
-/// for a guest to flood.
+/// Hashes the host's MR keys for the lookup every SGE makes, and doorbell bits for the one
+/// every visit makes: one multiply per word instead of SipHash. The host chooses the keys and
+/// the backend the bits, and a guest holds a bounded number of them, so there is nothing for
+/// a guest to flood.
 #[derive(Default)]
 struct KeyHasher(u64);
 
@@ -170,6 +171,9 @@ impl Hasher for KeyHasher {
         for &b in bytes {
             self.write_u32(b.into());
         }
+    }
+    fn write_u16(&mut self, bits: u16) {
+        self.write_u32(bits.into());
     }
     fn write_u32(&mut self, key: u32) {
         // The table indexes by the low bits: fold the well-mixed high half into them.
@@ -288,8 +292,11 @@ struct Shared {
     ahs: parking_lot::RwLock<HashMap<u32, (u32, Arc<AddressHandle>)>>,
     shard: Shard,
     num_notify_queues: u32,
-    /// Read by the poller every pass, changed by the control path.
+    /// Changed by the control path through [`Shared::change_areas`].
     doorbell_areas: Mutex<DoorbellAreas>,
+    /// Changes after every change of `doorbell_areas`: a poller keeps where the bitmap words
+    /// it looks at are until it (or the queue table's version) does.
+    areas_version: AtomicU64,
     /// The SRQ each QP that receives through one takes its receives from, by QP number.
     srq_receivers: RwLock<HashMap<u32, Arc<SrqData>>>,
     /// `srq_receivers` is not empty: receive completions need counting.
@@ -411,13 +418,11 @@ impl DataPath {
 
     /// Sets the notify area (area 0); `None` forgets it and every other doorbell area.
     pub fn set_notify_area(&self, area: Option<NotifyArea>) {
-        match area {
-            Some(place) => self
-                .shared
-                .areas()
-                .set_first(place, self.shared.doorbell_bits),
-            None => self.shared.areas().clear(),
-        }
+        let bits = self.shared.doorbell_bits;
+        self.shared.change_areas(|areas| match area {
+            Some(place) => areas.set_first(place, bits),
+            None => areas.clear(),
+        });
         // A sleeping poller publishes NEED_WAKEUP in the new area before it sleeps again:
         // until then the driver would not know to kick.
         let _ = self.shared.shard.wake.write(1);
@@ -426,14 +431,14 @@ impl DataPath {
     /// Adds a doorbell area of `bits` bits (SPEC.md §8.6); its number, or `None` when the
     /// connection has as many as it may.
     pub fn add_doorbell_area(&self, place: NotifyArea, bits: u32) -> Option<u32> {
-        let added = self.shared.areas().add(place, bits);
+        let added = self.shared.change_areas(|areas| areas.add(place, bits));
         // As for the first area: a sleeping poller asks for kicks in it too.
         let _ = self.shared.shard.wake.write(1);
         added
     }
 
     pub fn remove_doorbell_area(&self, area: u32) -> Result<(), AreaInUse> {
-        self.shared.areas().remove(area)
+        self.shared.change_areas(|areas| areas.remove(area))
     }
 
     /// A kick on notification queue `queue`; false if no poller was asleep to be woken (the
@@ -669,6 +674,13 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Changes the doorbell areas, then their version.
+    fn change_areas<T>(&self, change: impl FnOnce(&mut DoorbellAreas) -> T) -> T {
+        let changed = change(&mut self.areas());
+        self.areas_version.fetch_add(1, Ordering::Release);
+        changed
+    }
+
     fn new(shard: Shard, num_notify_queues: u32, doorbell_bits: u32) -> Shared {
         Shared {
             doorbell_bits,
@@ -679,6 +691,7 @@ impl Shared {
             shard,
             num_notify_queues,
             doorbell_areas: Mutex::default(),
+            areas_version: AtomicU64::new(0),
             srq_receivers: RwLock::default(),
             any_srq_receivers: AtomicBool::new(false),
             sink: Mutex::new(None),

@@ -3,10 +3,10 @@
 //! the CQs (SPEC.md §8.5).
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryBackend, VolatileMemory};
+use vm_memory::GuestAddressSpace;
 use vrdma_spec::codec::{
     notify_state_offset, ring_pending, ArmRequest, MAX_SEND_INLINE, MAX_SEND_SGE,
 };
@@ -16,12 +16,12 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
-use super::doorbells::DoorbellBit;
-use super::guest_access::{store, Mapped, Slots};
+use super::doorbells::{DoorbellArea, DoorbellBit};
+use super::guest_access::{store, Mapped, Resolved, Slots};
 use super::queues::{CqData, CqProgress, QpData, QpProgress, SrqData, Visited, FIRST_PAGE, RECORD};
 use super::rate::RateGate;
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
-use super::{Memory, MrTable, Rung, Shard, ShardObjects, Shared, BATCH};
+use super::{Memory, MrTable, Rung, Shard, Shared, BATCH};
 use crate::hostverbs::{self, AddressHandle, PushError, RecvWr, SendBatch, Sge, WorkCompletion};
 
 /// What visiting a queue did.
@@ -98,6 +98,7 @@ pub(super) struct Poller {
     cqs: Vec<Arc<CqData>>,
     objects_version: u64,
     last_mr: LastMr,
+    scan: DoorbellScan,
     /// The guest's rate limits' buckets, and whether a send visit found them empty.
     gate: RateGate,
     throttled: bool,
@@ -114,6 +115,92 @@ struct LastMr {
     pd: Cell<u32>,
     start: Cell<u64>,
     len: Cell<u64>,
+}
+
+/// The doorbell bitmap words a look reads, kept from look to look, so that a look takes no
+/// lock and looks nothing up: which words they are changes only with the queue table and the
+/// doorbell areas, where they are in this process only with the memory snapshot.
+#[derive(Default)]
+struct DoorbellScan {
+    /// The queue table's and the doorbell areas' versions the words are those of.
+    versions: Option<(u64, u64)>,
+    /// Each word's area and byte offset in that area's bitmap.
+    words: Vec<(u32, u64)>,
+    /// Each word's guest-physical address.
+    places: Vec<u64>,
+    resolved: Resolved,
+}
+
+impl DoorbellScan {
+    /// Takes the bits rung in the connection's bitmap words into `bits`.
+    fn take_rung_bits(&mut self, shared: &Shared, mem: &Arc<Memory>, bits: &mut Vec<DoorbellBit>) {
+        let versions = (
+            shared.shard.objects_version.load(Ordering::Acquire),
+            shared.areas_version.load(Ordering::Acquire),
+        );
+        if self.versions != Some(versions) {
+            self.refresh(shared);
+        }
+        let places = &self.places;
+        let mapped = self
+            .resolved
+            .through(mem, || places.iter().map(|&gpa| (gpa, size_of::<u64>())));
+        for (index, &(area, offset)) in self.words.iter().enumerate() {
+            // A word the memory table no longer holds costs the guest its doorbells, never
+            // the backend its safety.
+            let Some(word) = mapped.word64(index) else {
+                continue;
+            };
+            if word.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut rung = word.swap(0, Ordering::Acquire);
+            while rung != 0 {
+                let bit = rung.trailing_zeros();
+                rung &= rung - 1;
+                bits.push(DoorbellBit {
+                    area,
+                    bit: (offset * 8) as u16 + bit as u16,
+                });
+            }
+        }
+    }
+
+    #[cold]
+    fn refresh(&mut self, shared: &Shared) {
+        let objects = shared
+            .shard
+            .objects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        // Read under the queue table's lock and before the areas': what is copied is these
+        // versions' or later ones' (each changes after what it counts).
+        let versions = (
+            shared.shard.objects_version.load(Ordering::Acquire),
+            shared.areas_version.load(Ordering::Acquire),
+        );
+        let areas = shared.areas();
+        self.words.clear();
+        self.places.clear();
+        // The words come sorted by area: each area is looked up once.
+        let mut current: Option<(u32, Option<&DoorbellArea>)> = None;
+        for &(area, offset) in objects.words.keys() {
+            if current.is_none_or(|(number, _)| number != area) {
+                current = Some((area, areas.get(area)));
+            }
+            let Some((_, Some(found))) = current else {
+                continue;
+            };
+            if offset + 8 > found.bitmap_bytes() as u64 {
+                continue;
+            }
+            self.words.push((area, offset));
+            self.places.push(found.place.doorbell_bitmap + offset);
+        }
+        self.versions = Some(versions);
+        // The words changed: they are resolved again at the next look.
+        self.resolved = Resolved::default();
+    }
 }
 
 /// Looks lkeys up in `mrs` through `last`. The table cannot change while its read lock is
@@ -268,6 +355,7 @@ impl Poller {
             cqs: Vec::new(),
             objects_version: u64::MAX,
             last_mr: LastMr::default(),
+            scan: DoorbellScan::default(),
             gate: RateGate::default(),
             throttled: false,
         }
@@ -372,18 +460,10 @@ impl Poller {
             self.in_pass = true;
             self.rung.append(&mut self.carried);
         }
-        let Some(mem) = self.memory.as_deref() else {
+        let Some(mem) = &self.memory else {
             return false;
         };
-        let objects = self
-            .shared
-            .shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let mut rung = std::mem::take(&mut self.rung);
-        self.take_rung_bits(mem, &objects, &mut rung);
-        self.rung = rung;
+        self.scan.take_rung_bits(&self.shared, mem, &mut self.rung);
         !self.rung.is_empty()
     }
 
@@ -414,10 +494,7 @@ impl Poller {
         }
         // Planned already by `bound_sends`, unless the second look found more; the CQ list
         // is copied again when the queue table changed.
-        let objects_version = self.shared.shard.objects_version.load(Ordering::Acquire);
-        if !self.rung.is_empty() || objects_version != self.objects_version {
-            self.plan_visits();
-        }
+        self.plan_visits();
         let Some(mem) = self.memory.take() else {
             return false;
         };
@@ -483,6 +560,11 @@ impl Poller {
     /// queue table's lock is held for this only, not through the pass, so the control path
     /// adding or removing a queue never waits for one.
     fn plan_visits(&mut self) {
+        // Nothing to plan (most connections of a pass): no lock taken.
+        let objects_version = self.shared.shard.objects_version.load(Ordering::Acquire);
+        if self.rung.is_empty() && objects_version == self.objects_version {
+            return;
+        }
         let shared = Arc::clone(&self.shared);
         let objects = shared
             .shard
@@ -528,38 +610,6 @@ impl Poller {
         }));
         self.carried.append(&mut bits);
         self.rung = bits;
-    }
-
-    fn take_rung_bits(&self, mem: &Memory, objects: &ShardObjects, bits: &mut Vec<DoorbellBit>) {
-        let areas = self.shared.areas();
-        // The words come sorted by area: each area's bitmap is looked up once per pass.
-        let mut bitmap = None;
-        for &(area, offset) in objects.words.keys() {
-            if bitmap.as_ref().is_none_or(|(current, _)| *current != area) {
-                // Checked contiguous when the area was set; a memory table changed since
-                // costs the guest its doorbells, never the backend its safety.
-                bitmap = areas.get(area).and_then(|found| {
-                    let place = GuestAddress(found.place.doorbell_bitmap);
-                    Some((area, mem.get_slice(place, found.bitmap_bytes()).ok()?))
-                });
-            }
-            let Some((_, slice)) = &bitmap else { continue };
-            let Ok(word) = slice.get_atomic_ref::<AtomicU64>(offset as usize) else {
-                continue;
-            };
-            if word.load(Ordering::Relaxed) == 0 {
-                continue;
-            }
-            let mut rung = word.swap(0, Ordering::Acquire);
-            while rung != 0 {
-                let bit = rung.trailing_zeros();
-                rung &= rung - 1;
-                bits.push(DoorbellBit {
-                    area,
-                    bit: (offset * 8) as u16 + bit as u16,
-                });
-            }
-        }
     }
 
     /// Moves the QP to the error state after a WQE or record it cannot use: the host then

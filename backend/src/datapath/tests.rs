@@ -254,7 +254,10 @@ fn a_queue_in_an_added_doorbell_area_is_rung_there_and_every_area_asks_for_kicks
         states: STATES,
         doorbell_bitmap: BITMAP,
     };
-    let area = rig.shared.areas().add(place, 64).unwrap();
+    let area = rig
+        .shared
+        .change_areas(|areas| areas.add(place, 64))
+        .unwrap();
     let in_area = DoorbellBit { area, bit: 0 };
     rig.shared.shard.change_objects(|objects| {
         let (_, qp) = objects.remove(QP_HANDLE).unwrap();
@@ -276,6 +279,34 @@ fn a_queue_in_an_added_doorbell_area_is_rung_there_and_every_area_asks_for_kicks
     }
     rig.poller.set_need_wakeup(false);
     assert_eq!(rig.load(STATES + NotifyState::FLAGS), 0);
+}
+
+/// SPEC.md §8.5: SET_NOTIFY_AREA again moves the doorbell bitmap, and the next look reads the
+/// new one, though no queue changed (a poller keeps where the words it reads are).
+#[test]
+fn a_notify_area_set_again_is_where_the_next_look_reads_the_doorbells() {
+    const MOVED_BITMAP: u64 = 0x45000;
+    let mut rig = Rig::new(4);
+    rig.write_receive(0, 100);
+    rig.store(QP_DOORBELL + QpDoorbell::RQ_PRODUCER, 1);
+    rig.set_doorbell_bit(QP_BIT);
+    assert!(rig.poller.pass());
+    let moved = NotifyArea {
+        states: NOTIFY_AREA,
+        doorbell_bitmap: MOVED_BITMAP,
+    };
+    rig.shared
+        .change_areas(|areas| areas.set_first(moved, DOORBELL_BITS));
+    rig.write_receive(1, 101);
+    rig.store(QP_DOORBELL + QpDoorbell::RQ_PRODUCER, 2);
+    // Rung where the bitmap was: nobody reads it now.
+    rig.store(DOORBELL_BITMAP, 1);
+    assert!(!rig.poller.pass());
+    assert_eq!(rig.load(DOORBELL_BITMAP), 1);
+    rig.set_doorbell_bit(QP_BIT);
+    assert!(rig.poller.pass());
+    assert_eq!(*rig.qp.receives.lock().unwrap(), vec![100, 101]);
+    assert_eq!(rig.load(MOVED_BITMAP), 0, "the bit was taken");
 }
 
 #[test]
