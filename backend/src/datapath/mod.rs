@@ -213,7 +213,8 @@ impl MrTable {
 
 /// A connection's queues as the pool thread serving it sees them: one per connection.
 struct Shard {
-    objects: Mutex<ShardObjects>,
+    // Taken by the poller whenever a queue is rung: a lock without poisoning checks.
+    objects: parking_lot::Mutex<ShardObjects>,
     /// Changes (under the `objects` lock) with every change of `objects`: the poller copies
     /// the CQ list when it does, and otherwise takes no lock for it.
     objects_version: AtomicU64,
@@ -226,7 +227,7 @@ struct Shard {
 impl Shard {
     fn new(wake: EventFd, channel: Option<Arc<CompletionChannel>>) -> Shard {
         Shard {
-            objects: Mutex::default(),
+            objects: parking_lot::Mutex::default(),
             objects_version: AtomicU64::new(0),
             wake,
             channel,
@@ -235,7 +236,7 @@ impl Shard {
 
     /// Changes the queue table, and its version.
     fn change_objects<T>(&self, change: impl FnOnce(&mut ShardObjects) -> T) -> T {
-        let mut objects = self.objects.lock().unwrap_or_else(|e| e.into_inner());
+        let mut objects = self.objects.lock();
         let changed = change(&mut objects);
         self.objects_version.fetch_add(1, Ordering::Release);
         changed
@@ -808,7 +809,7 @@ impl Shared {
             .filter(|(_, receives_from)| std::ptr::eq(Arc::as_ptr(receives_from), srq))
             .map(|(&qp_num, _)| qp_num)
             .collect();
-        let objects = self.shard.objects.lock().unwrap_or_else(|e| e.into_inner());
+        let objects = self.shard.objects.lock();
         objects
             .queues
             .values()
@@ -821,7 +822,7 @@ impl Shared {
 
     /// The guest handle of the first object `pick` finds in any shard.
     fn find_handle(&self, pick: impl Fn(&ShardObjects) -> Option<u32>) -> Option<u32> {
-        pick(&self.shard.objects.lock().unwrap_or_else(|e| e.into_inner()))
+        pick(&self.shard.objects.lock())
     }
 
     /// Turns a host asynchronous event into the guest's event (SPEC.md §8.4), if it concerns

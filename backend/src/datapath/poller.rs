@@ -168,11 +168,7 @@ impl DoorbellScan {
 
     #[cold]
     fn refresh(&mut self, shared: &Shared) {
-        let objects = shared
-            .shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let objects = shared.shard.objects.lock();
         // Read under the queue table's lock and before the areas': what is copied is these
         // versions' or later ones' (each changes after what it counts).
         let versions = (
@@ -566,11 +562,7 @@ impl Poller {
             return;
         }
         let shared = Arc::clone(&self.shared);
-        let objects = shared
-            .shard
-            .objects
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let objects = shared.shard.objects.lock();
         // Read under the lock: the list copied is this version's or a later one's.
         let objects_version = shared.shard.objects_version.load(Ordering::Acquire);
         if objects_version != self.objects_version {
@@ -600,15 +592,18 @@ impl Poller {
         // driver ringing every doorbell it has holds up the poller's other connections no
         // longer than one that rings a few.
         let visited = bits.len().min(MAX_VISITS_PER_PASS.saturating_sub(planned));
-        self.visits.extend(bits.drain(..visited).filter_map(|bit| {
-            Some(Planned {
-                bit,
-                rung: objects.queues.get(&bit)?.clone(),
-                sends: Sends::NextPass,
-                receives: true,
-            })
-        }));
-        self.carried.append(&mut bits);
+        for &bit in &bits[..visited] {
+            if let Some(rung) = objects.queues.get(&bit) {
+                self.visits.push(Planned {
+                    bit,
+                    rung: rung.clone(),
+                    sends: Sends::NextPass,
+                    receives: true,
+                });
+            }
+        }
+        self.carried.extend_from_slice(&bits[visited..]);
+        bits.clear();
         self.rung = bits;
     }
 

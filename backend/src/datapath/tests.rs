@@ -363,7 +363,6 @@ fn a_pass_visits_only_the_queues_whose_doorbell_bits_are_set() {
             .shard
             .objects
             .lock()
-            .unwrap()
             .insert(DoorbellBit { area: 0, bit }, Rung::Qp(Arc::new(qp)));
     }
     rig.write_send(7, LKEY);
@@ -465,7 +464,6 @@ fn the_control_path_waits_for_the_visit_of_the_queue_it_removes_not_for_a_pass()
         .shard
         .objects
         .lock()
-        .unwrap()
         .remove(QP_HANDLE)
         .map(|(bit, _)| bit);
     assert_eq!(removed, Some(QP_BIT));
@@ -490,12 +488,7 @@ fn the_control_path_waits_for_the_visit_of_the_queue_it_removes_not_for_a_pass()
     // A retired QP is left alone, even by a pass that took it from the table before it was
     // removed (as here, where it is put back).
     let retired_qp = Rung::Qp(Arc::clone(&rig.qp_data));
-    shared
-        .shard
-        .objects
-        .lock()
-        .unwrap()
-        .insert(QP_BIT, retired_qp);
+    shared.shard.objects.lock().insert(QP_BIT, retired_qp);
     rig.write_send(2, LKEY);
     rig.ring_sq();
     rig.set_doorbell_bit(QP_BIT);
