@@ -415,7 +415,7 @@ impl Device {
         let mut state = self.state();
         loop {
             let now = Instant::now();
-            state.resume_waiting(now);
+            state.resume_waiting_at(now);
             let wait = match state.waiting.is_empty() {
                 true => Duration::from_secs(3600),
                 false => state
@@ -567,7 +567,8 @@ impl Device {
         };
         let (max_wr, max_sge, qp_type) = (qp.caps.max_send_wr, qp.caps.max_send_sge, qp.qp_type);
         let ready = matches!(qp.attr.qp_state, QpState::Rts | QpState::Err);
-        let now = Instant::now();
+        // Read only if a request waits: most never do.
+        let mut now = None;
         for (posted, request) in batch.requests().enumerate() {
             let sges = match request.payload {
                 Payload::Sges(sges) => sges.len(),
@@ -588,8 +589,10 @@ impl Device {
             let request = Request::from_batch(&request);
             if waiting > 0 {
                 // Behind a waiting request; its reason decides the retries.
+                let now = *now.get_or_insert_with(Instant::now);
                 state.wait(qpn, request.into_owned(), Wait::Receive, now);
             } else if let Err((request, why)) = state.execute(qpn, request) {
+                let now = *now.get_or_insert_with(Instant::now);
                 state.wait(qpn, request.into_owned(), why, now);
                 self.clock.notify_one();
             }
@@ -615,10 +618,7 @@ impl Device {
             if let Some(code) = refused {
                 return Err(post_refused(CALL, posted, code));
             }
-            let recv = Recv {
-                wr_id: wr.wr_id,
-                sges: wr.sges.to_vec(),
-            };
+            let recv = Recv::new(wr);
             if qp.attr.qp_state == QpState::Err {
                 let flush = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
                 qp.recv_cq
@@ -627,7 +627,7 @@ impl Device {
                 qp.rq.push_back(recv);
             }
         }
-        state.resume_waiting(Instant::now());
+        state.resume_waiting();
         Ok(())
     }
 
@@ -666,12 +666,9 @@ impl Device {
             if srq.queue.len() >= srq.max_wr as usize {
                 return Err(post_refused(CALL, posted, libc::ENOMEM));
             }
-            srq.queue.push_back(Recv {
-                wr_id: wr.wr_id,
-                sges: wr.sges.to_vec(),
-            });
+            srq.queue.push_back(Recv::new(wr));
         }
-        state.resume_waiting(Instant::now());
+        state.resume_waiting();
         Ok(())
     }
 
@@ -893,7 +890,36 @@ struct Ah {
 
 struct Recv {
     wr_id: u64,
-    sges: Vec<Sge>,
+    sges: RecvSges,
+}
+
+impl Recv {
+    fn new(wr: &RecvWr<'_>) -> Recv {
+        let sges = match wr.sges {
+            [sge] => RecvSges::One(*sge),
+            sges => RecvSges::Many(sges.into()),
+        };
+        Recv {
+            wr_id: wr.wr_id,
+            sges,
+        }
+    }
+}
+
+/// A receive's SGEs: most receives have one, kept without an allocation.
+enum RecvSges {
+    One(Sge),
+    Many(Box<[Sge]>),
+}
+
+impl std::ops::Deref for RecvSges {
+    type Target = [Sge];
+    fn deref(&self) -> &[Sge] {
+        match self {
+            RecvSges::One(sge) => std::slice::from_ref(sge),
+            RecvSges::Many(sges) => sges,
+        }
+    }
 }
 
 /// A send request as the device keeps it: borrowed from the batch while it is carried out

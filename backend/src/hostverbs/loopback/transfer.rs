@@ -197,9 +197,17 @@ impl State {
             .min()
     }
 
+    /// [`State::resume_waiting_at`] now, if any QP has something waiting (the clock is read
+    /// only then).
+    pub(super) fn resume_waiting(&mut self) {
+        if !self.waiting.is_empty() {
+            self.resume_waiting_at(Instant::now());
+        }
+    }
+
     /// Carries out what waits on every waiting QP, as far as receives and peers allow; fails
     /// the first waiting send of a QP whose retries ran out by `now`.
-    pub(super) fn resume_waiting(&mut self, now: Instant) {
+    pub(super) fn resume_waiting_at(&mut self, now: Instant) {
         for qpn in std::mem::take(&mut self.waiting) {
             while let Some(request) = self.qps.get_mut(&qpn).and_then(|qp| qp.waiting.pop_front()) {
                 match self.execute(qpn, request) {
