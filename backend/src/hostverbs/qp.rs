@@ -293,10 +293,17 @@ impl SendBatch {
 
     /// Payload bytes of the first `requests` requests (those a host took): what their SGEs
     /// or inline data name, whatever the operation does with them.
+    #[inline]
     pub fn payload_bytes(&self, requests: usize) -> u64 {
         if requests >= self.len {
             return self.payload;
         }
+        self.payload_bytes_of_first(requests)
+    }
+
+    /// [`SendBatch::payload_bytes`] of a batch the host took only part of: counted again.
+    #[inline(never)]
+    fn payload_bytes_of_first(&self, requests: usize) -> u64 {
         let inline = ibv_send_flags::IBV_SEND_INLINE.0;
         let mut gathered = self.sges.iter();
         let mut bytes = 0;
