@@ -37,6 +37,12 @@ static struct rdma_cm_id *accept_next(struct rdma_event_channel *channel)
 	return id;
 }
 
+static void close_connection(struct rdma_cm_id *id)
+{
+	rdma_destroy_qp(id);
+	CHECK(rdma_destroy_id(id) == 0, "rdma_destroy_id");
+}
+
 /* A connection to `address`, whose answer must be `outcome`; NULL unless established. */
 static struct rdma_cm_id *connect_to(struct rdma_event_channel *channel, struct sockaddr *address,
 				     enum rdma_cm_event_type outcome)
@@ -54,15 +60,8 @@ static struct rdma_cm_id *connect_to(struct rdma_event_channel *channel, struct 
 	expect_event(channel, outcome);
 	if (outcome == RDMA_CM_EVENT_ESTABLISHED)
 		return id;
-	rdma_destroy_qp(id);
-	CHECK(rdma_destroy_id(id) == 0, "rdma_destroy_id");
+	close_connection(id);
 	return NULL;
-}
-
-static void close_connection(struct rdma_cm_id *id)
-{
-	rdma_destroy_qp(id);
-	CHECK(rdma_destroy_id(id) == 0, "rdma_destroy_id");
 }
 
 int main(int argc, char **argv)
