@@ -151,6 +151,28 @@ impl DeviceInner {
             .ok_or(Error::NotShared { addr, len })?;
         page_list(&*self.transport, page_size, &pages)
     }
+
+    /// A page list for a ring at `addr..addr + len` (page-aligned), and the list pages it
+    /// lives in. A ring starts at offset 0 of its list's first page (SPEC.md §7), so a ring
+    /// inside a larger page (huge pages) is listed in base pages.
+    fn ring_page_list(&self, addr: u64, len: u64) -> Result<(PageList, Vec<SharedBuffer>)> {
+        let (page_size, pages) = self
+            .transport
+            .device_pages(addr, len)
+            .ok_or(Error::NotShared { addr, len })?;
+        if page_size == PAGE_SIZE {
+            return page_list(&*self.transport, page_size, &pages);
+        }
+        let first_page = addr / page_size * page_size;
+        let base_pages: Vec<u64> = (addr..addr + len.max(1))
+            .step_by(PAGE_SIZE as usize)
+            .map(|at| {
+                let within = at - first_page;
+                pages[(within / page_size) as usize] + within % page_size
+            })
+            .collect();
+        page_list(&*self.transport, PAGE_SIZE, &base_pages)
+    }
 }
 
 /// A page list (SPEC.md §6) of `pages`, each `page_size` bytes at the device address given,
@@ -328,7 +350,7 @@ impl Device {
             .inner
             .transport
             .alloc(std::mem::size_of::<CqDoorbell>() as u64, 64)?;
-        let (list, _list_pages) = self.inner.page_list(ring.addr(), ring_bytes.max(1))?;
+        let (list, _list_pages) = self.inner.ring_page_list(ring.addr(), ring_bytes.max(1))?;
         let request = CreateCqRequest {
             cqe: Le32::from(depth),
             flags: Le32::from(0),
@@ -716,9 +738,9 @@ impl<'a> QueuePairBuilder<'a> {
         let doorbell = device
             .transport
             .alloc(std::mem::size_of::<QpDoorbell>() as u64, 64)?;
-        let (sq_list, _sq_pages) = device.page_list(sq.addr(), sq_bytes)?;
+        let (sq_list, _sq_pages) = device.ring_page_list(sq.addr(), sq_bytes)?;
         let (rq_list, _rq_pages) = match &rq {
-            Some(rq) => device.page_list(rq.addr(), rq_bytes)?,
+            Some(rq) => device.ring_page_list(rq.addr(), rq_bytes)?,
             None => (PageList::default(), Vec::new()),
         };
         let request = CreateQpRequest {
@@ -1037,7 +1059,7 @@ impl ProtectionDomain {
         let doorbell = device
             .transport
             .alloc(std::mem::size_of::<SrqDoorbell>() as u64, 64)?;
-        let (list, _list_pages) = device.page_list(ring.addr(), bytes)?;
+        let (list, _list_pages) = device.ring_page_list(ring.addr(), bytes)?;
         let request = CreateSrqRequest {
             pd: Le32::from(self.inner.handle),
             max_wr: Le32::from(depth),

@@ -1051,3 +1051,23 @@ fn pollers_run_on_the_cpus_given_and_an_unusable_cpu_is_refused() {
         "{stderr}"
     );
 }
+
+/// Finding: a guest whose memory is on 2 MiB huge pages listed a ring by the huge page that
+/// holds it, while a ring starts at offset 0 of its list's first page (SPEC.md §7): the device
+/// read WQEs from the wrong place ("unknown WQE opcode") and no write completed. guest-lib now
+/// lists a ring inside a larger page in base pages.
+#[test]
+fn a_guest_on_huge_pages_moves_data_through_its_rings() {
+    std::fs::write("/proc/sys/vm/nr_hugepages", "64")
+        .expect("reserve huge pages (root, on this machine and in the test guest)");
+    let backend = start_backend();
+    let options = vrdma_guest::DirectOptions {
+        huge_pages: true,
+        ..Default::default()
+    };
+    let device = Device::attach_with(&backend.socket, options).unwrap();
+    let guest = vrdma_tests::WritingGuest::on(device);
+    for seed in 1..=3 {
+        guest.still_served(seed);
+    }
+}
