@@ -19,18 +19,20 @@ use std::sync::{Arc, OnceLock};
 
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
+use crate::guest_faults::{FaultDomain, WatchedMapping};
 use crate::hostverbs::PinnedMemory;
 use crate::mtt::{MttError, PageRun};
 
 /// Calls `register` with `runs` of pages (each `page_size` bytes) laid out contiguously in
 /// this process: inside the backend's mapping of guest RAM when they are one guest-physical
-/// run, else in a [`GuestPagesMapping`] that lives for the call. `populated` tracks what
-/// of the backend's mapping of guest RAM is in its page tables already.
+/// run, else in a [`GuestPagesMapping`] that lives for the call (watched for faults as the
+/// guest `faults`' memory). `populated` tracks what of the backend's mapping of guest RAM is
+/// in its page tables already.
 pub fn with_pages_contiguous<M: GuestMemoryBackend, T>(
     mem: &M,
-    runs: &[PageRun],
-    page_size: u64,
+    (runs, page_size): (&[PageRun], u64),
     populated: &mut PopulatedRanges,
+    faults: &Arc<FaultDomain>,
     register: impl FnOnce(&dyn PinnedMemory) -> T,
 ) -> Result<T, MttError> {
     if let [run] = runs {
@@ -44,7 +46,7 @@ pub fn with_pages_contiguous<M: GuestMemoryBackend, T>(
             return Ok(register(&span));
         }
     }
-    let mapping = GuestPagesMapping::new(runs, page_size)?;
+    let mapping = GuestPagesMapping::new(runs, page_size, faults)?;
     Ok(register(&*mapping))
 }
 
@@ -174,11 +176,15 @@ unsafe impl PinnedMemory for RegionSpan<'_> {
 /// the files behind guest RAM): what the NIC writes here, the guest reads.
 ///
 /// The mapping holds its own references to the files' pages, so it stays valid even if the
-/// guest's memory table changes; it is unmapped when dropped.
+/// guest's memory table changes; it is unmapped when dropped. A fault in it ends its guest
+/// ([`crate::guest_faults`]), as one in the guest's RAM does.
 pub struct GuestPagesMapping {
     base: NonNull<u8>,
     len: usize,
     _reservation: MapReservation,
+    /// The range on the list of guest memory, from when it is mapped until this value
+    /// drops (after `Drop::drop` unmapped it).
+    _watched: Option<WatchedMapping>,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; accesses go through raw
@@ -190,17 +196,21 @@ unsafe impl Sync for GuestPagesMapping {}
 
 impl GuestPagesMapping {
     /// Maps `runs` of pages (each `page_size` bytes, a power of two) contiguously, with the
-    /// start aligned to `page_size` so that huge pages map as huge pages; the mappings come
-    /// from the process-wide budget.
-    pub fn new(runs: &[PageRun], page_size: u64) -> Result<Arc<Self>, MttError> {
-        Self::new_within(MapBudget::process(), runs, page_size)
+    /// start aligned to `page_size` so that huge pages map as huge pages, as the guest
+    /// `faults`' memory; the mappings come from the process-wide budget.
+    pub fn new(
+        runs: &[PageRun],
+        page_size: u64,
+        faults: &Arc<FaultDomain>,
+    ) -> Result<Arc<Self>, MttError> {
+        Self::new_within(MapBudget::process(), (runs, page_size), faults)
     }
 
     /// As [`new`](Self::new), with mappings drawn from `budget`.
     pub fn new_within(
         budget: &'static MapBudget,
-        runs: &[PageRun],
-        page_size: u64,
+        (runs, page_size): (&[PageRun], u64),
+        faults: &Arc<FaultDomain>,
     ) -> Result<Arc<Self>, MttError> {
         let map_err = |e: io::Error| MttError::Map(e.raw_os_error().unwrap_or(libc::EIO));
         let too_large = || MttError::Map(libc::ENOMEM);
@@ -248,10 +258,11 @@ impl GuestPagesMapping {
                 libc::munmap((base + len) as *mut libc::c_void, tail);
             }
         }
-        let mapping = GuestPagesMapping {
+        let mut mapping = GuestPagesMapping {
             base: NonNull::new(base as *mut u8).expect("mmap never returns page 0"),
             len,
             _reservation: reservation,
+            _watched: None,
         };
         let mut at = base;
         for run in &file_runs {
@@ -279,6 +290,11 @@ impl GuestPagesMapping {
             }
             at += run_len;
         }
+        mapping._watched = Some(
+            faults
+                .watch(base, len, page_size)
+                .map_err(|_| MttError::Map(libc::ENOMEM))?,
+        );
         Ok(Arc::new(mapping))
     }
 }

@@ -8,6 +8,7 @@ pub mod datapath;
 pub mod device;
 pub mod gid_claim;
 pub mod guest_address;
+pub mod guest_faults;
 mod guest_mapping;
 pub mod guests;
 pub mod hostverbs;
@@ -54,6 +55,8 @@ pub enum Error {
     GuestGidMissing { gid: Gid },
     #[error(transparent)]
     Sandbox(#[from] sandbox::SandboxError),
+    #[error("guest memory faults: {0}")]
+    GuestFaults(#[from] guest_faults::WatchError),
     #[error(transparent)]
     Admin(#[from] admin::AdminError),
     #[error("--config: {0}")]

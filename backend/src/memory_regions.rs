@@ -16,8 +16,9 @@
 //! the guest's), and punch holes in it (F_SEAL_WRITE, which forbids that, also forbids the
 //! writable mapping guest memory needs). A punched page of a memfd comes back as a new zero
 //! page when touched; a punched huge page must come from the pool again, so a front end that
-//! punches holes in its own hugetlb memory while the pool is exhausted can still fault the
-//! backend (README: Memory regions).
+//! punches holes in its own hugetlb memory while the pool is exhausted can still make the
+//! backend fault: [`crate::guest_faults`] turns such a fault into the end of that guest's
+//! connection.
 
 use std::os::fd::AsRawFd;
 
@@ -70,14 +71,21 @@ const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 /// Checks a region just mapped from a front end's file (see the module's rules); on success
-/// the backend may touch any byte of it for as long as it stays mapped.
-pub fn accept(region: &GuestRegionMmap, unsealed: UnsealedFiles) -> Result<(), RegionRefusal> {
+/// the backend may touch any byte of it for as long as it stays mapped, and learns the size
+/// of the pages behind it (huge pages on hugetlbfs).
+pub fn accept(region: &GuestRegionMmap, unsealed: UnsealedFiles) -> Result<usize, RegionRefusal> {
     let gpa = region.start_addr().0;
     let Some(file_offset) = region.file_offset() else {
         return Err(RegionRefusal::NoFile { gpa });
     };
     let file = file_offset.file();
     let os = |call| move |source| RegionRefusal::Os { gpa, call, source };
+    // Seals first: once F_SEAL_SHRINK is seen, the size read next can only grow. Read the
+    // other way round, a front end could shrink the file between the two reads and seal it
+    // just before the second.
+    if unsealed == UnsealedFiles::Refuse && seals(file.as_raw_fd()) & libc::F_SEAL_SHRINK == 0 {
+        return Err(RegionRefusal::Unsealed { gpa });
+    }
     let file_size = file.metadata().map_err(os("fstat"))?.len();
     let start = file_offset.start();
     let end = start.checked_add(region.len());
@@ -89,14 +97,26 @@ pub fn accept(region: &GuestRegionMmap, unsealed: UnsealedFiles) -> Result<(), R
             file_size,
         });
     }
-    if unsealed == UnsealedFiles::Refuse && seals(file.as_raw_fd()) & libc::F_SEAL_SHRINK == 0 {
-        return Err(RegionRefusal::Unsealed { gpa });
-    }
     let fs = nix::sys::statfs::fstatfs(file).map_err(|e| os("fstatfs")(e.into()))?;
     if fs.filesystem_type().0 as i64 == HUGETLBFS_MAGIC {
         populate(region).map_err(|source| RegionRefusal::HugePagesShort { gpa, source })?;
+        return usize::try_from(fs.block_size())
+            .ok()
+            .filter(|size| size.is_power_of_two())
+            .ok_or_else(|| RegionRefusal::Os {
+                gpa,
+                call: "fstatfs (huge page size)",
+                source: std::io::Error::from_raw_os_error(libc::EINVAL),
+            });
     }
-    Ok(())
+    Ok(base_page_size())
+}
+
+/// The size of the pages of memory that is not on hugetlbfs.
+fn base_page_size() -> usize {
+    // SAFETY: sysconf only reads a system value.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).unwrap_or(4096)
 }
 
 /// The file's seals; none where the file system has no seals.
@@ -148,7 +168,8 @@ mod tests {
     #[test]
     fn a_sealed_file_that_covers_the_region_is_accepted() {
         let file = memfd(8 << 12, libc::F_SEAL_SHRINK);
-        accept(&region(file, 4096, 7 << 12), UnsealedFiles::Refuse).unwrap();
+        let page_size = accept(&region(file, 4096, 7 << 12), UnsealedFiles::Refuse).unwrap();
+        assert_eq!(page_size, 4096);
     }
 
     #[test]

@@ -252,6 +252,11 @@ fn check_in_one_region<M: GuestMemoryBackend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::guest_faults::FaultDomain;
+
+    fn faults() -> Arc<FaultDomain> {
+        FaultDomain::new("test")
+    }
     use crate::hostverbs::PinnedMemory;
     use vm_memory::{FileOffset, GuestMemoryMmap};
     use vrdma_spec::{Le16, Le32, Le64};
@@ -324,7 +329,7 @@ mod tests {
         }
         let pages = resolve_page_list(&mem, &direct(0, 3), 3, &RULES).unwrap();
         assert_eq!(pages[0].offset, (1 << 20) + 3 * PAGE);
-        let mapping = GuestPagesMapping::new(&pages, PAGE).unwrap();
+        let mapping = GuestPagesMapping::new(&pages, PAGE, &faults()).unwrap();
         assert_eq!(mapping.len() as u64, 3 * PAGE);
         for i in 0..3 {
             let mut got = [0u8; 16];
@@ -347,11 +352,12 @@ mod tests {
         let pages = resolve_page_list(&mem, &direct(0, 8), 8, &RULES).unwrap();
         let in_place = mem.get_host_address(GuestAddress(32 * PAGE)).unwrap();
         let mut populated = PopulatedRanges::default();
-        let seen = with_pages_contiguous(&mem, &pages, PAGE, &mut populated, |memory| {
-            memory.write(PAGE as usize + 7, b"in place").unwrap();
-            (memory.as_ptr(), memory.len())
-        })
-        .unwrap();
+        let seen =
+            with_pages_contiguous(&mem, (&pages, PAGE), &mut populated, &faults(), |memory| {
+                memory.write(PAGE as usize + 7, b"in place").unwrap();
+                (memory.as_ptr(), memory.len())
+            })
+            .unwrap();
         assert_eq!(seen, (in_place, 8 * PAGE as usize));
         assert_eq!(
             populated.gaps(0..64 * PAGE),
@@ -366,7 +372,10 @@ mod tests {
             write_list(&mem, 0, &gpas);
             let pages = resolve_page_list(&mem, &direct(0, 2), 2, &RULES).unwrap();
             let address =
-                with_pages_contiguous(&mem, &pages, PAGE, &mut populated, |m| m.as_ptr()).unwrap();
+                with_pages_contiguous(&mem, (&pages, PAGE), &mut populated, &faults(), |m| {
+                    m.as_ptr()
+                })
+                .unwrap();
             assert_ne!(
                 address,
                 mem.get_host_address(GuestAddress(gpas[0])).unwrap()
@@ -390,7 +399,7 @@ mod tests {
             [(low_end, 2, low_end), (4 << 30, 2, 1 << 20)],
             "one run per region"
         );
-        let mapping = GuestPagesMapping::new_within(&BUDGET, &runs, PAGE).unwrap();
+        let mapping = GuestPagesMapping::new_within(&BUDGET, (&runs, PAGE), &faults()).unwrap();
         assert_eq!(BUDGET.in_use(), 1, "one mapping for the file's one range");
         assert_eq!(mapping.len() as u64, 4 * PAGE);
         // Two adjacent regions backed by different files never share a run.
@@ -425,14 +434,17 @@ mod tests {
         write_list(&mem, 64 * PAGE, &every_other);
         let scattered = resolve_page_list(&mem, &direct(64 * PAGE, 5), 5, &RULES).unwrap();
         assert!(matches!(
-            GuestPagesMapping::new_within(&BUDGET, &scattered, PAGE),
+            GuestPagesMapping::new_within(&BUDGET, (&scattered, PAGE), &faults()),
             Err(MttError::TooManyRuns { runs: 5, max: 4 })
         ));
         let held: Vec<_> = (0..4)
-            .map(|_| GuestPagesMapping::new_within(&BUDGET, &scattered[..4], PAGE).unwrap())
+            .map(|_| {
+                GuestPagesMapping::new_within(&BUDGET, (&scattered[..4], PAGE), &faults()).unwrap()
+            })
             .collect();
         assert_eq!(BUDGET.in_use(), 16);
-        let Err(err) = GuestPagesMapping::new_within(&BUDGET, &scattered[..1], PAGE) else {
+        let Err(err) = GuestPagesMapping::new_within(&BUDGET, (&scattered[..1], PAGE), &faults())
+        else {
             panic!("the budget is spent");
         };
         assert!(
@@ -446,7 +458,7 @@ mod tests {
         let contiguous: Vec<u64> = (0..64).map(|i| (100 + i) * PAGE).collect();
         write_list(&mem, 64 * PAGE, &contiguous);
         let pages = resolve_page_list(&mem, &direct(64 * PAGE, 64), 64, &RULES).unwrap();
-        let mapping = GuestPagesMapping::new_within(&BUDGET, &pages, PAGE).unwrap();
+        let mapping = GuestPagesMapping::new_within(&BUDGET, (&pages, PAGE), &faults()).unwrap();
         assert_eq!(BUDGET.in_use(), 1);
         drop(mapping);
         assert_eq!(BUDGET.in_use(), 0);

@@ -1,6 +1,7 @@
 //! The vhost-user face of the device: virtqueue plumbing around [`Device`], and a server that
 //! gives every front-end connection a device (and host context) of its own.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::Path;
@@ -13,7 +14,9 @@ use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{
+    GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
@@ -26,6 +29,7 @@ use vrdma_spec::ByteValued;
 use crate::admin::{AdminSocket, Managed, Registry};
 use crate::datapath::{EventSink, PollerPool, RateLimits};
 use crate::device::{Device, GuestReport, LocalPeers};
+use crate::guest_faults::WatchedMapping;
 use crate::memory_regions::{self, UnsealedFiles};
 use crate::per_second::PerSecond;
 use crate::vring::Vring;
@@ -45,6 +49,8 @@ type GuestMemory = GuestMemoryAtomic<GuestMemoryMmap>;
 pub struct RdmaBackend {
     device: Device,
     num_queues: usize,
+    /// The memory table last accepted, the only guest memory the device touches (see
+    /// [`crate::vring`]): the daemon's own memory holds each new table before it is checked.
     mem: GuestMemory,
     event_idx: bool,
     /// Tells the vring worker to exit when the connection ends.
@@ -54,10 +60,12 @@ pub struct RdmaBackend {
     /// be released): taken by the daemon when it starts the worker.
     worker_exit: Mutex<Option<(EventConsumer, EventNotifier)>>,
     event_sink_set: bool,
-    /// The memory table as last accepted.
-    last_table: Option<GuestMemoryMmap>,
-    /// Host addresses of the regions of `last_table`, checked when they were accepted.
-    accepted_regions: std::collections::HashSet<usize>,
+    /// The regions of the accepted table by host address, each watched for faults
+    /// ([`crate::guest_faults`]) since it was checked.
+    accepted_regions: HashMap<usize, WatchedMapping>,
+    /// The regions of the table accepted before, still watched: a thread may hold a
+    /// snapshot of that table for a moment longer.
+    retired_regions: Vec<WatchedMapping>,
     /// Most memory regions the front end may have (each holds a file descriptor).
     max_memory_regions: usize,
     unsealed_memory: UnsealedFiles,
@@ -137,8 +145,8 @@ impl RdmaBackend {
             exit,
             worker_exit: Mutex::new(Some(worker_exit)),
             event_sink_set: false,
-            last_table: None,
-            accepted_regions: Default::default(),
+            accepted_regions: HashMap::new(),
+            retired_regions: Vec::new(),
             max_memory_regions: config.quotas.max_memory_regions as usize,
             unsealed_memory: config.unsealed_memory,
             control_broken: false,
@@ -147,8 +155,12 @@ impl RdmaBackend {
     }
 
     /// Checks the regions of `table` that were not in the last accepted one
-    /// ([`memory_regions::accept`]) and the front end's region quota.
-    fn check_memory_table(&self, table: &GuestMemoryMmap) -> io::Result<()> {
+    /// ([`memory_regions::accept`]) and the front end's region quota; returns the new ones,
+    /// watched for faults.
+    fn check_memory_table(
+        &self,
+        table: &GuestMemoryMmap,
+    ) -> io::Result<Vec<(usize, WatchedMapping)>> {
         let regions = table.num_regions();
         if regions > self.max_memory_regions {
             return Err(io::Error::other(format!(
@@ -156,12 +168,21 @@ impl RdmaBackend {
                 self.max_memory_regions
             )));
         }
+        let mut new = Vec::new();
         for region in table.iter() {
-            if !self.accepted_regions.contains(&(region.as_ptr() as usize)) {
-                memory_regions::accept(region, self.unsealed_memory).map_err(io::Error::other)?;
+            let host_address = region.as_ptr() as usize;
+            if !self.accepted_regions.contains_key(&host_address) {
+                let page_size = memory_regions::accept(region, self.unsealed_memory)
+                    .map_err(io::Error::other)?;
+                let watched = self
+                    .device
+                    .fault_domain()
+                    .watch(host_address, region.len() as usize, page_size)
+                    .map_err(io::Error::other)?;
+                new.push((host_address, watched));
             }
         }
-        Ok(())
+        Ok(new)
     }
 
     /// Tells the worker threads to exit (the connection is over).
@@ -331,25 +352,39 @@ impl VhostUserBackendMut for RdmaBackend {
         config_window(self.device.config().as_slice(), offset, size).to_vec()
     }
 
-    fn update_memory(&mut self, mem: GuestMemory) -> io::Result<()> {
-        // vhost-user-backend has already put the new table in place (nothing uses it before
-        // this returns); a table with a region the backend cannot safely touch, or more
-        // regions than the quota (each costs a descriptor and a mapping), is put back and
-        // refused.
-        let table = (*mem.memory()).clone();
-        if let Err(e) = self.check_memory_table(&table) {
-            log::warn!("memory table refused: {e}");
-            let previous = self.last_table.clone().unwrap_or_default();
-            mem.lock()
-                .map_err(|_| io::Error::other("memory table lock poisoned"))?
-                .replace(previous);
-            return Err(e);
+    fn update_memory(&mut self, unchecked: GuestMemory) -> io::Result<()> {
+        // vhost-user-backend has put the new table in its own memory (`unchecked`), which
+        // nothing of the device reads: a table with a region the backend cannot safely touch,
+        // or more regions than the quota (each costs a descriptor and a mapping), is refused
+        // and the daemon's memory put back; an accepted one becomes the device's memory.
+        let table = (*unchecked.memory()).clone();
+        let new_regions = match self.check_memory_table(&table) {
+            Ok(new_regions) => new_regions,
+            Err(e) => {
+                log::warn!("memory table refused: {e}");
+                let previous = (*self.mem.memory()).clone();
+                unchecked
+                    .lock()
+                    .map_err(|_| io::Error::other("memory table lock poisoned"))?
+                    .replace(previous);
+                return Err(e);
+            }
+        };
+        let mut accepted: HashMap<usize, WatchedMapping> = new_regions.into_iter().collect();
+        for region in table.iter() {
+            let host_address = region.as_ptr() as usize;
+            if let Some(kept) = self.accepted_regions.remove(&host_address) {
+                accepted.insert(host_address, kept);
+            }
         }
-        self.accepted_regions = table.iter().map(|r| r.as_ptr() as usize).collect();
-        self.last_table = Some(table);
+        let gone = std::mem::replace(&mut self.accepted_regions, accepted);
+        self.retired_regions = gone.into_values().collect();
+        self.mem
+            .lock()
+            .map_err(|_| io::Error::other("memory table lock poisoned"))?
+            .replace(table);
         self.device.memory_changed();
-        self.device.data_path().set_memory(mem.clone());
-        self.mem = mem;
+        self.device.data_path().set_memory(self.mem.clone());
         Ok(())
     }
 
@@ -503,8 +538,10 @@ pub struct PreparedSocket {
 }
 
 impl Serving {
-    /// Starts the poller pool `config` asks for.
+    /// Starts the poller pool `config` asks for, and the recovery from faults in guest
+    /// memory ([`crate::guest_faults`]).
     pub fn start(config: &Config) -> Result<Arc<Serving>, Error> {
+        crate::guest_faults::install()?;
         let pool = PollerPool::start(config.poll_threads, config.poll_idle, &config.poll_cpus)?;
         Ok(Arc::new(Serving {
             pool: Arc::new(pool),
@@ -758,16 +795,35 @@ fn start_connection(
             room.disconnected();
         })
         .map_err(Error::Io)?;
-    let mut daemon = VhostUserDaemon::new(
-        format!("vrdma-conn{connection}"),
-        Arc::clone(&backend),
-        GuestMemoryAtomic::new(GuestMemoryMmap::new()),
-    )
+    let accepted = backend
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .mem
+        .clone();
+    let mut daemon = crate::vring::over_accepted_memory(&accepted, || {
+        VhostUserDaemon::new(
+            format!("vrdma-conn{connection}"),
+            Arc::clone(&backend),
+            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+        )
+    })
     .map_err(Error::Daemon)?;
     daemon.start(listener).map_err(Error::Daemon)?;
     // Counted before the next accept looks at the count.
     admission.connected();
     let disconnect = daemon.shutdown_handle();
+    if let Some(handle) = daemon.shutdown_handle() {
+        // A fault in the guest's memory ends this connection (and only this one).
+        backend
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .device
+            .fault_domain()
+            .serve(
+                format!("connection {connection} (guest {name})"),
+                Box::new(move || handle.shutdown()),
+            );
+    }
     registry.add(
         connection,
         name,

@@ -1,5 +1,12 @@
-//! The device's virtqueues: vhost-user-backend's [`VringRwLock`], except that a kick
+//! The device's virtqueues: vhost-user-backend's [`VringRwLock`], except that they read and
+//! write guest memory only through the memory table the backend accepted, and that a kick
 //! descriptor sent for a running queue is taken.
+//!
+//! vhost-user-backend installs a new memory table in the memory it gave the queues before it
+//! asks the backend to check it (`update_memory`); a queue reading that memory (its used
+//! index, its event index) in between could touch a region the backend is about to refuse,
+//! one whose file does not cover it, and fault. So the queues are made over the backend's
+//! own memory ([`over_accepted_memory`]), which holds only tables it accepted.
 //!
 //! vhost-user-backend registers a queue's kick descriptor with its worker's epoll once, when
 //! the queue starts; SET_VRING_KICK on a running queue replaced the descriptor but left the
@@ -9,6 +16,7 @@
 //! kept). The old descriptor leaves the epoll when the front end closes it; a front end that
 //! keeps kicking the old one after replacing it breaks only its own connection's worker.
 
+use std::cell::RefCell;
 use std::fs::File;
 use std::io;
 
@@ -17,6 +25,21 @@ use virtio_queue::{Error as QueueError, QueueT};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
 type Memory = GuestMemoryAtomic<GuestMemoryMmap>;
+
+thread_local! {
+    /// The accepted memory the queues made on this thread read and write.
+    static ACCEPTED_MEMORY: RefCell<Option<Memory>> = const { RefCell::new(None) };
+}
+
+/// Runs `make` (which creates a vhost-user daemon, and with it its queues, on this thread)
+/// so that the queues it makes use `accepted`, the memory holding only the tables the
+/// backend accepted, rather than the memory the daemon installs tables in unchecked.
+pub fn over_accepted_memory<T>(accepted: &Memory, make: impl FnOnce() -> T) -> T {
+    ACCEPTED_MEMORY.with(|m| *m.borrow_mut() = Some(accepted.clone()));
+    let made = make();
+    ACCEPTED_MEMORY.with(|m| *m.borrow_mut() = None);
+    made
+}
 
 /// A virtqueue of the device (see the module).
 #[derive(Clone)]
@@ -31,8 +54,14 @@ impl<'a> VringStateMutGuard<'a, Memory> for Vring {
 }
 
 impl VringT<Memory> for Vring {
-    fn new(mem: Memory, max_queue_size: u16) -> Result<Self, QueueError> {
-        VringRwLock::new(mem, max_queue_size).map(Vring)
+    /// Made over the accepted memory [`over_accepted_memory`] names, never over `unchecked`,
+    /// the memory the daemon installs tables in before they are checked.
+    fn new(_unchecked: Memory, max_queue_size: u16) -> Result<Self, QueueError> {
+        let Some(accepted) = ACCEPTED_MEMORY.with(|m| m.borrow().clone()) else {
+            log::error!("a virtqueue was made outside vring::over_accepted_memory");
+            return Err(QueueError::QueueNotReady);
+        };
+        VringRwLock::new(accepted, max_queue_size).map(Vring)
     }
 
     fn get_ref(&self) -> <Self as VringStateGuard<'_, Memory>>::G {

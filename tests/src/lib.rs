@@ -709,9 +709,14 @@ impl WritingGuest {
 
     /// Sets it up on the device `target` names (see `Device::open`).
     pub fn open(target: &str) -> WritingGuest {
-        use vrdma_guest::{access, QpType, QueuePair};
         let device =
             vrdma_guest::Device::open(target).unwrap_or_else(|e| panic!("opening {target}: {e}"));
+        Self::on(device)
+    }
+
+    /// Sets it up on `device`.
+    pub fn on(device: vrdma_guest::Device) -> WritingGuest {
+        use vrdma_guest::{access, QpType, QueuePair};
         let pd = device.alloc_pd().unwrap();
         let cq = device.create_cq(16).unwrap();
         let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
@@ -738,9 +743,21 @@ impl WritingGuest {
 
     /// Writes `seed`s from the first page to the second and checks them there.
     pub fn still_served(&self, seed: u8) {
-        use vrdma_guest::{Payload, SendOp, SendWr, Sge};
         let message = [seed; 64];
-        self.buffer.write(0, &message).unwrap();
+        self.post_write(&message).unwrap();
+        let done = wait_for_guest_completions(&self.cq, 1);
+        assert!(done[0].is_success(), "write {seed}: {:?}", done[0]);
+        let mut landed = [0u8; 64];
+        self.buffer.read(Self::PAGE, &mut landed).unwrap();
+        assert_eq!(landed, message, "write {seed}");
+    }
+}
+
+impl WritingGuest {
+    /// Posts an RDMA WRITE of `message` from the first page to the second.
+    pub fn post_write(&self, message: &[u8]) -> vrdma_guest::Result<()> {
+        use vrdma_guest::{Payload, SendOp, SendWr, Sge};
+        self.buffer.write(0, message)?;
         let write = SendOp::RdmaWrite {
             remote_addr: self.buffer.addr() + Self::PAGE,
             rkey: self.mr.rkey(),
@@ -750,14 +767,9 @@ impl WritingGuest {
             length: message.len() as u32,
             lkey: self.mr.lkey(),
         }];
+        let wr_id = u64::from(message.first().copied().unwrap_or(0));
         self.qp
-            .post_send(&[SendWr::new(u64::from(seed), write, Payload::Sges(&sge))])
-            .unwrap();
-        let done = wait_for_guest_completions(&self.cq, 1);
-        assert!(done[0].is_success(), "write {seed}: {:?}", done[0]);
-        let mut landed = [0u8; 64];
-        self.buffer.read(Self::PAGE, &mut landed).unwrap();
-        assert_eq!(landed, message, "write {seed}");
+            .post_send(&[SendWr::new(wr_id, write, Payload::Sges(&sge))])
     }
 }
 

@@ -38,11 +38,16 @@ fn served_guest(socket: &Path) -> WritingGuest {
 /// A front end of its own making, past vhost-user's feature negotiation, ready to send a
 /// memory table.
 fn hostile_front_end(socket: &Path) -> Frontend {
+    hostile_front_end_with(socket, 0)
+}
+
+/// As [`hostile_front_end`], with the virtio features `extra` negotiated too.
+fn hostile_front_end_with(socket: &Path, extra: u64) -> Frontend {
     let mut frontend = Frontend::connect(socket, 3).expect("connect");
     frontend.set_owner().unwrap();
     let offered = frontend.get_features().unwrap();
     frontend
-        .set_features(offered & (features::VERSION_1 | PROTOCOL_FEATURES))
+        .set_features(offered & (features::VERSION_1 | PROTOCOL_FEATURES | extra))
         .unwrap();
     let protocol = VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::MQ
@@ -116,6 +121,8 @@ fn assert_alive(backend: &mut Child) {
 /// is sealed against shrinking, and (on hugetlbfs) has its pages; guest-lib seals its own.
 #[test]
 fn memory_the_backend_could_fault_on_is_refused_and_every_guest_is_served_on() {
+    // Counts the free huge pages: no other test changes the pool meanwhile.
+    let _pool = HUGE_PAGE_POOL.lock().unwrap_or_else(|e| e.into_inner());
     let socket = socket("sigbus");
     let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let victim = served_guest(&socket);
@@ -550,5 +557,392 @@ fn a_qp_cannot_connect_to_another_guests_qp_that_is_connected_elsewhere() {
     connect_guest_qp(&mine, sgid, gid, theirs.qp_num()).unwrap();
     connect_guest_qp(&theirs, sgid, gid, mine.qp_num()).unwrap();
     victim.still_served(2);
+    stop_alive(backend);
+}
+
+/// The tests that change the huge page pool run one at a time.
+static HUGE_PAGE_POOL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The huge page pool set to `pages` for a test, and put back as it was when dropped.
+struct HugePagePool {
+    before: String,
+    _one_at_a_time: std::sync::MutexGuard<'static, ()>,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+impl HugePagePool {
+    fn reserve(pages: u64) -> HugePagePool {
+        let one_at_a_time = HUGE_PAGE_POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let before = std::fs::read_to_string(NR_HUGEPAGES).unwrap();
+        std::fs::write(NR_HUGEPAGES, pages.to_string())
+            .expect("reserve huge pages (root, on this machine and in the test guest)");
+        HugePagePool {
+            before,
+            _one_at_a_time: one_at_a_time,
+        }
+    }
+
+    /// Takes every free page out of the pool: a page punched out of a file now cannot be
+    /// had again.
+    fn exhaust(&self) {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let field = |name: &str| -> u64 {
+            meminfo
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map_or(0, |n| n.trim().parse().unwrap())
+        };
+        let in_use = field("HugePages_Total:") - field("HugePages_Free:");
+        std::fs::write(NR_HUGEPAGES, in_use.to_string()).unwrap();
+        assert_eq!(free_huge_pages(), 0, "the pool still has free pages");
+    }
+}
+
+impl Drop for HugePagePool {
+    fn drop(&mut self) {
+        let _ = std::fs::write(NR_HUGEPAGES, self.before.trim());
+    }
+}
+
+/// A guest on huge pages whose objects lie in a region of their own, which the test then
+/// punches out of the file behind it.
+struct PunchedGuest {
+    /// The huge page that holds everything made after [`PunchedGuest::attach`].
+    target: u64,
+    _fillers: Vec<vrdma_guest::SharedBuffer>,
+    /// The test process's own recovery from touching the punched page (guest-lib writes
+    /// there too): its writes land in a private page, never in the file.
+    own_faults: Option<vrdma_backend::guest_faults::WatchedMapping>,
+}
+
+impl PunchedGuest {
+    /// Attaches with 2 MiB regions of huge pages and fills the first, so that what is made
+    /// next (and every page list for it) lies in the second region's one huge page.
+    fn attach(socket: &Path) -> (Device, PunchedGuest) {
+        let options = vrdma_guest::DirectOptions {
+            huge_pages: true,
+            region_size: HUGE_PAGE,
+        };
+        let device = Device::attach_with(socket, options).unwrap();
+        let huge_page_of = |addr: u64| addr & !(HUGE_PAGE - 1);
+        let first = device.alloc_buffer(PAGE).unwrap();
+        let first_region = huge_page_of(first.addr());
+        let mut fillers = vec![first];
+        let target = loop {
+            let next = device.alloc_buffer(PAGE).unwrap();
+            if huge_page_of(next.addr()) != first_region {
+                break huge_page_of(next.addr());
+            }
+            fillers.push(next);
+        };
+        let punched = PunchedGuest {
+            target,
+            _fillers: fillers,
+            own_faults: None,
+        };
+        (device, punched)
+    }
+
+    /// Punches the target huge page out of its file (MADV_REMOVE on this process's mapping
+    /// of it) and takes the pool's free pages away, so the page cannot be had again.
+    fn punch(&mut self, pool: &HugePagePool) {
+        use vrdma_backend::guest_faults::{install, FaultDomain};
+        install().unwrap();
+        let domain = FaultDomain::new("the test's own mapping of the punched page");
+        let watched = domain
+            .watch(self.target as usize, HUGE_PAGE as usize, HUGE_PAGE as usize)
+            .unwrap();
+        self.own_faults = Some(watched);
+        // SAFETY: the range is the huge page of this process's mapping of the guest's
+        // memory found in `attach`; removing its pages from the file is the attack.
+        let punched = unsafe {
+            libc::madvise(
+                self.target as *mut libc::c_void,
+                HUGE_PAGE as usize,
+                libc::MADV_REMOVE,
+            )
+        };
+        assert_eq!(punched, 0, "punch: {}", std::io::Error::last_os_error());
+        pool.exhaust();
+    }
+}
+
+/// Waits until the backend has ended `device`'s connection: control requests fail.
+fn wait_until_ended(device: &Device) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while device.alloc_pd().is_ok() {
+        assert!(Instant::now() < deadline, "the guest is still served");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Finding: checks made when a region is accepted cannot cover what a front end does to its
+/// own file afterwards. A front end punched a hole in its hugetlb memory, took the pool's free
+/// pages away, and had the backend read the hole (a REG_MR page list there): the backend died
+/// of SIGBUS and every guest lost its device. Now a fault in a guest's memory replaces the page
+/// with a zero page in the backend and ends that guest's connection only: here for a page list
+/// in the hole, and for a QP's and a CQ's rings in the hole with the doorbell rung.
+#[test]
+fn a_guest_that_punches_its_huge_pages_ends_only_its_own_connection() {
+    use vrdma_guest::spec::ctrl::{Opcode, RegMrRequest};
+    use vrdma_guest::spec::mem::{PageList, PageListForm};
+    use vrdma_guest::spec::Le32;
+    let socket = socket("punched");
+    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
+    let victim = served_guest(&socket);
+    victim.still_served(1);
+
+    // A REG_MR whose page list lies in the hole.
+    let pool = HugePagePool::reserve(16);
+    let (attacker, mut punched) = PunchedGuest::attach(&socket);
+    let pd = attacker.alloc_pd().unwrap();
+    punched.punch(&pool);
+    let request = RegMrRequest {
+        pd: Le32::from(pd.handle()),
+        access: Le32::from(vrdma_guest::access::LOCAL_WRITE),
+        virt_addr: punched.target.into(),
+        length: HUGE_PAGE.into(),
+        pages: PageList {
+            addr: (punched.target + PAGE).into(),
+            npages: Le32::from(1),
+            page_shift: 21,
+            form: PageListForm::Direct as u8,
+            reserved: Default::default(),
+        },
+    };
+    let request = vrdma_tests::control_request(Opcode::RegMr as u16, &request);
+    // The backend reads zeros where the list was (and may answer so) as it ends the guest.
+    let _ = attacker.raw_control(&request, 64);
+    wait_until_ended(&attacker);
+    assert_alive(&mut backend);
+    victim.still_served(2);
+    drop((pd, attacker, punched, pool));
+
+    // A QP's and a CQ's rings in the hole, the doorbell rung.
+    let pool = HugePagePool::reserve(16);
+    let (attacker, mut punched) = PunchedGuest::attach(&socket);
+    let rings = WritingGuest::on(attacker);
+    rings.still_served(3);
+    punched.punch(&pool);
+    let _ = rings.post_write(b"into the hole");
+    wait_until_ended(&rings.device);
+    assert_alive(&mut backend);
+    victim.still_served(4);
+    let log = wait_for_backend_log(&socket, "the attackers' ends", |log| {
+        log.matches("its connection ends").count() >= 2
+    });
+    assert!(log.contains("SIGBUS at"), "{log}");
+    drop((rings, punched, pool));
+
+    // A newcomer is served as ever.
+    served_guest(&socket).still_served(5);
+    stop_alive(backend);
+}
+
+/// A driver that keeps the control queue of a hostile front end busy: it publishes a chain
+/// (one writable descriptor in the region's first page) whenever there is room in the ring,
+/// and kicks, until told to stop.
+struct BusyControlQueue {
+    memory: *mut u8,
+    kick: vmm_sys_util::eventfd::EventFd,
+    _call: vmm_sys_util::eventfd::EventFd,
+}
+
+/// Control queue entries, and the offsets of its rings in the region (pages 1 to 3).
+const BUSY_QUEUE_SIZE: u16 = 16;
+const DESCRIPTORS: u64 = PAGE;
+const USED_RING: u64 = 2 * PAGE;
+const AVAIL_RING: u64 = 3 * PAGE;
+
+// SAFETY: the pointer is to a shared mapping the value owns, touched only through atomics
+// and volatile stores.
+unsafe impl Sync for BusyControlQueue {}
+
+impl BusyControlQueue {
+    /// Sets up the control queue of `frontend` in `file` (4 pages at `gpa`, the table sent).
+    fn new(frontend: &mut Frontend, file: &File, gpa: u64) -> BusyControlQueue {
+        use vhost::VringConfigData;
+        use vmm_sys_util::eventfd::EventFd;
+        // SAFETY: a new shared mapping of the test's own 4-page memfd; the result is checked.
+        let memory = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4 * PAGE as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(memory, libc::MAP_FAILED);
+        let memory = memory.cast::<u8>();
+        // Descriptor 0: 64 writable bytes at the region's start (the response's room).
+        let descriptor: [u8; 16] = {
+            let mut d = [0u8; 16];
+            d[..8].copy_from_slice(&gpa.to_le_bytes());
+            d[8..12].copy_from_slice(&64u32.to_le_bytes());
+            d[12..14].copy_from_slice(&2u16.to_le_bytes()); // VIRTQ_DESC_F_WRITE
+            d
+        };
+        // SAFETY: 16 bytes inside the 4-page mapping made above.
+        unsafe {
+            std::ptr::copy_nonoverlapping(descriptor.as_ptr(), memory.add(DESCRIPTORS as usize), 16)
+        };
+        let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+        let ring = VringConfigData {
+            queue_max_size: BUSY_QUEUE_SIZE,
+            queue_size: BUSY_QUEUE_SIZE,
+            flags: 0,
+            desc_table_addr: gpa + DESCRIPTORS,
+            used_ring_addr: gpa + USED_RING,
+            avail_ring_addr: gpa + AVAIL_RING,
+            log_addr: None,
+        };
+        frontend.set_vring_call(0, &call).unwrap();
+        frontend.set_vring_kick(0, &kick).unwrap();
+        frontend.set_vring_num(0, BUSY_QUEUE_SIZE).unwrap();
+        frontend.set_vring_addr(0, &ring).unwrap();
+        frontend.set_vring_base(0, 0).unwrap();
+        frontend.set_vring_enable(0, true).unwrap();
+        BusyControlQueue {
+            memory,
+            kick,
+            _call: call,
+        }
+    }
+
+    fn index(&self, offset: u64) -> &std::sync::atomic::AtomicU16 {
+        // SAFETY: a 2-byte aligned ring index inside the mapping, which lives as long as
+        // `self`; the device writes it concurrently, hence the atomic.
+        unsafe { &*self.memory.add(offset as usize + 2).cast() }
+    }
+
+    /// Publishes chains and kicks until `stop` is set.
+    fn keep_busy(&self, stop: &std::sync::atomic::AtomicBool) {
+        use std::sync::atomic::Ordering;
+        let mut available: u16 = 0;
+        while !stop.load(Ordering::Relaxed) {
+            let used = self.index(USED_RING).load(Ordering::Acquire);
+            while available.wrapping_sub(used) < BUSY_QUEUE_SIZE {
+                let slot = AVAIL_RING as usize + 4 + 2 * usize::from(available % BUSY_QUEUE_SIZE);
+                // SAFETY: an entry of the available ring, inside the mapping.
+                unsafe { self.memory.add(slot).cast::<u16>().write_volatile(0) };
+                available = available.wrapping_add(1);
+                self.index(AVAIL_RING).store(available, Ordering::Release);
+            }
+            self.kick.write(1).unwrap();
+        }
+    }
+}
+
+impl Drop for BusyControlQueue {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, no longer used.
+        unsafe { libc::munmap(self.memory.cast(), 4 * PAGE as usize) };
+    }
+}
+
+/// Finding: vhost-user-backend puts a new memory table in place before the backend checks it,
+/// and the device's queues and pollers read guest memory through that same table: with
+/// VIRTIO_F_EVENT_IDX negotiated, the control queue's worker, kept busy by its driver, read a
+/// table the backend was about to refuse (a region beyond its file) and the backend died of
+/// SIGBUS on the first try. Now the queues and the device see only tables the backend accepted.
+#[test]
+fn a_memory_table_is_checked_before_any_queue_reads_it() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    /// VIRTIO_RING_F_EVENT_IDX.
+    const EVENT_IDX: u64 = 1 << 29;
+    let socket = socket("table-race");
+    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
+    let victim = served_guest(&socket);
+    let gpa = 1 << 32;
+    for attempt in 0..5 {
+        let mut frontend = hostile_front_end_with(&socket, EVENT_IDX);
+        let good = memfd(4 * PAGE, libc::F_SEAL_SHRINK, false);
+        frontend
+            .set_mem_table(&[region(&good, gpa, 4 * PAGE)])
+            .unwrap();
+        let queue = BusyControlQueue::new(&mut frontend, &good, gpa);
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| queue.keep_busy(&stop));
+            scope.spawn(|| {
+                // The worker serves as long as chains come; the table's check waits for it.
+                std::thread::sleep(Duration::from_millis(200));
+                stop.store(true, Ordering::Relaxed);
+            });
+            // The same addresses, from a file of one page: the rings lie beyond it.
+            let short = memfd(PAGE, libc::F_SEAL_SHRINK, false);
+            let refused = frontend.set_mem_table(&[region(&short, gpa, 4 * PAGE)]);
+            assert!(
+                refused.is_err(),
+                "attempt {attempt}: a short file was accepted"
+            );
+        });
+        assert_alive(&mut backend);
+    }
+    victim.still_served(1);
+    let log = std::fs::read_to_string(vrdma_tests::backend_log(&socket)).unwrap();
+    assert!(
+        !log.contains("SIGBUS"),
+        "the refused table was read:\n{log}"
+    );
+    stop_alive(backend);
+}
+
+/// Finding: the backend read a region's file size before its seals, so a front end that
+/// shrank its file and then sealed it in between had a region accepted that its file no longer
+/// covered (1 in 150 tries). The seals are read first now: once F_SEAL_SHRINK is seen, the
+/// size read after it can only have grown.
+#[test]
+fn a_file_shrunk_and_sealed_while_it_is_checked_is_never_accepted() {
+    let socket = socket("seal-race");
+    let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
+    let gpa = 1 << 32;
+    let mut accepted = 0;
+    // 1,000 under emulation in the VM, where each try takes milliseconds.
+    let tries: u32 = if std::env::var_os("VRDMA_TEST_DEVICE").is_some() {
+        1000
+    } else {
+        10_000
+    };
+    for attempt in 0..tries {
+        let frontend = hostile_front_end(&socket);
+        // SAFETY: a literal name; the result is checked.
+        let fd = unsafe {
+            libc::memfd_create(
+                c"racing".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        assert!(fd >= 0, "memfd: {}", std::io::Error::last_os_error());
+        // SAFETY: a new descriptor nothing else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(4 * PAGE).unwrap();
+        // Over each 1,000 tries the shrink lands at every moment of 60-180 us after the
+        // request is sent (the backend checks the region about 110 us after), 0.12 us apart:
+        // the old order of the checks was caught about once in 5,000 tries.
+        let delay = Duration::from_nanos(60_000 + u64::from(attempt % 1000) * 120);
+        let sent = Instant::now();
+        let result = std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while sent.elapsed() < delay {
+                    std::hint::spin_loop();
+                }
+                file.set_len(PAGE).unwrap();
+                // SAFETY: seals the memfd this test made.
+                unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) };
+            });
+            frontend.set_mem_table(&[region(&file, gpa, 4 * PAGE)])
+        });
+        accepted += u32::from(result.is_ok());
+    }
+    assert_eq!(
+        accepted, 0,
+        "regions beyond their sealed files were accepted"
+    );
+    assert_alive(&mut backend);
+    served_guest(&socket).still_served(1);
     stop_alive(backend);
 }

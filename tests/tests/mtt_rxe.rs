@@ -66,7 +66,8 @@ fn rdma_at_guest_virtual_addresses_reaches_scattered_guest_pages() {
         indirect_allowed: true,
     };
     let pages = resolve_page_list(&mem, &list, npages, &rules).expect("valid page list");
-    let mapping = GuestPagesMapping::new(&pages, PAGE).expect("map guest pages");
+    let faults = vrdma_backend::guest_faults::FaultDomain::new("the test's guest memory");
+    let mapping = GuestPagesMapping::new(&pages, PAGE, &faults).expect("map guest pages");
 
     let context = open_test_device();
     let (a, b) = connected_rc_pair(&context);

@@ -31,6 +31,7 @@ use crate::datapath::wqe::{MrRange, QpRules};
 use crate::datapath::{
     AreaInUse, CqData, DataPath, GuestRing, NoBit, NotifyArea, PollerPool, QpData, SrqData,
 };
+use crate::guest_faults::FaultDomain;
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpAttr, QpCaps, QpInit, QpType};
 use crate::mtt::{self, pages_needed, PageListRules};
 use crate::{limits, Config, HostDevice};
@@ -60,6 +61,9 @@ pub struct Device {
     refusals: RefusalLog,
     /// What of the backend's mapping of guest RAM registrations have populated.
     populated: mtt::PopulatedRanges,
+    /// The guest's memory as far as faults go: a fault in any mapping of it ends this
+    /// connection ([`crate::guest_faults`]).
+    fault_domain: Arc<FaultDomain>,
     /// The RC QPs of every guest of the backend, and this connection's identity among them.
     peers: Arc<LocalPeers>,
     connection: u64,
@@ -184,6 +188,7 @@ impl Device {
             config: advertised,
             objects: Objects::new(),
             populated: mtt::PopulatedRanges::default(),
+            fault_domain: FaultDomain::new("a connection starting"),
             connection: peers.new_connection(),
             peers: Arc::clone(peers),
         })
@@ -231,6 +236,11 @@ impl Device {
     /// The guest's memory table changed: the backend's mappings of guest RAM are new.
     pub fn memory_changed(&mut self) {
         self.populated.clear();
+    }
+
+    /// The guest's memory as far as faults go ([`crate::guest_faults`]).
+    pub fn fault_domain(&self) -> &Arc<FaultDomain> {
+        &self.fault_domain
     }
 
     /// The data path serving this connection's rings.
@@ -607,13 +617,14 @@ impl Device {
             // Any mapping made lives only for the registration: the MR keeps the pages
             // pinned, so the mappings a guest causes do not pile up with its MRs (SPEC.md §6).
             let populated = &mut self.populated;
-            mtt::with_pages_contiguous(mem, &runs, page_size, populated, |memory| {
+            let faults = &self.fault_domain;
+            mtt::with_pages_contiguous(mem, (&runs, page_size), populated, faults, |memory| {
                 pd.reg_mr_pinned(memory, offset as usize, length as usize, virt_addr, access)
             })??
         } else {
             // A host that reaches the pages through this process (the loopback) keeps a
             // mapping of them of its own, from the same budget, for the MR's life.
-            let mapping = mtt::GuestPagesMapping::new(&runs, page_size)?;
+            let mapping = mtt::GuestPagesMapping::new(&runs, page_size, &self.fault_domain)?;
             pd.reg_mr_range(mapping, offset as usize, length as usize, virt_addr, access)?
         };
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
