@@ -75,30 +75,57 @@ pub fn claim(device: &str, port: u8, gid: Gid, shared: bool) -> Result<GidClaim,
     Ok(GidClaim { _lock: file })
 }
 
-/// The lock directory, made (world-writable and sticky, like /tmp, so that backends serving
-/// as other users can claim GIDs too) if missing. A process that cannot make it claims in
-/// its temporary directory instead, which only backends of the same user see. A backend that
-/// starts as root and serves as `--user` makes it first: a guest added at run time claims
-/// its GID as that user, who may not make folders in /run.
+/// The lock directory for backends that serve as the process's own group.
 pub fn lock_dir() -> PathBuf {
+    lock_dir_for(nix::unistd::getegid())
+}
+
+/// The lock directory, made if missing: open only to `group` (the group of the user the
+/// backend serves as), setgid so the lock files are that group's too, and sticky so that no
+/// backend removes another's file. A lock file anyone could open, anyone could lock: a folder
+/// open to every user (as this one once was, mode 1777) let any local user hold a GID's claim
+/// and keep backends from starting, so such a folder is closed to others here, or refused when
+/// this process cannot. A process that cannot make the folder claims in its temporary
+/// directory instead, which only backends of the same user see. A backend that starts as root
+/// and serves as `--user` makes it first: a guest added at run time claims its GID as that
+/// user, who may not make folders in /run.
+pub fn lock_dir_for(group: nix::unistd::Gid) -> PathBuf {
     let dir = Path::new(LOCK_DIR);
     let parent = dir.parent().expect("LOCK_DIR has a parent");
-    let made = std::fs::create_dir_all(parent)
-        .and_then(|()| std::fs::create_dir(dir))
-        .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777)));
-    match made {
+    let ready = std::fs::create_dir_all(parent)
+        .and_then(|()| match std::fs::create_dir(dir) {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            made => made,
+        })
+        .and_then(|()| close_to_others(dir, group));
+    match ready {
         Ok(()) => dir.to_path_buf(),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => dir.to_path_buf(),
         Err(e) => {
             let fallback = std::env::temp_dir().join("vrdma");
             log::warn!(
-                "cannot make {LOCK_DIR} ({e}): GID claims go to {}, which only backends of this user see",
+                "cannot use {LOCK_DIR} ({e}): GID claims go to {}, which only backends of this user see",
                 fallback.display()
             );
             let _ = std::fs::create_dir_all(&fallback);
+            let _ = std::fs::set_permissions(&fallback, std::fs::Permissions::from_mode(0o700));
             fallback
         }
     }
+}
+
+/// The claims folder's mode: the owner and its group only, setgid and sticky.
+const LOCK_DIR_MODE: u32 = 0o3770;
+
+/// Makes `dir` the claims folder of `group` (see [`lock_dir_for`]), if it is not yet closed
+/// to other users; fails where it is open to them and this process may not change that.
+fn close_to_others(dir: &Path, group: nix::unistd::Gid) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir)?;
+    if meta.mode() & 0o007 == 0 {
+        return Ok(());
+    }
+    nix::unistd::chown(dir, None, Some(group)).map_err(io::Error::from)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(LOCK_DIR_MODE))
 }
 
 /// Opens the lock file for reading (all flock needs), making it if missing.
@@ -111,7 +138,7 @@ fn open_lock_file(path: &Path) -> io::Result<File> {
         match OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o644)
+            .mode(0o660)
             .open(path)
         {
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
@@ -130,6 +157,24 @@ mod tests {
         gid[11] = 0xff;
         gid[15] = last;
         Gid(gid)
+    }
+
+    /// Finding: the claims folder was open to every user (mode 1777), so any local user could
+    /// make a GID's lock file, hold its lock and keep backends from starting. Now it is open
+    /// to the serving user's group only, and an old open one is closed.
+    #[test]
+    fn a_claims_folder_open_to_every_user_is_closed_to_others() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("vrdma-claims-{}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        close_to_others(&dir, nix::unistd::getegid()).unwrap();
+        let meta = std::fs::metadata(&dir).unwrap();
+        assert_eq!(meta.mode() & 0o7777, LOCK_DIR_MODE);
+        assert_eq!(meta.gid(), nix::unistd::getegid().as_raw());
+        std::fs::remove_dir(&dir).unwrap();
+        let made = lock_dir();
+        assert_eq!(std::fs::metadata(made).unwrap().mode() & 0o007, 0);
     }
 
     #[test]

@@ -63,6 +63,13 @@ pub enum Error {
     Declarations(#[from] guests::DeclarationError),
     #[error("vhost-user socket: {0}")]
     VhostUser(#[source] vhost::vhost_user::Error),
+    #[error(
+        "will not make the vhost-user socket {path}: {reason}; remove it, or choose another path"
+    )]
+    SocketPath {
+        path: std::path::PathBuf,
+        reason: String,
+    },
     #[error("cannot give the socket {path} to group {group} (mode 0660): {source}")]
     SocketGroup {
         path: std::path::PathBuf,
@@ -121,6 +128,9 @@ pub struct Config {
     /// The group whose members may connect to the guests' sockets (front ends running as
     /// another user: libvirt's QEMU); `None` leaves them to the backend's user.
     pub socket_group: Option<sandbox::SocketGroup>,
+    /// How long a front end that connected may stay silent (no GET_FEATURES) before its
+    /// connection is closed: a silent connection would keep the guest's own front end out.
+    pub handshake_timeout: std::time::Duration,
 }
 
 #[cfg(test)]
@@ -143,6 +153,7 @@ impl Config {
             unsealed_memory: memory_regions::UnsealedFiles::Refuse,
             rate_limits: datapath::RateLimits::default(),
             socket_group: None,
+            handshake_timeout: std::time::Duration::from_secs(10),
         }
     }
 }

@@ -70,7 +70,7 @@ struct Args {
     shared_gid: bool,
     /// Accept guest memory whose files may shrink (no F_SEAL_SHRINK seal: QEMU's
     /// memory-backend-file, cloud-hypervisor). Only for trusted front ends: one that shrinks
-    /// such a file while the backend uses it kills the backend, and every guest with it.
+    /// such a file while the backend uses it loses its connection.
     #[arg(long)]
     unsealed_memory: bool,
     /// Most QPs one guest may hold.
@@ -133,6 +133,11 @@ struct Args {
     /// that run as another user than the backend: libvirt's QEMU (libvirt-qemu on Debian).
     #[arg(long)]
     socket_group: Option<SocketGroup>,
+    /// Milliseconds a front end that connected may stay silent (send no GET_FEATURES) before
+    /// its connection is closed, so that no silent connection keeps the guest's own front end
+    /// out.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    handshake_timeout_ms: u64,
     /// Check the host device and print what guests would be offered, then exit.
     #[arg(long, conflicts_with = "socket_path")]
     check: bool,
@@ -165,6 +170,7 @@ impl From<Args> for Config {
                 bytes_per_second: args.max_bytes_per_second,
             },
             socket_group: args.socket_group,
+            handshake_timeout: std::time::Duration::from_millis(args.handshake_timeout_ms),
         }
     }
 }
@@ -271,7 +277,7 @@ fn serve_declared(args: Args, path: &std::path::Path) -> Result<(), vrdma_backen
     let admin = listen_admin(admin)?;
     if let Some(user) = &user {
         // Guests added at run time claim their GIDs there, as `user`.
-        vrdma_backend::gid_claim::lock_dir();
+        vrdma_backend::gid_claim::lock_dir_for(user.gid);
         vrdma_backend::sandbox::run_as(user, config.socket_group.as_ref(), keep_net_admin)?;
     }
     let addresses = vrdma_backend::GuestAddresses::default();

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
@@ -72,6 +72,8 @@ pub struct RdmaBackend {
     /// The driver broke the control queue; it is served again after a reset.
     control_broken: bool,
     kicks: KickThrottle,
+    /// The front end asked for the device's features, as every front end does first.
+    greeted: Arc<AtomicBool>,
 }
 
 /// Kicks no poller asked for (none was asleep, SPEC.md §8.5) are wasted work: a wake-up of
@@ -151,6 +153,7 @@ impl RdmaBackend {
             unsealed_memory: config.unsealed_memory,
             control_broken: false,
             kicks: KickThrottle::default(),
+            greeted: Arc::default(),
         })
     }
 
@@ -310,6 +313,7 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn features(&self) -> u64 {
+        self.greeted.store(true, Ordering::Release);
         self.device.offered_features()
             | 1 << VIRTIO_F_VERSION_1
             | 1 << VIRTIO_RING_F_EVENT_IDX
@@ -472,12 +476,15 @@ impl Managed for RwLock<RdmaBackend> {
     }
 }
 
-/// The vhost-user socket at `socket_path`, listening (a file left there is replaced); with
-/// `group`, that group's members may connect to it too.
+/// The vhost-user socket at `socket_path`, listening; with `group`, that group's members may
+/// connect to it too. A socket left there by a backend that is gone is replaced; anything
+/// else there (a file that is not a socket, or a socket something still serves) is not
+/// touched, and refused.
 pub fn listen(
     socket_path: &Path,
     group: Option<&crate::sandbox::SocketGroup>,
 ) -> Result<Listener, Error> {
+    check_socket_path(socket_path)?;
     let listener = Listener::new(socket_path, true).map_err(Error::VhostUser)?;
     if let Some(group) = group {
         group
@@ -490,6 +497,26 @@ pub fn listen(
     }
     log::info!("listening on {}", socket_path.display());
     Ok(listener)
+}
+
+/// Refuses `path` for a new socket unless nothing is there or a socket no process serves.
+fn check_socket_path(path: &Path) -> Result<(), Error> {
+    use std::os::unix::fs::FileTypeExt;
+    let refused = |reason: &str| Error::SocketPath {
+        path: path.to_owned(),
+        reason: reason.to_string(),
+    };
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(refused(&e.to_string())),
+        Ok(meta) if !meta.file_type().is_socket() => {
+            Err(refused("something other than a socket is there"))
+        }
+        Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => Err(refused("a process serves the socket there")),
+            Err(_) => Ok(()),
+        },
+    }
 }
 
 /// The name of the one socket `--socket-path` serves, in reports.
@@ -592,7 +619,7 @@ impl Serving {
             let started = start_connection(
                 (connection, &name),
                 Arc::clone(&backend),
-                &mut listener,
+                (&mut listener, config.handshake_timeout),
                 (Arc::clone(&admission), Arc::clone(&self.registry)),
             );
             if let Err(e) = started {
@@ -743,12 +770,39 @@ impl Admission {
     }
 }
 
+/// Closes the connection (`handle`) unless its front end has spoken after `timeout`: a
+/// connection that says nothing would hold the guest's room (a backend that serves one
+/// guest at a time keeps the guest's own front end out meanwhile).
+fn close_if_silent(
+    connection: u64,
+    backend: &RwLock<RdmaBackend>,
+    timeout: std::time::Duration,
+    handle: vhost_user_backend::ShutdownHandle,
+) {
+    let greeted = Arc::clone(&backend.read().unwrap_or_else(|e| e.into_inner()).greeted);
+    let watch = move || {
+        std::thread::sleep(timeout);
+        if !greeted.load(Ordering::Acquire) {
+            log::warn!(
+                "connection {connection}: the front end said nothing for {timeout:?} (no GET_FEATURES): closed"
+            );
+            handle.shutdown();
+        }
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name(format!("vrdma-conn{connection}-hello"))
+        .spawn(watch)
+    {
+        log::warn!("connection {connection}: no handshake timeout ({e})");
+    }
+}
+
 /// Accepts one front end and serves it with `backend` until it disconnects, in threads of its
 /// own; returns once the connection is running.
 fn start_connection(
     (connection, name): (u64, &str),
     backend: Arc<RwLock<RdmaBackend>>,
-    listener: &mut Listener,
+    (listener, handshake_timeout): (&mut Listener, std::time::Duration),
     (admission, registry): (Arc<Admission>, Arc<Registry>),
 ) -> Result<(), Error> {
     // The thread that tears the connection down exists before the connection is accepted, so
@@ -813,6 +867,9 @@ fn start_connection(
     admission.connected();
     let disconnect = daemon.shutdown_handle();
     if let Some(handle) = daemon.shutdown_handle() {
+        close_if_silent(connection, &backend, handshake_timeout, handle);
+    }
+    if let Some(handle) = daemon.shutdown_handle() {
         // A fault in the guest's memory ends this connection (and only this one).
         backend
             .read()
@@ -845,6 +902,34 @@ fn start_connection(
 mod tests {
     use super::*;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    /// Finding: the backend (and `vrdmactl add`) replaced whatever file sat at a guest's
+    /// socket path. Now only a socket no process serves is replaced.
+    #[test]
+    fn only_a_socket_no_one_serves_is_replaced() {
+        let path = std::env::temp_dir().join(format!("vrdma-path-{}.sock", std::process::id()));
+        std::fs::write(&path, "an operator's file").unwrap();
+        let refused = listen(&path, None).err().expect("a plain file is refused");
+        assert!(
+            refused.to_string().contains("other than a socket"),
+            "{refused}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "an operator's file"
+        );
+        std::fs::remove_file(&path).unwrap();
+
+        let served = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let refused = listen(&path, None)
+            .err()
+            .expect("a served socket is refused");
+        assert!(refused.to_string().contains("serves"), "{refused}");
+        drop(served); // the file stays, served by no one
+        let listener = listen(&path, None).unwrap();
+        drop(listener);
+        let _ = std::fs::remove_file(&path);
+    }
 
     #[test]
     fn a_socket_group_gets_the_guests_socket_with_mode_0660() {

@@ -261,6 +261,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         unsealed_memory: vrdma_backend::memory_regions::UnsealedFiles::Refuse,
         rate_limits: vrdma_backend::datapath::RateLimits::default(),
         socket_group: None,
+        handshake_timeout: Duration::from_secs(10),
     };
     serve_in_background(config, socket)
 }

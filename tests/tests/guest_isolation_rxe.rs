@@ -946,3 +946,22 @@ fn a_file_shrunk_and_sealed_while_it_is_checked_is_never_accepted() {
     served_guest(&socket).still_served(1);
     stop_alive(backend);
 }
+
+/// Finding: a backend that serves one guest at a time kept a connection that never spoke for
+/// as long as its peer liked: anyone who could open the socket kept the guest's own front end
+/// (its VM's QEMU) out. A front end now has --handshake-timeout-ms to ask for the device's
+/// features; a silent one is closed and the guest's front end is served.
+#[test]
+fn a_silent_connection_does_not_keep_the_guest_out() {
+    let socket = socket("silent");
+    let backend = spawn_backend_process(&socket, &["--handshake-timeout-ms", "300"]);
+    let silent = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    // The guest's front end comes while the silent one holds the room: it waits for it.
+    std::thread::sleep(Duration::from_millis(100));
+    served_guest(&socket).still_served(1);
+    wait_for_backend_log(&socket, "the silent connection's end", |log| {
+        log.contains("the front end said nothing")
+    });
+    drop(silent);
+    stop_alive(backend);
+}

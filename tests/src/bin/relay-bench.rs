@@ -330,6 +330,7 @@ fn start_loopback_backend(poller_cpu: usize) -> std::path::PathBuf {
         unsealed_memory: vrdma_backend::memory_regions::UnsealedFiles::Refuse,
         rate_limits: vrdma_backend::datapath::RateLimits::default(),
         socket_group: None,
+        handshake_timeout: Duration::from_secs(10),
     };
     serve_in_background(config, socket).socket
 }
