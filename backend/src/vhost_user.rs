@@ -27,7 +27,7 @@ use vrdma_spec::ring::Event;
 use vrdma_spec::ByteValued;
 
 use crate::admin::{AdminSocket, Managed, Registry};
-use crate::datapath::{EventSink, PollerPool, RateLimits};
+use crate::datapath::{EventSink, PollerPool, RateDebt, RateLimits};
 use crate::device::{Device, GuestReport, LocalPeers};
 use crate::guest_faults::WatchedMapping;
 use crate::memory_regions::{self, UnsealedFiles};
@@ -562,6 +562,8 @@ pub struct PreparedSocket {
     name: String,
     listener: Listener,
     first: RdmaBackend,
+    /// What its guest's sends owe their rate limits, from one connection to the next.
+    rate_debt: Arc<RateDebt>,
 }
 
 impl Serving {
@@ -593,6 +595,7 @@ impl Serving {
             name: name.to_string(),
             listener: listen()?,
             first,
+            rate_debt: Arc::default(),
         })
     }
 
@@ -604,6 +607,7 @@ impl Serving {
             name,
             mut listener,
             first,
+            rate_debt,
         } = socket;
         let mut backend = Arc::new(RwLock::new(first));
         let admission = Arc::new(Admission::new(&config)?);
@@ -620,7 +624,11 @@ impl Serving {
                 (connection, &name),
                 Arc::clone(&backend),
                 (&mut listener, config.handshake_timeout),
-                (Arc::clone(&admission), Arc::clone(&self.registry)),
+                (
+                    Arc::clone(&admission),
+                    Arc::clone(&self.registry),
+                    Arc::clone(&rate_debt),
+                ),
             );
             if let Err(e) = started {
                 log::error!("connection {connection}: cannot be served: {e}");
@@ -803,8 +811,15 @@ fn start_connection(
     (connection, name): (u64, &str),
     backend: Arc<RwLock<RdmaBackend>>,
     (listener, handshake_timeout): (&mut Listener, std::time::Duration),
-    (admission, registry): (Arc<Admission>, Arc<Registry>),
+    (admission, registry, rate_debt): (Arc<Admission>, Arc<Registry>, Arc<RateDebt>),
 ) -> Result<(), Error> {
+    // The guest's sends start with what its last connection owed their rate limits.
+    backend
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .device
+        .data_path()
+        .take_rate_debt(&rate_debt);
     // The thread that tears the connection down exists before the connection is accepted, so
     // an accepted connection always has one.
     let (daemon_tx, daemon_rx) = std::sync::mpsc::channel::<VhostUserDaemon<_>>();
@@ -831,6 +846,7 @@ fn start_connection(
             let objects = state.device.object_count();
             let stats = state.device.data_path().stats();
             let refusals = state.device.refusals().summary();
+            state.device.data_path().leave_rate_debt(&rate_debt);
             state.stop_workers();
             drop(state);
             drop(daemon);

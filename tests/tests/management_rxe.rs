@@ -567,3 +567,47 @@ fn a_socket_group_lets_its_members_connect_to_declared_and_added_guests() {
     assert!(listed.is_ok(), "the backend serves on: {listed:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Finding: a guest's rate-limit buckets lived and died with its connection, so a guest that
+/// ran into debt (one large WRITE under a byte limit) and connected again sent at once. Its
+/// next connection now pays what the last one owed.
+#[test]
+fn a_guest_that_reconnects_pays_what_it_owed_its_rate_limit() {
+    let (_backend, socket, _admin) =
+        backend_with_admin("rate-debt", &["--max-bytes-per-second", "1000000"]);
+    // One WRITE of `len` bytes to itself on a new connection; returns when it completed.
+    let write_on_a_new_connection = |len: u32| {
+        let device = Device::attach(&socket).unwrap();
+        let pd = device.alloc_pd().unwrap();
+        let cq = device.create_cq(4).unwrap();
+        let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+        let (gid_index, gid) = device.gid().unwrap();
+        connect_guest_qp(&qp, gid_index as u8, gid, qp.qp_num()).unwrap();
+        let buffer = device.alloc_buffer(2 * u64::from(len)).unwrap();
+        let mr = pd
+            .reg_mr(&buffer, access::LOCAL_WRITE | access::REMOTE_WRITE)
+            .unwrap();
+        let write = SendOp::RdmaWrite {
+            remote_addr: mr.addr() + u64::from(len),
+            rkey: mr.rkey(),
+        };
+        let source = [Sge {
+            addr: mr.addr(),
+            length: len,
+            lkey: mr.lkey(),
+        }];
+        qp.post_send(&[SendWr::new(1, write, Payload::Sges(&source))])
+            .unwrap();
+        let done = wait_for_guest_completions(&cq, 1);
+        assert_eq!(done[0].status, 0, "{done:?}");
+    };
+    let start = Instant::now();
+    // 1 MiB at 1 MB a second: about a second owed once it went.
+    write_on_a_new_connection(1 << 20);
+    write_on_a_new_connection(8);
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(900),
+        "the second connection's WRITE went {took:?} after the first: its debt was forgotten"
+    );
+}

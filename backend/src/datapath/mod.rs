@@ -22,7 +22,7 @@ pub mod wqe;
 
 pub use pool::PollerPool;
 pub use queues::{CqData, GuestRing, QpData, SrqData};
-pub use rate::RateLimits;
+pub use rate::{RateDebt, RateLimits};
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -317,8 +317,10 @@ struct Shared {
     /// Events raised for the guest (delivered or kept), by kind.
     events: [AtomicU64; event_kind::KINDS],
     refused: AtomicU64,
-    /// The guest's rate limits (the pool thread keeps the buckets).
+    /// The guest's rate limits, and their buckets (the pool thread's, but for a connection's
+    /// start and end, which hand them on: [`RateDebt`]).
     rate_limits: rate::SharedLimits,
+    rate_gate: parking_lot::Mutex<rate::RateGate>,
     storms: AtomicU64,
     /// Tells the host event thread to end.
     stop: AtomicBool,
@@ -626,6 +628,16 @@ impl DataPath {
         self.shared.rate_limits.get()
     }
 
+    /// Starts from the buckets `debt` holds: what the guest's last connection left them.
+    pub fn take_rate_debt(&self, debt: &RateDebt) {
+        *self.shared.rate_gate.lock() = debt.take();
+    }
+
+    /// Leaves the buckets to `debt`, for the guest's next connection.
+    pub fn leave_rate_debt(&self, debt: &RateDebt) {
+        debt.leave(self.shared.rate_gate.lock().clone());
+    }
+
     /// Completions written in error so far, by status (those of none left out).
     pub fn completion_errors(&self) -> BTreeMap<u8, u64> {
         counted(&self.shared.completion_errors)
@@ -706,6 +718,7 @@ impl Shared {
             events: Default::default(),
             refused: AtomicU64::new(0),
             rate_limits: rate::SharedLimits::default(),
+            rate_gate: parking_lot::Mutex::default(),
             storms: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             log: LogBudget::default(),

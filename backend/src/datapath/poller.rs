@@ -19,7 +19,7 @@ use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 use super::doorbells::{DoorbellArea, DoorbellBit};
 use super::guest_access::{store, Mapped, Resolved, Slots};
 use super::queues::{CqData, CqProgress, QpData, QpProgress, SrqData, Visited, FIRST_PAGE, RECORD};
-use super::rate::RateGate;
+use super::rate::Allowance;
 use super::wqe::{self, MrRange, QpRules, Slot, WqeError};
 use super::{Memory, MrTable, Rung, Shard, Shared, BATCH};
 use crate::hostverbs::{self, AddressHandle, PushError, RecvWr, SendBatch, Sge, WorkCompletion};
@@ -99,8 +99,7 @@ pub(super) struct Poller {
     objects_version: u64,
     last_mr: LastMr,
     scan: DoorbellScan,
-    /// The guest's rate limits' buckets, and whether a send visit found them empty.
-    gate: RateGate,
+    /// Whether a send visit found the guest's rate limits' buckets empty.
     throttled: bool,
 }
 
@@ -352,7 +351,6 @@ impl Poller {
             objects_version: u64::MAX,
             last_mr: LastMr::default(),
             scan: DoorbellScan::default(),
-            gate: RateGate::default(),
             throttled: false,
         }
     }
@@ -409,7 +407,8 @@ impl Poller {
     /// How long the guest's rate limits hold its sends back, if a visit found them holding.
     pub(super) fn throttled_for(&self) -> Option<std::time::Duration> {
         let limits = self.shared.rate_limits.get();
-        self.throttled.then(|| self.gate.wait(limits))
+        self.throttled
+            .then(|| self.shared.rate_gate.lock().wait(limits))
     }
 
     /// Sets or clears NEED_WAKEUP in every doorbell area's notify states: whichever area a
@@ -743,11 +742,11 @@ impl Poller {
         }
         let limits = self.shared.rate_limits.get();
         let allowed = if limits.is_unlimited() {
-            u32::MAX
+            Allowance::UNLIMITED
         } else {
-            self.gate.allowance(limits, std::time::Instant::now())
+            (self.shared.rate_gate.lock()).allowance(limits, std::time::Instant::now())
         };
-        if allowed == 0 {
+        if allowed.wqes == 0 {
             // The WQEs wait in the ring for the limit: the queue is visited again.
             self.throttled = true;
             return Visit {
@@ -757,6 +756,7 @@ impl Poller {
         }
         self.batch.clear();
         let mut refused: Option<(u64, WqeError)> = None;
+        let mut bytes_allowed_taken = false;
         {
             let shared = &*self.shared;
             let mrs = shared.mrs.read();
@@ -769,9 +769,14 @@ impl Poller {
             };
             let slots = Slots::new(&qp.sq, mapped.from(FIRST_PAGE));
             let send_batch = &mut self.batch;
-            let batch = pending.min(BATCH).min(allowed);
+            let batch = pending.min(BATCH).min(allowed.wqes);
             let common = qp.takes_common_sends;
             let taken = slots.take(progress.sq_consumer, batch, |slot| {
+                // The WQE that reaches the byte limit is the visit's last (rate.rs).
+                if send_batch.payload_bytes(send_batch.len()) >= allowed.bytes {
+                    bytes_allowed_taken = true;
+                    return false;
+                }
                 if common {
                     if let Some(wr) = wqe::parse_common_send(&slot, &qp.rules, &mr_of) {
                         if send_batch.push_one_sge(&wr) {
@@ -783,7 +788,7 @@ impl Poller {
                 refused = pushed.err();
                 refused.is_none()
             });
-            if refused.is_none() && taken < batch {
+            if refused.is_none() && !bytes_allowed_taken && taken < batch {
                 progress.failed = true;
                 self.fail_qp(qp, &mut progress.in_error, &"SQ ring unreadable");
                 return Visit::WORKED;
@@ -793,7 +798,7 @@ impl Poller {
         let bytes = self.batch.payload_bytes(posted);
         self.shared.bytes.fetch_add(bytes, Ordering::Relaxed);
         if !limits.is_unlimited() {
-            self.gate.spend(limits, posted as u64, bytes);
+            (self.shared.rate_gate.lock()).spend(limits, posted as u64, bytes);
         }
         progress.sq_consumer = progress.sq_consumer.wrapping_add(posted as u32);
         let all_posted = posted == self.batch.len();

@@ -3,10 +3,12 @@
 //! refused or dropped: it waits in the guest's ring, where the poller finds it once the limit
 //! lets it through, and completes as any other.
 //!
-//! Each limit is a token bucket that may run into debt: a pass takes WQEs while tokens are
-//! left and pays for all it took, so one large WQE is never held back for ever, and the debt
-//! delays the next. Over any stretch longer than the bucket's depth (1/100 s of the rate) the
-//! guest moves no more than the limit.
+//! Each limit is a token bucket that may run into debt: a visit takes WQEs while tokens are
+//! left (for bytes: while the WQEs taken so far carry fewer bytes than are left) and pays for
+//! all it took, so one large WQE is never held back for ever, and the debt delays the next.
+//! Over any stretch longer than the bucket's depth (1/100 s of the rate) the guest moves no
+//! more than the limit, plus one WQE. The buckets outlive a connection ([`RateDebt`]): a
+//! guest that reconnects pays what it owed.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -52,7 +54,7 @@ impl SharedLimits {
 
 /// Tokens of one limit: at most 1/100 s of the rate (and at least one WQE's worth), fewer
 /// than none after a pass took more than was left.
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Bucket {
     tokens: f64,
     last: Option<Instant>,
@@ -87,27 +89,44 @@ impl Bucket {
     }
 }
 
-/// One connection's buckets, kept by the pool thread that serves it.
-#[derive(Default)]
+/// One connection's buckets, used by the pool thread that serves it.
+#[derive(Clone, Default)]
 pub(super) struct RateGate {
     wqes: Bucket,
     bytes: Bucket,
 }
 
+/// What a visit may take now: WQEs, and bytes, which the WQEs taken so far must not have
+/// reached before the next is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Allowance {
+    pub wqes: u32,
+    pub bytes: u64,
+}
+
+impl Allowance {
+    pub(super) const UNLIMITED: Allowance = Allowance {
+        wqes: u32::MAX,
+        bytes: u64::MAX,
+    };
+}
+
 impl RateGate {
-    /// How many WQEs may be taken now under `limits`: `u32::MAX` without a limit, 0 while
-    /// a limit is in debt.
-    pub(super) fn allowance(&mut self, limits: RateLimits, now: Instant) -> u32 {
-        let mut allowed = u32::MAX;
+    /// What may be taken now under `limits`: everything without a limit, no WQE while a
+    /// limit is in debt.
+    pub(super) fn allowance(&mut self, limits: RateLimits, now: Instant) -> Allowance {
+        let mut allowed = Allowance::UNLIMITED;
         if limits.bytes_per_second != 0 {
             self.bytes.refill(limits.bytes_per_second, now);
             if self.bytes.tokens <= 0.0 {
-                return 0;
+                allowed.wqes = 0;
+                return allowed;
             }
+            allowed.bytes = self.bytes.tokens as u64;
         }
         if limits.wqes_per_second != 0 {
             self.wqes.refill(limits.wqes_per_second, now);
-            allowed = self.wqes.tokens.max(0.0) as u32;
+            allowed.wqes = self.wqes.tokens.max(0.0) as u32;
         }
         allowed
     }
@@ -136,6 +155,23 @@ impl RateGate {
     }
 }
 
+/// The buckets a guest's last connection left (its debt, or its unused tokens), for its
+/// next connection on the same socket: reconnecting neither clears a debt nor refills a
+/// bucket sooner than time does. (Guests that share a socket, `--shared-gid`, are one trust
+/// domain: a connection takes whatever the last one to end left.)
+#[derive(Default)]
+pub struct RateDebt(parking_lot::Mutex<Option<RateGate>>);
+
+impl RateDebt {
+    pub(super) fn take(&self) -> RateGate {
+        self.0.lock().take().unwrap_or_default()
+    }
+
+    pub(super) fn leave(&self, gate: RateGate) {
+        *self.0.lock() = Some(gate);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,9 +187,15 @@ mod tests {
     fn no_limit_lets_everything_through() {
         let mut gate = RateGate::default();
         let now = Instant::now();
-        assert_eq!(gate.allowance(RateLimits::default(), now), u32::MAX);
+        assert_eq!(
+            gate.allowance(RateLimits::default(), now),
+            Allowance::UNLIMITED
+        );
         gate.spend(RateLimits::default(), 1 << 20, 1 << 40);
-        assert_eq!(gate.allowance(RateLimits::default(), now), u32::MAX);
+        assert_eq!(
+            gate.allowance(RateLimits::default(), now),
+            Allowance::UNLIMITED
+        );
         assert_eq!(gate.wait(RateLimits::default()), Duration::ZERO);
     }
 
@@ -162,13 +204,19 @@ mod tests {
         let mut gate = RateGate::default();
         let limit = limits(10_000, 0);
         let start = Instant::now();
-        assert_eq!(gate.allowance(limit, start), 100);
+        assert_eq!(gate.allowance(limit, start).wqes, 100);
         gate.spend(limit, 100, 0);
-        assert_eq!(gate.allowance(limit, start), 0);
+        assert_eq!(gate.allowance(limit, start).wqes, 0);
         assert_eq!(gate.wait(limit), Duration::from_micros(100));
-        assert_eq!(gate.allowance(limit, start + Duration::from_millis(1)), 10);
+        assert_eq!(
+            gate.allowance(limit, start + Duration::from_millis(1)).wqes,
+            10
+        );
         // Idle for long, it still holds only the bucket's depth.
-        assert_eq!(gate.allowance(limit, start + Duration::from_secs(5)), 100);
+        assert_eq!(
+            gate.allowance(limit, start + Duration::from_secs(5)).wqes,
+            100
+        );
     }
 
     /// Over a simulated second of passes that each take all they are allowed, as WQEs of
@@ -182,12 +230,18 @@ mod tests {
         let mut moved = 0u64;
         for step in 0..=10_000u32 {
             let now = start + Duration::from_micros(100) * step;
-            // A pass takes up to 16 WQEs, paying after.
-            let taken = gate.allowance(limit, now).min(16);
+            // A pass takes up to 16 WQEs while the bytes taken are below the allowance,
+            // paying after.
+            let allowed = gate.allowance(limit, now);
+            let mut taken = 0u64;
+            while taken < 16 && allowed.wqes > 0 && taken * wqe < allowed.bytes {
+                taken += 1;
+            }
+            let taken = taken as u32;
             gate.spend(limit, u64::from(taken), u64::from(taken) * wqe);
             moved += u64::from(taken) * wqe;
         }
-        let most = rate + rate / 100 + 16 * wqe;
+        let most = rate + rate / 100 + wqe;
         assert!(moved <= most, "{moved} > {most}");
         assert!(moved >= rate - 16 * wqe, "{moved} is well below the limit");
     }
@@ -197,12 +251,15 @@ mod tests {
         let limit = limits(0, 1000);
         let mut gate = RateGate::default();
         let start = Instant::now();
-        assert_eq!(gate.allowance(limit, start), u32::MAX);
+        assert_eq!(gate.allowance(limit, start).bytes, 10);
         gate.spend(limit, 1, 5000);
-        assert_eq!(gate.allowance(limit, start + Duration::from_secs(4)), 0);
+        assert_eq!(
+            gate.allowance(limit, start + Duration::from_secs(4)).wqes,
+            0
+        );
         assert!(gate.wait(limit) > Duration::from_millis(900));
         assert_eq!(
-            gate.allowance(limit, start + Duration::from_secs(6)),
+            gate.allowance(limit, start + Duration::from_secs(6)).wqes,
             u32::MAX
         );
     }

@@ -753,3 +753,62 @@ fn sends_over_the_rate_limit_wait_in_the_ring() {
     assert_eq!(rig.poller.throttled_for(), None);
     assert_eq!(rig.shared.bytes.load(Ordering::Relaxed), 10 * 8);
 }
+
+/// Finding: under a byte limit a visit took a whole batch (16 WQEs) whenever any byte was
+/// left, so a guest moved up to 16 WQEs past its limit per queue and pass. Now the WQE that
+/// reaches the limit is the visit's last.
+#[test]
+fn a_byte_limit_stops_a_visit_at_the_wqe_that_reaches_it() {
+    let mut rig = Rig::new(64);
+    // A bucket holds a hundredth of a second's rate: 10 bytes at 1,000 a second, and each
+    // send carries 8.
+    rig.shared.rate_limits.set(RateLimits {
+        wqes_per_second: 0,
+        bytes_per_second: 1000,
+    });
+    for wr_id in 0..10 {
+        rig.write_send(wr_id, LKEY);
+    }
+    rig.ring_sq();
+    assert!(rig.poller.pass());
+    assert_eq!(rig.sent(), [0, 1]);
+    assert!(
+        !rig.poller.pass(),
+        "16 bytes went where 10 were allowed: in debt"
+    );
+    assert!(rig.poller.throttled_for().is_some());
+}
+
+/// Finding: a guest's buckets were its connection's, so a guest that went into debt (or
+/// over its limit) and connected again started afresh. Its next connection now takes what
+/// the last one left.
+#[test]
+fn a_guest_that_reconnects_owes_what_its_last_connection_owed() {
+    let limits = RateLimits {
+        wqes_per_second: 0,
+        bytes_per_second: 1000,
+    };
+    let debt = super::RateDebt::default();
+    let mut first = Rig::new(64);
+    first.shared.rate_limits.set(limits);
+    // 16 bytes where 10 were allowed: 6 owed, for 6 ms.
+    for wr_id in 0..2 {
+        first.write_send(wr_id, LKEY);
+    }
+    first.ring_sq();
+    assert!(first.poller.pass());
+    assert_eq!(first.sent(), [0, 1]);
+    debt.leave(first.shared.rate_gate.lock().clone());
+    drop(first);
+
+    let mut next = Rig::new(64);
+    next.shared.rate_limits.set(limits);
+    *next.shared.rate_gate.lock() = debt.take();
+    next.write_send(2, LKEY);
+    next.ring_sq();
+    assert!(
+        !next.poller.pass(),
+        "the debt carried over holds the send back"
+    );
+    assert!(next.sent().is_empty());
+}
