@@ -24,6 +24,7 @@
 pub mod direct;
 mod mmio;
 pub mod pci;
+pub mod pin;
 mod poll;
 pub mod service;
 pub mod shm;
@@ -71,6 +72,12 @@ pub enum Error {
     Transport(#[source] std::io::Error),
     #[error("shared memory: {0}")]
     SharedMemory(#[source] std::io::Error),
+    #[error("pinning memory for the device ({call} of {}): {source}{}", crate::pin::PIN_DEVICE, pin_hint(source))]
+    Pin {
+        call: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("no shared memory left for {0} bytes")]
     OutOfSharedMemory(u64),
     #[error("range {offset}+{len} outside a {size}-byte buffer")]
@@ -99,6 +106,15 @@ pub enum Error {
     DeviceReset,
     #[error("the vrdma backend closed the connection: every object on the device is gone")]
     Disconnected,
+}
+
+/// What to do about a failed pin, where the error says something a user can change.
+fn pin_hint(error: &std::io::Error) -> &'static str {
+    match error.raw_os_error() {
+        Some(libc::ENOENT) => ": load the vrdma_pin module (modprobe vrdma_pin; guest-lib/kmod)",
+        Some(libc::ENOMEM) => ": over the process's locked-memory limit (ulimit -l, RLIMIT_MEMLOCK)",
+        _ => "",
+    }
 }
 
 fn errno_suffix(detail: u32) -> String {

@@ -2,8 +2,8 @@
 //! userspace, with no guest kernel driver. The device is bound to `uio_pci_generic` (which
 //! enables it and keeps other drivers off it), its BARs are mapped through sysfs, and the
 //! virtio 1.x initialisation runs here (virtio spec §3.1, §4.1). Memory shared with the device
-//! is locked, and its guest-physical addresses come from `/proc/self/pagemap`; so this needs
-//! root.
+//! is pinned through the vrdma_pin module ([`crate::pin`]), which gives its guest-physical
+//! addresses; the device itself needs root.
 //!
 //! A driver waiting for the control or event queue sleeps on the device's INTx interrupt
 //! (`Interrupt`), or polls every 100 µs where it has none.
@@ -521,7 +521,7 @@ impl Transport for PciTransport {
     }
 
     unsafe fn share(&self, addr: u64, len: u64) -> Result<()> {
-        // The device reaches all guest RAM: locked pages need no announcing.
+        // The device reaches all guest RAM: pinned pages need no announcing.
         // SAFETY: the caller's contract is Region::pin_in_place's.
         unsafe {
             self.memory
@@ -534,8 +534,8 @@ impl Transport for PciTransport {
     }
 
     fn adopt(&self, region: Region) -> Result<Arc<Region>> {
-        // The device reaches all guest RAM: locked pages need no announcing.
-        region.locked().map(Arc::new)
+        // The device reaches all guest RAM: pinned pages need no announcing.
+        region.pinned().map(Arc::new)
     }
 
     fn forget(&self, _region: &Region) -> Result<()> {

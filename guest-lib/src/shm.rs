@@ -3,15 +3,14 @@
 //! How the device addresses a region depends on the transport. In direct attach the region is
 //! handed to the backend through the vhost-user memory table with its address in this process
 //! as its guest-physical address, so a buffer's "guest virtual" and "guest physical" addresses
-//! are one and the same. Inside a VM a region is locked in RAM and each of its pages has the
-//! guest-physical address the kernel reports in `/proc/self/pagemap`.
+//! are one and the same. Inside a VM a region is pinned ([`crate::pin`]), which also gives
+//! each of its pages' guest-physical address.
 //!
 //! This module and `mmio` hold guest-lib's `unsafe`: mapping, and access to memory the device
 //! also writes.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
-use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex};
@@ -145,9 +144,12 @@ pub struct Region {
     page_size: u64,
     addressing: DeviceAddressing,
     heap: Mutex<Heap>,
-    /// Whether dropping the region unmaps it (guest-lib's own) or only unlocks it (the
+    /// Whether dropping the region unmaps it (guest-lib's own) or leaves it mapped (the
     /// program's).
     owned: bool,
+    /// The pin that keeps the pages where the device was told they are (inside a VM), until
+    /// the region is dropped.
+    pin: Option<crate::pin::Pin>,
 }
 
 // SAFETY: the mapping is plain shared memory; all access goes through bounds-checked copies or
@@ -227,6 +229,7 @@ impl Region {
             // Nothing is allocated from another process's memory.
             heap: Mutex::new(Heap::new(0)),
             owned: true,
+            pin: None,
         })
     }
 
@@ -243,18 +246,20 @@ impl Region {
         Ok(self)
     }
 
-    /// The region locked in RAM, addressed by the device at its pages' guest-physical
-    /// addresses (as [`Region::new_pinned`]).
-    pub fn locked(self) -> Result<Region> {
-        let pages = lock_and_locate(self.addr(), self.len, self.page_size)?;
-        self.with_device_pages(pages)
+    /// The region pinned, addressed by the device at its pages' guest-physical addresses (as
+    /// [`Region::new_pinned`]).
+    pub fn pinned(self) -> Result<Region> {
+        let (pin, pages) = pin_and_locate(self.addr(), self.len, self.page_size)?;
+        let mut region = self.with_device_pages(pages)?;
+        region.pin = Some(pin);
+        Ok(region)
     }
 
-    /// As [`Region::new`], locked in RAM, with each page's guest-physical address looked up in
-    /// `/proc/self/pagemap` (which needs CAP_SYS_ADMIN). Locked pages stay where they are, so
-    /// the device may keep using these addresses for as long as the region lives.
+    /// As [`Region::new`], pinned, with each page's guest-physical address from the pin.
+    /// Pinned pages stay in their frames, so the device may keep using these addresses for as
+    /// long as the region lives.
     pub fn new_pinned(len: u64, huge: bool) -> Result<Arc<Region>> {
-        Self::map(len, huge)?.locked().map(Arc::new)
+        Self::map(len, huge)?.pinned().map(Arc::new)
     }
 
     /// Makes `addr..addr + len` (page-aligned) of this process's memory shared with a
@@ -314,20 +319,17 @@ impl Region {
     }
 
     /// Makes `addr..addr + len` (page-aligned) of this process's memory reachable by the
-    /// device of a VM, in place: the pages are locked in RAM and the device is given their
+    /// device of a VM, in place: the pages are pinned and the device is given their
     /// guest-physical addresses.
     ///
     /// # Safety
     /// The range must stay mapped, as it is, while the device uses it.
     pub unsafe fn pin_in_place(addr: u64, len: u64) -> Result<Arc<Region>> {
         check_page_range(addr, len)?;
-        let pages = lock_and_locate(addr, len, PAGE_SIZE)?;
-        Ok(Arc::new(Self::program_memory(
-            None,
-            addr,
-            len,
-            DeviceAddressing::Pages(pages),
-        )))
+        let (pin, pages) = pin_and_locate(addr, len, PAGE_SIZE)?;
+        let mut region = Self::program_memory(None, addr, len, DeviceAddressing::Pages(pages));
+        region.pin = Some(pin);
+        Ok(Arc::new(region))
     }
 
     fn program_memory(
@@ -344,6 +346,7 @@ impl Region {
             addressing,
             heap: Mutex::new(Heap::new(0)),
             owned: false,
+            pin: None,
         }
     }
 
@@ -359,6 +362,7 @@ impl Region {
             addressing: DeviceAddressing::SameAsProcess,
             heap: Mutex::new(Heap::new(len)),
             owned: true,
+            pin: None,
         })
     }
 
@@ -533,26 +537,12 @@ fn check_page_range(addr: u64, len: u64) -> Result<()> {
         .ok_or_else(|| Error::InvalidArgument(format!("{addr:#x}+{len:#x} overflows")))
 }
 
-/// Locks `addr..addr + len` in RAM and returns the guest-physical address of each of its
-/// pages of `page_size` bytes, from `/proc/self/pagemap` (which needs CAP_SYS_ADMIN). Locked
-/// pages stay where they are, so the device may keep using these addresses.
-fn lock_and_locate(addr: u64, len: u64, page_size: u64) -> Result<Vec<u64>> {
-    // SAFETY: locking memory changes neither its contents nor its mapping; the kernel checks
-    // the range.
-    if unsafe { libc::mlock(addr as *const libc::c_void, len as usize) } != 0 {
-        return Err(Error::SharedMemory(std::io::Error::last_os_error()));
-    }
-    let pagemap = File::open("/proc/self/pagemap").map_err(Error::SharedMemory)?;
-    (addr..addr + len)
-        .step_by(page_size as usize)
-        .map(|page| {
-            let mut entry = [0u8; 8];
-            pagemap
-                .read_exact_at(&mut entry, page / PAGE_SIZE * 8)
-                .map_err(Error::SharedMemory)?;
-            physical_address(u64::from_le_bytes(entry))
-        })
-        .collect()
+/// Pins `addr..addr + len` and returns the pin with the guest-physical address of each of
+/// its pages of `page_size` bytes (a huge page's is its first 4 KiB page's).
+fn pin_and_locate(addr: u64, len: u64, page_size: u64) -> Result<(crate::pin::Pin, Vec<u64>)> {
+    let (pin, frames) = crate::pin::Pin::new(addr, len)?;
+    let step = (page_size / PAGE_SIZE) as usize;
+    Ok((pin, frames.into_iter().step_by(step.max(1)).collect()))
 }
 
 /// A piece of shared memory; returned to its region when dropped.
@@ -688,18 +678,6 @@ impl SharedBuffer {
     }
 }
 
-/// The guest-physical address in a `/proc/self/pagemap` entry: bit 63 "present", bits 0-54
-/// the page frame number (reported as 0 without CAP_SYS_ADMIN).
-fn physical_address(entry: u64) -> Result<u64> {
-    let frame = entry & ((1 << 55) - 1);
-    if entry >> 63 == 0 || frame == 0 {
-        return Err(Error::SharedMemory(std::io::Error::other(
-            "/proc/self/pagemap gives no physical address (not present, or no CAP_SYS_ADMIN)",
-        )));
-    }
-    Ok(frame * PAGE_SIZE)
-}
-
 /// The regions of one transport: where its buffers come from and how the device addresses
 /// them.
 #[derive(Default)]
@@ -822,6 +800,7 @@ impl Drop for SharedBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::FileExt;
 
     #[test]
     fn free_list_aligns_splits_and_coalesces() {
@@ -1028,15 +1007,5 @@ mod tests {
         assert!(unaligned.is_err(), "unaligned");
         // SAFETY: the test's own mapping, no longer used.
         unsafe { libc::munmap(addr as *mut libc::c_void, PAGE_SIZE as usize) };
-    }
-
-    #[test]
-    fn pagemap_entries_need_a_present_frame() {
-        assert_eq!(
-            physical_address(1 << 63 | 0x1234).unwrap(),
-            0x1234 * PAGE_SIZE
-        );
-        assert!(physical_address(0x1234).is_err(), "not present");
-        assert!(physical_address(1 << 63).is_err(), "frame hidden");
     }
 }

@@ -205,9 +205,17 @@ resolve_module() {
   ordered_modules+=("$path")
 }
 
+# vrdma's pinning module for the guest kernel (guest-lib/kmod), which every guest loads: the
+# vrdma PCI device's drivers pin the memory they give the device with it (SPEC.md §12).
+ensure_pin_module() {
+  "$repo/guest-lib/kmod/build.sh" "$(cat "$cache/kernel/version")" "$cache" >/dev/null ||
+    fail "could not build the vrdma_pin module for the guest kernel" \
+      "see the messages above; rm -rf $cache/headers-* $cache/kmod and run tests/vm/setup.sh again"
+}
+
 ensure_initramfs() {
   local stamp="$cache/initramfs.stamp" inputs
-  inputs="$(cat "$cache/kernel/version") $(sha256sum "$repo/tests/vm/guest-init.sh" "$0" | awk '{print $1}' | tr '\n' ' ')"
+  inputs="$(cat "$cache/kernel/version") $(sha256sum "$repo/tests/vm/guest-init.sh" "$0" "$cache/kmod/vrdma_pin.ko" | awk '{print $1}' | tr '\n' ' ')"
   if [ -f "$cache/initrd.gz" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$inputs" ]; then return 0; fi
   local version root work
   version=$(cat "$cache/kernel/version")
@@ -235,6 +243,8 @@ ensure_initramfs() {
     esac
     echo "$file" >>"$work/modules/$list"
   done
+  cp "$cache/kmod/vrdma_pin.ko" "$work/modules/00-vrdma_pin.ko"
+  echo 00-vrdma_pin.ko >>"$work/modules/base"
   cp "$repo/tests/vm/guest-init.sh" "$work/init"
   chmod +x "$work/init"
   (cd "$work" && find . | cpio -o -H newc --quiet | gzip -1) >"$cache/initrd.gz.tmp"
@@ -245,6 +255,7 @@ ensure_initramfs() {
 
 ensure_packages
 ensure_kernel
+ensure_pin_module
 ensure_initramfs
 verify_setup
 echo "$cache"

@@ -152,6 +152,8 @@ fn errno_of(error: &vrdma_guest::Error) -> c_int {
         // A full work queue: ENOMEM, as rxe and mlx5 say it.
         Error::OutOfSharedMemory(_) | Error::QueueFull { .. } => libc::ENOMEM,
         Error::Timeout(_) => libc::ETIMEDOUT,
+        // ENOMEM past RLIMIT_MEMLOCK, as uverbs answers a registration past it.
+        Error::Pin { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
         Error::DeviceReset => libc::EIO,
         _ => libc::EIO,
     }
