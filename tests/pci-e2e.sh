@@ -13,6 +13,9 @@
 #              once beside a third pair whose client is killed with SIGKILL mid-stream (vrdmad
 #              destroys what it held); a service restart ends a waiting program with an error
 #              and serves the next at once
+#     pinned   a program's 256 MiB buffer RDMA-written from here for 60 s, checked in the VM
+#              where the program reads it, while the VM compacts its memory in a loop and a
+#              sentinel program checks that none of the frames it is given is written
 #     reopen   a backend restart under the running VM: guest-lib reports the device reset,
 #              opens the device again and creates a QP
 #   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one,
@@ -42,7 +45,7 @@ source "$repo/tests/listening.sh"
 bin=$(cd "$1" && pwd)
 device=${2:-}
 case "$device" in
-  loopback) parts=${VRDMA_PCI_PARTS:-service,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
+  loopback) parts=${VRDMA_PCI_PARTS:-service,pinned,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
     domain= launch=() native_address= vm_address= own_address=() ;;
   rxe0)
     [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
@@ -285,6 +288,23 @@ check_users() {
       rping_with_native
 }
 
+# --- part pinned: see tests/pci-guest.sh. 60 s of writes and checks while the VM compacts.
+compacted_under_writes() {
+  local ok=0
+  "$bin/pin-check" writer "$socket" "$exchange/pinned.to-vm" "$exchange/pinned.from-vm" 60 \
+    >"$work/pinned.out" 2>"$work/pinned.err" || ok=1
+  echo end >>"$exchange/pinned.to-vm"
+  wait_line "$exchange/pinned.vm" '^end$' 300 >/dev/null || ok=1
+  echo "pci-e2e: $(tail -n 1 "$work/pinned.out"); $(grep -E '^sentinel ' "$exchange/pinned.vm");" \
+    "$(awk '$1 == "pgmigrate_success" || $1 == "compact_success" { printf "%s %s ", $1, $2 }' "$exchange/pinned.vm")"
+  grep -qx 'sentinel-rc 0' "$exchange/pinned.vm" && grep -q 'mismatches=0$' "$work/pinned.out" || ok=1
+  [ "$ok" = 0 ] || { cat "$work/pinned.out" "$exchange/pinned.vm" >&2; show_logs pinned; }
+}
+check_pinned() {
+  check "a program's 256 MiB buffer written from outside for 60 s while the VM compacts memory: every byte where the program reads it, no frame of another program written" \
+    compacted_under_writes
+}
+
 # --- part reopen: the backend is killed and started again under the running VM.
 restart_backend_under_the_vm() {
   local to="$exchange/reopen.to-vm" from="$exchange/reopen.from-vm" attached error
@@ -370,7 +390,8 @@ start_backend || exit 1
 cp -r "$bin/guest-endpoint" "$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" \
   "$unprivileged/" && chmod -R a+rX "$unprivileged" || exit 1
 # The VM can write only to its own run folder (below $runs): that is the exchange.
-VRDMA_NOTIFY_QUEUES=1 "$repo/tests/vm/run.sh" --no-rxe --mem 768 --timeout 2400 --run-in "$runs" \
+# 1.5 GiB: part pinned registers 256 MiB beside memory it fragments.
+VRDMA_NOTIFY_QUEUES=1 "$repo/tests/vm/run.sh" --no-rxe --mem 1536 --timeout 2400 --run-in "$runs" \
   --vrdma "$socket" "${launch[@]}" -- "$repo/tests/pci-guest.sh" "$bin" "$round_trips" "$unprivileged" "$parts" \
   "${vm_address:+$native_address $vm_address}" \
   >"$logs/vm.log" 2>&1 &

@@ -25,6 +25,9 @@
 #   held     guest-lib attached to the PCI device makes its objects (QP and all), says its QP
 #            number and waits for a peer that never comes: the VM is destroyed under it
 #            (session held; the last part, as the VM does not end by itself then)
+#   pinned   a program's 256 MiB registered buffer written from outside while memory is
+#            compacted in a loop; a sentinel program checks the frames it is given (session
+#            pinned, pinned.vm)
 # usage: tests/pci-guest.sh BIN_DIR ROUND_TRIPS UNPRIVILEGED_DIR PARTS [CM_ADDRESSES]
 #   UNPRIVILEGED_DIR holds copies of guest-endpoint, vrdma-run and vrdma-ibverbs/ that any
 #   user may run (the checkout may lie below a folder only its owner may enter)
@@ -321,11 +324,43 @@ part_native() {
 
 part_held() { session held -- pong pci 1; }
 
+# Memory the device writes stays where it was told it is (SPEC.md §12): a program registers
+# 256 MiB (session pinned: `guest-endpoint target`, driven by `pin-check writer` outside,
+# which RDMA-WRITEs patterns into it and has the program check them); then memory is
+# fragmented and compacted in a loop, and a sentinel checks that no frame it is given is
+# written by anyone else (pinned.vm). The peer's last line stops the compaction.
+part_pinned() {
+  local target fragmenter compactor sentinel
+  session pinned -- target pci $((256 << 20)) &
+  target=$!
+  wait_for_line "$exchange/pinned.from-vm" rkey=
+  "$bin/pin-check" fragment 192 >"$exchange/fragment.vm" &
+  fragmenter=$!
+  wait_for_line "$exchange/fragment.vm" fragmented
+  "$bin/pin-check" sentinel 75 64 >"$exchange/pinned.vm" 2>&1 &
+  sentinel=$!
+  (
+    while [ ! -e "$exchange/pinned.stop" ]; do
+      echo 1 >/proc/sys/vm/compact_memory
+      pause 0.5
+    done
+  ) &
+  compactor=$!
+  wait "$target"
+  touch "$exchange/pinned.stop"
+  wait "$compactor"
+  wait "$sentinel"
+  echo "sentinel-rc $?" >>"$exchange/pinned.vm"
+  grep -E '^(compact_(migrate_scanned|stall|success)|pgmigrate_success)' /proc/vmstat >>"$exchange/pinned.vm"
+  echo end >>"$exchange/pinned.vm"
+  kill "$fragmenter"
+}
+
 modprobe uio_pci_generic 2>/dev/null # the initramfs loaded it already, if it has it
 IFS=, read -ra parts_to_run <<<"$parts"
 for part in "${parts_to_run[@]}"; do
   case "$part" in
-    service | users | reopen | native | held) "part_$part" ;;
+    service | users | reopen | native | held | pinned) "part_$part" ;;
     *) echo "pci-guest.sh: unknown part '$part'" >&2; exit 2 ;;
   esac
 done

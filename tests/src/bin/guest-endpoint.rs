@@ -303,7 +303,7 @@ impl<'a> Endpoint<'a> {
 ///
 /// | command                          | reply                                           |
 /// |----------------------------------|-------------------------------------------------|
-/// | (on start)                       | `gid_index=I gid=G rkey=K va=A`                 |
+/// | (on start)                       | `gid_index=I gid=G rkey=K va=A len=L`           |
 /// | `rc` / `srq-rc` / `ud QKEY`      | `qpn=N` (a new QP; `srq-rc` receives from the SRQ, `ud` is at RTS) |
 /// | `connect QPN PEER_QPN`           | `ok` (RC QP `QPN` at RTS towards `PEER_QPN`)    |
 /// | `fill OFFSET LEN SEED`           | `ok` (buffer bytes = `test_pattern(LEN, SEED)`) |
@@ -346,10 +346,11 @@ impl Target {
     fn serve(mut self) {
         let (gid_index, gid) = self.device.gid().expect("assigned GID");
         println!(
-            "gid_index={gid_index} gid={} rkey={} va={:#x}",
+            "gid_index={gid_index} gid={} rkey={} va={:#x} len={}",
             std::net::Ipv6Addr::from(gid.0),
             self.mr.rkey(),
-            self.mr.addr()
+            self.mr.addr(),
+            self.mr.len()
         );
         for line in std::io::stdin().lock().lines() {
             let line = line.expect("read a command");
