@@ -5,7 +5,8 @@
 #   (/etc/default/vrdma-backend), a libvirt domain for a VM with a vrdma device (an example);
 # - vrdma-guest: for programs in a VM (or on a host) that use a vrdma device: vrdma's
 #   libibverbs.so.1 and librdmacm.so.1 (/usr/lib/vrdma), vrdma-run, the guest service vrdmad
-#   and its unit, which the vrdma PCI device starts (udev rule).
+#   and its unit, which the vrdma PCI device starts (udev rule), and the source of the
+#   vrdma_pin module for DKMS.
 # usage: packaging/build-debs.sh [OUT_DIR]   (prints the packages' paths)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,9 +19,10 @@ arch=$(dpkg --print-architecture)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# package NAME DEPENDS DESCRIPTION: turns $work/NAME into $out/NAME_VERSION_ARCH.deb.
+# package NAME DEPENDS DESCRIPTION [RECOMMENDS]: turns $work/NAME into
+# $out/NAME_VERSION_ARCH.deb.
 package() {
-  local name=$1 depends=$2 description=$3 root=$work/$1
+  local name=$1 depends=$2 description=$3 recommends=${4:-} root=$work/$1
   mkdir -p "$root/DEBIAN" "$root/usr/share/doc/$name"
   cp README.md "$root/usr/share/doc/$name/"
   if [ -d "$root/etc" ]; then
@@ -33,7 +35,8 @@ Architecture: $arch
 Maintainer: vrdma developers <vrdma@localhost>
 Section: net
 Priority: optional
-Depends: $depends
+Depends: $depends${recommends:+
+Recommends: $recommends}
 Installed-Size: $(du -sk "$root" | cut -f1)
 Description: $description
 CONTROL
@@ -120,9 +123,16 @@ cat >"$guest/usr/bin/vrdma-run" <<'RUN'
 VRDMA_IBVERBS_DIR=${VRDMA_IBVERBS_DIR:-/usr/lib/vrdma} exec /usr/lib/vrdma/vrdma-run "$@"
 RUN
 chmod 0755 "$guest/usr/bin/vrdma-run"
+# The pinning module's source, for DKMS to build for the VM's kernels, loaded at boot.
+for file in vrdma_pin.c vrdma_pin.h Kbuild; do
+  install -D -m 0644 "guest-lib/kmod/$file" "$guest/usr/src/vrdma-pin-$version/$file"
+done
+sed "s/@VERSION@/$version/" guest-lib/kmod/dkms.conf >"$guest/usr/src/vrdma-pin-$version/dkms.conf"
+install -D -m 0644 /dev/stdin "$guest/usr/lib/modules-load.d/vrdma-pin.conf" <<<"vrdma_pin"
 maintainer_scripts vrdma-guest vrdma.conf vrdmad.service device
 package vrdma-guest "libc6, libgcc-s1, kmod, systemd | systemd-standalone-sysusers" \
   "vrdma's libibverbs, librdmacm and guest service for programs on a vrdma device
  Unmodified libibverbs and librdmacm programs run on a vrdma device through
  vrdma-run; inside a VM, vrdmad shares the vrdma PCI device among the
- programs of group vrdma."
+ programs of group vrdma, and the vrdma_pin module (built by DKMS) pins the
+ memory they give the device." "dkms, linux-headers-amd64"

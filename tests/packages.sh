@@ -11,6 +11,7 @@ rm -rf "$out"
 mapfile -t debs < <("$repo/packaging/build-debs.sh" "$out")
 [ ${#debs[@]} -eq 2 ] || { echo "packages: expected 2 packages, got: ${debs[*]}" >&2; exit 1; }
 fail() { echo "packages: $*" >&2; exit 1; }
+version=$(awk -F'"' '/^version/ { print $2; exit }' "$repo/Cargo.toml")
 # Each package's files, and its conffiles.
 expect() { # DEB FILE...
   local deb=$1 listing
@@ -29,7 +30,10 @@ expect "$backend" /usr/bin/vhost-user-rdma /usr/bin/vrdmactl \
   /usr/share/doc/vrdma-backend/examples/vrdma-vm.xml
 expect "$guest" /usr/lib/vrdma/libibverbs.so.1 /usr/lib/vrdma/librdmacm.so.1 /usr/lib/vrdma/vrdma-run /usr/bin/vrdma-run \
   /usr/sbin/vrdmad /lib/systemd/system/vrdmad.service /usr/lib/sysusers.d/vrdma.conf \
-  /usr/lib/udev/rules.d/60-vrdma.rules
+  /usr/lib/udev/rules.d/60-vrdma.rules /usr/lib/modules-load.d/vrdma-pin.conf \
+  "/usr/src/vrdma-pin-$version/vrdma_pin.c" "/usr/src/vrdma-pin-$version/dkms.conf"
+[ "$(dpkg-deb -f "$guest" Recommends)" = "dkms, linux-headers-amd64" ] ||
+  fail "vrdma-guest does not recommend DKMS and the headers the pinning module is built with"
 conffiles=$(dpkg-deb --ctrl-tarfile "$backend" | tar -xO ./conffiles)
 [ "$conffiles" = $'/etc/default/vrdma-backend\n/etc/vrdma/guests.toml' ] ||
   [ "$conffiles" = $'/etc/vrdma/guests.toml\n/etc/default/vrdma-backend' ] ||
