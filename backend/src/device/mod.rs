@@ -992,8 +992,9 @@ impl Device {
     /// The doorbell area a CREATE_QP or CREATE_SRQ names (SPEC.md §8.6): 0, or one the
     /// driver added (the field is reserved without DOORBELL_AREAS).
     fn doorbell_area(&self, area: u32) -> Result<u32, Refusal> {
+        // Naming an area uses a capability (SPEC.md §2), not a reserved field.
         if area != 0 && self.features & features::DOORBELL_AREAS == 0 {
-            return Err(Refusal::Reserved);
+            return Err(Refusal::NotNegotiated("doorbell areas"));
         }
         Ok(area)
     }
