@@ -16,6 +16,9 @@
 #     pinned   a program's 256 MiB buffer RDMA-written from here for 60 s, checked in the VM
 #              where the program reads it, while the VM compacts its memory in a loop and a
 #              sentinel program checks that none of the frames it is given is written
+#     paused   QEMU `stop` and `cont` three times under a guest-lib program's checked round
+#              trips with a peer here: the program finishes with no error, the device keeps
+#              every object (vrdmactl shows the VM paused, then running, with its QPs)
 #     reopen   a backend restart under the running VM: guest-lib reports the device reset,
 #              opens the device again and creates a QP
 #   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one,
@@ -44,8 +47,9 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 source "$repo/tests/listening.sh"
 bin=$(cd "$1" && pwd)
 device=${2:-}
+paused_round_trips=${VRDMA_PCI_PAUSED_ROUND_TRIPS:-100000}
 case "$device" in
-  loopback) parts=${VRDMA_PCI_PARTS:-service,pinned,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
+  loopback) parts=${VRDMA_PCI_PARTS:-service,pinned,paused,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
     domain= launch=() native_address= vm_address= own_address=() ;;
   rxe0)
     [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
@@ -62,6 +66,9 @@ esac
 work=$(mktemp -d /tmp/vrdma-pci-e2e.XXXXXX)
 chmod 0755 "$work"
 socket=$work/vrdma.sock logs=$work/logs unprivileged=$work/unprivileged runs=$work/runs
+admin=$work/admin.sock monitor=$work/monitor.sock
+# The VM run here directly is paused and resumed through QEMU's monitor (part paused).
+[ "$device" = loopback ] && launch=(--monitor "$monitor")
 mkdir -p "$logs" "$unprivileged" "$runs"
 failures=0
 
@@ -85,8 +92,9 @@ start_backend() {
   before=$(accepting "$logs/backend.log")
   rm -f "$socket"
   # The VM and its direct-attach peer are served at once, on the backend's one GID.
+  rm -f "$admin"
   RUST_LOG=info "$bin/vhost-user-rdma" --device "$device" --socket-path "$socket" --shared-gid \
-    "${own_address[@]}" >>"$logs/backend.log" 2>&1 &
+    --admin-socket "$admin" "${own_address[@]}" >>"$logs/backend.log" 2>&1 &
   backend=$!
   for _ in $(seq 300); do
     [ "$(accepting "$logs/backend.log")" -gt "${before:-0}" ] && return 0
@@ -303,6 +311,69 @@ compacted_under_writes() {
 check_pinned() {
   check "a program's 256 MiB buffer written from outside for 60 s while the VM compacts memory: every byte where the program reads it, no frame of another program written" \
     compacted_under_writes
+}
+
+# --- part paused: QEMU stop and cont under a program's traffic (SPEC.md §9).
+# hmp COMMAND: runs a command on QEMU's human monitor.
+hmp() {
+  python3 - "$monitor" "$1" <<'PY'
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+def prompt():
+    seen = b""
+    while not seen.endswith(b"(qemu) "):
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        seen += chunk
+prompt()
+s.sendall(sys.argv[2].encode() + b"\n")
+prompt()
+PY
+}
+# Every connection's state and QPs as `vrdmactl list` shows them (the VM's, and its peer's
+# attached here), sorted.
+guest_states() { "$bin/vrdmactl" --socket "$admin" list | awk 'NR > 1 { print $3, $4 }' | sort | tr '\n' ' '; }
+# Three pauses of 2 s, 2 s apart, once the pair's VM side is under way; each line of
+# $work/pauses.log: the guests' states and QPs before the stop, during it, after the cont;
+# and whether the pair had finished by the last cont (too few round trips to be paused).
+pause_three_times() {
+  wait_line "$exchange/paused.from-vm" '^qpn=' 600 >/dev/null || return 1
+  sleep 3
+  local i
+  for i in 1 2 3; do
+    local before during after
+    before=$(guest_states)
+    hmp stop
+    sleep 2
+    during=$(guest_states)
+    hmp cont
+    after=$(guest_states)
+    echo "pause $i: before [$before] during [$during] after [$after]" >>"$work/pauses.log"
+    [ "$i" = 3 ] || sleep 2
+  done
+  grep -q '^done' "$exchange/paused.from-vm" && echo "finished-before-the-last-pause" >>"$work/pauses.log"
+  return 0
+}
+paused_under_traffic() {
+  local pauser ok=0
+  pause_three_times &
+  pauser=$!
+  pair paused "$bin/guest-endpoint" pong "$socket" "$paused_round_trips" || ok=1
+  wait "$pauser" || ok=1
+  sed 's/^/pci-e2e: /' "$work/pauses.log"
+  # Each pause: a guest paused during it, running before and after, with the same QPs.
+  [ "$(grep -c 'during \[[^]]*paused' "$work/pauses.log")" = 3 ] || ok=1
+  ! grep -q 'finished-before\|\(before\|after\) \[[^]]*paused' "$work/pauses.log" || ok=1
+  awk '{ b = $0; sub(/.*before \[/, "", b); sub(/\].*/, "", b); a = $0; sub(/.*after \[/, "", a); sub(/\].*/, "", a);
+         gsub(/running|paused/, "", b); gsub(/running|paused/, "", a); if (a != b) bad = 1 } END { exit bad }' \
+    "$work/pauses.log" || ok=1
+  return "$ok"
+}
+check_paused() {
+  check "QEMU stop/cont three times (2 s each) under a program's checked round trips: no error, every object kept" \
+    paused_under_traffic
 }
 
 # --- part reopen: the backend is killed and started again under the running VM.

@@ -25,6 +25,8 @@
 #   held     guest-lib attached to the PCI device makes its objects (QP and all), says its QP
 #            number and waits for a peer that never comes: the VM is destroyed under it
 #            (session held; the last part, as the VM does not end by itself then)
+#   paused   guest-lib attached to the PCI device makes checked round trips with a peer
+#            outside, which pauses the VM meanwhile (session paused)
 #   pinned   a program's 256 MiB registered buffer written from outside while memory is
 #            compacted in a loop; a sentinel program checks the frames it is given (session
 #            pinned, pinned.vm)
@@ -324,6 +326,10 @@ part_native() {
 
 part_held() { session held -- pong pci 1; }
 
+# Checked round trips with a peer outside the VM, which pauses the VM meanwhile (session
+# paused; the count is the outside's VRDMA_PCI_PAUSED_ROUND_TRIPS).
+part_paused() { session paused -- ping pci "${VRDMA_PCI_PAUSED_ROUND_TRIPS:-100000}"; }
+
 # Memory the device writes stays where it was told it is (SPEC.md §12): a program registers
 # 256 MiB (session pinned: `guest-endpoint target`, driven by `pin-check writer` outside,
 # which RDMA-WRITEs patterns into it and has the program check them); then memory is
@@ -360,7 +366,7 @@ modprobe uio_pci_generic 2>/dev/null # the initramfs loaded it already, if it ha
 IFS=, read -ra parts_to_run <<<"$parts"
 for part in "${parts_to_run[@]}"; do
   case "$part" in
-    service | users | reopen | native | held | pinned) "part_$part" ;;
+    service | users | reopen | native | held | pinned | paused) "part_$part" ;;
     *) echo "pci-guest.sh: unknown part '$part'" >&2; exit 2 ;;
   esac
 done

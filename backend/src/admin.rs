@@ -564,6 +564,7 @@ mod tests {
         GuestReport {
             guest: 0,
             name: String::new(),
+            state: crate::device::GuestState::Running,
             objects: [(
                 "qp".to_string(),
                 Usage {

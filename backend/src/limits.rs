@@ -206,7 +206,8 @@ pub fn offered_features(host: &DeviceAttr) -> u64 {
         | features::RC
         | features::UD
         | features::INDIRECT_PAGE_LIST
-        | features::DOORBELL_AREAS;
+        | features::DOORBELL_AREAS
+        | features::RESET_COMMAND;
     if host.max_srq > 0 {
         bits |= features::SRQ;
     }

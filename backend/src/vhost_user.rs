@@ -28,7 +28,7 @@ use vrdma_spec::ByteValued;
 
 use crate::admin::{AdminSocket, Managed, Registry};
 use crate::datapath::{EventSink, PollerPool, RateDebt, RateLimits};
-use crate::device::{Device, GuestReport, LocalPeers};
+use crate::device::{Device, GuestReport, GuestState, LocalPeers};
 use crate::guest_faults::WatchedMapping;
 use crate::memory_regions::{self, UnsealedFiles};
 use crate::per_second::PerSecond;
@@ -71,6 +71,9 @@ pub struct RdmaBackend {
     unsealed_memory: UnsealedFiles,
     /// The driver broke the control queue; it is served again after a reset.
     control_broken: bool,
+    /// The control queue, once it has run: whether it runs says whether the front end has
+    /// paused the device.
+    control_queue: Option<Vring>,
     kicks: KickThrottle,
     /// The front end asked for the device's features, as every front end does first.
     greeted: Arc<AtomicBool>,
@@ -152,6 +155,7 @@ impl RdmaBackend {
             max_memory_regions: config.quotas.max_memory_regions as usize,
             unsealed_memory: config.unsealed_memory,
             control_broken: false,
+            control_queue: None,
             kicks: KickThrottle::default(),
             greeted: Arc::default(),
         })
@@ -338,11 +342,12 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     /// QEMU's generic vhost-user device sends neither RESET_DEVICE nor SET_STATUS when the
-    /// driver resets it; it stops the rings. A stopped control queue means the driver is
-    /// gone: its objects go too. (So does a paused VM's: pausing is a reset for this device.)
+    /// driver resets it; it stops the rings, as it does when the VM is paused. A driver that
+    /// says when it resets keeps its objects across a stop; for any other, a stopped control
+    /// queue means the driver is gone, and its objects go too (Device::queues_stopped).
     fn stop_vring(&mut self, queue_index: u32) -> io::Result<()> {
         if queue_index == u32::from(CONTROL_QUEUE) {
-            self.device.reset();
+            self.device.queues_stopped();
             self.control_broken = false;
         }
         Ok(())
@@ -423,6 +428,7 @@ impl VhostUserBackendMut for RdmaBackend {
                 .data_path()
                 .set_event_sink(std::sync::Arc::new(sink));
             self.event_sink_set = true;
+            self.control_queue = Some(vrings[usize::from(CONTROL_QUEUE)].clone());
         }
         match device_event {
             CONTROL_QUEUE => self.process_control_queue(&vrings[usize::from(CONTROL_QUEUE)]),
@@ -461,10 +467,16 @@ pub fn serve(config: &Config, socket_path: &Path) -> Result<(), Error> {
 
 impl Managed for RwLock<RdmaBackend> {
     fn report(&self, guest: u64) -> GuestReport {
-        self.read()
-            .unwrap_or_else(|e| e.into_inner())
-            .device
-            .report(guest)
+        let backend = self.read().unwrap_or_else(|e| e.into_inner());
+        let state = match &backend.control_queue {
+            None => GuestState::Starting,
+            Some(queue) if queue.get_ref().get_queue().ready() => GuestState::Running,
+            Some(_) => GuestState::Paused,
+        };
+        GuestReport {
+            state,
+            ..backend.device.report(guest)
+        }
     }
 
     fn set_rate_limits(&self, limits: RateLimits) {

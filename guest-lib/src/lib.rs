@@ -72,7 +72,11 @@ pub enum Error {
     Transport(#[source] std::io::Error),
     #[error("shared memory: {0}")]
     SharedMemory(#[source] std::io::Error),
-    #[error("pinning memory for the device ({call} of {}): {source}{}", crate::pin::PIN_DEVICE, pin_hint(source))]
+    #[error(
+        "pinning memory for the device ({call} of {}): {source}{}",
+        crate::pin::PIN_DEVICE,
+        pin_hint(source)
+    )]
     Pin {
         call: &'static str,
         #[source]
@@ -112,7 +116,9 @@ pub enum Error {
 fn pin_hint(error: &std::io::Error) -> &'static str {
     match error.raw_os_error() {
         Some(libc::ENOENT) => ": load the vrdma_pin module (modprobe vrdma_pin; guest-lib/kmod)",
-        Some(libc::ENOMEM) => ": over the process's locked-memory limit (ulimit -l, RLIMIT_MEMLOCK)",
+        Some(libc::ENOMEM) => {
+            ": over the process's locked-memory limit (ulimit -l, RLIMIT_MEMLOCK)"
+        }
         _ => "",
     }
 }

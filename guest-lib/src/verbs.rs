@@ -274,6 +274,7 @@ impl Device {
             });
         }
         let (notify_area, doorbell_bitmap) = alloc_notify_area(&*transport)?;
+        let reset = transport.features() & vrdma_spec::config::features::RESET_COMMAND != 0;
         let request = SetNotifyAreaRequest {
             addr: Le64::from(notify_area.device_addr()?),
             doorbell_bitmap: Le64::from(doorbell_bitmap.device_addr()?),
@@ -284,6 +285,11 @@ impl Device {
             doorbell_bitmap,
             kicks: AtomicU64::new(0),
         };
+        if reset {
+            // A device that keeps its objects across a stop of its queues (a paused VM)
+            // learns here that this is a new driver: whatever an earlier one left goes.
+            inner.command::<_, Empty>(Opcode::Reset, &Empty)?;
+        }
         inner.command::<_, Empty>(Opcode::SetNotifyArea, &request)?;
         Ok(Device {
             inner: Arc::new(inner),

@@ -19,6 +19,10 @@ pub mod features {
     pub const DOORBELL_AREAS: u64 = 1 << 5;
     /// Connection management on the driver's own address (CM_* commands, SPEC.md §13).
     pub const CM: u64 = 1 << 6;
+    /// The driver says when it resets (the RESET command, SPEC.md §9): a stop of the
+    /// device's queues without it (the hypervisor pausing the VM, or moving it) keeps every
+    /// object.
+    pub const RESET_COMMAND: u64 = 1 << 16;
     /// VIRTIO_F_VERSION_1: mandatory, the device is modern-only.
     pub const VERSION_1: u64 = 1 << 32;
 }

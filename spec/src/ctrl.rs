@@ -86,6 +86,7 @@ wire_enum! {
         CmInitQpAttr = 33,
         CmQuery = 34,
         CmGetEvent = 35,
+        Reset = 48,
     }
 }
 
@@ -131,7 +132,7 @@ impl Opcode {
     pub const fn request_size(self) -> usize {
         use core::mem::size_of;
         match self {
-            Self::QueryDevice | Self::AllocPd => 0,
+            Self::QueryDevice | Self::AllocPd | Self::Reset => 0,
             Self::QueryPort => size_of::<QueryPortRequest>(),
             Self::QueryGid => size_of::<QueryGidRequest>(),
             Self::DeallocPd
@@ -196,6 +197,7 @@ impl Opcode {
             | Self::DestroySrq
             | Self::SetNotifyArea
             | Self::DestroyDoorbellArea
+            | Self::Reset
             | Self::CmDestroyId
             | Self::CmResolveAddr
             | Self::CmResolveRoute
@@ -694,18 +696,19 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip_and_unknown_values_are_rejected() {
-        for raw in 1..=35u16 {
+        for raw in (1..=35u16).chain([48]) {
             let op = Opcode::try_from(raw).unwrap();
             assert_eq!(op as u16, raw);
         }
         assert_eq!(Opcode::try_from(0), Err(0));
         assert_eq!(Opcode::try_from(36), Err(36));
+        assert_eq!(Opcode::try_from(47), Err(47));
         assert_eq!(Opcode::try_from(u16::MAX), Err(u16::MAX));
     }
 
     #[test]
     fn every_request_and_response_size_is_a_multiple_of_eight() {
-        for raw in 1..=35u16 {
+        for raw in (1..=35u16).chain([48]) {
             let op = Opcode::try_from(raw).unwrap();
             assert_eq!(op.request_size() % 8, 0, "{op:?}");
             assert_eq!(op.response_size() % 8, 0, "{op:?}");

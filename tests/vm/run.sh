@@ -4,7 +4,7 @@
 # there unchanged. Prints the command's output and exits with its exit code.
 #
 # usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--cpus N] [--timeout SECONDS] [--vrdma SOCKET]
-#                        [--libvirt NAME] [--host-net ADDRESS/PREFIX,PORT,PEER_PORT]
+#                        [--monitor SOCKET] [--libvirt NAME] [--host-net ADDRESS/PREFIX,PORT,PEER_PORT]
 #                        [--root DIR] [--run-in DIR] -- COMMAND [ARG...]
 #   --no-rxe        boot without loading rdma_rxe (also VRDMA_VM_NO_RXE=1): RDMA tests must
 #                   then fail
@@ -12,6 +12,8 @@
 #   --vrdma SOCKET  give the guest a vrdma PCI device served by the backend listening on
 #                   SOCKET (with the QEMU that tests/vm/qemu/build.sh builds); the guest is
 #                   then a nested one when run.sh itself runs inside a harness guest
+#   --monitor SOCKET  QEMU's human monitor on the Unix socket SOCKET (stop, cont, ...), for
+#                   a caller that pauses the guest
 #   --host-net ADDRESS/PREFIX,PORT,PEER_PORT
 #                   give the guest a network card (eth0, with ADDRESS) whose frames travel as
 #                   UDP datagrams from 127.0.0.1:PORT to 127.0.0.1:PEER_PORT, where another
@@ -30,7 +32,7 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 rxe=$([ "${VRDMA_VM_NO_RXE:-0}" = 1 ] && echo 0 || echo 1) mem=3072 limit=${VRDMA_VM_TIMEOUT:-1800}
-vrdma_socket= host_net= cpus= runs_in= keep_run=0 libvirt_domain= clean_root=
+vrdma_socket= host_net= cpus= runs_in= keep_run=0 libvirt_domain= clean_root= monitor=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-rxe) rxe=0; shift ;;
@@ -38,6 +40,7 @@ while [ $# -gt 0 ]; do
     --cpus) cpus=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
     --vrdma) vrdma_socket=$2; shift 2 ;;
+    --monitor) monitor=$2; shift 2 ;;
     --libvirt) libvirt_domain=$2; shift 2 ;;
     --root) clean_root=$(cd "$2" && pwd); shift 2 ;;
     --host-net) host_net=$2; shift 2 ;;
@@ -47,7 +50,7 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] [--libvirt NAME] [--host-net ...] [--root DIR] [--run-in DIR] -- COMMAND [ARG...]" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] [--monitor SOCKET] [--libvirt NAME] [--host-net ...] [--root DIR] [--run-in DIR] -- COMMAND [ARG...]" >&2; exit 2; }
 if [ -n "$libvirt_domain" ]; then
   [ -n "$vrdma_socket" ] && [ -n "${VRDMA_VM_RUN_DIR:-}" ] && [ -z "$host_net" ] ||
     { echo "run.sh: --libvirt starts a VM with --vrdma inside a harness guest (and no --host-net)" >&2; exit 2; }
@@ -69,6 +72,7 @@ if [ -n "$vrdma_socket" ]; then
     -chardev "socket,id=vrdma0,path=$vrdma_socket,reconnect-ms=1000"
     -device "vhost-user-device-pci,chardev=vrdma0,virtio-id=42,num_vqs=$queues,config_size=128,modern-pio-notify=on")
 fi
+[ -z "$monitor" ] || qemu+=(-monitor "unix:$monitor,server=on,wait=off")
 
 nic=(-nic none) net_arg=
 if [ -n "$host_net" ]; then

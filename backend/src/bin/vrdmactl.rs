@@ -104,10 +104,11 @@ fn render(answer: &Answer, json: bool) -> String {
 
 const KINDS: [&str; 6] = ["qp", "cq", "mr", "pd", "srq", "ah"];
 
-/// `list`'s columns: heading and width (the first two left-aligned, the rest right-aligned).
-const COLUMNS: [(&str, usize); 12] = [
+/// `list`'s columns: heading and width (the first three left-aligned, the rest right-aligned).
+const COLUMNS: [(&str, usize); 13] = [
     ("GUEST", 6),
     ("NAME", 12),
+    ("STATE", 8),
     ("QP", 11),
     ("CQ", 11),
     ("MR", 11),
@@ -123,7 +124,7 @@ const COLUMNS: [(&str, usize); 12] = [
 fn row(cells: impl IntoIterator<Item = String>) -> String {
     let mut line: Vec<String> = Vec::new();
     for (index, (cell, (_, width))) in cells.into_iter().zip(COLUMNS).enumerate() {
-        line.push(if index < 2 {
+        line.push(if index < 3 {
             format!("{cell:<width$}")
         } else {
             format!("{cell:>width$}")
@@ -138,15 +139,19 @@ fn list(guests: &[GuestReport]) -> String {
         let objects = KINDS
             .iter()
             .map(|kind| guest.objects.get(*kind).map_or("-".into(), count));
-        let cells = [guest.guest.to_string(), guest.name.clone()]
-            .into_iter()
-            .chain(objects)
-            .chain([
-                bytes(&guest.registered_bytes),
-                guest.relayed.wqes.to_string(),
-                guest.relayed.completions.to_string(),
-                (guest.refusals.values().sum::<u64>() + guest.host_failures).to_string(),
-            ]);
+        let cells = [
+            guest.guest.to_string(),
+            guest.name.clone(),
+            guest.state.to_string(),
+        ]
+        .into_iter()
+        .chain(objects)
+        .chain([
+            bytes(&guest.registered_bytes),
+            guest.relayed.wqes.to_string(),
+            guest.relayed.completions.to_string(),
+            (guest.refusals.values().sum::<u64>() + guest.host_failures).to_string(),
+        ]);
         out += &row(cells);
     }
     if guests.is_empty() {
@@ -156,7 +161,7 @@ fn list(guests: &[GuestReport]) -> String {
 }
 
 fn show(guest: &GuestReport) -> String {
-    let mut out = format!("guest {} ({})\n", guest.guest, guest.name);
+    let mut out = format!("guest {} ({}), {}\n", guest.guest, guest.name, guest.state);
     for kind in KINDS {
         if let Some(usage) = guest.objects.get(kind) {
             out += &format!("  {kind:<18} {}\n", count(usage));

@@ -398,10 +398,13 @@ impl Poller {
         }
     }
 
-    /// Some queue has work left that it could not do (its CQ full, say): the driver makes
-    /// room without a kick, so a sleeping poller must look again on its own.
+    /// Some queue has work left that it could not do (its CQ full, say), or events wait for
+    /// buffers on the event queue: the driver makes room without a kick (and a stopped event
+    /// queue starts again with none), so a sleeping poller must look again on its own.
     pub(super) fn waits_on_driver(&self) -> bool {
-        !self.carried.is_empty() || self.cq_full
+        !self.carried.is_empty()
+            || self.cq_full
+            || self.shared.events_pending.load(Ordering::Acquire)
     }
 
     /// How long the guest's rate limits hold its sends back, if a visit found them holding.

@@ -39,7 +39,7 @@ pub use local_peers::LocalPeers;
 pub use objects::Objects;
 use objects::{AhEntry, CqEntry, MrEntry, QpEntry, SrqEntry};
 pub use refusal::{CommandError, Refusal, RefusalLog};
-pub use report::{GuestReport, QpReport, Relayed, Usage};
+pub use report::{GuestReport, GuestState, QpReport, Relayed, Usage};
 
 type CommandResult = Result<Vec<u8>, CommandError>;
 
@@ -263,6 +263,25 @@ impl Device {
         }
     }
 
+    /// RESET (SPEC.md §9): the driver starts afresh; every object it held goes.
+    fn reset_command(&mut self) -> CommandResult {
+        if self.features & features::RESET_COMMAND == 0 {
+            return Err(Refusal::NotNegotiated("RESET").into());
+        }
+        self.reset();
+        Ok(Vec::new())
+    }
+
+    /// The hypervisor stopped the device's queues (GET_VRING_BASE of the control queue):
+    /// a reset for a driver that does not say when it resets, and nothing at all for one
+    /// that does (VRDMA_F_RESET_COMMAND: the VM is paused or moved, SPEC.md §9), whose
+    /// objects, rings and pending events wait for the queues to start again.
+    pub fn queues_stopped(&mut self) {
+        if self.features & features::RESET_COMMAND == 0 {
+            self.reset();
+        }
+    }
+
     /// Objects the connection holds.
     pub fn object_count(&self) -> usize {
         self.objects.count()
@@ -326,7 +345,11 @@ impl Device {
         let (opcode, payload) = frame_request(readable, room)?;
         let query_or_setup = matches!(
             opcode,
-            Opcode::QueryDevice | Opcode::QueryPort | Opcode::QueryGid | Opcode::SetNotifyArea
+            Opcode::QueryDevice
+                | Opcode::QueryPort
+                | Opcode::QueryGid
+                | Opcode::SetNotifyArea
+                | Opcode::Reset
         );
         if !query_or_setup && self.data_path.notify_area().is_none() {
             return Err(Refusal::NoNotifyArea.into());
@@ -356,6 +379,7 @@ impl Device {
             Opcode::CreateSrq => self.create_srq(mem, parse(payload)),
             Opcode::DestroySrq => self.destroy_srq(parse(payload)),
             Opcode::ModifySrq => self.modify_srq(parse(payload)),
+            Opcode::Reset => self.reset_command(),
             Opcode::CmCreateId
             | Opcode::CmDestroyId
             | Opcode::CmBind

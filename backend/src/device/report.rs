@@ -17,6 +17,9 @@ pub struct GuestReport {
     /// The declared guest whose socket the connection came on (`--config`), or `guest` for
     /// the one socket of `--socket-path`.
     pub name: String,
+    /// Where its front end has the device: starting, running, or paused.
+    #[serde(default)]
+    pub state: GuestState,
     /// Objects held, by kind (`pd`, `cq`, `mr`, `qp`, `srq`, `ah`), against the quota.
     pub objects: BTreeMap<String, Usage>,
     /// Bytes of CQ, QP and SRQ rings held, against the quota.
@@ -36,6 +39,30 @@ pub struct GuestReport {
     pub refusals: BTreeMap<String, u64>,
     pub host_failures: u64,
     pub qps: Vec<QpReport>,
+}
+
+/// Where a guest's front end has the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GuestState {
+    /// Its control queue has not started yet.
+    #[default]
+    Starting,
+    /// Its control queue runs.
+    Running,
+    /// Its front end stopped the queues (the VM is paused, or being moved) and has not
+    /// started them again; a driver that says when it resets keeps its objects meanwhile.
+    Paused,
+}
+
+impl std::fmt::Display for GuestState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GuestState::Starting => "starting",
+            GuestState::Running => "running",
+            GuestState::Paused => "paused",
+        })
+    }
 }
 
 /// How much of something is held, and how much may be.
@@ -150,6 +177,8 @@ impl Device {
         GuestReport {
             guest,
             name: String::new(),
+            // The vhost-user side knows: it fills this in.
+            state: GuestState::default(),
             objects: counts
                 .into_iter()
                 .map(|(kind, used, quota)| {

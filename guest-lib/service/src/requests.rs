@@ -166,6 +166,12 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
         | Opcode::CmEstablish
         | Opcode::CmInitQpAttr
         | Opcode::CmQuery => plan.names.push((ObjectKind::CmId, handle())),
+        Opcode::Reset => {
+            return Err((
+                Status::InvalidArgument,
+                "RESET: the service's device is every program's; a program starts afresh by connecting again",
+            ))
+        }
         Opcode::AddDoorbellArea | Opcode::DestroyDoorbellArea => {
             return Err((
                 Status::InvalidArgument,
