@@ -513,3 +513,34 @@ fn doorbell_areas_are_added_where_the_rules_allow_and_refused_elsewhere() {
     assert_eq!(destroy(area), Status::Ok as u16);
     assert_eq!(destroy(area), Status::BadHandle as u16, "already gone");
 }
+
+/// A driver that says when it resets keeps its objects across a stop of the queues (a paused
+/// VM, tests/pci-e2e.sh part paused), so RESET must still destroy them all: the host's objects
+/// return to where they were, and the device wants SET_NOTIFY_AREA again (SPEC.md §9).
+#[test]
+fn reset_destroys_every_object_of_the_driver() {
+    let backend = start_backend();
+    let device = Device::attach(&backend.socket).unwrap();
+    // The connection's own context (and the one ready for the next) stay.
+    let baseline = host_resource_counts();
+    let pd = device.alloc_pd().unwrap();
+    let cq = device.create_cq(16).unwrap();
+    let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+    let buffer = device.alloc_buffer(8192).unwrap();
+    let mr = pd.reg_mr(&buffer, access::LOCAL_WRITE).unwrap();
+    assert_ne!(
+        host_resource_counts(),
+        baseline,
+        "the objects are on the host"
+    );
+    let reset = vrdma_guest::spec::ctrl::request_bytes(Opcode::Reset as u16, &[]);
+    let answer = device.raw_control(&reset, 64).unwrap();
+    assert_eq!(response_status(&answer), Status::Ok as u16);
+    wait_for_host_counts(&baseline);
+    // NOT_READY, which guest-lib reports as the device's reset.
+    match device.alloc_pd() {
+        Err(Error::DeviceReset) => {}
+        other => panic!("a command after RESET: {:?}", other.err()),
+    }
+    drop((mr, qp, cq, pd));
+}
