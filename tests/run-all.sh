@@ -11,7 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Each step's header says when it started, so a slow step shows in the log.
+# Each step's header says when it started, so a slow step shows in the log; the summary
+# at the end lists how long each took.
 step() { printf '\n=== [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 run_all() {
@@ -89,6 +90,10 @@ status=${PIPESTATUS[0]}
 set -e
 # One closing line for every runner above: the totals of their "test result:" lines and of
 # the PCI-device VM, cross-host and clean-install checks.
+# Each section's time, from the step headers' start times.
+awk '/^=== \[[0-9]+m[0-9]+s\] / { match($0, /\[[0-9]+m[0-9]+s\]/); t = substr($0, RSTART + 1, RLENGTH - 3);
+       split(t, ms, "m"); now = ms[1] * 60 + ms[2]; if (name != "") printf "section %4ds  %s\n", now - start, name;
+       name = substr($0, RSTART + RLENGTH + 1); start = now }' "$log"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
      /^(\[[ab]\] )?(pci-e2e|cross-host|install): .* ok( \([0-9]+ s\))?$/ { p++ }
      /^(\[[ab]\] )?(pci-e2e|cross-host|install): .* FAILED( \([0-9]+ s\))?$/ { f++ }
