@@ -774,9 +774,10 @@ impl Poller {
             let send_batch = &mut self.batch;
             let batch = pending.min(BATCH).min(allowed.wqes);
             let common = qp.takes_common_sends;
+            let byte_limited = allowed.bytes != u64::MAX;
             let taken = slots.take(progress.sq_consumer, batch, |slot| {
                 // The WQE that reaches the byte limit is the visit's last (rate.rs).
-                if send_batch.payload_bytes(send_batch.len()) >= allowed.bytes {
+                if byte_limited && send_batch.payload_bytes(send_batch.len()) >= allowed.bytes {
                     bytes_allowed_taken = true;
                     return false;
                 }
