@@ -99,11 +99,12 @@ threads() {
 }
 
 # start_service [LOG]: vrdmad as its systemd unit starts it, with the socket's group nogroup
-# for the unprivileged users; returns once its socket is there.
+# for the unprivileged users; returns once it listens (says so in its log: the socket of an
+# instance stopped before may still be there).
 start_service() {
   RUST_LOG=info "$bin/vrdmad" --device pci --group nogroup 2>"$exchange/$1" &
   service=$!
-  for _ in $(seq 600); do [ -S /run/vrdma/vrdmad.sock ] && return 0; pause 0.5; done
+  for _ in $(seq 600); do grep -q 'listening on ' "$exchange/$1" && return 0; pause 0.5; done
 }
 
 # Stops vrdmad as systemd does, with SIGTERM, which ends it (exit status 143): anything else
@@ -326,9 +327,9 @@ part_native() {
 
 part_held() { session held -- pong pci 1; }
 
-# Checked round trips with a peer outside the VM, which pauses the VM meanwhile (session
-# paused; the count is the outside's VRDMA_PCI_PAUSED_ROUND_TRIPS).
-part_paused() { session paused -- ping pci "${VRDMA_PCI_PAUSED_ROUND_TRIPS:-100000}"; }
+# Checked round trips with a peer outside the VM, which pauses the VM meanwhile and then
+# says stop (session paused).
+part_paused() { session paused -- ping pci 0; }
 
 # Memory the device writes stays where it was told it is (SPEC.md §12): a program registers
 # 256 MiB (session pinned: `guest-endpoint target`, driven by `pin-check writer` outside,

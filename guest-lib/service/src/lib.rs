@@ -512,31 +512,43 @@ fn raw_command(
 
 /// Binds the service's socket at `path`, with `mode` and, if given, `group`: who may open it
 /// may use RDMA. A socket left by an instance that is gone is replaced; one an instance still
-/// answers on is not. The device node ([`make_device_node`]) gets the same mode and group.
+/// answers on is not. The socket is bound under a name of its own and renamed into place once
+/// it has its mode and group: no program ever connects to it with other rights, and a program
+/// that finds the path finds a socket that listens (or the gone instance's, refusing).
+/// The device node ([`make_device_node`]) gets the same mode and group.
 pub fn bind(path: &Path, mode: u32, group: Option<u32>) -> Result<UnixListener> {
     if UnixStream::connect(path).is_ok() {
         return Err(Error::AlreadyServed(path.to_path_buf()));
     }
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(io_error(format!(
-                "removing the stale socket {}",
-                path.display()
-            ))(e))
-        }
-        _ => {}
-    }
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
-    }
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(io_error(format!("binding {}", path.display()))(
+            std::io::ErrorKind::InvalidInput.into(),
+        ));
+    };
+    std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
     // Before the socket: a program that finds the socket finds the node too. Without the
     // node only programs that look for one (UCX) miss vrdma0.
     if let Err(e) = make_device_node(mode, group) {
         log::warn!("{e}");
     }
+    let staged = dir.join(format!(
+        ".{}.{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&staged);
     let listener =
-        UnixListener::bind(path).map_err(io_error(format!("binding {}", path.display())))?;
-    give_access(path, mode, group)?;
+        UnixListener::bind(&staged).map_err(io_error(format!("binding {}", staged.display())))?;
+    let placed = give_access(&staged, mode, group).and_then(|()| {
+        std::fs::rename(&staged, path).map_err(io_error(format!(
+            "moving the socket into place at {}",
+            path.display()
+        )))
+    });
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&staged);
+        return Err(e);
+    }
     log::info!(
         "listening on {} (mode {mode:o}{})",
         path.display(),

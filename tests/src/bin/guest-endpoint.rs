@@ -12,8 +12,10 @@
 //!                                    `reopened qpn=N`
 //!        guest-endpoint ping DEVICE N  as `rc`, then N SEND/RECV round trips as the initiator:
 //!                                    each message carries a checksum the peer verifies and
-//!                                    echoes; prints `done N kicks=K`
-//!        guest-endpoint pong DEVICE N  as `rc`, then echoes N messages, verifying each
+//!                                    echoes; prints `done N kicks=K`. N = 0: round trips
+//!                                    until a line on stdin (after the peer's)
+//!        guest-endpoint pong DEVICE N  as `rc`, then echoes N messages, verifying each; N = 0:
+//!                                    until the initiator's last message
 //!        guest-endpoint target DEVICE BYTES  a passive peer with a BYTES-long registered
 //!                                    buffer, driven line by line from stdin (see [`Target`])
 //!        guest-endpoint sleep DEVICE as `hold`, the QP connected to itself, then prints
@@ -25,6 +27,8 @@
 //!                                    exits with 1
 
 use std::io::BufRead;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use vrdma_guest::{
     access, wc_opcode, CompletionQueue, Device, MemoryRegion, Payload, ProtectionDomain, QpType,
@@ -34,6 +38,17 @@ use vrdma_tests::{
     check_message, connect_guest_qp, connect_to_itself, ping_message, test_pattern, ud_to_rts,
     wait_for_guest_completions, EndpointAddress, MESSAGE_LEN, RDMA_AREA,
 };
+
+/// Set once a line arrives on stdin (read by a thread of its own).
+fn stop_on_a_line() -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    std::thread::spawn(move || {
+        let _ = std::io::stdin().lock().read_line(&mut String::new());
+        flag.store(true, Ordering::Relaxed);
+    });
+    stop
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -144,13 +159,14 @@ fn main() {
                 .expect("connect to the peer");
             println!("state={:?}", qp.query().expect("query QP").qp_state);
             let endpoint = Endpoint::new(&qp, &cq, &buffer, &mr);
-            match mode {
-                "ping" => endpoint.ping(count, &peer),
+            let done = match mode {
+                "ping" if count == 0 => endpoint.ping(u64::MAX, &peer, &stop_on_a_line()),
+                "ping" => endpoint.ping(count, &peer, &AtomicBool::new(false)),
                 "pong" => endpoint.pong(count),
-                _ => {}
-            }
+                _ => 0,
+            };
             if mode != "rc" {
-                println!("done {count} kicks={}", device.kicks_sent());
+                println!("done {done} kicks={}", device.kicks_sent());
             }
             // Keep everything alive until the test closes stdin.
             let _ = std::io::stdin().lock().read_line(&mut String::new());
@@ -205,28 +221,33 @@ impl<'a> Endpoint<'a> {
     }
 
     fn send(&self, i: u64, message: &[u8]) {
+        self.send_as(i, SendOp::Send, message)
+    }
+
+    fn send_as(&self, i: u64, op: SendOp, message: &[u8]) {
         self.buffer.write(SEND_AT, message).expect("write message");
         let sges = [self.sge(SEND_AT, message.len())];
-        let wr = SendWr::new(i, SendOp::Send, Payload::Sges(&sges));
+        let wr = SendWr::new(i, op, Payload::Sges(&sges));
         self.qp.post_send(&[wr]).expect("post send");
     }
 
-    /// Waits for the receive of message `i` (and any send completions); checks it.
-    fn receive(&self, i: u64) -> [u8; MESSAGE_LEN] {
-        loop {
+    /// Waits for the receive of message `i` (and any send completions); checks it. Also says
+    /// whether it is the initiator's last message (which carries an immediate).
+    fn receive(&self, i: u64) -> ([u8; MESSAGE_LEN], bool) {
+        let last = loop {
             let done = wait_for_guest_completions(self.cq, 1)[0];
             assert!(done.is_success(), "message {i}: {done:?}");
             if done.opcode == wc_opcode::RECV {
                 assert_eq!((done.wr_id, done.byte_len), (i, MESSAGE_LEN as u32));
-                break;
+                break done.imm_data.is_some();
             }
-        }
+        };
         let mut message = [0u8; MESSAGE_LEN];
         self.buffer
             .read(RECV_AT, &mut message)
             .expect("read message");
         check_message(i, &message);
-        message
+        (message, last)
     }
 
     /// One-sided operation `op` on the local range `offset..offset + len`; waits for it.
@@ -242,17 +263,21 @@ impl<'a> Endpoint<'a> {
         );
     }
 
-    /// `count` round trips as the initiator; then an RDMA WRITE of the peer's RDMA area, read
-    /// back with an RDMA READ and compared, and a last message that tells the peer to check
-    /// what was written.
-    fn ping(&self, count: u64, peer: &EndpointAddress) {
-        for i in 0..count {
+    /// `count` round trips as the initiator (fewer once `stop` is set); then an RDMA WRITE of
+    /// the peer's RDMA area, read back with an RDMA READ and compared, and a last message (with
+    /// an immediate) that tells the peer to check what was written. Returns the round trips.
+    fn ping(&self, count: u64, peer: &EndpointAddress, stop: &AtomicBool) -> u64 {
+        let mut count_done = 0;
+        while count_done < count && !stop.load(Ordering::Relaxed) {
+            let i = count_done;
             self.post_recv(i);
             let message = ping_message(i);
             self.send(i, &message);
-            let echo = self.receive(i);
+            let (echo, _) = self.receive(i);
             assert!(echo == message, "round trip {i}: the echo differs");
+            count_done += 1;
         }
+        let count = count_done;
         let (at, len) = RDMA_AREA;
         let pattern = test_pattern(len, count);
         self.buffer.write(at, &pattern).expect("write pattern");
@@ -273,19 +298,32 @@ impl<'a> Endpoint<'a> {
             read_back == pattern,
             "RDMA READ returned other bytes than were written"
         );
-        self.send(count, &ping_message(count));
+        let last = SendOp::SendWithImm { imm: 1 };
+        self.send_as(count, last, &ping_message(count));
         wait_for_guest_completions(self.cq, 1);
+        count
     }
 
-    fn pong(&self, count: u64) {
+    /// Echoes `count` messages (0: until the initiator's last); then checks the initiator's
+    /// RDMA WRITE. Returns the round trips.
+    fn pong(&self, count: u64) -> u64 {
         self.post_recv(0);
-        for i in 0..count {
-            let message = self.receive(i);
+        let mut i = 0;
+        loop {
+            let (message, last) = self.receive(i);
+            if last || i == count && count != 0 {
+                assert!(
+                    count == 0 || i == count,
+                    "the initiator stopped after {i} of {count}"
+                );
+                break;
+            }
             self.post_recv(i + 1);
             self.send(i, &message);
+            i += 1;
         }
+        let count = i;
         // The initiator's last message: its RDMA WRITE is in place.
-        self.receive(count);
         let (at, len) = RDMA_AREA;
         let mut written = vec![0u8; len];
         self.buffer.read(at, &mut written).expect("read RDMA area");
@@ -293,6 +331,7 @@ impl<'a> Endpoint<'a> {
             written == test_pattern(len, count),
             "the RDMA WRITE did not land intact"
         );
+        count
     }
 }
 
