@@ -430,17 +430,32 @@ fn route(table: &mut CmTable, event: CmEvent) -> Routed {
     }
 }
 
-/// A source address the guest names (SPEC.md §13.2): `own`, 0.0.0.0 (standing for `own`),
-/// or none (family 0, where `optional`), with any port.
+/// A source address the guest names (SPEC.md §13.2): `own`, 0.0.0.0 or a loopback address
+/// (127.0.0.0/8), which stand for `own`, or none (family 0, where `optional`), with any port.
+/// A guest's loopback address is its own machine, never the host's.
 fn own_source(own: Ipv4Addr, addr: &CmAddr, optional: bool) -> Result<SocketAddrV4, Refusal> {
     if optional && *addr == CmAddr::default() {
         return Ok(SocketAddrV4::new(own, 0));
     }
     let address = addr.to_ipv4().ok_or(Refusal::NotIpv4("source address"))?;
-    if !address.ip().is_unspecified() && *address.ip() != own {
-        return Err(Refusal::ForeignAddress(address.ip().to_string()));
+    let ip = *address.ip();
+    if !ip.is_unspecified() && !ip.is_loopback() && ip != own {
+        return Err(Refusal::ForeignAddress(ip.to_string()));
     }
     Ok(SocketAddrV4::new(own, address.port()))
+}
+
+/// A destination the guest names (SPEC.md §13.2): any IPv4 address but 0.0.0.0; a loopback
+/// address is the guest's own (a connection to itself, as natively to one's own host).
+fn destination(own: Ipv4Addr, addr: &CmAddr) -> Result<SocketAddrV4, Refusal> {
+    let address = addr
+        .to_ipv4()
+        .filter(|d| !d.ip().is_unspecified())
+        .ok_or(Refusal::NotIpv4("destination address"))?;
+    Ok(match address.ip().is_loopback() {
+        true => SocketAddrV4::new(own, address.port()),
+        false => address,
+    })
 }
 
 /// The most private data `command` (CM_CONNECT, CM_ACCEPT or CM_REJECT) carries on an id of
@@ -630,11 +645,7 @@ impl Device {
         let cm = negotiated(&self.cm, self.features)?;
         let key = cm.find(&self.objects, req.id.to_native())?;
         let src = own_source(cm.own, &req.src, true)?;
-        let dst = req
-            .dst
-            .to_ipv4()
-            .filter(|d| !d.ip().is_unspecified())
-            .ok_or(Refusal::NotIpv4("destination address"))?;
+        let dst = destination(cm.own, &req.dst)?;
         let timeout = timeout(req.timeout_ms.to_native())?;
         cm.run(key, CmCommand::ResolveAddr, |table| {
             table
@@ -896,6 +907,20 @@ mod tests {
             own(&CmAddr::default(), true),
             Ok("192.0.2.10:0".parse().unwrap())
         );
+        // So does a loopback address: the guest's own machine (libfabric binds "localhost"
+        // to find the device of an address), never the host's.
+        assert_eq!(
+            own(&addr("127.0.0.1:0"), false),
+            Ok("192.0.2.10:0".parse().unwrap())
+        );
+        assert_eq!(
+            own(&addr("127.1.2.3:99"), true),
+            Ok("192.0.2.10:99".parse().unwrap())
+        );
+        assert_eq!(
+            own(&CmAddr::default(), false),
+            Err(Refusal::NotIpv4("source address"))
+        );
         assert_eq!(
             own(&addr("192.0.2.11:7471"), true),
             Err(Refusal::ForeignAddress("192.0.2.11".into()))
@@ -905,6 +930,26 @@ mod tests {
         assert_eq!(
             own(&ipv6_like, true),
             Err(Refusal::NotIpv4("source address"))
+        );
+    }
+
+    #[test]
+    fn a_loopback_destination_is_the_guest_itself() {
+        assert_eq!(
+            destination(OWN, &addr("127.0.0.1:7471")),
+            Ok("192.0.2.10:7471".parse().unwrap())
+        );
+        assert_eq!(
+            destination(OWN, &addr("198.51.100.7:7471")),
+            Ok("198.51.100.7:7471".parse().unwrap())
+        );
+        assert_eq!(
+            destination(OWN, &addr("0.0.0.0:7471")),
+            Err(Refusal::NotIpv4("destination address"))
+        );
+        assert_eq!(
+            destination(OWN, &CmAddr::default()),
+            Err(Refusal::NotIpv4("destination address"))
         );
     }
 
