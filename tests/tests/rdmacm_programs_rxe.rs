@@ -343,6 +343,57 @@ fn libfabric_verbs_msg_endpoints_run_on_vrdma() {
     fi_pingpong(On::Vrdma(&a), On::Vrdma(&b), 7573);
 }
 
+/// A program probing rdma_cm by trial (tests/c/cm_probe.c: a port space not served, ids on
+/// a device without connection management, an unserved function) gets its errnos and, as
+/// from the system's librdmacm, no line on standard error: libfabric tries every address of
+/// the machine and port space at start. `VRDMA_DEBUG=1` brings the reasons back, once each.
+/// The program also checks rdma_getaddrinfo as libfabric uses it (the hints' addresses, a
+/// passive "localhost", results the program frees its own memory into). The backend offers no
+/// connection management (no `--guest-ip`), so this runs on the loopback host too.
+#[test]
+fn a_program_probing_rdma_cm_gets_errnos_and_no_words_unless_it_asks() {
+    let program = CProgram::build("cm_probe", &["-lrdmacm", "-libverbs"]);
+    let socket =
+        std::env::temp_dir().join(format!("vrdma-rdmacm-probe-{}.sock", std::process::id()));
+    let _backend = spawn_backend_process(&socket, &[]);
+    let run = |debug: Option<&str>| {
+        let mut command = Command::new(vrdma_run_script());
+        command
+            .args(["--device", path(&socket), "--", program.path()])
+            .env("VRDMA_IBVERBS_DIR", library_dir())
+            .env_remove("VRDMA_DEBUG");
+        if let Some(value) = debug {
+            command.env("VRDMA_DEBUG", value);
+        }
+        let output = command.output().expect("run cm_probe");
+        assert!(
+            output.status.success() && text(&output).contains("cm_probe: ok"),
+            "{}\n{}",
+            output.status,
+            text(&output)
+        );
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let quiet = run(None);
+    assert!(
+        !quiet.lines().any(|l| l.starts_with("vrdma:")),
+        "refused tries said something:\n{quiet}"
+    );
+    assert_eq!(run(Some("0")), quiet, "VRDMA_DEBUG=0 asks for nothing");
+    let told = run(Some("1"));
+    for reason in [
+        "rdma_create_id: only RDMA_PS_TCP and RDMA_PS_UDP are served",
+        "rdma_create_id failed",
+        "rdma_join_multicast is not served",
+    ] {
+        assert_eq!(
+            told.matches(reason).count(),
+            1,
+            "{reason:?} once with VRDMA_DEBUG=1:\n{told}"
+        );
+    }
+}
+
 /// A program that makes its QP itself and moves it with `rdma_init_qp_attr`, naming it by
 /// `conn_param.qp_num` (tests/c/cm_own_qp.c): the client completes the connection at
 /// CONNECT_RESPONSE with `rdma_establish`; a message each way on the QP.

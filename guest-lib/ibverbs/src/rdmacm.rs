@@ -126,6 +126,25 @@ struct VrdmaCmEvent {
     _hold: Hold,
 }
 
+/// The environment variable that asks vrdma's librdmacm (as vrdma's libibverbs) to say why a
+/// call failed: set to anything but empty or `0`.
+const DEBUG_VARIABLE: &str = "VRDMA_DEBUG";
+
+/// Says why a call failed, on standard error, once per process and kind, and only when
+/// `VRDMA_DEBUG` asks: the system's librdmacm fails silently with an errno, and programs
+/// that probe by trial (libfabric binds every address of the machine to find its RDMA
+/// devices, and creates ids in port spaces to see which are served) expect no line for a
+/// refused try.
+fn explain(kind: &'static str, message: &str) {
+    static ASKED: OnceLock<bool> = OnceLock::new();
+    let asked = *ASKED.get_or_init(|| {
+        std::env::var_os(DEBUG_VARIABLE).is_some_and(|value| !value.is_empty() && value != "0")
+    });
+    if asked {
+        report_once(kind, message);
+    }
+}
+
 fn fail<T>(errno: c_int, value: T) -> T {
     set_errno(errno);
     value
@@ -404,7 +423,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_create_id(
     space: rdma_port_space::Type,
 ) -> c_int {
     if id.is_null() || !matches!(space, port_space::TCP | port_space::UDP) {
-        report_once(
+        explain(
             "cm_ps",
             "rdma_create_id: only RDMA_PS_TCP and RDMA_PS_UDP are served",
         );
@@ -418,7 +437,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_create_id(
     let inner = match device.create_cm_id(space) {
         Ok(inner) => inner,
         Err(e) => {
-            report_once("cm_create", &format!("rdma_create_id failed: {e} (connection management needs a device with an address of its own: the backend's --guest-ip)"));
+            explain("cm_create", &format!("rdma_create_id failed: {e} (connection management needs a device with an address of its own: the backend's --guest-ip)"));
             return io_errno(&e);
         }
     };
@@ -533,7 +552,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_bind_addr(
     // SAFETY: per the API contract.
     let (id, addr) = unsafe { (ours(id), ipv4_of(addr)) };
     let Some(addr) = addr else {
-        report_once(
+        explain(
             "cm_af",
             "vrdma's connection management serves IPv4 addresses only",
         );
@@ -865,7 +884,7 @@ unsafe fn qp_of(
             })
         });
         let Some(address) = found.filter(|_| qp_num != 0) else {
-            report_once(
+            explain(
                 "cm_qp",
                 "rdma_connect/rdma_accept: the id has no QP from rdma_create_qp, and conn_param's qp_num names no QP of the program's",
             );
@@ -999,7 +1018,7 @@ fn process(id: &mut VrdmaCmId, mut taken: CmEvent) -> (u32, i32, CmEvent) {
             match step {
                 Ok(()) => kind = event::ESTABLISHED,
                 Err((what, errno)) => {
-                    report_once(
+                    explain(
                         "cm_connect_response",
                         &format!(
                             "a connection's response was refused: {what} failed: {}",
@@ -1497,7 +1516,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_set_option(
     if level == 0 && (0..=3).contains(&name) {
         return 0;
     }
-    report_once(
+    explain(
         "cm_option",
         "rdma_set_option: only the RDMA_OPTION_ID options are accepted",
     );
@@ -1516,7 +1535,7 @@ unsafe extern "C" fn vrdma_rdmacm_unserved(name: *const c_char) -> i64 {
         .to_string_lossy()
         .into_owned();
     let kind: &'static str = Box::leak(name.into_boxed_str());
-    report_once(kind, &format!("{kind} is not served by vrdma's librdmacm"));
+    explain(kind, &format!("{kind} is not served by vrdma's librdmacm"));
     set_errno(libc::ENOSYS);
     -1
 }
