@@ -718,7 +718,7 @@ fn check_command(m: &Matrix, states: &[IdState], id: &CmId, command: CmCommand) 
 /// manager (INVALID_ARGUMENT, detail EINVAL) where the table says so and carried out where it
 /// does, and the backend lives through all of them. Before the table, CM_RESOLVE_ROUTE on a
 /// fresh id reached librdmacm, which read the id's NULL device: the backend died of SIGSEGV.
-/// A second guest on the same host is the peer. About a minute under TCG.
+/// A second guest on the same host is the peer. 3 to 6 s under TCG.
 #[test]
 #[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
 fn every_cm_command_in_every_id_state_is_answered_as_the_table_says() {

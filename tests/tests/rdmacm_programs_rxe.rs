@@ -332,7 +332,8 @@ fn fi_pingpong(server_on: On, client_on: On, control_port: u16) {
 }
 
 /// fi_pingpong over libfabric's verbs provider (MSG endpoints) between vrdma and native
-/// both ways, and between two guests. About 15 s under TCG.
+/// both ways, and between two guests. About 30 s under TCG, most of it libfabric
+/// starting its providers.
 #[test]
 #[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
 fn libfabric_verbs_msg_endpoints_run_on_vrdma() {
