@@ -351,7 +351,7 @@ impl Routed {
             let _ = id.reject(&[]);
             events
                 .log_budget()
-                .info(|| "a connection request past the backlog or id quota was rejected".into());
+                .info(|| "a connection request past the backlog or id quota, or to a listener that is gone, was rejected".into());
         }
         if let Some(handle) = self.announce {
             events.raise(event_kind::CM_EVENT, handle);
@@ -378,9 +378,13 @@ fn take_and_route(channel: &Arc<CmChannel>, table: &mut CmTable) -> Option<Route
 fn route(table: &mut CmTable, event: CmEvent) -> Routed {
     let full = table.ids.len() >= table.quota;
     let Some(entry) = table.ids.get_mut(&event.key) else {
-        // Its id is gone: a request on it is refused when the new id drops.
+        // Its id is gone: a request to it is refused (and its id destroyed) once the lock is
+        // released, as one past the backlog.
         table.dropped += 1;
-        return Routed::default();
+        return Routed {
+            rejected: event.new_id,
+            announce: None,
+        };
     };
     // The host's id is where the event says, whether or not the driver hears of it.
     entry.state = entry.state.after_event(event.event);
