@@ -68,6 +68,24 @@ pub const PRIVATE_DATA_FIELD: usize = 256;
 /// message's own limit is the host's, and smaller (SPEC.md §13.3).
 pub const MAX_PRIVATE_DATA: usize = 255;
 
+/// The most private data each CM message carries (SPEC.md §13.3): what the host's CM
+/// message (InfiniBand CM, which RoCE uses) holds, less the header rdma_cm puts in front of
+/// a connection request's. The device refuses more with INVALID_ARGUMENT.
+pub mod private_data_limit {
+    /// CM_CONNECT on a TCP id: a REQ's 92 bytes less rdma_cm's 36-byte header.
+    pub const CONNECT_TCP: usize = 56;
+    /// CM_CONNECT on a UDP id: a SIDR REQ's 216 bytes less the header.
+    pub const CONNECT_UDP: usize = 180;
+    /// CM_ACCEPT on a TCP id: a REP's.
+    pub const ACCEPT_TCP: usize = 196;
+    /// CM_ACCEPT on a UDP id: a SIDR REP's.
+    pub const ACCEPT_UDP: usize = 136;
+    /// CM_REJECT on a TCP id: a REJ's.
+    pub const REJECT_TCP: usize = 148;
+    /// CM_REJECT on a UDP id: a SIDR REP's (it carries the reject).
+    pub const REJECT_UDP: usize = 136;
+}
+
 /// Largest `backlog` of CM_LISTEN the device honours; a larger one is taken as this.
 pub const MAX_BACKLOG: u32 = 128;
 

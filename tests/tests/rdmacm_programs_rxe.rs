@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_tests::{
     host_resource_counts, spawn_backend_process, vrdma_library_dir as library_dir,
-    vrdma_run_script, BackendProcess, CProgram, ServiceProcess,
+    vrdma_run_script, wait_until_listening, BackendProcess, CProgram, ServiceProcess,
 };
 
 const HOST: &str = "192.168.77.1";
@@ -268,6 +268,130 @@ fn perftest_connects_with_rdma_cm_on_vrdma() {
             perftest(test, server, client, port);
             port += 1;
         }
+    }
+}
+
+/// libfabric's verbs provider, the way Intel MPI, DAOS and others reach verbs:
+/// `fi_pingpong -p verbs -e msg` from `server_on` to `client_on`, 20 round trips of 4 KiB whose
+/// payloads the program checks (`-c`). Its MSG endpoints connect through rdma_cm: the provider
+/// finds the device of each address of the machine by binding it, binds `localhost` to find
+/// the server's source address, and hands rdma_getaddrinfo the addresses in its hints (no
+/// node, no service). Before vrdma took a loopback address for the guest's own and
+/// rdma_getaddrinfo took the hints' addresses, every run with a vrdma server ended in
+/// `fi_getinfo` -61 (`rdma_bind_addr: Invalid argument`). The two exchange their endpoint
+/// names over TCP on `control_port`.
+fn fi_pingpong(server_on: On, client_on: On, control_port: u16) {
+    let port = control_port.to_string();
+    let common = [
+        "fi_pingpong",
+        "-p",
+        "verbs",
+        "-e",
+        "msg",
+        "-I",
+        "20",
+        "-S",
+        "4096",
+        "-c",
+    ];
+    let server: Vec<&str> = common.iter().copied().chain(["-B", &port]).collect();
+    let client: Vec<&str> = common
+        .iter()
+        .copied()
+        .chain(["-P", &port, server_on.address()])
+        .collect();
+    let server_process = server_on
+        .command(&server)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the server");
+    assert!(
+        wait_until_listening(control_port),
+        "fi_pingpong's server never listened on {port}"
+    );
+    let client_output = client_on.command(&client).output().expect("run the client");
+    let server_output = server_process
+        .wait_with_output()
+        .expect("wait for the server");
+    let (client_text, server_text) = (text(&client_output), text(&server_output));
+    assert!(
+        client_output.status.success() && server_output.status.success(),
+        "client {client:?}: {}\n{client_text}\nserver {server:?}: {}\n{server_text}",
+        client_output.status,
+        server_output.status,
+    );
+    for output in [&client_text, &server_text] {
+        assert!(
+            output
+                .lines()
+                .any(|l| l.starts_with("4k") && l.contains("=20")),
+            "no result row of 20 checked round trips in {output}"
+        );
+    }
+}
+
+/// fi_pingpong over libfabric's verbs provider (MSG endpoints) between vrdma and native
+/// both ways, and between two guests. About 30 s under TCG, most of it libfabric
+/// starting its providers.
+#[test]
+#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
+fn libfabric_verbs_msg_endpoints_run_on_vrdma() {
+    let a = guest("fabric-a", "192.168.77.83");
+    let b = guest("fabric-b", "192.168.77.84");
+    fi_pingpong(On::Vrdma(&a), On::Native, 7571);
+    fi_pingpong(On::Native, On::Vrdma(&a), 7572);
+    fi_pingpong(On::Vrdma(&a), On::Vrdma(&b), 7573);
+}
+
+/// A program probing rdma_cm by trial (tests/c/cm_probe.c: a port space not served, ids on
+/// a device without connection management, an unserved function) gets its errnos and, as
+/// from the system's librdmacm, no line on standard error: libfabric tries every address of
+/// the machine and port space at start. `VRDMA_DEBUG=1` brings the reasons back, once each.
+/// The program also checks rdma_getaddrinfo as libfabric uses it (the hints' addresses, a
+/// passive "localhost", results the program frees its own memory into). The backend offers no
+/// connection management (no `--guest-ip`), so this runs on the loopback host too.
+#[test]
+fn a_program_probing_rdma_cm_gets_errnos_and_no_words_unless_it_asks() {
+    let program = CProgram::build("cm_probe", &["-lrdmacm", "-libverbs"]);
+    let socket =
+        std::env::temp_dir().join(format!("vrdma-rdmacm-probe-{}.sock", std::process::id()));
+    let _backend = spawn_backend_process(&socket, &[]);
+    let run = |debug: Option<&str>| {
+        let mut command = Command::new(vrdma_run_script());
+        command
+            .args(["--device", path(&socket), "--", program.path()])
+            .env("VRDMA_IBVERBS_DIR", library_dir())
+            .env_remove("VRDMA_DEBUG");
+        if let Some(value) = debug {
+            command.env("VRDMA_DEBUG", value);
+        }
+        let output = command.output().expect("run cm_probe");
+        assert!(
+            output.status.success() && text(&output).contains("cm_probe: ok"),
+            "{}\n{}",
+            output.status,
+            text(&output)
+        );
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let quiet = run(None);
+    assert!(
+        !quiet.lines().any(|l| l.starts_with("vrdma:")),
+        "refused tries said something:\n{quiet}"
+    );
+    assert_eq!(run(Some("0")), quiet, "VRDMA_DEBUG=0 asks for nothing");
+    let told = run(Some("1"));
+    for reason in [
+        "rdma_create_id: only RDMA_PS_TCP and RDMA_PS_UDP are served",
+        "rdma_create_id failed",
+        "rdma_join_multicast is not served",
+    ] {
+        assert_eq!(
+            told.matches(reason).count(),
+            1,
+            "{reason:?} once with VRDMA_DEBUG=1:\n{told}"
+        );
     }
 }
 

@@ -36,6 +36,9 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
   python3-pyverbs
   # UCX's tools (ucx_info, ucx_perftest), run on vrdma0 (tests/tests/ibverbs_rxe.rs)
   ucx-utils
+  # libfabric's tools (fi_pingpong over its verbs provider), run on vrdma0
+  # (tests/tests/rdmacm_programs_rxe.rs)
+  libfabric-bin
   # to count the backend's instructions per WQE in the benchmark (callgrind)
   valgrind
   # libvirt, which starts the nested VM in the rxe guest (tests/vm/libvirtd.sh)
@@ -142,6 +145,7 @@ verify_setup() {
   local tool
   for tool in rdma:iproute2 ibv_devinfo:ibverbs-utils ib_write_bw:perftest busybox:busybox-static \
     cpio:cpio depmod:kmod valgrind:valgrind ninja:ninja-build ucx_perftest:ucx-utils \
+    fi_pingpong:libfabric-bin \
     libvirtd:libvirt-daemon-system virsh:libvirt-clients debootstrap:debootstrap; do
     command -v "${tool%%:*}" >/dev/null || [ -x "/sbin/${tool%%:*}" ] ||
       fail "${tool%%:*} is missing" "apt-get install ${tool#*:}"

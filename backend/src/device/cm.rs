@@ -24,6 +24,7 @@ use vrdma_spec::ctrl::{
 use vrdma_spec::ring::event_kind;
 use vrdma_spec::{ctrl, Le32};
 
+use super::cm_state::{CmCommand, IdState, Verdict};
 use super::objects::Handle;
 use super::{parse, reply, CommandError, CommandResult, Device, Refusal};
 use crate::datapath::EventRaiser;
@@ -33,22 +34,6 @@ use crate::hostverbs::{self, AhAttr, QpType};
 /// Events other than connection requests kept on one id the guest does not take; later
 /// ones are dropped.
 const MAX_QUEUED_EVENTS: usize = 16;
-
-/// What an id is for, which decides the commands it takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Role {
-    /// Created by CM_CREATE_ID: binds, resolves, connects or listens.
-    Active {
-        connecting: bool,
-    },
-    Listening {
-        backlog: u32,
-    },
-    /// Came with a connection request: accepted or rejected once.
-    Passive {
-        answered: bool,
-    },
-}
 
 struct Queued {
     event: u32,
@@ -64,12 +49,30 @@ struct IdEntry {
     /// `None` for the id of a connection request the guest has not taken yet.
     handle: Option<Handle>,
     space: PortSpace,
-    role: Role,
+    /// Which commands it takes (SPEC.md §13.3).
+    state: IdState,
+    /// A listener's backlog.
+    backlog: u32,
     /// The QP the id connects (or accepted with).
     qp: Option<Handle>,
     events: VecDeque<Queued>,
     /// Connection requests queued on a listening id.
     requests: u32,
+}
+
+impl IdEntry {
+    fn new(id: CmId, handle: Option<Handle>, space: PortSpace, state: IdState) -> IdEntry {
+        IdEntry {
+            id: Arc::new(id),
+            handle,
+            space,
+            state,
+            backlog: 0,
+            qp: None,
+            events: VecDeque::new(),
+            requests: 0,
+        }
+    }
 }
 
 /// The connection's ids by key (what their host ids carry), shared with the event thread.
@@ -83,6 +86,20 @@ struct CmTable {
 }
 
 impl CmTable {
+    /// The id keyed `key`. Only the control path removes ids, and it found this one under
+    /// its handle, so it is there; the error stands for what cannot happen.
+    fn entry(&self, key: u64) -> Result<&IdEntry, CommandError> {
+        self.ids.get(&key).ok_or_else(Self::gone)
+    }
+
+    fn entry_mut(&mut self, key: u64) -> Result<&mut IdEntry, CommandError> {
+        self.ids.get_mut(&key).ok_or_else(Self::gone)
+    }
+
+    fn gone() -> CommandError {
+        Refusal::CmHost("the id is gone from the device's table".into()).into()
+    }
+
     fn new_key(&mut self) -> u64 {
         self.next_key += 1;
         self.next_key
@@ -165,8 +182,12 @@ impl ConnectionManager {
                                 return;
                             }
                         }
-                        while let Some(event) = channel.take_event() {
-                            route(&table, event, &events);
+                        loop {
+                            let routed = take_and_route(&channel, &mut lock(&table));
+                            match routed {
+                                Some(routed) => routed.finish(&events),
+                                None => break,
+                            }
                         }
                     }
                 })
@@ -216,29 +237,56 @@ impl ConnectionManager {
         })
     }
 
-    /// Runs `f` on the entry of the id `key` (which [`Self::find`] found) under the table's
-    /// lock.
+    /// Runs `call` for `command` on the id `key` (which [`Self::find`] found) under the
+    /// table's lock, if the id's state takes the command (`cm_state`), and moves the id to
+    /// the state the table names once `call` succeeded. A command the state does not take is
+    /// refused here, before anything of it reaches the host. `call` gets the table (to look
+    /// at the connection's other ids), whose [`CmTable::entry`] of `key` is the id's.
+    fn run<T>(
+        &self,
+        key: u64,
+        command: CmCommand,
+        call: impl FnOnce(&mut CmTable) -> Result<T, CommandError>,
+    ) -> Result<T, CommandError> {
+        let mut table = lock(&self.table);
+        let next = Self::admit(&table, key, command)?;
+        let result = call(&mut table)?;
+        if let Some(entry) = table.ids.get_mut(&key) {
+            entry.state = next;
+        }
+        Ok(result)
+    }
+
+    /// The state `command` moves the id `key` to, if its state takes it.
+    fn admit(table: &CmTable, key: u64, command: CmCommand) -> Result<IdState, CommandError> {
+        let state = table.entry(key)?.state;
+        match super::cm_state::verdict(state, command) {
+            Verdict::Allowed { next } => Ok(next),
+            Verdict::Refused => Err(Refusal::CmState { state, command }.into()),
+        }
+    }
+
+    /// Runs `f` on the entry of the id `key` under the table's lock, for what takes every
+    /// state (CM_QUERY, CM_GET_EVENT).
     fn with_entry<T>(
         &self,
         key: u64,
         f: impl FnOnce(&mut IdEntry) -> Result<T, CommandError>,
     ) -> Result<T, CommandError> {
         let mut table = lock(&self.table);
-        // Only the control path removes ids, so one it found is there.
-        let entry = table
-            .ids
-            .get_mut(&key)
-            .ok_or(Refusal::CmState("be found".into()))?;
-        f(entry)
+        f(table.entry_mut(key)?)
     }
 
     /// Checks the id is bound to the device's own port (so QP numbers mean the same on both).
-    fn check_device(&self, id: &CmId, what: &str) -> Result<(), CommandError> {
+    /// Called with the table locked.
+    fn check_device(&self, id: &CmId, command: CmCommand) -> Result<(), CommandError> {
         let info = id.info();
         if info.device.as_deref() != Some(self.device.as_str()) || info.port_num != self.host_port {
-            return Err(
-                Refusal::CmState(format!("{what} before it is bound to the device")).into(),
-            );
+            return Err(Refusal::CmHost(format!(
+                "the id cannot {} before it is bound to the device",
+                command.action()
+            ))
+            .into());
         }
         Ok(())
     }
@@ -287,97 +335,155 @@ impl Drop for ConnectionManager {
     }
 }
 
-/// Queues `event` on its id (the event thread's work), announcing it when the id's queue was
-/// empty.
-fn route(table: &Mutex<CmTable>, event: CmEvent, events: &EventRaiser) {
+/// What the event thread does with an event once the table's lock is released.
+#[derive(Default)]
+struct Routed {
+    /// The id of a connection request the device refuses (past the backlog or the quota, or
+    /// to an id that no longer listens): rejected, then destroyed.
+    rejected: Option<CmId>,
+    /// The id whose queue the event started: announced with CM_EVENT.
+    announce: Option<Handle>,
+}
+
+impl Routed {
+    fn finish(self, events: &EventRaiser) {
+        if let Some(id) = self.rejected {
+            let _ = id.reject(&[]);
+            events
+                .log_budget()
+                .info(|| "a connection request past the backlog or id quota, or to a listener that is gone, was rejected".into());
+        }
+        if let Some(handle) = self.announce {
+            events.raise(event_kind::CM_EVENT, handle);
+        }
+    }
+}
+
+/// Takes the channel's next event and queues it on its id, whose state it moves (the event
+/// thread's work). Called with the table locked: librdmacm fills the id's fields (its
+/// device, addresses, route) while it hands an event out, and every other call on an id is
+/// made under the same lock, so none reads them half written. `None` when no event waits.
+fn take_and_route(channel: &Arc<CmChannel>, table: &mut CmTable) -> Option<Routed> {
+    let event = channel.take_event()?;
     log::debug!(
         "CM event {} (status {}) for id key {}",
         cm_event::name(event.event),
         event.status,
         event.key
     );
-    let mut rejected = None;
-    let announce = {
-        let mut table = lock(table);
-        let table = &mut *table;
-        let full = table.ids.len() >= table.quota;
-        let Some(entry) = table.ids.get_mut(&event.key) else {
-            // Its id is gone: a request on it is refused when the new id drops below.
-            table.dropped += 1;
-            return;
+    Some(route(table, event))
+}
+
+/// Queues `event` on its id, announcing it when the id's queue was empty.
+fn route(table: &mut CmTable, event: CmEvent) -> Routed {
+    let full = table.ids.len() >= table.quota;
+    let Some(entry) = table.ids.get_mut(&event.key) else {
+        // Its id is gone: a request to it is refused (and its id destroyed) once the lock is
+        // released, as one past the backlog.
+        table.dropped += 1;
+        return Routed {
+            rejected: event.new_id,
+            announce: None,
         };
-        let queued = Queued {
-            event: event.event,
-            status: event.status,
-            new_key: None,
-            param: event.param,
-            ud_ah: event.ud_ah,
-        };
-        if let Some(new_id) = event.new_id {
-            let listening =
-                matches!(entry.role, Role::Listening { backlog } if entry.requests < backlog);
-            if !listening || full {
-                // Past the backlog or the quota (or not listening any more): refused here.
-                table.dropped += 1;
-                rejected = Some(new_id);
-                None
-            } else {
-                entry.requests += 1;
-                let (handle, was_empty, space) =
-                    (entry.handle, entry.events.is_empty(), entry.space);
-                let key = table.new_key();
-                new_id.set_key(key);
-                if let Some(listener) = table.ids.get_mut(&event.key) {
-                    listener.events.push_back(Queued {
-                        new_key: Some(key),
-                        ..queued
-                    });
-                }
-                table.ids.insert(
-                    key,
-                    IdEntry {
-                        id: Arc::new(new_id),
-                        handle: None,
-                        space,
-                        role: Role::Passive { answered: false },
-                        qp: None,
-                        events: VecDeque::new(),
-                        requests: 0,
-                    },
-                );
-                handle.filter(|_| was_empty)
-            }
-        } else if entry.events.len() >= MAX_QUEUED_EVENTS {
-            table.dropped += 1;
-            None
-        } else {
-            let was_empty = entry.events.is_empty();
-            entry.events.push_back(queued);
-            entry.handle.filter(|_| was_empty)
-        }
     };
-    if let Some(id) = rejected {
-        let _ = id.reject(&[]);
-        events
-            .log_budget()
-            .info(|| "a connection request past the backlog or id quota was rejected".into());
+    // The host's id is where the event says, whether or not the driver hears of it.
+    entry.state = entry.state.after_event(event.event);
+    let queued = Queued {
+        event: event.event,
+        status: event.status,
+        new_key: None,
+        param: event.param,
+        ud_ah: event.ud_ah,
+    };
+    let Some(new_id) = event.new_id else {
+        if entry.events.len() >= MAX_QUEUED_EVENTS {
+            table.dropped += 1;
+            return Routed::default();
+        }
+        let was_empty = entry.events.is_empty();
+        entry.events.push_back(queued);
+        return Routed {
+            rejected: None,
+            announce: entry.handle.filter(|_| was_empty),
+        };
+    };
+    if entry.state != IdState::Listening || entry.requests >= entry.backlog || full {
+        // Past the backlog or the quota (or not listening any more): refused here.
+        table.dropped += 1;
+        return Routed {
+            rejected: Some(new_id),
+            announce: None,
+        };
     }
-    if let Some(handle) = announce {
-        events.raise(event_kind::CM_EVENT, handle);
+    entry.requests += 1;
+    let (handle, was_empty, space) = (entry.handle, entry.events.is_empty(), entry.space);
+    let key = table.new_key();
+    new_id.set_key(key);
+    if let Some(listener) = table.ids.get_mut(&event.key) {
+        listener.events.push_back(Queued {
+            new_key: Some(key),
+            ..queued
+        });
+    }
+    table
+        .ids
+        .insert(key, IdEntry::new(new_id, None, space, IdState::Requested));
+    Routed {
+        rejected: None,
+        announce: handle.filter(|_| was_empty),
     }
 }
 
-/// A source address the guest names (SPEC.md §13.2): `own`, 0.0.0.0 (standing for `own`),
-/// or none (family 0, where `optional`), with any port.
+/// A source address the guest names (SPEC.md §13.2): `own`, 0.0.0.0 or a loopback address
+/// (127.0.0.0/8), which stand for `own`, or none (family 0, where `optional`), with any port.
+/// A guest's loopback address is its own machine, never the host's.
 fn own_source(own: Ipv4Addr, addr: &CmAddr, optional: bool) -> Result<SocketAddrV4, Refusal> {
     if optional && *addr == CmAddr::default() {
         return Ok(SocketAddrV4::new(own, 0));
     }
     let address = addr.to_ipv4().ok_or(Refusal::NotIpv4("source address"))?;
-    if !address.ip().is_unspecified() && *address.ip() != own {
-        return Err(Refusal::ForeignAddress(address.ip().to_string()));
+    let ip = *address.ip();
+    if !ip.is_unspecified() && !ip.is_loopback() && ip != own {
+        return Err(Refusal::ForeignAddress(ip.to_string()));
     }
     Ok(SocketAddrV4::new(own, address.port()))
+}
+
+/// A destination the guest names (SPEC.md §13.2): any IPv4 address but 0.0.0.0; a loopback
+/// address is the guest's own (a connection to itself, as natively to one's own host).
+fn destination(own: Ipv4Addr, addr: &CmAddr) -> Result<SocketAddrV4, Refusal> {
+    let address = addr
+        .to_ipv4()
+        .filter(|d| !d.ip().is_unspecified())
+        .ok_or(Refusal::NotIpv4("destination address"))?;
+    Ok(match address.ip().is_loopback() {
+        true => SocketAddrV4::new(own, address.port()),
+        false => address,
+    })
+}
+
+/// The most private data `command` (CM_CONNECT, CM_ACCEPT or CM_REJECT) carries on an id of
+/// `space`: what the CM message holds (SPEC.md §13.3). The device refuses more itself, so
+/// the refusal says which rule, not the host's EINVAL.
+fn check_private_data(command: CmCommand, space: PortSpace, len: usize) -> Result<(), Refusal> {
+    use vrdma_spec::cm::private_data_limit as limit;
+    let max = match (command, space) {
+        (CmCommand::Connect, PortSpace::Tcp) => limit::CONNECT_TCP,
+        (CmCommand::Connect, PortSpace::Udp) => limit::CONNECT_UDP,
+        (CmCommand::Accept, PortSpace::Tcp) => limit::ACCEPT_TCP,
+        (CmCommand::Accept, PortSpace::Udp) => limit::ACCEPT_UDP,
+        (CmCommand::Reject, PortSpace::Tcp) => limit::REJECT_TCP,
+        (CmCommand::Reject, PortSpace::Udp) => limit::REJECT_UDP,
+        _ => return Ok(()),
+    };
+    if len > max {
+        return Err(Refusal::PrivateData {
+            command: command.action(),
+            len,
+            max,
+        });
+    }
+    Ok(())
 }
 
 fn conn_param(
@@ -433,10 +539,15 @@ fn timeout(value: u32) -> Result<u32, Refusal> {
     Ok(value)
 }
 
-/// A host refusal of a CM call: EINVAL is the id's state (SPEC.md §13.3).
-fn host(what: &'static str) -> impl FnOnce(hostverbs::Error) -> CommandError {
+/// A host refusal of a CM call: EINVAL is a state of the host's id the device does not
+/// keep (SPEC.md §13.3), INVALID_ARGUMENT with detail 22 as the device's own state refusals.
+fn host(command: CmCommand) -> impl FnOnce(hostverbs::Error) -> CommandError {
     move |e| match e.errno() {
-        Some(libc::EINVAL) => Refusal::CmState(format!("{what} ({e})")).into(),
+        Some(libc::EINVAL) => Refusal::CmHost(format!(
+            "the host's connection manager would not {} ({e})",
+            command.action()
+        ))
+        .into(),
         _ => CommandError::from(e),
     }
 }
@@ -468,8 +579,8 @@ impl Device {
             CmConnect => self.cm_connect(parse(payload), false),
             CmAccept => self.cm_connect(parse(payload), true),
             CmReject => self.cm_reject(parse(payload)),
-            CmDisconnect => self.cm_simple(parse(payload), "disconnect", CmId::disconnect),
-            CmEstablish => self.cm_simple(parse(payload), "establish", CmId::establish),
+            CmDisconnect => self.cm_simple(parse(payload), CmCommand::Disconnect, CmId::disconnect),
+            CmEstablish => self.cm_simple(parse(payload), CmCommand::Establish, CmId::establish),
             CmInitQpAttr => self.cm_init_qp_attr(parse(payload)),
             CmQuery => self.cm_query(parse(payload)),
             CmGetEvent => self.cm_get_event(parse(payload)),
@@ -495,18 +606,9 @@ impl Device {
         let key = table.new_key();
         let id = cm.channel.create_id(space, key)?;
         let handle = self.objects.new_handle();
-        table.ids.insert(
-            key,
-            IdEntry {
-                id: Arc::new(id),
-                handle: Some(handle),
-                space,
-                role: Role::Active { connecting: false },
-                qp: None,
-                events: VecDeque::new(),
-                requests: 0,
-            },
-        );
+        table
+            .ids
+            .insert(key, IdEntry::new(id, Some(handle), space, IdState::Idle));
         drop(table);
         self.objects.cm_ids.insert(handle, key);
         reply(CreatedResponse {
@@ -519,7 +621,9 @@ impl Device {
         let handle = req.handle.to_native();
         let cm = negotiated(&self.cm, self.features)?;
         let key = cm.find(&self.objects, handle)?;
-        let gone = lock(&cm.table).remove(key);
+        // Every state takes it; the id goes outside the lock (a destroy may wait for the
+        // event thread to acknowledge the id's last event).
+        let gone = cm.run(key, CmCommand::DestroyId, |table| Ok(table.remove(key)))?;
         self.objects.cm_ids.remove(&handle);
         drop(gone);
         Ok(Vec::new())
@@ -529,8 +633,13 @@ impl Device {
         let cm = negotiated(&self.cm, self.features)?;
         let key = cm.find(&self.objects, req.id.to_native())?;
         let address = own_source(cm.own, &req.addr, false)?;
-        let id = cm.with_entry(key, |e| Ok(Arc::clone(&e.id)))?;
-        id.bind(address).map_err(host("bind"))?;
+        cm.run(key, CmCommand::Bind, |table| {
+            table
+                .entry(key)?
+                .id
+                .bind(address)
+                .map_err(host(CmCommand::Bind))
+        })?;
         // The bound id as CM_QUERY tells it, which the driver needs next (librdmacm fills
         // the id's addresses after a bind): a command less.
         id_info(cm, key)
@@ -540,18 +649,15 @@ impl Device {
         let cm = negotiated(&self.cm, self.features)?;
         let key = cm.find(&self.objects, req.id.to_native())?;
         let src = own_source(cm.own, &req.src, true)?;
-        let dst = req
-            .dst
-            .to_ipv4()
-            .filter(|d| !d.ip().is_unspecified())
-            .ok_or(Refusal::NotIpv4("destination address"))?;
+        let dst = destination(cm.own, &req.dst)?;
         let timeout = timeout(req.timeout_ms.to_native())?;
-        let id = cm.with_entry(key, |e| match e.role {
-            Role::Active { .. } => Ok(Arc::clone(&e.id)),
-            _ => Err(Refusal::CmState("resolve an address".into()).into()),
+        cm.run(key, CmCommand::ResolveAddr, |table| {
+            table
+                .entry(key)?
+                .id
+                .resolve_addr(src, dst, timeout)
+                .map_err(host(CmCommand::ResolveAddr))
         })?;
-        id.resolve_addr(src, dst, timeout)
-            .map_err(host("resolve an address"))?;
         Ok(Vec::new())
     }
 
@@ -559,8 +665,13 @@ impl Device {
         let cm = negotiated(&self.cm, self.features)?;
         let key = cm.find(&self.objects, req.id.to_native())?;
         let timeout = timeout(req.timeout_ms.to_native())?;
-        let id = cm.with_entry(key, |e| Ok(Arc::clone(&e.id)))?;
-        id.resolve_route(timeout).map_err(host("resolve a route"))?;
+        cm.run(key, CmCommand::ResolveRoute, |table| {
+            table
+                .entry(key)?
+                .id
+                .resolve_route(timeout)
+                .map_err(host(CmCommand::ResolveRoute))
+        })?;
         Ok(Vec::new())
     }
 
@@ -571,16 +682,13 @@ impl Device {
             0 => MAX_BACKLOG,
             b => b.min(MAX_BACKLOG),
         };
-        cm.with_entry(key, |e| {
-            match e.role {
-                Role::Active { connecting: false } => {
-                    e.id.listen(backlog).map_err(host("listen"))?
-                }
-                // Listening already: the backlog is the device's to keep (SPEC.md §13.3).
-                Role::Listening { .. } => {}
-                _ => return Err(Refusal::CmState("listen".into()).into()),
+        cm.run(key, CmCommand::Listen, |table| {
+            let entry = table.entry_mut(key)?;
+            // Listening already: the backlog is the device's to keep (SPEC.md §13.3).
+            if entry.state != IdState::Listening {
+                entry.id.listen(backlog).map_err(host(CmCommand::Listen))?;
             }
-            e.role = Role::Listening { backlog };
+            entry.backlog = backlog;
             Ok(())
         })?;
         Ok(Vec::new())
@@ -588,47 +696,50 @@ impl Device {
 
     /// CM_CONNECT, or CM_ACCEPT when `accept`.
     fn cm_connect(&mut self, req: CmConnectRequest, accept: bool) -> CommandResult {
+        let command = match accept {
+            true => CmCommand::Accept,
+            false => CmCommand::Connect,
+        };
         let cm = negotiated(&self.cm, self.features)?;
         let key = cm.find(&self.objects, req.id.to_native())?;
         let param = conn_param(&req.param, &self.config)?;
         let qp_handle = req.qp.to_native();
         let qp = self.objects.qp(qp_handle)?;
         let (qp_num, qp_type) = (qp.host.qp_num(), qp.host.qp_type());
+        // The id's state and the message's size before anything else is done.
+        {
+            let table = lock(&cm.table);
+            ConnectionManager::admit(&table, key, command)?;
+            let space = table.entry(key)?.space;
+            check_private_data(command, space, param.private_data.len())?;
+        }
         // What the guest posted before it asked must be on the host before the message goes.
         self.data_path.flush_receives(&qp.data);
-        let what = if accept { "accept" } else { "connect" };
-        let mut table = lock(&cm.table);
-        let taken = table
-            .ids
-            .iter()
-            .any(|(&k, e)| k != key && e.qp == Some(qp_handle));
-        if taken {
-            return Err(Refusal::QpOfAnotherId { qp: qp_handle }.into());
-        }
-        let entry = table.ids.get_mut(&key).ok_or(Refusal::BadHandle {
-            kind: "CM id",
-            handle: req.id.to_native(),
+        cm.run(key, command, |table| {
+            let taken = table
+                .ids
+                .iter()
+                .any(|(&k, e)| k != key && e.qp == Some(qp_handle));
+            if taken {
+                return Err(Refusal::QpOfAnotherId { qp: qp_handle }.into());
+            }
+            let entry = table.entry_mut(key)?;
+            let wanted = match entry.space {
+                PortSpace::Tcp => QpType::Rc,
+                PortSpace::Udp => QpType::Ud,
+            };
+            if qp_type != wanted {
+                return Err(Refusal::QpType(qp_type as u8).into());
+            }
+            cm.check_device(&entry.id, command)?;
+            let result = match accept {
+                true => entry.id.accept(&param, qp_num),
+                false => entry.id.connect(&param, qp_num),
+            };
+            result.map_err(host(command))?;
+            entry.qp = Some(qp_handle);
+            Ok(())
         })?;
-        let wanted = match entry.space {
-            PortSpace::Tcp => QpType::Rc,
-            PortSpace::Udp => QpType::Ud,
-        };
-        if qp_type != wanted {
-            return Err(Refusal::QpType(qp_type as u8).into());
-        }
-        let next = match (entry.role, accept) {
-            (Role::Active { connecting: false }, false) => Role::Active { connecting: true },
-            (Role::Passive { answered: false }, true) => Role::Passive { answered: true },
-            _ => return Err(Refusal::CmState(what.into()).into()),
-        };
-        cm.check_device(&entry.id, what)?;
-        let result = match accept {
-            true => entry.id.accept(&param, qp_num),
-            false => entry.id.connect(&param, qp_num),
-        };
-        result.map_err(host(what))?;
-        entry.role = next;
-        entry.qp = Some(qp_handle);
         Ok(Vec::new())
     }
 
@@ -636,13 +747,10 @@ impl Device {
         let cm = negotiated(&self.cm, self.features)?;
         let key = cm.find(&self.objects, req.id.to_native())?;
         let data = &req.private_data[..usize::from(req.private_data_len)];
-        cm.with_entry(key, |e| {
-            if e.role != (Role::Passive { answered: false }) {
-                return Err(Refusal::CmState("reject".into()).into());
-            }
-            e.id.reject(data).map_err(host("reject"))?;
-            e.role = Role::Passive { answered: true };
-            Ok(())
+        cm.run(key, CmCommand::Reject, |table| {
+            let entry = table.entry(key)?;
+            check_private_data(CmCommand::Reject, entry.space, data.len())?;
+            entry.id.reject(data).map_err(host(CmCommand::Reject))
         })?;
         Ok(Vec::new())
     }
@@ -650,13 +758,14 @@ impl Device {
     fn cm_simple(
         &mut self,
         req: HandleRequest,
-        what: &'static str,
+        command: CmCommand,
         call: fn(&CmId) -> hostverbs::Result<()>,
     ) -> CommandResult {
         let cm = negotiated(&self.cm, self.features)?;
         let key = cm.find(&self.objects, req.handle.to_native())?;
-        let id = cm.with_entry(key, |e| Ok(Arc::clone(&e.id)))?;
-        call(&id).map_err(host(what))?;
+        cm.run(key, command, |table| {
+            call(&table.entry(key)?.id).map_err(host(command))
+        })?;
         Ok(Vec::new())
     }
 
@@ -669,11 +778,12 @@ impl Device {
         if !matches!(req.qp_state, qp_state::INIT | qp_state::RTR | qp_state::RTS) {
             return Err(Refusal::NoSuchQpState(req.qp_state.into()).into());
         }
-        let id = cm.with_entry(key, |e| Ok(Arc::clone(&e.id)))?;
-        cm.check_device(&id, "give QP attributes")?;
-        let (attr, mask) = id
-            .init_qp_attr(req.qp_state.into())
-            .map_err(host("give QP attributes"))?;
+        let command = CmCommand::InitQpAttr;
+        let (attr, mask) = cm.run(key, command, |table| {
+            let id = &table.entry(key)?.id;
+            cm.check_device(id, command)?;
+            id.init_qp_attr(req.qp_state.into()).map_err(host(command))
+        })?;
         log::debug!(
             "CM QP attributes for state {}: mask {mask:#x}, {attr:?}",
             req.qp_state
@@ -801,6 +911,16 @@ mod tests {
             own(&CmAddr::default(), true),
             Ok("192.0.2.10:0".parse().unwrap())
         );
+        // So does a loopback address: the guest's own machine (libfabric binds "localhost"
+        // to find the device of an address), never the host's.
+        assert_eq!(
+            own(&addr("127.0.0.1:0"), false),
+            Ok("192.0.2.10:0".parse().unwrap())
+        );
+        assert_eq!(
+            own(&addr("127.1.2.3:99"), true),
+            Ok("192.0.2.10:99".parse().unwrap())
+        );
         assert_eq!(
             own(&CmAddr::default(), false),
             Err(Refusal::NotIpv4("source address"))
@@ -814,6 +934,73 @@ mod tests {
         assert_eq!(
             own(&ipv6_like, true),
             Err(Refusal::NotIpv4("source address"))
+        );
+    }
+
+    #[test]
+    fn a_loopback_destination_is_the_guest_itself() {
+        assert_eq!(
+            destination(OWN, &addr("127.0.0.1:7471")),
+            Ok("192.0.2.10:7471".parse().unwrap())
+        );
+        assert_eq!(
+            destination(OWN, &addr("198.51.100.7:7471")),
+            Ok("198.51.100.7:7471".parse().unwrap())
+        );
+        assert_eq!(
+            destination(OWN, &addr("0.0.0.0:7471")),
+            Err(Refusal::NotIpv4("destination address"))
+        );
+        assert_eq!(
+            destination(OWN, &CmAddr::default()),
+            Err(Refusal::NotIpv4("destination address"))
+        );
+    }
+
+    #[test]
+    fn private_data_is_bounded_by_what_each_message_holds() {
+        use vrdma_spec::cm::private_data_limit as limit;
+        for (command, space, max) in [
+            (CmCommand::Connect, PortSpace::Tcp, limit::CONNECT_TCP),
+            (CmCommand::Connect, PortSpace::Udp, limit::CONNECT_UDP),
+            (CmCommand::Accept, PortSpace::Tcp, limit::ACCEPT_TCP),
+            (CmCommand::Accept, PortSpace::Udp, limit::ACCEPT_UDP),
+            (CmCommand::Reject, PortSpace::Tcp, limit::REJECT_TCP),
+            (CmCommand::Reject, PortSpace::Udp, limit::REJECT_UDP),
+        ] {
+            assert_eq!(check_private_data(command, space, max), Ok(()));
+            let refused = check_private_data(command, space, max + 1).unwrap_err();
+            assert_eq!(
+                refused,
+                Refusal::PrivateData {
+                    command: command.action(),
+                    len: max + 1,
+                    max
+                }
+            );
+            assert_eq!(refused.status(), ctrl::Status::InvalidArgument);
+            assert_eq!(refused.detail(), 0, "a field's rule, not a state");
+        }
+        // The numbers of the messages: REQ 92, SIDR REQ 216 (less rdma_cm's 36-byte header),
+        // REP 196, SIDR REP 136, REJ 148.
+        assert_eq!(
+            (limit::CONNECT_TCP, limit::CONNECT_UDP),
+            (92 - 36, 216 - 36)
+        );
+    }
+
+    #[test]
+    fn a_state_refusal_says_einval_as_a_native_device_does() {
+        let refused = Refusal::CmState {
+            state: IdState::Idle,
+            command: CmCommand::ResolveRoute,
+        };
+        assert_eq!(refused.status(), ctrl::Status::InvalidArgument);
+        assert_eq!(refused.detail(), libc::EINVAL as u32);
+        assert_eq!(refused.rule(), "CmState(ResolveRoute)");
+        assert_eq!(
+            refused.to_string(),
+            "the id cannot resolve a route while IDLE (SPEC.md §13.3)"
         );
     }
 

@@ -3,6 +3,7 @@
 //! memory as any [`GuestMemoryBackend`].
 
 mod cm;
+pub mod cm_state;
 mod local_peers;
 mod objects;
 mod refusal;

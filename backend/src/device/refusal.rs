@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use vrdma_spec::ctrl::{Opcode, Status};
 
+use super::cm_state::{CmCommand, IdState};
 use crate::hostverbs;
 use crate::log_budget::LogBudget;
 use crate::mtt::MttError;
@@ -50,8 +51,16 @@ pub enum Refusal {
     NotIpv4(&'static str),
     #[error("port space {0:#x} is neither TCP (0x106) nor UDP (0x111)")]
     PortSpace(u32),
-    #[error("the id cannot {0} in its state")]
-    CmState(String),
+    #[error("the id cannot {} while {} (SPEC.md §13.3)", command.action(), state.name())]
+    CmState { state: IdState, command: CmCommand },
+    #[error("{0}")]
+    CmHost(String),
+    #[error("{len} bytes of private data: the message to {command} holds at most {max}")]
+    PrivateData {
+        command: &'static str,
+        len: usize,
+        max: usize,
+    },
     #[error("QP {qp:#x} is connected by another CM id")]
     QpOfAnotherId { qp: u32 },
 
@@ -186,7 +195,9 @@ impl Refusal {
             | ForeignAddress(_)
             | NotIpv4(_)
             | PortSpace(_)
-            | CmState(_)
+            | CmState { .. }
+            | CmHost(_)
+            | PrivateData { .. }
             | QpOfAnotherId { .. }
             | UnknownBits { .. }
             | Reserved
@@ -213,10 +224,14 @@ impl Refusal {
         }
     }
 
-    /// The response's `detail` (SPEC.md §5.1): the host's errno where the host decided.
+    /// The response's `detail` (SPEC.md §5.1): EINVAL for a command the state of its object
+    /// does not allow (a QP's transition, a CM id's command, as the device or the host's
+    /// connection manager found), as a native device's call fails.
     pub fn detail(&self) -> u32 {
         match self {
-            Refusal::QpTransition(_) | Refusal::CmState(_) => libc::EINVAL as u32,
+            Refusal::QpTransition(_) | Refusal::CmState { .. } | Refusal::CmHost(_) => {
+                libc::EINVAL as u32
+            }
             _ => 0,
         }
     }
@@ -234,6 +249,7 @@ impl Refusal {
             | Refusal::NotBoolean { field, .. }
             | Refusal::NotPowerOfTwo { field, .. }
             | Refusal::OutOfRange { field, .. } => format!("{variant}({field})"),
+            Refusal::CmState { command, .. } => format!("{variant}({command:?})"),
             Refusal::NotNegotiated(what) | Refusal::Overflow(what) => {
                 format!("{variant}({what})")
             }

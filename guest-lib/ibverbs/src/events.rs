@@ -137,7 +137,7 @@ pub(crate) struct Lingering {
 
 /// Whether a bind of an id of `space` to `addr` takes over a listener of `listener_space`
 /// bound to `listener_addr`: the same port space and port (not 0: any free one), and the same
-/// address or none (0.0.0.0 stands for the driver's own).
+/// address or none (0.0.0.0 and loopback addresses stand for the driver's own, SPEC.md §13.2).
 fn takes_over(
     space: u32,
     addr: SocketAddrV4,
@@ -147,7 +147,9 @@ fn takes_over(
     space == listener_space
         && addr.port() != 0
         && addr.port() == listener_addr.port()
-        && (addr.ip().is_unspecified() || addr.ip() == listener_addr.ip())
+        && (addr.ip().is_unspecified()
+            || addr.ip().is_loopback()
+            || addr.ip() == listener_addr.ip())
 }
 
 /// The thread that routes one context's events.
@@ -357,6 +359,7 @@ mod tests {
         let at = |a: &str| a.parse::<SocketAddrV4>().unwrap();
         assert!(takes_over(tcp, at("10.0.0.5:7000"), tcp, listener));
         assert!(takes_over(tcp, at("0.0.0.0:7000"), tcp, listener));
+        assert!(takes_over(tcp, at("127.0.0.1:7000"), tcp, listener));
         assert!(!takes_over(udp, at("10.0.0.5:7000"), tcp, listener));
         assert!(!takes_over(tcp, at("10.0.0.5:7001"), tcp, listener));
         assert!(!takes_over(tcp, at("10.0.0.6:7000"), tcp, listener));

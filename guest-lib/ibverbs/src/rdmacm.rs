@@ -11,7 +11,7 @@
 //! Ids made without a channel are synchronous: each call waits for its own event.
 
 use std::ffi::CStr;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::SocketAddrV4;
 use std::os::fd::AsRawFd;
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr;
@@ -124,6 +124,25 @@ struct VrdmaCmEvent {
     private_data: Vec<u8>,
     /// Counted on the id the event came to (a connection request's: the listener).
     _hold: Hold,
+}
+
+/// The environment variable that asks vrdma's librdmacm (as vrdma's libibverbs) to say why a
+/// call failed: set to anything but empty or `0`.
+const DEBUG_VARIABLE: &str = "VRDMA_DEBUG";
+
+/// Says why a call failed, on standard error, once per process and kind, and only when
+/// `VRDMA_DEBUG` asks: the system's librdmacm fails silently with an errno, and programs
+/// that probe by trial (libfabric binds every address of the machine to find its RDMA
+/// devices, and creates ids in port spaces to see which are served) expect no line for a
+/// refused try.
+fn explain(kind: &'static str, message: &str) {
+    static ASKED: OnceLock<bool> = OnceLock::new();
+    let asked = *ASKED.get_or_init(|| {
+        std::env::var_os(DEBUG_VARIABLE).is_some_and(|value| !value.is_empty() && value != "0")
+    });
+    if asked {
+        report_once(kind, message);
+    }
 }
 
 fn fail<T>(errno: c_int, value: T) -> T {
@@ -404,7 +423,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_create_id(
     space: rdma_port_space::Type,
 ) -> c_int {
     if id.is_null() || !matches!(space, port_space::TCP | port_space::UDP) {
-        report_once(
+        explain(
             "cm_ps",
             "rdma_create_id: only RDMA_PS_TCP and RDMA_PS_UDP are served",
         );
@@ -418,7 +437,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_create_id(
     let inner = match device.create_cm_id(space) {
         Ok(inner) => inner,
         Err(e) => {
-            report_once("cm_create", &format!("rdma_create_id failed: {e} (connection management needs a device with an address of its own: the backend's --guest-ip)"));
+            explain("cm_create", &format!("rdma_create_id failed: {e} (connection management needs a device with an address of its own: the backend's --guest-ip)"));
             return io_errno(&e);
         }
     };
@@ -533,7 +552,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_bind_addr(
     // SAFETY: per the API contract.
     let (id, addr) = unsafe { (ours(id), ipv4_of(addr)) };
     let Some(addr) = addr else {
-        report_once(
+        explain(
             "cm_af",
             "vrdma's connection management serves IPv4 addresses only",
         );
@@ -865,7 +884,7 @@ unsafe fn qp_of(
             })
         });
         let Some(address) = found.filter(|_| qp_num != 0) else {
-            report_once(
+            explain(
                 "cm_qp",
                 "rdma_connect/rdma_accept: the id has no QP from rdma_create_qp, and conn_param's qp_num names no QP of the program's",
             );
@@ -999,7 +1018,7 @@ fn process(id: &mut VrdmaCmId, mut taken: CmEvent) -> (u32, i32, CmEvent) {
             match step {
                 Ok(()) => kind = event::ESTABLISHED,
                 Err((what, errno)) => {
-                    report_once(
+                    explain(
                         "cm_connect_response",
                         &format!(
                             "a connection's response was refused: {what} failed: {}",
@@ -1147,6 +1166,86 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_event_str(kind: c_int) -> *const c_char {
 
 // ---- endpoints and addresses ----------------------------------------------------------
 
+/// The first IPv4 address of `node` and `service` as getaddrinfo(3) finds it (no node: the
+/// unspecified address for a passive side, the loopback address for an active one, as
+/// getaddrinfo gives them); the errno when there is none.
+///
+/// # Safety
+/// `node` and `service` must be NULL or NUL-terminated strings.
+unsafe fn resolve_ipv4(
+    node: *const c_char,
+    service: *const c_char,
+    flags: c_int,
+    qp_type: c_int,
+) -> Result<SocketAddrV4, c_int> {
+    // SAFETY: all-zero is a valid addrinfo hint.
+    let mut hints: libc::addrinfo = unsafe { std::mem::zeroed() };
+    hints.ai_family = libc::AF_INET;
+    hints.ai_socktype = if qp_type == ibv_qp_type::IBV_QPT_UD as c_int {
+        libc::SOCK_DGRAM
+    } else {
+        libc::SOCK_STREAM
+    };
+    if flags & RAI_PASSIVE != 0 {
+        hints.ai_flags |= libc::AI_PASSIVE;
+    }
+    if flags & RAI_NUMERICHOST != 0 {
+        hints.ai_flags |= libc::AI_NUMERICHOST;
+    }
+    let mut found: *mut libc::addrinfo = ptr::null_mut();
+    // SAFETY: strings per the contract, a valid hint and out-pointer; the list is freed once
+    // below, after its last use.
+    let ret = unsafe { libc::getaddrinfo(node, service, &hints, &mut found) };
+    if ret != 0 {
+        return Err(match ret {
+            libc::EAI_SERVICE | libc::EAI_BADFLAGS => libc::EINVAL,
+            libc::EAI_SYSTEM => last_errno(),
+            libc::EAI_MEMORY => libc::ENOMEM,
+            // Not a numeric host where one was asked for, a name without an IPv4 address.
+            _ if flags & RAI_NUMERICHOST != 0 => libc::EINVAL,
+            _ => libc::EADDRNOTAVAIL,
+        });
+    }
+    let mut address = None;
+    let mut next = found;
+    while !next.is_null() && address.is_none() {
+        // SAFETY: an entry of the list getaddrinfo made; an AF_INET entry's address is a
+        // sockaddr_in.
+        unsafe {
+            let entry = &*next;
+            if entry.ai_family == libc::AF_INET && !entry.ai_addr.is_null() {
+                address = from_sockaddr_in(&*entry.ai_addr.cast::<libc::sockaddr_in>());
+            }
+            next = entry.ai_next;
+        }
+    }
+    // SAFETY: the list getaddrinfo made, freed once.
+    unsafe { libc::freeaddrinfo(found) };
+    address.ok_or(libc::EADDRNOTAVAIL)
+}
+
+/// A copy of `len` bytes at `addr` in memory of malloc(3)'s, as librdmacm keeps an
+/// `rdma_addrinfo`'s addresses: programs free them, and put their own there, for
+/// `rdma_freeaddrinfo` to free (libfabric does).
+///
+/// # Safety
+/// `addr` must be valid for reads of `len` bytes.
+unsafe fn malloc_copy(addr: *const c_void, len: usize) -> Result<*mut libc::sockaddr, c_int> {
+    // SAFETY: malloc has no preconditions; the result is checked.
+    let copy = unsafe { libc::malloc(len.max(1)) };
+    if copy.is_null() {
+        return Err(libc::ENOMEM);
+    }
+    // SAFETY: `len` bytes each side, per the contract and the allocation.
+    unsafe { ptr::copy_nonoverlapping(addr.cast::<u8>(), copy.cast::<u8>(), len) };
+    Ok(copy.cast())
+}
+
+/// librdmacm's `rdma_getaddrinfo` for IPv4: `node` and `service` resolved as the passive or
+/// active side's address, or, with neither, the hints' addresses taken as they are (a
+/// program that knows its addresses, as libfabric, passes them that way); the hints' source
+/// address also where the resolution gave none. The result and its addresses are malloc(3)'s,
+/// as librdmacm's.
 #[no_mangle]
 unsafe extern "C" fn vrdma_rdmacm_rdma_getaddrinfo(
     node: *const c_char,
@@ -1154,88 +1253,104 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_getaddrinfo(
     hints: *const rdma_addrinfo,
     res: *mut *mut rdma_addrinfo,
 ) -> c_int {
-    if res.is_null() || (node.is_null() && service.is_null()) {
+    if res.is_null() || (node.is_null() && service.is_null() && hints.is_null()) {
         return failed(libc::EINVAL);
     }
     // SAFETY: per the API contract.
     let hints = (!hints.is_null()).then(|| unsafe { &*hints });
     let flags = hints.map_or(0, |h| h.ai_flags);
-    let passive = flags & RAI_PASSIVE != 0;
-    let text = |s: *const c_char| {
-        // SAFETY: NUL-terminated strings, per the API contract.
-        (!s.is_null()).then(|| unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned())
-    };
-    let port: u16 = match text(service) {
-        None => 0,
-        Some(s) => match s.parse() {
-            Ok(port) => port,
-            Err(_) => return failed(libc::EINVAL),
-        },
-    };
-    let ip = match text(node) {
-        None => Ipv4Addr::UNSPECIFIED,
-        Some(name) => match name.parse::<Ipv4Addr>() {
-            Ok(ip) => ip,
-            Err(_) if flags & RAI_NUMERICHOST != 0 => return failed(libc::EINVAL),
-            Err(_) => match first_ipv4(&name) {
-                Some(ip) => ip,
-                None => return failed(libc::EADDRNOTAVAIL),
-            },
-        },
-    };
-    let address = Box::into_raw(Box::new(sockaddr_in(SocketAddrV4::new(ip, port))));
-    // SAFETY: rdma_addrinfo is C data valid as zero.
-    let mut info: rdma_addrinfo = unsafe { std::mem::zeroed() };
-    info.ai_flags = flags;
-    info.ai_family = libc::AF_INET;
-    info.ai_qp_type = hints.map_or(0, |h| h.ai_qp_type);
-    info.ai_port_space = match hints.map_or(0, |h| h.ai_port_space) {
-        0 if info.ai_qp_type == ibv_qp_type::IBV_QPT_UD as c_int => port_space::UDP as c_int,
+    let family = hints.map_or(0, |h| h.ai_family);
+    // SAFETY: calloc has no preconditions; rdma_addrinfo is C data valid as zero.
+    let info =
+        unsafe { libc::calloc(1, std::mem::size_of::<rdma_addrinfo>()) }.cast::<rdma_addrinfo>();
+    if info.is_null() {
+        return failed(libc::ENOMEM);
+    }
+    // SAFETY: just allocated and zeroed.
+    let made = unsafe { &mut *info };
+    made.ai_flags = flags;
+    made.ai_qp_type = hints.map_or(0, |h| h.ai_qp_type);
+    made.ai_port_space = match hints.map_or(0, |h| h.ai_port_space) {
+        0 if made.ai_qp_type == ibv_qp_type::IBV_QPT_UD as c_int => port_space::UDP as c_int,
         0 => port_space::TCP as c_int,
         space => space,
     };
-    if info.ai_qp_type == 0 {
-        info.ai_qp_type = if info.ai_port_space == port_space::UDP as c_int {
+    if made.ai_qp_type == 0 {
+        made.ai_qp_type = if made.ai_port_space == port_space::UDP as c_int {
             ibv_qp_type::IBV_QPT_UD as c_int
         } else {
             ibv_qp_type::IBV_QPT_RC as c_int
         };
     }
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    if passive {
-        info.ai_src_addr = address.cast();
-        info.ai_src_len = len;
-    } else {
-        info.ai_dst_addr = address.cast();
-        info.ai_dst_len = len;
+    let filled = (|| -> Result<(), c_int> {
+        if !node.is_null() || !service.is_null() {
+            if family != 0 && family != libc::AF_INET {
+                // Only IPv4 is served (AF_INET6 and AF_IB hints find nothing).
+                return Err(libc::EAFNOSUPPORT);
+            }
+            // SAFETY: the program's strings, per the API contract.
+            let address = unsafe { resolve_ipv4(node, service, flags, made.ai_qp_type) }?;
+            let address = sockaddr_in(address);
+            let len = std::mem::size_of::<libc::sockaddr_in>();
+            // SAFETY: a sockaddr_in of ours, `len` bytes.
+            let copy = unsafe { malloc_copy(ptr::from_ref(&address).cast(), len) }?;
+            made.ai_family = libc::AF_INET;
+            if flags & RAI_PASSIVE != 0 {
+                (made.ai_src_addr, made.ai_src_len) = (copy, len as libc::socklen_t);
+            } else {
+                (made.ai_dst_addr, made.ai_dst_len) = (copy, len as libc::socklen_t);
+            }
+        } else {
+            made.ai_family = family;
+            if let Some(h) = hints.filter(|h| h.ai_dst_len > 0 && !h.ai_dst_addr.is_null()) {
+                // SAFETY: the hints' address of `ai_dst_len` bytes, per the API contract.
+                made.ai_dst_addr =
+                    unsafe { malloc_copy(h.ai_dst_addr.cast(), h.ai_dst_len as usize) }?;
+                made.ai_dst_len = h.ai_dst_len;
+            }
+        }
+        if let Some(h) = hints.filter(|h| h.ai_src_len > 0 && !h.ai_src_addr.is_null()) {
+            if made.ai_src_len == 0 {
+                // SAFETY: as above.
+                made.ai_src_addr =
+                    unsafe { malloc_copy(h.ai_src_addr.cast(), h.ai_src_len as usize) }?;
+                made.ai_src_len = h.ai_src_len;
+            }
+        }
+        Ok(())
+    })();
+    if let Err(errno) = filled {
+        // SAFETY: the list just made, freed once.
+        unsafe { vrdma_rdmacm_rdma_freeaddrinfo(info) };
+        return failed(errno);
     }
     // SAFETY: the caller's out-pointer.
-    unsafe { *res = Box::into_raw(Box::new(info)) };
+    unsafe { *res = info };
     0
-}
-
-/// A host name's first IPv4 address.
-fn first_ipv4(name: &str) -> Option<Ipv4Addr> {
-    use std::net::ToSocketAddrs;
-    (name, 0).to_socket_addrs().ok()?.find_map(|a| match a {
-        std::net::SocketAddr::V4(v4) => Some(*v4.ip()),
-        std::net::SocketAddr::V6(_) => None,
-    })
 }
 
 #[no_mangle]
 unsafe extern "C" fn vrdma_rdmacm_rdma_freeaddrinfo(res: *mut rdma_addrinfo) {
     let mut next = res;
     while !next.is_null() {
-        // SAFETY: an rdma_addrinfo rdma_getaddrinfo made, with its one boxed sockaddr_in.
-        let info = unsafe { Box::from_raw(next) };
-        for addr in [info.ai_src_addr, info.ai_dst_addr] {
-            if !addr.is_null() {
-                // SAFETY: as above.
-                drop(unsafe { Box::from_raw(addr.cast::<libc::sockaddr_in>()) });
+        // SAFETY: an rdma_addrinfo of malloc(3)'s that rdma_getaddrinfo made, whose pointers
+        // are NULL or malloc(3)'s (its own, or a program's put there), each freed once.
+        unsafe {
+            let info = &*next;
+            let following = info.ai_next;
+            for owned in [
+                info.ai_src_addr.cast::<c_void>(),
+                info.ai_dst_addr.cast(),
+                info.ai_src_canonname.cast(),
+                info.ai_dst_canonname.cast(),
+                info.ai_route,
+                info.ai_connect,
+            ] {
+                libc::free(owned);
             }
+            libc::free(next.cast());
+            next = following;
         }
-        next = info.ai_next;
     }
 }
 
@@ -1401,7 +1516,7 @@ unsafe extern "C" fn vrdma_rdmacm_rdma_set_option(
     if level == 0 && (0..=3).contains(&name) {
         return 0;
     }
-    report_once(
+    explain(
         "cm_option",
         "rdma_set_option: only the RDMA_OPTION_ID options are accepted",
     );
@@ -1420,7 +1535,7 @@ unsafe extern "C" fn vrdma_rdmacm_unserved(name: *const c_char) -> i64 {
         .to_string_lossy()
         .into_owned();
     let kind: &'static str = Box::leak(name.into_boxed_str());
-    report_once(kind, &format!("{kind} is not served by vrdma's librdmacm"));
+    explain(kind, &format!("{kind} is not served by vrdma's librdmacm"));
     set_errno(libc::ENOSYS);
     -1
 }
