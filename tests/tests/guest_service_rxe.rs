@@ -20,8 +20,9 @@ use vrdma_guest::{
 };
 use vrdma_tests::{
     connect_to_itself, control_request, cpu_time, host_resource_counts, response_status,
-    start_backend, wait_for_guest_completions, wait_for_host_counts, ServiceProcess,
-    UnprivilegedCopies, WritingGuest,
+    start_backend, vrdma_library_dir, vrdma_run_script, wait_for_guest_completions,
+    wait_for_host_counts, wait_until_listening, CProgram, ServiceProcess, UnprivilegedCopies,
+    WritingGuest,
 };
 
 const PAGE: u64 = 4096;
@@ -319,15 +320,25 @@ fn a_service_restart_fails_its_programs_cleanly_and_serves_the_next_at_once() {
     program.still_served(1);
     service.child.kill().unwrap();
     service.child.wait().unwrap();
-    // The program learns it, from its next request and from its event wait; nothing hangs.
+    // The program learns it, from its next request, its event wait, its polls and posts;
+    // nothing hangs.
     match program.device.alloc_pd() {
-        Err(Error::Disconnected | Error::Transport(_)) => {}
+        Err(Error::Disconnected) => {}
         other => panic!("a request after the service went: {:?}", other.map(|_| ())),
     }
     match program.device.wait_event(Duration::from_secs(5)) {
         Err(Error::Disconnected) | Ok(Some(DeviceEvent::DeviceFatal)) => {}
         other => panic!("an event wait after the service went: {other:?}"),
     }
+    let mut completions = [Default::default(); 4];
+    assert!(matches!(
+        program.cq.poll(&mut completions),
+        Err(Error::Disconnected)
+    ));
+    assert!(matches!(
+        program.post_write(b"after"),
+        Err(Error::Disconnected)
+    ));
     drop(program);
     // A new instance takes the device (the backend reaped the old connection's objects).
     let service = ServiceProcess::start(&backend.socket, &[]);
@@ -382,6 +393,158 @@ fn a_program_holds_its_share_of_the_device_and_is_told_so() {
     Device::open(&service.target()).unwrap().alloc_pd().unwrap();
     drop(pds);
     program.alloc_pd().expect("room again");
+}
+
+/// `vrdma-run` and vrdma's library, copied where any user may run them.
+struct VrdmaRun {
+    run: std::path::PathBuf,
+    library: std::path::PathBuf,
+    _copies: UnprivilegedCopies,
+}
+
+impl VrdmaRun {
+    fn new() -> VrdmaRun {
+        let copies = UnprivilegedCopies::new();
+        VrdmaRun {
+            run: copies.copy(&vrdma_run_script()),
+            library: copies.copy(&vrdma_library_dir()),
+            _copies: copies,
+        }
+    }
+
+    /// `program` (a tests/c/ program, built in the temporary folder, which any user may
+    /// run) on vrdma0 through `vrdma-run --device target`, under a time limit.
+    fn command(&self, program: &CProgram, target: &str) -> Command {
+        let mut command = Command::new("timeout");
+        command
+            .arg("60")
+            .arg(&self.run)
+            .args(["--device", target, "--"])
+            .arg(program.path())
+            .env("VRDMA_IBVERBS_DIR", &self.library)
+            .stdin(Stdio::null());
+        command
+    }
+}
+
+/// A child forked from a program that has the device open uses its parent's context: each
+/// verb fails in the child with nothing sent, and the parent's device goes on, attached
+/// directly to a backend and through the service. (Before, the child's requests went out on
+/// the parent's connection: attached directly, the backend closed it; through the service,
+/// both got garbled answers.)
+#[test]
+fn a_forked_child_using_its_parents_device_fails_and_the_parent_goes_on() {
+    let backend = start_backend();
+    let service = ServiceProcess::start(&backend.socket, &[]);
+    let vrdma_run = VrdmaRun::new();
+    let program = CProgram::build("fork_child", &["-libverbs"]);
+    for target in [backend.socket.to_str().unwrap(), &service.target()] {
+        let output = vrdma_run
+            .command(&program, target)
+            .args(["vrdma0", "0"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && stdout.contains("fork: ok"),
+            "{target}: {stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(stdout.matches("failed (errno").count(), 8, "{stdout}");
+    }
+    WritingGuest::open(&service.target()).still_served(1);
+}
+
+/// `ibv_rc_pingpong` through vrdma-run on `target`, for ever (`-n` past what it can do in a
+/// test), `-e` for completion events instead of polling.
+fn endless_pingpong(target: &str, port: u16, events: bool, server: Option<&str>) -> Command {
+    let mut command = Command::new("timeout");
+    command
+        .args(["120", "stdbuf", "-oL"])
+        .arg(vrdma_run_script())
+        .args(["--device", target, "--"])
+        .args(["ibv_rc_pingpong", "-d", "vrdma0", "-g", "0", "-s", "64"])
+        .args(["-n", "1000000000", "-p", &port.to_string()])
+        .args(if events { &["-e"][..] } else { &[][..] })
+        .args(server)
+        .env("VRDMA_IBVERBS_DIR", vrdma_library_dir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
+/// Reads `child`'s output until a line holds `text`; the rest stays to be read.
+fn wait_for_output(child: &mut Child, text: &str) -> BufReader<ChildStdout> {
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut next = String::new();
+        assert_ne!(out.read_line(&mut next).unwrap(), 0, "ended: {seen}");
+        seen.push_str(&next);
+        if next.contains(text) {
+            return out;
+        }
+    }
+}
+
+/// SIGKILL of the service under four programs asleep in ibv_get_cq_event and four polling
+/// ibv_poll_cq (four ibv_rc_pingpong pairs, two with -e, mid-stream): each sees the end of
+/// its socket and fails (no completion can come), within seconds; none hangs, none reports
+/// success. (Before, the waiting ones hung for ever and the polling ones polled on.)
+#[test]
+fn a_killed_service_ends_every_waiting_and_polling_program_with_an_error() {
+    let backend = start_backend();
+    let mut service = ServiceProcess::start(&backend.socket, &[]);
+    let target = service.target();
+    let mut programs = Vec::new();
+    for (pair, events) in [true, true, false, false].into_iter().enumerate() {
+        let port = 18640 + pair as u16 + 10 * (std::process::id() % 100) as u16;
+        let mut server = endless_pingpong(&target, port, events, None)
+            .spawn()
+            .unwrap();
+        let server_out = wait_for_output(&mut server, "local address");
+        wait_until_listening(port);
+        let mut client = endless_pingpong(&target, port, events, Some("127.0.0.1"))
+            .spawn()
+            .unwrap();
+        let client_out = wait_for_output(&mut client, "remote address");
+        programs.push((server, server_out, events));
+        programs.push((client, client_out, events));
+    }
+    // All four pairs stream now.
+    std::thread::sleep(Duration::from_secs(1));
+    service.child.kill().unwrap();
+    service.child.wait().unwrap();
+    let killed = std::time::Instant::now();
+    let mut slowest = Duration::ZERO;
+    for (mut program, mut out, events) in programs {
+        let deadline = killed + Duration::from_secs(20);
+        let status = loop {
+            if let Some(status) = program.try_wait().unwrap() {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = program.kill();
+                let _ = program.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        slowest = slowest.max(killed.elapsed());
+        let mut said = String::new();
+        let _ = std::io::Read::read_to_string(&mut out, &mut said);
+        let mut stderr = String::new();
+        let _ = std::io::Read::read_to_string(&mut program.stderr.take().unwrap(), &mut stderr);
+        let what = if events { "waiting" } else { "polling" };
+        let status = status.unwrap_or_else(|| panic!("a {what} program hung: {said}{stderr}"));
+        assert!(
+            !status.success() && !said.contains(" iters in "),
+            "a {what} program reported success ({status}): {said}{stderr}"
+        );
+    }
+    println!("every program ended with an error within {slowest:?} of the kill");
+    assert!(slowest < Duration::from_secs(10), "{slowest:?}");
 }
 
 #[test]

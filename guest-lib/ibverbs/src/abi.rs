@@ -152,6 +152,9 @@ fn errno_of(error: &vrdma_guest::Error) -> c_int {
         // A full work queue: ENOMEM, as rxe and mlx5 say it.
         Error::OutOfSharedMemory(_) | Error::QueueFull { .. } => libc::ENOMEM,
         Error::Timeout(_) => libc::ETIMEDOUT,
+        // Past a memory limit (RLIMIT_MEMLOCK, the service's shares, the backend's memory
+        // regions): ENOMEM, as uverbs refuses pinning past RLIMIT_MEMLOCK.
+        Error::OverLimit(_) => libc::ENOMEM,
         Error::DeviceReset => libc::EIO,
         _ => libc::EIO,
     }
