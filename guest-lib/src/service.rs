@@ -69,18 +69,28 @@ impl ServiceTransport {
                 socket.display()
             ))
         })?;
-        protocol::send(&stream, Kind::Hello, &protocol::VERSION.to_le_bytes(), &[])
-            .map_err(Error::Transport)?;
+        Self::greet(stream)
+    }
+
+    /// Says HELLO to the service at the other end of `stream` and takes its WELCOME.
+    fn greet(stream: UnixStream) -> Result<ServiceTransport> {
+        // A service that refuses the program says why at once and closes the connection,
+        // maybe before the HELLO is sent: its reason is read all the same.
+        let hello = protocol::send(&stream, Kind::Hello, &protocol::VERSION.to_le_bytes(), &[]);
+        let answer = protocol::recv(&stream, protocol::MAX_SERVICE_PAYLOAD);
         let Frame {
             kind,
             payload,
             mut files,
-        } = protocol::recv(&stream, protocol::MAX_SERVICE_PAYLOAD)
-            .map_err(Error::Transport)?
-            .ok_or_else(|| protocol_error("closed the connection before welcoming it"))?;
-        if kind == Kind::Failed {
-            return Err(protocol_error(String::from_utf8_lossy(&payload)));
-        }
+        } = match (hello, answer) {
+            (_, Ok(Some(frame))) if frame.kind == Kind::Failed => {
+                return Err(protocol_error(String::from_utf8_lossy(&frame.payload)))
+            }
+            (Err(e), _) => return Err(Error::Transport(e)),
+            (Ok(()), answer) => answer
+                .map_err(Error::Transport)?
+                .ok_or_else(|| protocol_error("closed the connection before welcoming it"))?,
+        };
         let welcome = match protocol::Welcome::decode(&payload) {
             Some(welcome)
                 if kind == Kind::Welcome
@@ -240,5 +250,23 @@ impl Transport for ServiceTransport {
         Err(Error::InvalidArgument(
             "a program served by the vrdma service does not drive the control queue".into(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_program_refused_before_its_hello_is_told_why() {
+        let (program, service) = UnixStream::pair().unwrap();
+        protocol::send(&service, Kind::Failed, b"user 7 has 1 programs", &[]).unwrap();
+        // Closed before the program says anything: its HELLO finds no one.
+        drop(service);
+        let refused = ServiceTransport::greet(program).err().expect("refused");
+        assert!(
+            refused.to_string().contains("user 7 has 1 programs"),
+            "{refused}"
+        );
     }
 }
