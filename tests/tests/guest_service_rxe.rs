@@ -493,6 +493,8 @@ fn a_connection_that_says_no_hello_is_closed_after_the_handshake_time() {
 /// backend end the connection: every program lost the device.)
 #[test]
 fn programs_past_the_backends_memory_regions_are_refused_and_the_connection_stays() {
+    // The backend and some 250 programs share this process: descriptors for all of them.
+    vrdma_backend::hostverbs::raise_open_file_limit().unwrap();
     let backend = start_backend();
     // --share 1: one user may take everything, so the totals are what refuse.
     let service = ServiceProcess::start(&backend.socket, &["--share", "1"]);
