@@ -322,7 +322,13 @@ impl Transport for DirectTransport {
     }
 
     fn disconnected(&self) -> bool {
-        let frontend = self.frontend.lock().unwrap_or_else(|e| e.into_inner());
+        // A poll loop looks here too: it must not wait while another thread talks to the
+        // backend (a closed socket then shows in that thread's answer).
+        let frontend = match self.frontend.try_lock() {
+            Ok(frontend) => frontend,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
         // SAFETY: the descriptor is the frontend's socket, which the lock keeps open for
         // the look.
         let socket = unsafe { std::os::fd::BorrowedFd::borrow_raw(frontend.as_raw_fd()) };
