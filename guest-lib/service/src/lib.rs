@@ -751,6 +751,7 @@ mod tests {
     #[test]
     fn a_program_is_shown_its_users_share_of_the_devices_limits() {
         let config = DeviceConfig {
+            max_memory_regions: Le32::from(256),
             max_qp: Le32::from(256),
             max_srq: Le32::from(3),
             max_ah: Le32::from(1000),
@@ -793,6 +794,11 @@ mod tests {
             "a quarter, rounded up, and at least one"
         );
         assert_eq!(shown.max_qp_wr.to_native(), 4096, "sizes are the device's");
+        assert_eq!(
+            shown.max_memory_regions.to_native(),
+            0,
+            "memory regions are the service's business"
+        );
         assert_eq!(
             shown.max_mr_size.to_native(),
             1 << 30,
