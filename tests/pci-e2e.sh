@@ -11,8 +11,10 @@
 #              completion (the device's interrupt) wakes the program; two unprivileged users'
 #              unmodified ibv_rc_pingpong pair, then their ib_write_bw and ib_send_lat pairs at
 #              once beside a third pair whose client is killed with SIGKILL mid-stream (vrdmad
-#              destroys what it held); a service restart ends a waiting program with an error
-#              and serves the next at once
+#              destroys what it held); SIGKILL of the service under four programs asleep in
+#              ibv_get_cq_event and four polling ends each with an error (none hangs or
+#              reports success); a service restart ends a waiting program with an error and
+#              serves the next at once
 #     pinned   a program's 256 MiB buffer RDMA-written from here for 60 s, checked in the VM
 #              where the program reads it, while the VM compacts its memory in a loop and a
 #              sentinel program checks that none of the frames it is given is written
@@ -238,6 +240,21 @@ killed_program_reaped() {
   done
   [ "$destroyed" -gt 0 ] && ! grep -q "program .*: destroying" "$exchange/vrdmad.log"
 }
+# Every program of killed.vm ended with an error (a status neither 0 nor `hung`) within
+# seconds of vrdmad's SIGKILL, and none printed the pingpong's result.
+killed_service_ended_its_programs() {
+  local name rc seconds failed=0
+  wait_line "$exchange/killed.vm" '^end$' 900 >/dev/null || return 1
+  while read -r name rc seconds; do
+    [ "$name" = end ] && continue
+    echo "pci-e2e:   $name: status $rc, $seconds s after the kill"
+    if [ "$rc" = hung ] || [ "$rc" = 0 ] || grep -q ' iters in ' "$exchange/$name.out"; then
+      tail -n 3 "$exchange/$name.out" >&2
+      failed=1
+    fi
+  done <"$exchange/killed.vm"
+  [ "$failed" = 0 ]
+}
 service_restarted() {
   wait_line "$exchange/restart.vm" '^end$' 600 >/dev/null || return 1
   grep -qx "orphan 1" "$exchange/restart.vm" && grep -q '^error: ' "$exchange/orphan.out" &&
@@ -265,6 +282,8 @@ check_service() {
     perftest_pairs
   check "the third pair's client, killed with SIGKILL mid-stream: vrdmad destroyed all it held" \
     killed_program_reaped
+  check "vrdmad killed with SIGKILL under four programs asleep in ibv_get_cq_event and four polling: each ends with an error, none reports success" \
+    killed_service_ended_its_programs
   check "a vrdmad restart ends a program waiting on it with an error, and the next program works" \
     service_restarted
 }

@@ -12,8 +12,10 @@
 #            and the service's wake-ups and CPU time over 10 idle seconds (service-idle.vm),
 #            then a completion wakes it; two users' unmodified ibv_rc_pingpong pair through
 #            the service, then an ib_write_bw and an ib_send_lat pair at once beside a third
-#            pair whose client is killed (users.vm); a service restart under a waiting
-#            program: how that program ended and whether the next one works (restart.vm)
+#            pair whose client is killed (users.vm); SIGKILL of the service under four
+#            programs asleep in ibv_get_cq_event and four polling (killed.vm); a service
+#            restart under a waiting program: how that program ended and whether the next
+#            one works (restart.vm)
 #   users    the guest service, and through it two users' ibv_rc_pingpong pair (users.vm);
 #            given CM_ADDRESSES, then rping through vrdma's librdmacm and the service, as an
 #            unprivileged user: the client of a native server outside the VM, then the server
@@ -244,6 +246,47 @@ idle_record() {
   wait "$sleeper_session"
 }
 
+# SIGKILL of vrdmad mid-stream under two ibv_rc_pingpong pairs with -e (asleep in
+# ibv_get_cq_event) and two polling ibv_poll_cq, each pair of two users: the device still
+# serves their rings, but no one serves their requests and events, and the next vrdmad
+# resets it, so each must end with an error (none hang, none report success). killed.vm: a
+# line `NAME RC SECONDS` per program, RC `hung` when it had not ended 120 s after the kill;
+# `end`. vrdmad is started again.
+kill_record() {
+  local i port name mode pids=() names=() killed rc
+  for i in 0 1 2 3; do
+    port=$((18540 + i)) mode=()
+    if [ "$i" -lt 2 ]; then name=waiting$i mode=(-e); else name=polling$i; fi
+    as_user 65534 ibv_rc_pingpong -d vrdma0 -g 0 -s 64 -n 1000000000 "${mode[@]}" -p "$port" \
+      >"$exchange/$name-server.out" 2>&1 &
+    pids+=($!) names+=("$name-server")
+    wait_for_line "$exchange/$name-server.out" "local address"
+    wait_until_listening "$port" 300
+    as_user 65533 ibv_rc_pingpong -d vrdma0 -g 0 -s 64 -n 1000000000 "${mode[@]}" -p "$port" \
+      127.0.0.1 >"$exchange/$name-client.out" 2>&1 &
+    pids+=($!) names+=("$name-client")
+    wait_for_line "$exchange/$name-client.out" "remote address"
+  done
+  pause 2
+  kill -9 "$service"
+  wait "$service"
+  killed=$SECONDS
+  # Its socket stays behind: the next instance replaces it, and start_service waits for that.
+  rm -f /run/vrdma/vrdmad.sock
+  for i in "${!pids[@]}"; do
+    rc=hung
+    for _ in $(seq 240); do
+      kill -0 "${pids[$i]}" 2>/dev/null || { wait "${pids[$i]}"; rc=$?; break; }
+      [ $((SECONDS - killed)) -ge 120 ] && break
+      pause 0.5
+    done
+    [ "$rc" = hung ] && kill -9 "${pids[$i]}"
+    echo "${names[$i]} $rc $((SECONDS - killed))" >>"$exchange/killed.vm"
+  done
+  echo end >>"$exchange/killed.vm"
+  start_service vrdmad-after-kill.log
+}
+
 # A service restart under a program waiting for an event (an unprivileged `sleep` program
 # whose stdin is never ready): it must end with an error (exit code 1), not hang; the next
 # program must work at once. restart.vm: `orphan RC` (or `orphan hung`), `next RC`, `end`.
@@ -280,6 +323,7 @@ part_service() {
   users_pair pingpong 18520 ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 20
   perftest_pairs_and_a_killed_one
   echo end >>"$exchange/users.vm"
+  kill_record
   restart_record
   stop_service
 }

@@ -168,12 +168,13 @@ pub fn advertised_config(
                 .min(quotas.max_registered_bytes),
         ),
         page_size_cap: Le64::from(PAGE_SIZE_CAP),
+        max_memory_regions: Le32::from(quotas.max_memory_regions.min(MAX_MEMORY_SLOTS)),
         reserved: Default::default(),
     }
 }
 
 /// The configuration space as (name, value) pairs, in layout order, for people to read.
-pub fn describe(config: &DeviceConfig) -> [(&'static str, u64); 18] {
+pub fn describe(config: &DeviceConfig) -> [(&'static str, u64); 19] {
     let c = config;
     [
         ("version", c.version.to_native().into()),
@@ -197,6 +198,10 @@ pub fn describe(config: &DeviceConfig) -> [(&'static str, u64); 18] {
         ("phys_port_cnt", c.phys_port_cnt.to_native().into()),
         ("max_mr_size", c.max_mr_size.to_native()),
         ("page_size_cap", c.page_size_cap.to_native()),
+        (
+            "max_memory_regions",
+            c.max_memory_regions.to_native().into(),
+        ),
     ]
 }
 
@@ -289,6 +294,17 @@ mod tests {
         assert_eq!(config.max_mr_size.to_native(), 1 << 20);
         assert_eq!(config.max_pd.to_native(), Quotas::default().max_pd);
         assert_eq!(config.num_notify_queues.to_native(), 4);
+        // The memory regions a front end may add before its connection ends (SPEC.md §3).
+        assert_eq!(
+            config.max_memory_regions.to_native(),
+            Quotas::default().max_memory_regions
+        );
+        let many_regions = Quotas {
+            max_memory_regions: 100_000,
+            ..Default::default()
+        };
+        let config = advertised_config(&rxe_like(), &many_regions, 1);
+        assert_eq!(config.max_memory_regions.to_native(), MAX_MEMORY_SLOTS);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use vrdma_spec::config::{features, DeviceConfig, FIRST_NOTIFY_QUEUE, MAX_NOTIFY_
 use vrdma_spec::ring::Event;
 
 use crate::shm::{Region, RegionSet, SharedBuffer};
-use crate::transport::{Transport, WANTED_FEATURES};
+use crate::transport::{MemoryRegions, Transport, WANTED_FEATURES};
 use crate::virtq::{DeviceQueues, EventFdSignal, SplitQueue, QUEUE_SIZE};
 use crate::{Error, Result};
 
@@ -45,6 +45,9 @@ impl Default for DirectOptions {
 
 pub struct DirectTransport {
     frontend: Mutex<Frontend>,
+    /// Memory regions in the backend's table now, and how many it takes: it ends the
+    /// connection at a region past its limit, so none is sent past it.
+    regions: Mutex<MemoryRegions>,
     /// Each queue's kick eventfd, by queue index (owned by the queues' signals).
     kick_fds: Vec<std::os::fd::RawFd>,
     memory: RegionSet,
@@ -69,13 +72,22 @@ fn region_info(region: &Region) -> VhostUserMemoryRegionInfo {
 }
 
 impl DirectTransport {
-    /// Adds `region` to the backend's memory table.
+    /// Adds `region` to the backend's memory table; refused, with nothing sent, when the
+    /// table holds as many regions as the backend takes.
     fn announce(&self, region: Region) -> Result<Arc<Region>> {
+        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        if regions.in_use >= regions.limit {
+            return Err(Error::OverLimit(format!(
+                "the vrdma backend takes at most {} memory regions from one connection, and all are in use",
+                regions.limit
+            )));
+        }
         self.frontend
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .add_mem_region(&region_info(&region))
             .map_err(|e| Error::Attach(format!("adding shared memory: {e}")))?;
+        regions.in_use += 1;
         Ok(Arc::new(region))
     }
 
@@ -156,6 +168,18 @@ impl DirectTransport {
         }
         let features = offered & (WANTED_FEATURES | PROTOCOL_FEATURES);
         frontend.set_features(features).map_err(vhost)?;
+        // The backend's own bound on regions, where it states one, within vhost-user's.
+        let slots = frontend.get_max_mem_slots().map_err(vhost)?;
+        let slots = usize::try_from(slots).unwrap_or(usize::MAX);
+        let region_limit = match config.max_memory_regions.to_native() {
+            0 => slots,
+            stated => slots.min(stated as usize),
+        };
+        if region_limit < 1 {
+            return Err(Error::Attach(
+                "the backend takes no memory region at all".into(),
+            ));
+        }
 
         let region = Region::new(options.region_size, options.huge_pages)?;
         frontend
@@ -192,6 +216,11 @@ impl DirectTransport {
         }
         Ok(DirectTransport {
             frontend: Mutex::new(frontend),
+            // The memory table set above.
+            regions: Mutex::new(MemoryRegions {
+                in_use: 1,
+                limit: region_limit,
+            }),
             kick_fds,
             queues: DeviceQueues::new(&memory, queues)?,
             memory,
@@ -273,15 +302,33 @@ impl Transport for DirectTransport {
     }
 
     fn forget(&self, region: &Region) -> Result<()> {
+        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
         self.frontend
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove_mem_region(&region_info(region))
-            .map_err(|e| Error::Attach(format!("removing shared memory: {e}")))
+            .map_err(|e| Error::Attach(format!("removing shared memory: {e}")))?;
+        regions.in_use = regions.in_use.saturating_sub(1);
+        Ok(())
+    }
+
+    fn lift_memory_region_limit(&self) -> Result<()> {
+        self.regions.lock().unwrap_or_else(|e| e.into_inner()).limit = usize::MAX;
+        Ok(())
+    }
+
+    fn memory_regions(&self) -> Option<MemoryRegions> {
+        Some(*self.regions.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     fn disconnected(&self) -> bool {
-        let frontend = self.frontend.lock().unwrap_or_else(|e| e.into_inner());
+        // A poll loop looks here too: it must not wait while another thread talks to the
+        // backend (a closed socket then shows in that thread's answer).
+        let frontend = match self.frontend.try_lock() {
+            Ok(frontend) => frontend,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
         // SAFETY: the descriptor is the frontend's socket, which the lock keeps open for
         // the look.
         let socket = unsafe { std::os::fd::BorrowedFd::borrow_raw(frontend.as_raw_fd()) };

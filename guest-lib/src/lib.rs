@@ -22,6 +22,7 @@
 //! ```
 
 pub mod direct;
+pub mod fork;
 mod mmio;
 pub mod pci;
 pub mod pin;
@@ -46,6 +47,7 @@ pub const DEVICE_NODE: &str = "/dev/infiniband/vrdma0";
 pub const DEVICE_NODE_NUMBERS: (u64, u64) = (1, 3);
 
 pub use direct::DirectOptions;
+pub use fork::OpenedBy;
 pub use shm::SharedBuffer;
 pub use verbs::cm::{self, CmEvent, CmId, ConnParam};
 pub use verbs::work;
@@ -108,8 +110,15 @@ pub enum Error {
     InvalidArgument(String),
     #[error("the device was reset (its backend restarted, or it failed): every object on it is gone; drop the Device and open it again")]
     DeviceReset,
-    #[error("the vrdma backend closed the connection: every object on the device is gone")]
+    #[error("the vrdma device went away (its backend or the guest service closed the connection): every object on it is gone")]
     Disconnected,
+    #[error("this process is a child forked from the one that opened the vrdma device: it cannot use its parent's device (nothing was sent); open the device again in the child")]
+    Forked,
+    /// A request past a limit that was refused before it reached the device: the memory
+    /// regions a backend takes from one connection, or what the guest service lets a program
+    /// or its user lock (libibverbs programs see `ENOMEM`).
+    #[error("refused: {0}")]
+    OverLimit(String),
 }
 
 /// What to do about a failed pin, where the error says something a user can change.

@@ -320,6 +320,8 @@ pub struct PciTransport {
     config: DeviceConfig,
     features: u64,
     notify_port: Option<NotifyPort>,
+    /// The process that opened the device: a forked child's copy never resets it.
+    opened_by: crate::fork::OpenedBy,
 }
 
 impl PciTransport {
@@ -457,6 +459,7 @@ impl PciTransport {
             config,
             features,
             notify_port,
+            opened_by: crate::fork::OpenedBy::this_process(),
         })
     }
 
@@ -474,6 +477,10 @@ impl PciTransport {
 
 impl Drop for PciTransport {
     fn drop(&mut self) {
+        // A forked child dropping its copy leaves its parent's device alone.
+        if !self.opened_by.is_this_process() {
+            return;
+        }
         // The backend destroys every object of this device when it is reset.
         if let Err(e) = reset(&self.common) {
             log::error!("resetting the vrdma device: {e}");

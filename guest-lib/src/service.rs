@@ -23,8 +23,11 @@ use crate::transport::{NotifyPort, Transport};
 use crate::{Error, Result};
 use protocol::{Frame, Kind};
 
-/// Shared memory added at a time, unless one allocation needs more.
-const REGION_SIZE: u64 = 4 << 20;
+/// Shared memory added first, unless one allocation needs more. Each later region is as
+/// large as all before it together: a program's first rings take little of what the service
+/// locks and charges to it (SPEC.md §12), and one that shares much memory needs few regions,
+/// which a backend's memory table holds only so many of.
+const FIRST_REGION_SIZE: u64 = 256 << 10;
 
 pub struct ServiceTransport {
     /// Requests and their replies, one at a time.
@@ -43,6 +46,16 @@ pub struct ServiceTransport {
     memory: RegionSet,
 }
 
+/// An error on the socket to the service: the service gone (its end closed) is
+/// [`Error::Disconnected`].
+fn socket_error(error: std::io::Error) -> Error {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
+    match error.kind() {
+        BrokenPipe | ConnectionReset | UnexpectedEof => Error::Disconnected,
+        _ => Error::Transport(error),
+    }
+}
+
 fn protocol_error(what: impl std::fmt::Display) -> Error {
     Error::Attach(format!("the vrdma service: {what}"))
 }
@@ -56,18 +69,28 @@ impl ServiceTransport {
                 socket.display()
             ))
         })?;
-        protocol::send(&stream, Kind::Hello, &protocol::VERSION.to_le_bytes(), &[])
-            .map_err(Error::Transport)?;
+        Self::greet(stream)
+    }
+
+    /// Says HELLO to the service at the other end of `stream` and takes its WELCOME.
+    fn greet(stream: UnixStream) -> Result<ServiceTransport> {
+        // A service that refuses the program says why at once and closes the connection,
+        // maybe before the HELLO is sent: its reason is read all the same.
+        let hello = protocol::send(&stream, Kind::Hello, &protocol::VERSION.to_le_bytes(), &[]);
+        let answer = protocol::recv(&stream, protocol::MAX_SERVICE_PAYLOAD);
         let Frame {
             kind,
             payload,
             mut files,
-        } = protocol::recv(&stream, protocol::MAX_SERVICE_PAYLOAD)
-            .map_err(Error::Transport)?
-            .ok_or_else(|| protocol_error("closed the connection before welcoming it"))?;
-        if kind == Kind::Failed {
-            return Err(protocol_error(String::from_utf8_lossy(&payload)));
-        }
+        } = match (hello, answer) {
+            (_, Ok(Some(frame))) if frame.kind == Kind::Failed => {
+                return Err(protocol_error(String::from_utf8_lossy(&frame.payload)))
+            }
+            (Err(e), _) => return Err(Error::Transport(e)),
+            (Ok(()), answer) => answer
+                .map_err(Error::Transport)?
+                .ok_or_else(|| protocol_error("closed the connection before welcoming it"))?,
+        };
         let welcome = match protocol::Welcome::decode(&payload) {
             Some(welcome)
                 if kind == Kind::Welcome
@@ -117,16 +140,18 @@ impl ServiceTransport {
     /// Sends one request and waits for its reply, which must be of kind `reply`.
     fn call(&self, kind: Kind, payload: &[u8], files: &[i32], reply: Kind) -> Result<Vec<u8>> {
         let socket = self.socket.lock().unwrap_or_else(|e| e.into_inner());
-        protocol::send(&socket, kind, payload, files).map_err(Error::Transport)?;
+        protocol::send(&socket, kind, payload, files).map_err(socket_error)?;
         let frame = protocol::recv(&socket, protocol::MAX_SERVICE_PAYLOAD)
-            .map_err(Error::Transport)?
+            .map_err(socket_error)?
             .ok_or(Error::Disconnected)?;
+        let reason = || String::from_utf8_lossy(&frame.payload).into_owned();
         match frame.kind {
             kind if kind == reply => Ok(frame.payload),
             Kind::Failed => Err(Error::InvalidArgument(format!(
                 "the vrdma service refused: {}",
-                String::from_utf8_lossy(&frame.payload)
+                reason()
             ))),
+            Kind::Refused => Err(Error::OverLimit(format!("the vrdma service: {}", reason()))),
             other => Err(protocol_error(format!("answered {kind:?} with {other:?}"))),
         }
     }
@@ -166,7 +191,8 @@ impl Transport for ServiceTransport {
     }
 
     fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer> {
-        self.memory.alloc_or_grow(len, align, REGION_SIZE, |size| {
+        let next_region = self.memory.owned_bytes().max(FIRST_REGION_SIZE);
+        self.memory.alloc_or_grow(len, align, next_region, |size| {
             self.announce(Region::create(size)?)
         })
     }
@@ -176,7 +202,7 @@ impl Transport for ServiceTransport {
             return port.kick(queue);
         }
         let socket = self.socket.lock().unwrap_or_else(|e| e.into_inner());
-        protocol::send(&socket, Kind::Notify, &queue.to_le_bytes(), &[]).map_err(Error::Transport)
+        protocol::send(&socket, Kind::Notify, &queue.to_le_bytes(), &[]).map_err(socket_error)
     }
 
     fn next_event(&self, timeout: Duration) -> Result<Option<Event>> {
@@ -187,8 +213,7 @@ impl Transport for ServiceTransport {
         match (&self.events).read_exact(event.as_mut_slice()) {
             Ok(()) => Ok(Some(event)),
             // The service went away: every object of this program is gone with it.
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(Error::Disconnected),
-            Err(e) => Err(Error::Transport(e)),
+            Err(e) => Err(socket_error(e)),
         }
     }
 
@@ -225,5 +250,23 @@ impl Transport for ServiceTransport {
         Err(Error::InvalidArgument(
             "a program served by the vrdma service does not drive the control queue".into(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_program_refused_before_its_hello_is_told_why() {
+        let (program, service) = UnixStream::pair().unwrap();
+        protocol::send(&service, Kind::Failed, b"user 7 has 1 programs", &[]).unwrap();
+        // Closed before the program says anything: its HELLO finds no one.
+        drop(service);
+        let refused = ServiceTransport::greet(program).err().expect("refused");
+        assert!(
+            refused.to_string().contains("user 7 has 1 programs"),
+            "{refused}"
+        );
     }
 }

@@ -697,6 +697,16 @@ impl RegionSet {
         self.regions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Bytes of the regions buffers are allocated from (not those of program memory shared
+    /// in place).
+    pub fn owned_bytes(&self) -> u64 {
+        self.lock()
+            .iter()
+            .filter(|region| region.owned)
+            .map(|region| region.len)
+            .sum()
+    }
+
     /// A buffer from the regions there are, if one has room.
     pub fn alloc(&self, len: u64, align: u64) -> Option<SharedBuffer> {
         self.lock().iter().find_map(|r| r.alloc(len, align))

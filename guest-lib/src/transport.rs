@@ -73,6 +73,15 @@ pub trait Transport: Send + Sync {
         Ok(())
     }
 
+    /// The memory regions this transport has made known to the device and how many it may,
+    /// where the device bounds them (a vhost-user backend: each region is one of its memory
+    /// table's, and one past its limit ends the connection); `None` where memory is not
+    /// announced region by region (a VM's device reaches all guest RAM). Past the limit,
+    /// allocating, sharing and adopting fail with [`Error::OverLimit`], with nothing sent.
+    fn memory_regions(&self) -> Option<MemoryRegions> {
+        None
+    }
+
     /// The notify area and doorbell bitmap (SPEC.md §8.5) when the device's driver set them
     /// up before this transport was handed out (a program served by the guest service);
     /// `None` when whoever opens the device issues SET_NOTIFY_AREA itself.
@@ -97,6 +106,15 @@ pub trait Transport: Send + Sync {
     /// broken or hostile driver might (conformance tests of a device).
     fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()>;
 
+    /// Lets this transport announce memory regions past the limit the device states, as a
+    /// broken or hostile front end might (conformance tests of a device, which must refuse
+    /// them); only a vhost-user front end announces regions.
+    fn lift_memory_region_limit(&self) -> Result<()> {
+        Err(Error::InvalidArgument(
+            "only a direct attachment announces memory regions".into(),
+        ))
+    }
+
     /// Gives the device a new kick descriptor for every queue while they run, as a front end
     /// may (conformance tests of a device); only a vhost-user front end can.
     fn renew_kick_descriptors(&self) -> Result<()> {
@@ -104,6 +122,15 @@ pub trait Transport: Send + Sync {
             "only a direct attachment has kick descriptors to renew".into(),
         ))
     }
+}
+
+/// Memory regions of a transport whose device bounds them ([`Transport::memory_regions`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryRegions {
+    /// Regions made known to the device now.
+    pub in_use: usize,
+    /// Regions the device takes at most.
+    pub limit: usize,
 }
 
 /// A file where writing a virtqueue's index (2 bytes, little-endian) at `offset` notifies that

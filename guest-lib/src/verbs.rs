@@ -8,7 +8,7 @@ pub mod work;
 pub use posting::{encode_recv, encode_send, Chain, SendShape};
 
 use std::path::Path;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,16 +32,24 @@ use vrdma_spec::ring::{
 use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64, SPEC_VERSION};
 
 use crate::direct::{DirectOptions, DirectTransport};
+use crate::fork::OpenedBy;
 use crate::shm::{SharedBuffer, PAGE_SIZE};
 use crate::transport::Transport;
 use crate::{Error, Result};
 use work::{DeviceEvent, Payload, RecvWr, SendWr, WorkCompletion};
 
 struct DeviceInner {
-    transport: Box<dyn Transport>,
+    /// Reached through [`DeviceInner::transport`], which refuses a forked child and a device
+    /// that went away.
+    raw_transport: Box<dyn Transport>,
     notify_area: SharedBuffer,
     doorbell_bitmap: SharedBuffer,
     kicks: AtomicU64,
+    /// The process that opened the device: only it may use it ([`crate::fork`]).
+    opened_by: OpenedBy,
+    /// The device is gone (its connection ended, it failed or was reset): requests, posts and
+    /// polls fail from now on, so that no program waits for completions that cannot come.
+    lost: AtomicBool,
 }
 
 /// A vrdma device, reached through a transport.
@@ -62,6 +70,68 @@ struct Empty;
 unsafe impl ByteValued for Empty {}
 
 impl DeviceInner {
+    fn new(
+        transport: Box<dyn Transport>,
+        notify_area: SharedBuffer,
+        doorbell_bitmap: SharedBuffer,
+        opened_by: OpenedBy,
+    ) -> DeviceInner {
+        DeviceInner {
+            raw_transport: transport,
+            notify_area,
+            doorbell_bitmap,
+            kicks: AtomicU64::new(0),
+            opened_by,
+            lost: AtomicBool::new(false),
+        }
+    }
+
+    /// The configuration space the device reported.
+    fn config(&self) -> &DeviceConfig {
+        self.raw_transport.config()
+    }
+
+    /// The transport, for a request to the device: refused, with nothing sent, in a child
+    /// forked from the process that opened the device, and once the device is gone.
+    fn transport(&self) -> Result<&dyn Transport> {
+        if !self.opened_by.is_this_process() {
+            return Err(Error::Forked);
+        }
+        if self.lost.load(Ordering::Relaxed) {
+            return Err(Error::Disconnected);
+        }
+        Ok(&*self.raw_transport)
+    }
+
+    /// Whether the data path (posting, polling, arming) may run: as [`DeviceInner::transport`],
+    /// with the cheap fork check.
+    fn check_data_path(&self) -> Result<()> {
+        if !self.opened_by.is_this_process_fast() {
+            return Err(Error::Forked);
+        }
+        if self.lost.load(Ordering::Relaxed) {
+            return Err(Error::Disconnected);
+        }
+        Ok(())
+    }
+
+    /// Notes that the device is gone when `result` says so; passes it on.
+    fn noting_loss<T>(&self, result: Result<T>) -> Result<T> {
+        if let Err(Error::Disconnected | Error::DeviceReset) = &result {
+            self.lost.store(true, Ordering::Relaxed);
+        }
+        result
+    }
+
+    /// Looks whether the device went away meanwhile (its connection closed), for a program
+    /// that only polls: it then learns it without a request.
+    fn look_for_loss(&self) -> Result<()> {
+        if self.opened_by.is_this_process_fast() && self.raw_transport.disconnected() {
+            self.lost.store(true, Ordering::Relaxed);
+        }
+        self.check_data_path()
+    }
+
     /// After a doorbell update: sets the queue's doorbell `bit`, and kicks `queue` only if
     /// its poller said it is going to sleep (SPEC.md §8.5). The bit is set with a
     /// read-modify-write even when it looks set already: a poller may be taking it at that
@@ -77,7 +147,8 @@ impl DeviceInner {
         let flags = self.notify_area.atomic_u32(offset)?.load(Ordering::SeqCst);
         if flags & NOTIFY_NEED_WAKEUP != 0 {
             self.kicks.fetch_add(1, Ordering::Relaxed);
-            self.transport.notify(queue)?;
+            let kicked = self.raw_transport.notify(queue);
+            self.noting_loss(kicked)?;
             // Where the woken poller shares this CPU (direct attach on a busy host), it runs
             // now rather than after the rest of this thread's scheduler slice.
             std::thread::yield_now();
@@ -92,9 +163,10 @@ impl DeviceInner {
     ) -> Result<Resp> {
         let header_len = std::mem::size_of::<ResponseHeader>();
         let mut response = vec![0u8; header_len + std::mem::size_of::<Resp>()];
-        let written = self
-            .transport
-            .control(&encode(opcode, request), &mut response)?;
+        let written = self.noting_loss(
+            self.transport()?
+                .control(&encode(opcode, request), &mut response),
+        )?;
         if written < header_len {
             return Err(Error::BadResponse {
                 opcode,
@@ -111,7 +183,7 @@ impl DeviceInner {
                 len: written,
             })?;
         if status == Status::NotReady {
-            return Err(Error::DeviceReset);
+            return self.noting_loss(Err(Error::DeviceReset));
         }
         if status != Status::Ok {
             return Err(Error::Device {
@@ -138,30 +210,34 @@ impl DeviceInner {
             handle: Le32::from(handle),
             reserved: Le32::from(0),
         };
-        if let Err(e) = self.command::<_, Empty>(opcode, &request) {
-            log::error!("{opcode:?} of handle {handle:#x}: {e}");
+        match self.command::<_, Empty>(opcode, &request) {
+            Ok(_) => {}
+            // Nothing to destroy: the device is gone with everything on it, or this is a
+            // forked child's copy of its parent's object (the parent's stays).
+            Err(Error::Disconnected | Error::DeviceReset | Error::Forked) => {}
+            Err(e) => log::error!("{opcode:?} of handle {handle:#x}: {e}"),
         }
     }
 
     /// A page list for `addr..addr + len` of shared memory, and the list pages it lives in.
     fn page_list(&self, addr: u64, len: u64) -> Result<(PageList, Vec<SharedBuffer>)> {
-        let (page_size, pages) = self
-            .transport
+        let transport = self.transport()?;
+        let (page_size, pages) = transport
             .device_pages(addr, len)
             .ok_or(Error::NotShared { addr, len })?;
-        page_list(&*self.transport, page_size, &pages)
+        page_list(transport, page_size, &pages)
     }
 
     /// A page list for a ring at `addr..addr + len` (page-aligned), and the list pages it
     /// lives in. A ring starts at offset 0 of its list's first page (SPEC.md §7), so a ring
     /// inside a larger page (huge pages) is listed in base pages.
     fn ring_page_list(&self, addr: u64, len: u64) -> Result<(PageList, Vec<SharedBuffer>)> {
-        let (page_size, pages) = self
-            .transport
+        let transport = self.transport()?;
+        let (page_size, pages) = transport
             .device_pages(addr, len)
             .ok_or(Error::NotShared { addr, len })?;
         if page_size == PAGE_SIZE {
-            return page_list(&*self.transport, page_size, &pages);
+            return page_list(transport, page_size, &pages);
         }
         let first_page = addr / page_size * page_size;
         let base_pages: Vec<u64> = (addr..addr + len.max(1))
@@ -171,7 +247,7 @@ impl DeviceInner {
                 pages[(within / page_size) as usize] + within % page_size
             })
             .collect();
-        page_list(&*self.transport, PAGE_SIZE, &base_pages)
+        page_list(transport, PAGE_SIZE, &base_pages)
     }
 }
 
@@ -262,15 +338,16 @@ impl Device {
                 "the device implements specification version {version}, this library version {SPEC_VERSION}"
             )));
         }
+        let opened_by = OpenedBy::this_process();
         if let Some((notify_area, doorbell_bitmap)) = transport.notify_area() {
             // The device's driver (the guest service) set the area up for every program.
             return Ok(Device {
-                inner: Arc::new(DeviceInner {
+                inner: Arc::new(DeviceInner::new(
                     transport,
                     notify_area,
                     doorbell_bitmap,
-                    kicks: AtomicU64::new(0),
-                }),
+                    opened_by,
+                )),
             });
         }
         let (notify_area, doorbell_bitmap) = alloc_notify_area(&*transport)?;
@@ -279,12 +356,7 @@ impl Device {
             addr: Le64::from(notify_area.device_addr()?),
             doorbell_bitmap: Le64::from(doorbell_bitmap.device_addr()?),
         };
-        let inner = DeviceInner {
-            transport,
-            notify_area,
-            doorbell_bitmap,
-            kicks: AtomicU64::new(0),
-        };
+        let inner = DeviceInner::new(transport, notify_area, doorbell_bitmap, opened_by);
         if reset {
             // A device that keeps its objects across a stop of its queues (a paused VM)
             // learns here that this is a new driver: whatever an earlier one left goes.
@@ -298,7 +370,12 @@ impl Device {
 
     /// The configuration space the device reported.
     pub fn config(&self) -> &DeviceConfig {
-        self.inner.transport.config()
+        self.inner.config()
+    }
+
+    /// The process that opened the device, the only one that may use it.
+    pub fn opened_by(&self) -> OpenedBy {
+        self.inner.opened_by
     }
 
     pub fn query_device(&self) -> Result<DeviceAttr> {
@@ -335,7 +412,7 @@ impl Device {
 
     /// Page-aligned, zeroed memory shared with the device: what MRs are registered over.
     pub fn alloc_buffer(&self, len: u64) -> Result<SharedBuffer> {
-        self.inner.transport.alloc(len, PAGE_SIZE)
+        self.inner.transport()?.alloc(len, PAGE_SIZE)
     }
 
     pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
@@ -351,11 +428,9 @@ impl Device {
     /// A completion queue of `depth` entries (a power of two); its ring lives in shared memory.
     pub fn create_cq(&self, depth: u32) -> Result<CompletionQueue> {
         let ring_bytes = u64::from(depth) * CQE_SIZE as u64;
-        let ring = self.inner.transport.alloc(ring_bytes.max(1), PAGE_SIZE)?;
-        let doorbell = self
-            .inner
-            .transport
-            .alloc(std::mem::size_of::<CqDoorbell>() as u64, 64)?;
+        let transport = self.inner.transport()?;
+        let ring = transport.alloc(ring_bytes.max(1), PAGE_SIZE)?;
+        let doorbell = transport.alloc(std::mem::size_of::<CqDoorbell>() as u64, 64)?;
         let (list, _list_pages) = self.inner.ring_page_list(ring.addr(), ring_bytes.max(1))?;
         let request = CreateCqRequest {
             cqe: Le32::from(depth),
@@ -379,12 +454,18 @@ impl Device {
     /// Waits up to `timeout` for the next device event (an armed CQ's completion, an error);
     /// [`Error::Disconnected`] once the backend is gone.
     pub fn wait_event(&self, timeout: Duration) -> Result<Option<DeviceEvent>> {
-        let Some(event) = self.inner.transport.next_event(timeout)? else {
-            if self.inner.transport.disconnected() {
-                return Err(Error::Disconnected);
+        let inner = &self.inner;
+        let transport = inner.transport()?;
+        let Some(event) = inner.noting_loss(transport.next_event(timeout))? else {
+            if transport.disconnected() {
+                return inner.noting_loss(Err(Error::Disconnected));
             }
             return Ok(None);
         };
+        if event.kind.to_native() == event_kind::DEVICE_FATAL {
+            // Whatever the device still holds, it serves no more: posts and polls fail too.
+            inner.lost.store(true, Ordering::Relaxed);
+        }
         let handle = event.handle.to_native();
         Ok(Some(match event.kind.to_native() {
             event_kind::CQ_COMPLETION => DeviceEvent::CqCompletion(handle),
@@ -422,7 +503,7 @@ impl Device {
                 .store(u64::MAX, Ordering::Release);
         }
         for queue in 0..self.config().num_notify_queues.to_native() {
-            self.inner.transport.notify(queue)?;
+            self.inner.transport()?.notify(queue)?;
         }
         Ok(())
     }
@@ -430,20 +511,28 @@ impl Device {
     /// Gives the device a new kick descriptor for each of its queues while they run (a
     /// vhost-user front end may): for conformance tests of the device, which must take them.
     pub fn renew_kick_descriptors(&self) -> Result<()> {
-        self.inner.transport.renew_kick_descriptors()
+        self.inner.transport()?.renew_kick_descriptors()
+    }
+
+    /// Lets this driver add memory regions past the limit the device states (a direct
+    /// attachment): for conformance tests of the device, which must refuse them.
+    pub fn lift_memory_region_limit(&self) -> Result<()> {
+        self.inner.transport()?.lift_memory_region_limit()
     }
 
     /// Makes `ahead` control queue entries available that this driver never wrote: for
     /// conformance tests of the device's queue handling (the device must survive it).
     pub fn publish_bogus_control_entries(&self, ahead: u16) -> Result<()> {
-        self.inner.transport.publish_bogus_control_entries(ahead)
+        self.inner.transport()?.publish_bogus_control_entries(ahead)
     }
 
     /// Sends raw request bytes on the control queue and returns the raw response (at most
     /// `response_len` bytes): for conformance tests of the device's validation.
     pub fn raw_control(&self, request: &[u8], response_len: usize) -> Result<Vec<u8>> {
         let mut response = vec![0u8; response_len];
-        let written = self.inner.transport.control(request, &mut response)?;
+        let written = self
+            .inner
+            .noting_loss(self.inner.transport()?.control(request, &mut response))?;
         response.truncate(written);
         Ok(response)
     }
@@ -540,7 +629,7 @@ impl ProtectionDomain {
             return Err(Error::InvalidArgument("cannot register zero bytes".into()));
         }
         // SAFETY: the caller's contract is Transport::share's.
-        unsafe { self.inner.device.transport.share(addr, len)? };
+        unsafe { self.inner.device.transport()?.share(addr, len)? };
         self.register(addr, len, iova, access)
     }
 
@@ -735,15 +824,14 @@ impl<'a> QueuePairBuilder<'a> {
         let (sq_stride, rq_stride) = (1u32 << sq_shift, 1u32 << rq_shift);
         let sq_bytes = u64::from(send_wr) * u64::from(sq_stride);
         let rq_bytes = u64::from(recv_wr) * u64::from(rq_stride);
-        let sq = device.transport.alloc(sq_bytes, PAGE_SIZE)?;
+        let transport = device.transport()?;
+        let sq = transport.alloc(sq_bytes, PAGE_SIZE)?;
         let rq = if on_srq {
             None
         } else {
-            Some(device.transport.alloc(rq_bytes, PAGE_SIZE)?)
+            Some(transport.alloc(rq_bytes, PAGE_SIZE)?)
         };
-        let doorbell = device
-            .transport
-            .alloc(std::mem::size_of::<QpDoorbell>() as u64, 64)?;
+        let doorbell = transport.alloc(std::mem::size_of::<QpDoorbell>() as u64, 64)?;
         let (sq_list, _sq_pages) = device.ring_page_list(sq.addr(), sq_bytes)?;
         let (rq_list, _rq_pages) = match &rq {
             Some(rq) => device.ring_page_list(rq.addr(), rq_bytes)?,
@@ -943,7 +1031,7 @@ impl QueuePair {
                 },
             )?
             .active_mtu;
-        let config = device.transport.config();
+        let config = device.config();
         let reads = |limit: Le32| limit.to_native().clamp(1, 16) as u8;
         let init = QpAttr {
             qp_state: QpState::Init,
@@ -1061,10 +1149,9 @@ impl ProtectionDomain {
         })?;
         let stride = 1u32 << shift;
         let bytes = u64::from(depth) * u64::from(stride);
-        let ring = device.transport.alloc(bytes, PAGE_SIZE)?;
-        let doorbell = device
-            .transport
-            .alloc(std::mem::size_of::<SrqDoorbell>() as u64, 64)?;
+        let transport = device.transport()?;
+        let ring = transport.alloc(bytes, PAGE_SIZE)?;
+        let doorbell = transport.alloc(std::mem::size_of::<SrqDoorbell>() as u64, 64)?;
         let (list, _list_pages) = device.ring_page_list(ring.addr(), bytes)?;
         let request = CreateSrqRequest {
             pd: Le32::from(self.inner.handle),

@@ -67,7 +67,11 @@ pub struct DeviceConfig {
     pub max_mr_size: Le64,
     /// Bitmap of page sizes accepted in page lists: bit `n` set = `1 << n` bytes.
     pub page_size_cap: Le64,
-    pub reserved: [Le32; 12],
+    /// Memory regions a vhost-user front end may have in its memory table at once (SPEC.md
+    /// §11 item 4); 0: not stated (the device then takes as many as `GET_MAX_MEM_SLOTS`
+    /// says). A region past it ends the connection, so a driver adds none past it.
+    pub max_memory_regions: Le32,
+    pub reserved: [Le32; 11],
 }
 
 wire_struct!(DeviceConfig = 128);

@@ -20,8 +20,9 @@ use vrdma_guest::{
 };
 use vrdma_tests::{
     connect_to_itself, control_request, cpu_time, host_resource_counts, response_status,
-    start_backend, wait_for_guest_completions, wait_for_host_counts, ServiceProcess,
-    UnprivilegedCopies, WritingGuest,
+    start_backend, vrdma_library_dir, vrdma_run_script, wait_for_guest_completions,
+    wait_for_host_counts, wait_until_listening, CProgram, ServiceProcess, UnprivilegedCopies,
+    WritingGuest,
 };
 
 const PAGE: u64 = 4096;
@@ -319,15 +320,25 @@ fn a_service_restart_fails_its_programs_cleanly_and_serves_the_next_at_once() {
     program.still_served(1);
     service.child.kill().unwrap();
     service.child.wait().unwrap();
-    // The program learns it, from its next request and from its event wait; nothing hangs.
+    // The program learns it, from its next request, its event wait, its polls and posts;
+    // nothing hangs.
     match program.device.alloc_pd() {
-        Err(Error::Disconnected | Error::Transport(_)) => {}
+        Err(Error::Disconnected) => {}
         other => panic!("a request after the service went: {:?}", other.map(|_| ())),
     }
     match program.device.wait_event(Duration::from_secs(5)) {
         Err(Error::Disconnected) | Ok(Some(DeviceEvent::DeviceFatal)) => {}
         other => panic!("an event wait after the service went: {other:?}"),
     }
+    let mut completions = [Default::default(); 4];
+    assert!(matches!(
+        program.cq.poll(&mut completions),
+        Err(Error::Disconnected)
+    ));
+    assert!(matches!(
+        program.post_write(b"after"),
+        Err(Error::Disconnected)
+    ));
     drop(program);
     // A new instance takes the device (the backend reaped the old connection's objects).
     let service = ServiceProcess::start(&backend.socket, &[]);
@@ -363,7 +374,7 @@ fn started_as_its_systemd_unit_would_the_service_says_ready_once_programs_can_co
 }
 
 #[test]
-fn a_program_holds_its_share_of_the_device_and_is_told_so() {
+fn a_program_holds_its_users_share_of_the_device_and_is_told_so() {
     let backend = start_backend();
     let service = ServiceProcess::start(&backend.socket, &["--share", "64"]);
     let whole = Device::attach(&backend.socket)
@@ -378,10 +389,404 @@ fn a_program_holds_its_share_of_the_device_and_is_told_so() {
     let pds: Vec<_> = (0..share).map(|_| program.alloc_pd().unwrap()).collect();
     let refused = program.alloc_pd().err().expect("one past its share");
     assert_eq!(refused.status(), Some(Status::NoResources), "{refused}");
-    // Another program has a share of its own.
-    Device::open(&service.target()).unwrap().alloc_pd().unwrap();
+    // Another program of the same user shares the same share: nothing left for it.
+    let sibling = Device::open(&service.target()).unwrap();
+    let refused = sibling.alloc_pd().err().expect("its user's share is taken");
+    assert_eq!(refused.status(), Some(Status::NoResources), "{refused}");
     drop(pds);
     program.alloc_pd().expect("room again");
+    sibling.alloc_pd().expect("room for the sibling too");
+}
+
+/// `guest-endpoint hold` as user nobody, from `endpoint` (a copy nobody may run), until it
+/// says `ready` (it holds a PD, CQ, MR and QP of its own then): the program, and its output.
+fn nobody_holding(endpoint: &Path, target: &str) -> (Child, BufReader<ChildStdout>) {
+    let mut holder = as_nobody(guest_endpoint_at(endpoint, "hold", target, 0))
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start guest-endpoint as nobody");
+    let mut out = BufReader::new(holder.stdout.take().unwrap());
+    let said = line(&mut out);
+    if said != "ready" {
+        let _ = holder.kill();
+        let mut stderr = String::new();
+        let _ = std::io::Read::read_to_string(&mut holder.stderr.take().unwrap(), &mut stderr);
+        panic!("nobody's program was not served: {said:?} {stderr}");
+    }
+    (holder, out)
+}
+
+/// One user opening connections that never say HELLO, past the service's limit of programs,
+/// and then four programs taking PDs until refused, leaves another user served with its
+/// share: connections count against their user's share (--max-programs-per-user, by default
+/// --max-programs / --share), and a user's programs hold one share together. (Before, 300
+/// silent connections of one process took every place, "serves 256 programs at most", and
+/// four programs of one process took all of the device's PDs.)
+#[test]
+fn one_users_silent_connections_and_many_programs_leave_other_users_their_share() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test starts programs as another user: run it as root");
+    }
+    let backend = start_backend();
+    let service = ServiceProcess::start(&backend.socket, &["--group", "nogroup"]);
+    let target = service.target();
+    let copies = UnprivilegedCopies::new();
+    let endpoint = copies.copy(Path::new(env!("CARGO_BIN_EXE_guest-endpoint")));
+    let silent: Vec<_> = (0..300)
+        .map(|_| std::os::unix::net::UnixStream::connect(&service.socket).unwrap())
+        .collect();
+    let (mut holder, _out) = nobody_holding(&endpoint, &target);
+    // The silent ones go, and with them their user's places.
+    drop(silent);
+    let programs: Vec<Device> = (0..4).map(|_| open_once_served(&target)).collect();
+    let share = programs[0].query_device().unwrap().max_pd.to_native();
+    let mut pds = Vec::new();
+    for program in &programs {
+        while let Ok(pd) = program.alloc_pd() {
+            pds.push(pd);
+        }
+    }
+    assert_eq!(pds.len(), share as usize, "four programs, one user's share");
+    // Another user's program is served with a share of its own (it takes a PD).
+    let (mut second, _out) = nobody_holding(&endpoint, &target);
+    for program in [&mut holder, &mut second] {
+        program.kill().unwrap();
+        program.wait().unwrap();
+    }
+}
+
+/// A connection that says nothing is closed after the handshake time (--hello-timeout).
+#[test]
+fn a_connection_that_says_no_hello_is_closed_after_the_handshake_time() {
+    let backend = start_backend();
+    let mut service = ServiceProcess::start(&backend.socket, &["--hello-timeout", "1"]);
+    let silent = std::os::unix::net::UnixStream::connect(&service.socket).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let started = std::time::Instant::now();
+    use vrdma_guest::service::protocol::{self, Kind};
+    let said = protocol::recv(&silent, protocol::MAX_SERVICE_PAYLOAD).expect("closed, not left");
+    let waited = started.elapsed();
+    match said {
+        Some(frame) if frame.kind == Kind::Failed => {
+            let why = String::from_utf8_lossy(&frame.payload);
+            assert!(why.contains("no HELLO"), "{why}");
+            assert!(protocol::recv(&silent, protocol::MAX_SERVICE_PAYLOAD)
+                .unwrap()
+                .is_none());
+        }
+        other => panic!("expected FAILED and the end, got {other:?}"),
+    }
+    assert!(waited < Duration::from_secs(5), "closed after {waited:?}");
+    service.wait_for_log("the closing", |log| log.contains("said no HELLO"));
+    // Its place is free: a program is served.
+    WritingGuest::open(&service.target()).still_served(1);
+}
+
+/// The memory regions a backend takes from one connection (its --max-memory-regions, 256
+/// by default, which it states in the configuration space) are bounded for the service's
+/// programs, in all and per program: programs saying HELLO (each a doorbell area, a region)
+/// and one program sharing memfd after memfd are refused before the limit, and the shared
+/// connection, every other program's device, stays. (Before, about 252 of either made the
+/// backend end the connection: every program lost the device.)
+#[test]
+fn programs_past_the_backends_memory_regions_are_refused_and_the_connection_stays() {
+    // The backend and some 250 programs share this process: descriptors for all of them.
+    vrdma_backend::hostverbs::raise_open_file_limit().unwrap();
+    let backend = start_backend();
+    // --share 1: one user may take everything, so the totals are what refuse.
+    let service = ServiceProcess::start(&backend.socket, &["--share", "1"]);
+    let target = service.target();
+    let victim = WritingGuest::open(&target);
+    victim.still_served(1);
+    // Programs saying HELLO until refused.
+    let mut hellos = Vec::new();
+    let refused = loop {
+        match Device::open(&target) {
+            Ok(device) => hellos.push(device),
+            Err(e) => break e,
+        }
+        assert!(hellos.len() < 300, "never refused");
+    };
+    println!("{} programs served, then: {refused}", hellos.len());
+    assert!(refused.to_string().contains("memory regions"), "{refused}");
+    assert!(hellos.len() > 200, "refused early: {}", hellos.len());
+    victim.still_served(2);
+    drop(hellos);
+    // One program sharing memory, a page at a time, each a memfd of its own (as
+    // ibv_reg_mr of malloc'd memory does), until refused.
+    let sharer = open_once_served(&target);
+    let pd = sharer.alloc_pd().unwrap();
+    let mut pages = Vec::new();
+    let mut mrs = Vec::new();
+    let refused = loop {
+        // SAFETY: a new private anonymous page, unmapped when the test ends.
+        let page = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(page, libc::MAP_FAILED);
+        pages.push(page);
+        let addr = page as u64;
+        // SAFETY: the page is this test's and stays mapped while registered.
+        match unsafe { pd.reg_user_mr(addr, PAGE, addr, access::LOCAL_WRITE) } {
+            Ok(mr) => mrs.push(mr),
+            Err(e) => break e,
+        }
+        assert!(mrs.len() < 300, "never refused");
+    };
+    println!("{} memfds shared, then: {refused}", mrs.len());
+    assert!(matches!(refused, Error::OverLimit(_)), "{refused}");
+    assert!(refused.to_string().contains("memory regions"), "{refused}");
+    victim.still_served(3);
+    // The refused program is still served too, within what it has.
+    let cq = sharer.create_cq(16).unwrap();
+    drop((mrs, cq, pd, sharer));
+    for page in pages {
+        // SAFETY: the test's own page, no longer registered.
+        unsafe { libc::munmap(page, PAGE as usize) };
+    }
+    // A new program is served once they have gone.
+    WritingGuest::on(open_once_served(&target)).still_served(4);
+    victim.still_served(5);
+}
+
+/// Opens the device `target` names once the service serves another program: the programs
+/// that left have given back their places (the service releases them as it notices).
+fn open_once_served(target: &str) -> Device {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match Device::open(target) {
+            Ok(device) => return device,
+            Err(e) => assert!(std::time::Instant::now() < deadline, "never served: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `vrdma-run` and vrdma's library, copied where any user may run them.
+struct VrdmaRun {
+    run: std::path::PathBuf,
+    library: std::path::PathBuf,
+    _copies: UnprivilegedCopies,
+}
+
+impl VrdmaRun {
+    fn new() -> VrdmaRun {
+        let copies = UnprivilegedCopies::new();
+        VrdmaRun {
+            run: copies.copy(&vrdma_run_script()),
+            library: copies.copy(&vrdma_library_dir()),
+            _copies: copies,
+        }
+    }
+
+    /// `program` (a tests/c/ program, built in the temporary folder, which any user may
+    /// run) on vrdma0 through `vrdma-run --device target`, under a time limit.
+    fn command(&self, program: &CProgram, target: &str) -> Command {
+        let mut command = Command::new("timeout");
+        command
+            .arg("60")
+            .arg(&self.run)
+            .args(["--device", target, "--"])
+            .arg(program.path())
+            .env("VRDMA_IBVERBS_DIR", &self.library)
+            .stdin(Stdio::null());
+        command
+    }
+}
+
+/// Holds the command's process to `bytes` of locked memory (RLIMIT_MEMLOCK, soft and hard).
+fn with_memlock(mut command: Command, bytes: u64) -> Command {
+    // SAFETY: the closure only calls setrlimit, which is async-signal-safe, between fork and
+    // exec.
+    unsafe {
+        command.pre_exec(move || {
+            let limit = libc::rlimit {
+                rlim_cur: bytes,
+                rlim_max: bytes,
+            };
+            if libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    command
+}
+
+/// reg_mr_limit's lines for `mib`, run by `command`.
+fn registrations(mut command: Command, mib: &[&str]) -> String {
+    let output = command.args(["vrdma0"]).args(mib).output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// Memory the service locks for a program is charged to it as uverbs charges pinned pages:
+/// against its process's RLIMIT_MEMLOCK unless it has CAP_IPC_LOCK (as root has), and
+/// against its user's share of --max-locked-memory; past either, ibv_reg_mr fails with
+/// ENOMEM. (Before, the service locked up to 1 GiB for any program of any user.)
+#[test]
+fn registering_past_rlimit_memlock_or_the_users_share_fails_with_enomem() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test starts programs as another user: run it as root");
+    }
+    let backend = start_backend();
+    // 256 MiB locked at most, 64 MiB for each user.
+    let service = ServiceProcess::start(
+        &backend.socket,
+        &["--group", "nogroup", "--max-locked-memory", "268435456"],
+    );
+    let target = service.target();
+    let vrdma_run = VrdmaRun::new();
+    let program = CProgram::build("reg_mr_limit", &["-libverbs"]);
+    let limited = |command: Command| with_memlock(command, 8 << 20);
+    // An unprivileged process with the usual 8 MiB: 2 MiB fits, 16 more do not.
+    let said = registrations(
+        limited(as_nobody(vrdma_run.command(&program, &target))),
+        &["2", "16", "1"],
+    );
+    assert_eq!(said, "2: ok\n16: errno 12\n1: ok\n", "as nobody");
+    // Root (CAP_IPC_LOCK) is not held to its RLIMIT_MEMLOCK, but to its user's share.
+    let said = registrations(
+        limited(vrdma_run.command(&program, &target)),
+        &["16", "32", "32"],
+    );
+    assert_eq!(said, "16: ok\n32: ok\n32: errno 12\n", "as root");
+}
+
+/// A child forked from a program that has the device open uses its parent's context: each
+/// verb fails in the child with nothing sent, and the parent's device goes on, attached
+/// directly to a backend and through the service. (Before, the child's requests went out on
+/// the parent's connection: attached directly, the backend closed it; through the service,
+/// both got garbled answers.)
+#[test]
+fn a_forked_child_using_its_parents_device_fails_and_the_parent_goes_on() {
+    let backend = start_backend();
+    let service = ServiceProcess::start(&backend.socket, &[]);
+    let vrdma_run = VrdmaRun::new();
+    let program = CProgram::build("fork_child", &["-libverbs"]);
+    for target in [backend.socket.to_str().unwrap(), &service.target()] {
+        let output = vrdma_run
+            .command(&program, target)
+            .args(["vrdma0", "0"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && stdout.contains("fork: ok"),
+            "{target}: {stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(stdout.matches("failed (errno").count(), 8, "{stdout}");
+    }
+    WritingGuest::open(&service.target()).still_served(1);
+}
+
+/// `ibv_rc_pingpong` through vrdma-run on `target`, for ever (`-n` past what it can do in a
+/// test), `-e` for completion events instead of polling.
+fn endless_pingpong(target: &str, port: u16, events: bool, server: Option<&str>) -> Command {
+    let mut command = Command::new("timeout");
+    command
+        .args(["120", "stdbuf", "-oL"])
+        .arg(vrdma_run_script())
+        .args(["--device", target, "--"])
+        .args(["ibv_rc_pingpong", "-d", "vrdma0", "-g", "0", "-s", "64"])
+        .args(["-n", "1000000000", "-p", &port.to_string()])
+        .args(if events { &["-e"][..] } else { &[][..] })
+        .args(server)
+        .env("VRDMA_IBVERBS_DIR", vrdma_library_dir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
+/// Reads `child`'s output until a line holds `text`; the rest stays to be read.
+fn wait_for_output(child: &mut Child, text: &str) -> BufReader<ChildStdout> {
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut next = String::new();
+        assert_ne!(out.read_line(&mut next).unwrap(), 0, "ended: {seen}");
+        seen.push_str(&next);
+        if next.contains(text) {
+            return out;
+        }
+    }
+}
+
+/// SIGKILL of the service under four programs asleep in ibv_get_cq_event and four polling
+/// ibv_poll_cq (four ibv_rc_pingpong pairs, two with -e, mid-stream): each sees the end of
+/// its socket and fails (no completion can come), within seconds; none hangs, none reports
+/// success. (Before, the waiting ones hung for ever and the polling ones polled on.)
+#[test]
+fn a_killed_service_ends_every_waiting_and_polling_program_with_an_error() {
+    let backend = start_backend();
+    let mut service = ServiceProcess::start(&backend.socket, &[]);
+    let target = service.target();
+    let mut programs = Vec::new();
+    for (pair, events) in [true, true, false, false].into_iter().enumerate() {
+        let port = 18640 + pair as u16 + 10 * (std::process::id() % 100) as u16;
+        let mut server = endless_pingpong(&target, port, events, None)
+            .spawn()
+            .unwrap();
+        let server_out = wait_for_output(&mut server, "local address");
+        wait_until_listening(port);
+        let mut client = endless_pingpong(&target, port, events, Some("127.0.0.1"))
+            .spawn()
+            .unwrap();
+        let client_out = wait_for_output(&mut client, "remote address");
+        programs.push((server, server_out, events));
+        programs.push((client, client_out, events));
+    }
+    // All four pairs stream now.
+    std::thread::sleep(Duration::from_secs(1));
+    service.child.kill().unwrap();
+    service.child.wait().unwrap();
+    let killed = std::time::Instant::now();
+    let mut slowest = Duration::ZERO;
+    for (mut program, mut out, events) in programs {
+        let deadline = killed + Duration::from_secs(20);
+        let status = loop {
+            if let Some(status) = program.try_wait().unwrap() {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = program.kill();
+                let _ = program.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        slowest = slowest.max(killed.elapsed());
+        let mut said = String::new();
+        let _ = std::io::Read::read_to_string(&mut out, &mut said);
+        let mut stderr = String::new();
+        let _ = std::io::Read::read_to_string(&mut program.stderr.take().unwrap(), &mut stderr);
+        let what = if events { "waiting" } else { "polling" };
+        let status = status.unwrap_or_else(|| panic!("a {what} program hung: {said}{stderr}"));
+        assert!(
+            !status.success() && !said.contains(" iters in "),
+            "a {what} program reported success ({status}): {said}{stderr}"
+        );
+    }
+    println!("every program ended with an error within {slowest:?} of the kill");
+    assert!(slowest < Duration::from_secs(10), "{slowest:?}");
 }
 
 #[test]

@@ -195,7 +195,9 @@ fn refused_wqes_wait_for_room_in_their_cq_instead_of_piling_up_in_the_backend() 
 /// Finding: ADD_MEM_REG was accepted past the 509 slots the backend advertises, each region
 /// costing the backend a file descriptor and a mapping. The 510th region is now refused; as
 /// for any failed vhost-user request, the connection of that front end ends (it sees a clear
-/// error, not a hang), and the backend serves the next one.
+/// error, not a hang), and the backend serves the next one. guest-lib itself adds no region
+/// past the limit the backend states (SPEC.md §3 `max_memory_regions`): it refuses the
+/// allocation and keeps its connection; this test lifts that to play a hostile front end.
 #[test]
 fn memory_regions_past_the_advertised_slots_are_refused_and_the_backend_serves_on() {
     // Guest and backend share this process: two descriptors per region.
@@ -209,6 +211,25 @@ fn memory_regions_past_the_advertised_slots_are_refused_and_the_backend_serves_o
     };
     let device = Device::attach_with(&backend.socket, options).unwrap();
     let mut buffers = Vec::new();
+    // guest-lib stops at the backend's limit, and the connection stays.
+    let stated = device.config().max_memory_regions.to_native() as usize;
+    assert!(stated > 0 && stated <= 509, "{stated}");
+    let refused = loop {
+        match device.alloc_buffer(region_size) {
+            Ok(buffer) => buffers.push(buffer),
+            Err(e) => break e,
+        }
+        assert!(buffers.len() < 600, "no region was ever refused");
+    };
+    assert!(matches!(refused, Error::OverLimit(_)), "{refused}");
+    assert_eq!(
+        buffers.len(),
+        stated - 1,
+        "the first region holds the queues"
+    );
+    device.alloc_pd().expect("the connection stays");
+    // A front end that goes on anyway (as a hostile one would).
+    device.lift_memory_region_limit().unwrap();
     let refused = loop {
         match device.alloc_buffer(region_size) {
             Ok(buffer) => buffers.push(buffer),

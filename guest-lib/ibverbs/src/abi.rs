@@ -154,6 +154,9 @@ fn errno_of(error: &vrdma_guest::Error) -> c_int {
         Error::Timeout(_) => libc::ETIMEDOUT,
         // ENOMEM past RLIMIT_MEMLOCK, as uverbs answers a registration past it.
         Error::Pin { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+        // Past a memory limit (RLIMIT_MEMLOCK, the service's shares, the backend's memory
+        // regions): ENOMEM, as uverbs refuses pinning past RLIMIT_MEMLOCK.
+        Error::OverLimit(_) => libc::ENOMEM,
         Error::DeviceReset => libc::EIO,
         _ => libc::EIO,
     }

@@ -27,14 +27,31 @@ pub(crate) struct EventQueue<T> {
     pub(crate) fd: EventFd,
     /// Items not yet taken, oldest first.
     ready: Mutex<VecDeque<T>>,
+    /// The device is gone: no item comes any more, and a take finds none (EIO) rather than
+    /// waiting forever, as a kernel event file of a removed device answers.
+    closed: AtomicBool,
 }
+
+/// Counts a closed queue's eventfd gets, so that it stays readable for every waiter that
+/// ever comes (each takes one).
+const CLOSED_COUNT: u64 = 1 << 62;
 
 impl<T: Copy> EventQueue<T> {
     pub(crate) fn new() -> std::io::Result<Arc<Self>> {
         Ok(Arc::new(EventQueue {
             fd: EventFd::new(EFD_SEMAPHORE | libc::EFD_CLOEXEC)?,
             ready: Mutex::default(),
+            closed: AtomicBool::new(false),
         }))
+    }
+
+    /// No item comes any more (the device is gone): every waiter wakes, takes what is left,
+    /// then gets EIO; the fd stays readable, so a program's poll on it wakes too.
+    pub(crate) fn close(&self) {
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            // Cannot fail: the count is far from the eventfd's limit.
+            let _ = self.fd.write(CLOSED_COUNT);
+        }
     }
 
     pub(crate) fn push(&self, item: T) {
@@ -61,6 +78,9 @@ impl<T: Copy> EventQueue<T> {
                 .pop_front();
             if let Some(item) = next {
                 return Ok(item);
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return Err(libc::EIO);
             }
         }
     }
@@ -158,10 +178,13 @@ pub(crate) struct Dispatcher {
     async_events: Arc<AsyncEvents>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    /// The process that started the thread: a forked child has no such thread.
+    opened_by: vrdma_guest::OpenedBy,
 }
 
 impl Dispatcher {
     pub(crate) fn start(device: Device, async_events: Arc<AsyncEvents>) -> std::io::Result<Self> {
+        let opened_by = device.opened_by();
         let routes = Arc::<Mutex<Routes>>::default();
         let stop = Arc::new(AtomicBool::new(false));
         let thread = std::thread::Builder::new()
@@ -176,6 +199,7 @@ impl Dispatcher {
             async_events,
             stop,
             thread: Some(thread),
+            opened_by,
         })
     }
 
@@ -264,7 +288,13 @@ impl Drop for Dispatcher {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+            if self.opened_by.is_this_process() {
+                let _ = thread.join();
+            } else {
+                // A forked child closing its copy of the context: the thread is its
+                // parent's, and waiting for it here would wait forever.
+                std::mem::forget(thread);
+            }
         }
     }
 }
@@ -302,6 +332,8 @@ fn route_events(
     stop: &AtomicBool,
 ) {
     let routes = || routes.lock().unwrap_or_else(|e| e.into_inner());
+    // Whether the device said DEVICE_FATAL itself (then its loss is not said again).
+    let mut fatal_said = false;
     while !stop.load(Ordering::Acquire) {
         let expired: Vec<Lingering> = {
             let mut routes = routes();
@@ -328,16 +360,29 @@ fn route_events(
                 }
             }
             Ok(Some(event)) => match async_event_of(event, &routes().objects) {
-                Some(event) => async_events.push(event),
+                Some(event) => {
+                    fatal_said |= event.kind == ibv_event_type::IBV_EVENT_DEVICE_FATAL;
+                    async_events.push(event)
+                }
                 None => log::debug!("device event not forwarded: {event:?}"),
             },
             Ok(None) => {}
-            // The device is gone: say so once, as a native device's removal does.
+            // The device is gone: say so once, as a native device's removal does, and wake
+            // every program waiting for a completion or CM event that cannot come now.
             Err(Error::DeviceReset | Error::Disconnected) => {
-                async_events.push(AsyncEvent {
-                    kind: ibv_event_type::IBV_EVENT_DEVICE_FATAL,
-                    element: Element::Device,
-                });
+                if !fatal_said {
+                    async_events.push(AsyncEvent {
+                        kind: ibv_event_type::IBV_EVENT_DEVICE_FATAL,
+                        element: Element::Device,
+                    });
+                }
+                let routes = routes();
+                for (_, channel) in routes.channels.values() {
+                    channel.close();
+                }
+                for (_, channel) in routes.cm_ids.values() {
+                    channel.close();
+                }
                 return;
             }
             Err(e) => {
@@ -381,6 +426,32 @@ mod tests {
             libc::fcntl(channel.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK);
         }
         assert_eq!(channel.take(), Err(libc::EAGAIN));
+    }
+
+    #[test]
+    fn a_closed_channel_hands_out_what_it_holds_then_fails_every_waiter_at_once() {
+        let channel = Channel::new().unwrap();
+        channel.push(0x10);
+        let waiter = {
+            let channel = Arc::clone(&channel);
+            std::thread::spawn(move || {
+                let first = channel.take();
+                (first, channel.take())
+            })
+        };
+        // The waiter takes 0x10, then blocks until the close wakes it.
+        std::thread::sleep(Duration::from_millis(50));
+        channel.close();
+        assert_eq!(waiter.join().unwrap(), (Ok(0x10), Err(libc::EIO)));
+        // Later takes fail at once, and the fd stays readable for a program's poll.
+        assert_eq!(channel.take(), Err(libc::EIO));
+        let mut ready = libc::pollfd {
+            fd: channel.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd of this test's own eventfd.
+        assert_eq!(unsafe { libc::poll(&mut ready, 1, 0) }, 1);
     }
 
     #[test]

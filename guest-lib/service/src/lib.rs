@@ -17,6 +17,7 @@
 //! - When a program goes (exit, crash, SIGKILL), everything it created is destroyed on the
 //!   device and its memory released; the other programs keep running.
 
+pub mod accounts;
 pub mod memory;
 mod program;
 pub mod requests;
@@ -25,11 +26,11 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use vrdma_guest::service::protocol::Welcome;
+use vrdma_guest::service::protocol::{self, Kind, Welcome};
 use vrdma_guest::shm::{Region, PAGE_SIZE};
 use vrdma_guest::transport::Transport;
 use vrdma_spec::codec::{doorbell_bitmap_bits, notify_area_bytes};
@@ -41,6 +42,7 @@ use vrdma_spec::ctrl::{
 use vrdma_spec::ring::{event_kind, Event};
 use vrdma_spec::{read_wire, ByteValued, Le16, Le32, Le64};
 
+use accounts::{Accounts, Shares};
 use requests::ObjectKind;
 
 #[derive(Debug, thiserror::Error)]
@@ -70,22 +72,55 @@ fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { what, source }
 }
 
-/// How the service shares the device out.
+/// How the service shares the device out (SPEC.md §12, "Shares").
 #[derive(Clone, Copy, Debug)]
 pub struct Options {
-    /// Each program may hold at most `1 / share` of each of the device's object limits.
+    /// Each user's programs may hold at most `1 / share` of each of the device's object
+    /// limits together, of the memory regions the device takes, and of the locked memory.
     pub share: u32,
     /// Bytes of memory one program may share with the device.
     pub max_program_memory: u64,
     /// Programs served at once; more are refused.
     pub max_programs: usize,
+    /// Programs (connections) one user may have at once; `None`: `max_programs / share`.
+    pub max_programs_per_user: Option<usize>,
+    /// Bytes of memory all programs together may share with the device (which the service
+    /// locks for it in a VM); `None`: half of the system's memory.
+    pub max_locked_memory: Option<u64>,
+    /// How long a connection may take to say HELLO before it is closed.
+    pub hello_timeout: Duration,
 }
 
-/// Puts the program's limits of `$limits` in the like-named fields of `$target` (the
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            share: 4,
+            max_program_memory: 1 << 30,
+            max_programs: 256,
+            max_programs_per_user: None,
+            max_locked_memory: None,
+            hello_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Memory regions the service keeps for itself where the device bounds them: its own
+/// memory grows by a region when its page-list copies need more room.
+const SERVICE_REGIONS: usize = 4;
+/// Memory regions (memfds, each an open file and a mapping of the service's) all programs
+/// may share where the device does not bound them (a VM's device reaches all guest RAM).
+const MAX_REGIONS: usize = 16 << 10;
+/// Memory regions one program may share at most.
+const MAX_REGIONS_PER_PROGRAM: usize = 1024;
+/// Descriptors the service keeps for itself besides its programs' memory regions: its
+/// programs' sockets (two each), the device, logging.
+const DESCRIPTORS_OF_THE_SERVICE: u64 = 1024;
+
+/// Puts the program's limits of `$shares` in the like-named fields of `$target` (the
 /// configuration space or QUERY_DEVICE's answer, which name them alike).
 macro_rules! with_program_limits {
-    ($limits:expr, $target:expr) => {{
-        let limit = |kind| Le32::from($limits.objects_per_program[&kind]);
+    ($shares:expr, $target:expr) => {{
+        let limit = |kind| Le32::from($shares.objects_per_user[&kind]);
         $target.max_qp = limit(ObjectKind::Qp);
         $target.max_srq = limit(ObjectKind::Srq);
         $target.max_ah = limit(ObjectKind::Ah);
@@ -95,42 +130,33 @@ macro_rules! with_program_limits {
         let size = $target
             .max_mr_size
             .to_native()
-            .min($limits.bytes_per_program);
+            .min($shares.bytes_per_program);
         $target.max_mr_size = Le64::from(size);
     }};
 }
 
-/// What the service shares out, and how much of it one program may hold.
-#[derive(Clone, Debug)]
-pub struct Limits {
-    /// Objects of each kind one program may hold at once.
-    pub objects_per_program: HashMap<ObjectKind, u32>,
-    /// Memory regions one program may share with the device.
-    pub regions_per_program: usize,
-    /// Bytes of memory one program may share with the device.
-    pub bytes_per_program: u64,
-    /// Programs served at once.
-    pub max_programs: usize,
-}
-
-impl Limits {
-    /// The configuration space a program is shown: the device's, with the program's limits.
+impl Shares {
+    /// The configuration space a program is shown: the device's, with its user's share
+    /// (what it can create), and no memory region bound (the service's business).
     pub fn program_config(&self, config: &DeviceConfig) -> DeviceConfig {
         let mut config = *config;
         with_program_limits!(self, config);
+        config.max_memory_regions = Le32::from(0);
         config
     }
 
-    /// QUERY_DEVICE's answer as a program is given it: with the program's limits, which are
-    /// what it can create (SPEC.md §12).
+    /// QUERY_DEVICE's answer as a program is given it: with its user's share, which is what
+    /// it can create (SPEC.md §12).
     pub fn program_device_attr(&self, attr: &mut DeviceAttr) {
         with_program_limits!(self, attr);
     }
 
-    /// A `1 / share` part of each of the device's limits (at least one of each object).
-    pub fn fair_share(config: &DeviceConfig, options: &Options) -> Limits {
-        let part = |max: u32| max.div_ceil(options.share.max(1)).max(1);
-        let objects_per_program = [
+    /// The shares of a device of `config`: a `1 / share` part of each object limit per user
+    /// (at least one of each), `regions` memory regions for all programs and `memory` bytes.
+    pub fn fair(config: &DeviceConfig, options: &Options, regions: usize, memory: u64) -> Shares {
+        let share = options.share.max(1);
+        let part = |max: u32| max.div_ceil(share).max(1);
+        let objects_per_user = [
             (ObjectKind::Qp, config.max_qp.to_native()),
             // The device's CM id quota is its QP quota (SPEC.md §13.1).
             (ObjectKind::CmId, config.max_qp.to_native()),
@@ -143,13 +169,53 @@ impl Limits {
         .into_iter()
         .map(|(kind, max)| (kind, part(max)))
         .collect();
-        Limits {
-            objects_per_program,
-            regions_per_program: 1024,
+        let regions_per_user = regions.div_ceil(share as usize).max(1);
+        Shares {
+            programs: options.max_programs,
+            programs_per_user: options
+                .max_programs_per_user
+                .unwrap_or(options.max_programs / share as usize)
+                .max(1),
+            objects_per_user,
+            regions,
+            regions_per_user,
+            regions_per_program: regions_per_user.min(MAX_REGIONS_PER_PROGRAM),
+            bytes: memory,
+            bytes_per_user: memory / u64::from(share),
             bytes_per_program: options.max_program_memory,
-            max_programs: options.max_programs,
         }
     }
+}
+
+/// Half of the system's memory: what the service locks for all programs at most unless
+/// told (`--max-locked-memory`).
+fn half_of_the_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page_size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages.max(0) as u64).saturating_mul(page_size.max(0) as u64) / 2
+}
+
+/// Memory regions all programs may share where the device does not bound them: as many as
+/// the service's open file limit (raised to its hard limit) holds beside its own files.
+fn regions_the_descriptors_hold() -> usize {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return MAX_REGIONS;
+    };
+    let wanted = MAX_REGIONS as u64 + DESCRIPTORS_OF_THE_SERVICE;
+    let raised = wanted.min(hard).max(soft);
+    if raised > soft {
+        if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, raised, hard) {
+            log::warn!("cannot raise the open file limit to {raised}: {e}");
+            return (soft.saturating_sub(DESCRIPTORS_OF_THE_SERVICE) as usize).min(MAX_REGIONS);
+        }
+    }
+    (raised.saturating_sub(DESCRIPTORS_OF_THE_SERVICE) as usize).min(MAX_REGIONS)
 }
 
 /// Notify states and a doorbell bitmap (SPEC.md §8.5) in a memfd of their own: the states in
@@ -212,14 +278,16 @@ pub struct Service {
     program_area_bits: Option<u32>,
     /// What every program is told at WELCOME but where its doorbells are.
     welcome: Welcome,
-    limits: Limits,
+    options: Options,
+    /// What the programs, their users and all of them together hold, against their shares.
+    accounts: Mutex<Accounts>,
     /// Which program owns each CQ, QP and SRQ, for routing the device's events.
     owners: Mutex<HashMap<(ObjectKind, u32), u64>>,
     /// Each program's event socket.
     programs: Mutex<HashMap<u64, UnixStream>>,
     next_program: AtomicU64,
-    /// Programs connected now (their threads).
-    connected: AtomicUsize,
+    /// Connections refused, for a log that a flood of them cannot fill.
+    refused: AtomicU64,
 }
 
 impl Service {
@@ -251,11 +319,34 @@ impl Service {
         if status != Status::Ok {
             return Err(Error::NotifyArea(status));
         }
-        let limits = Limits::fair_share(&config, options);
+        // A backend ends the connection at a memory region past its limit: the programs get
+        // what the service's own memory leaves, less a few for its growth.
+        let regions = match transport.memory_regions() {
+            Some(regions) => regions
+                .limit
+                .saturating_sub(regions.in_use + SERVICE_REGIONS),
+            None => regions_the_descriptors_hold(),
+        };
+        let memory = options.max_locked_memory.unwrap_or_else(half_of_the_memory);
+        let shares = Shares::fair(&config, options, regions, memory);
+        log::info!(
+            "shares: {} programs ({} per user); per user 1/{} of the device's objects, {} of \
+             {} memory regions and {} of {} bytes of locked memory; {} bytes and {} regions per \
+             program",
+            shares.programs,
+            shares.programs_per_user,
+            options.share.max(1),
+            shares.regions_per_user,
+            shares.regions,
+            shares.bytes_per_user,
+            shares.bytes,
+            shares.bytes_per_program,
+            shares.regions_per_program,
+        );
         // A program's area holds a bit for each QP and SRQ it may hold.
         let program_area_bits = (transport.features() & features::DOORBELL_AREAS != 0).then(|| {
-            let queues = limits.objects_per_program[&ObjectKind::Qp]
-                + limits.objects_per_program[&ObjectKind::Srq];
+            let queues = shares.objects_per_user[&ObjectKind::Qp]
+                + shares.objects_per_user[&ObjectKind::Srq];
             queues.next_multiple_of(64).min(device_bits)
         });
         if program_area_bits.is_none() {
@@ -285,17 +376,28 @@ impl Service {
                 bitmap_offset: 0,
                 bitmap_len: 0,
                 notify_port,
-                config: limits.program_config(&config).as_slice().to_vec(),
+                config: shares.program_config(&config).as_slice().to_vec(),
             },
-            limits,
+            options: *options,
+            accounts: Mutex::new(Accounts::new(shares)),
             transport,
             notify,
             program_area_bits,
             owners: Mutex::default(),
             programs: Mutex::default(),
             next_program: AtomicU64::new(1),
-            connected: AtomicUsize::new(0),
+            refused: AtomicU64::new(0),
         }))
+    }
+
+    fn accounts(&self) -> MutexGuard<'_, Accounts> {
+        self.accounts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the device offers each program a doorbell area of its own (a memory region
+    /// of its own too).
+    fn has_program_areas(&self) -> bool {
+        self.program_area_bits.is_some()
     }
 
     /// A doorbell area of a program's own (SPEC.md §8.6); `None` where the device offers
@@ -384,14 +486,38 @@ impl Service {
         lost
     }
 
+    /// Admits the program that connected on `stream` (its user, from the socket's peer
+    /// credentials, within its share of connections, before its HELLO: silent connections
+    /// count too) and serves it on a thread of its own; or refuses it, saying why.
     fn start_program(self: &Arc<Self>, stream: UnixStream) {
         let id = self.next_program.fetch_add(1, Ordering::Relaxed);
+        let admitted = program::Peer::of(&stream)
+            .map_err(|e| format!("its credentials are unknown: {e}"))
+            .and_then(|peer| {
+                self.accounts()
+                    .admit(peer.uid)
+                    .map(|()| peer)
+                    .map_err(|refusal| format!("{refusal}"))
+            });
+        let peer = match admitted {
+            Ok(peer) => peer,
+            Err(why) => {
+                let refused = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+                if refused <= 10 || refused.is_multiple_of(1000) {
+                    log::warn!("program {id} refused ({refused} so far): {why}");
+                }
+                // A short frame into the fresh socket's empty buffer: it does not block.
+                let _ = protocol::send(&stream, Kind::Failed, why.as_bytes(), &[]);
+                return;
+            }
+        };
         let service = Arc::clone(self);
         let started = std::thread::Builder::new()
             .name(format!("vrdmad-program-{id}"))
-            .spawn(move || program::serve(&service, id, stream));
+            .spawn(move || program::serve(&service, id, stream, peer));
         if let Err(e) = started {
             log::error!("starting a thread for program {id}: {e}");
+            self.accounts().depart(peer.uid);
         }
     }
 
@@ -635,8 +761,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_program_is_shown_its_share_of_the_devices_limits() {
+    fn a_program_is_shown_its_users_share_of_the_devices_limits() {
         let config = DeviceConfig {
+            max_memory_regions: Le32::from(256),
             max_qp: Le32::from(256),
             max_srq: Le32::from(3),
             max_ah: Le32::from(1000),
@@ -649,11 +776,22 @@ mod tests {
         };
         let options = Options {
             share: 4,
-            max_program_memory: 1 << 30,
             max_programs: 16,
+            ..Options::default()
         };
-        let limits = Limits::fair_share(&config, &options);
-        let shown = limits.program_config(&config);
+        let shares = Shares::fair(&config, &options, 250, 8 << 30);
+        assert_eq!(
+            (
+                shares.programs_per_user,
+                shares.regions_per_user,
+                shares.regions_per_program,
+                shares.bytes_per_user,
+                shares.bytes_per_program
+            ),
+            (4, 63, 63, 2 << 30, 1 << 30),
+            "a user's share of programs, regions and memory"
+        );
+        let shown = shares.program_config(&config);
         assert_eq!(
             [
                 shown.max_qp,
@@ -669,6 +807,11 @@ mod tests {
         );
         assert_eq!(shown.max_qp_wr.to_native(), 4096, "sizes are the device's");
         assert_eq!(
+            shown.max_memory_regions.to_native(),
+            0,
+            "memory regions are the service's business"
+        );
+        assert_eq!(
             shown.max_mr_size.to_native(),
             1 << 30,
             "no more than its memory"
@@ -678,7 +821,7 @@ mod tests {
             max_mr_size: Le64::from(4 << 30),
             ..Default::default()
         };
-        limits.program_device_attr(&mut attr);
+        shares.program_device_attr(&mut attr);
         assert_eq!(
             (attr.max_qp.to_native(), attr.max_mr_size.to_native()),
             (64, 1 << 30)

@@ -22,7 +22,9 @@ struct Args {
     /// such group exists, only the socket's owner may (mode 0600).
     #[arg(long, default_value = "vrdma")]
     group: String,
-    /// Each program may hold at most 1/SHARE of each of the device's object limits.
+    /// Each user's programs together may hold at most 1/SHARE of each of the device's object
+    /// limits, of the memory regions it takes and of the locked memory (however many
+    /// programs the user connects).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=65536))]
     share: u32,
     /// Bytes of memory one program may share with the device.
@@ -31,6 +33,18 @@ struct Args {
     /// Programs served at once; more are refused.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
     max_programs: u64,
+    /// Programs (connections, also those that have not said HELLO yet) one user may have at
+    /// once [default: MAX_PROGRAMS / SHARE].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    max_programs_per_user: Option<u64>,
+    /// Bytes of memory all programs together may share with the device, which the service
+    /// locks for it in a VM [default: half of the system's memory]. A program's process is
+    /// also held to its RLIMIT_MEMLOCK, unless it has CAP_IPC_LOCK (as root has).
+    #[arg(long)]
+    max_locked_memory: Option<u64>,
+    /// Seconds a connection may take to say HELLO before it is closed.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    hello_timeout: u64,
 }
 
 /// The group named `name`, if the system has one.
@@ -53,6 +67,9 @@ fn main() -> ExitCode {
         share: args.share,
         max_program_memory: args.max_program_memory,
         max_programs: args.max_programs as usize,
+        max_programs_per_user: args.max_programs_per_user.map(|n| n as usize),
+        max_locked_memory: args.max_locked_memory,
+        hello_timeout: std::time::Duration::from_secs(args.hello_timeout),
     };
     let served = vrdmad::Service::open(&args.device, &options).and_then(|service| {
         let listener = vrdmad::bind(&args.socket, mode, group)?;

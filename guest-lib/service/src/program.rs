@@ -3,9 +3,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
@@ -15,6 +14,7 @@ use vrdma_guest::shm::{Region, PAGE_SIZE};
 use vrdma_spec::ctrl::{DeviceAttr, HandleRequest, Opcode, ResponseHeader, Status};
 use vrdma_spec::{read_wire, ByteValued, Le16, Le32};
 
+use crate::accounts::{memlock_of, Memlock};
 use crate::memory::Regions;
 use crate::requests::{self, ObjectKind, ProgramMemory};
 use crate::{raw_command, ProgramArea, Service};
@@ -23,49 +23,108 @@ use crate::{raw_command, ProgramArea, Service};
 /// log.
 const LOGGED_REFUSALS: u64 = 10;
 
+/// RLIMIT_MEMLOCK a process is held to when /proc does not tell its own (it lives in another
+/// pid namespace): the kernel's default.
+const DEFAULT_MEMLOCK: u64 = 8 << 20;
+
+/// Who is at the other end of a program's connection (SO_PEERCRED).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Peer {
+    pub(crate) uid: u32,
+    /// Its process, as this service's pid namespace numbers it; `None` when it cannot
+    /// (another namespace).
+    pub(crate) pid: Option<i32>,
+}
+
+impl Peer {
+    pub(crate) fn of(stream: &UnixStream) -> io::Result<Peer> {
+        let credentials = getsockopt(stream, PeerCredentials)?;
+        Ok(Peer {
+            uid: credentials.uid(),
+            pid: Some(credentials.pid()).filter(|&pid| pid > 0),
+        })
+    }
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.pid {
+            Some(pid) => write!(f, "pid {pid}, uid {}", self.uid),
+            None => write!(f, "pid unknown, uid {}", self.uid),
+        }
+    }
+}
+
+/// Why an ADD_MEMORY is not served.
+enum MemoryRefusal {
+    /// Malformed, or the memory cannot be used: FAILED.
+    Failed(String),
+    /// Past a limit: REFUSED (ENOMEM to libibverbs programs).
+    OverLimit(String),
+}
+
 struct Program<'a> {
     service: &'a Service,
     id: u64,
+    peer: Peer,
     objects: HashMap<ObjectKind, HashSet<u32>>,
     memory: Regions,
     /// Its own doorbell area, once given (where the device offers them).
     area: Option<ProgramArea>,
+    /// Whether it holds a memory region of its share for its doorbell area.
+    area_region: bool,
     refusals: u64,
+    /// Whether the log said that its RLIMIT_MEMLOCK could not be read.
+    memlock_unknown_said: bool,
 }
 
-/// Serves the program connected on `stream` until it goes, then destroys what it left; or
-/// refuses it when the service serves as many programs as it may.
-pub(crate) fn serve(service: &Arc<Service>, id: u64, stream: UnixStream) {
-    let who = peer(&stream)
-        .map(|(pid, uid)| format!("pid {pid}, uid {uid}"))
-        .unwrap_or_else(|e| format!("credentials unknown: {e}"));
-    let max = service.limits.max_programs;
-    if service.connected.fetch_add(1, Ordering::AcqRel) >= max {
-        service.connected.fetch_sub(1, Ordering::AcqRel);
-        log::warn!("program {id} ({who}) refused: {max} programs are served already");
-        let why = format!("the vrdma service serves {max} programs at most (--max-programs)");
-        let _ = protocol::send(&stream, Kind::Failed, why.as_bytes(), &[]);
-        return;
-    }
-    log::info!("program {id} connected ({who})");
+/// Serves the program connected on `stream` (admitted already) until it goes, then destroys
+/// what it left and gives back its share.
+pub(crate) fn serve(service: &Arc<Service>, id: u64, stream: UnixStream, peer: Peer) {
+    log::info!("program {id} connected ({peer})");
     let mut program = Program {
         service,
         id,
+        peer,
         objects: HashMap::new(),
         memory: Regions::default(),
         area: None,
+        area_region: false,
         refusals: 0,
+        memlock_unknown_said: false,
     };
     if let Err(e) = program.run(&stream) {
         log::warn!("program {id}: {e}");
     }
     program.release();
-    service.connected.fetch_sub(1, Ordering::AcqRel);
+    service.accounts().depart(peer.uid);
 }
 
 impl Program<'_> {
+    /// Waits for the program's HELLO, at most the service's handshake time: a connection
+    /// that says nothing holds its user's place no longer.
+    fn hello(&self, stream: &UnixStream) -> io::Result<Option<Frame>> {
+        let timeout = self.service.options.hello_timeout;
+        stream.set_read_timeout(Some(timeout))?;
+        let hello = match protocol::recv(stream, protocol::MAX_PROGRAM_PAYLOAD) {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                let why = format!("said no HELLO within {timeout:?}: closed");
+                let _ = protocol::send(stream, Kind::Failed, why.as_bytes(), &[]);
+                return Err(io::Error::new(io::ErrorKind::TimedOut, why));
+            }
+            other => other?,
+        };
+        stream.set_read_timeout(None)?;
+        Ok(hello)
+    }
+
     fn run(&mut self, stream: &UnixStream) -> io::Result<()> {
-        let Some(hello) = protocol::recv(stream, protocol::MAX_PROGRAM_PAYLOAD)? else {
+        let Some(hello) = self.hello(stream)? else {
             return Ok(());
         };
         let version = protocol::decode_u32(&hello.payload);
@@ -86,6 +145,15 @@ impl Program<'_> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(self.id, events);
+        // A doorbell area of its own is a memory region of its own for the device.
+        if self.service.has_program_areas() {
+            if let Err(refusal) = self.service.accounts().take_region(self.peer.uid, 0) {
+                let why = format!("the vrdma service cannot serve it: {refusal}");
+                protocol::send(stream, Kind::Failed, why.as_bytes(), &[])?;
+                return Err(io::Error::other(why));
+            }
+            self.area_region = true;
+        }
         self.area = match self.service.add_program_area() {
             Ok(area) => area,
             Err(why) => {
@@ -132,9 +200,13 @@ impl Program<'_> {
                 Ok(pages) => {
                     protocol::send(stream, Kind::Memory, &protocol::encode_pages(&pages), &[])
                 }
-                Err(why) => {
+                Err(MemoryRefusal::Failed(why)) => {
                     self.count_refusal(format_args!("shared memory refused: {why}"));
                     protocol::send(stream, Kind::Failed, why.as_bytes(), &[])
+                }
+                Err(MemoryRefusal::OverLimit(why)) => {
+                    self.count_refusal(format_args!("shared memory refused: {why}"));
+                    protocol::send(stream, Kind::Refused, why.as_bytes(), &[])
                 }
             },
             Kind::Notify => {
@@ -161,15 +233,6 @@ impl Program<'_> {
                 return self.refuse(
                     Status::BadHandle,
                     format_args!("{opcode:?} names {kind:?} {handle:#x}, not its own"),
-                );
-            }
-        }
-        if let Some(kind) = plan.creates {
-            let limit = self.service.limits.objects_per_program[&kind];
-            if self.objects.get(&kind).map_or(0, HashSet::len) >= limit as usize {
-                return self.refuse(
-                    Status::NoResources,
-                    format_args!("{opcode:?}: at its quota of {limit} {kind:?}s"),
                 );
             }
         }
@@ -215,6 +278,22 @@ impl Program<'_> {
                 }
             }
         }
+        // The object it creates is counted against its user's share before the device makes
+        // it (two programs of one user cannot both take the last one), and given back if the
+        // device does not.
+        if let Some(kind) = plan.creates {
+            if let Err(refusal) = self.service.accounts().take_object(self.peer.uid, kind) {
+                return self.refuse(Status::NoResources, format_args!("{opcode:?}: {refusal}"));
+            }
+        }
+        let give_back = |program: &Self| {
+            if let Some(kind) = plan.creates {
+                program
+                    .service
+                    .accounts()
+                    .give_object(program.peer.uid, kind);
+            }
+        };
         let mut reply = vec![0u8; std::mem::size_of::<ResponseHeader>() + opcode.response_size()];
         let written = match self.service.transport.control(&bytes, &mut reply) {
             Ok(written) => written,
@@ -223,6 +302,7 @@ impl Program<'_> {
                     "program {}: the device did not answer {opcode:?}: {e}",
                     self.id
                 );
+                give_back(self);
                 // What a driver sees of a device that is gone (SPEC.md §5.2).
                 return response(Status::NotReady, 0);
             }
@@ -238,6 +318,8 @@ impl Program<'_> {
             if opcode == Opcode::QueryDevice {
                 self.show_program_limits(&mut reply);
             }
+        } else {
+            give_back(self);
         }
         reply
     }
@@ -246,7 +328,10 @@ impl Program<'_> {
     fn show_program_limits(&self, reply: &mut [u8]) {
         let header = std::mem::size_of::<ResponseHeader>();
         if let Some(mut attr) = reply.get(header..).and_then(read_wire::<DeviceAttr>) {
-            self.service.limits.program_device_attr(&mut attr);
+            self.service
+                .accounts()
+                .shares()
+                .program_device_attr(&mut attr);
             reply[header..header + attr.as_slice().len()].copy_from_slice(attr.as_slice());
         }
     }
@@ -265,17 +350,25 @@ impl Program<'_> {
             .unwrap_or_else(|e| e.into_inner());
         if let Some(kind) = *creates {
             let header = std::mem::size_of::<ResponseHeader>();
-            if let Some(handle) = reply.get(header..header + 4) {
-                let handle = u32::from_le_bytes(handle.try_into().expect("4 bytes"));
-                self.objects.entry(kind).or_default().insert(handle);
-                owners.insert((kind, handle), self.id);
+            match reply.get(header..header + 4) {
+                Some(handle) => {
+                    let handle = u32::from_le_bytes(handle.try_into().expect("4 bytes"));
+                    self.objects.entry(kind).or_default().insert(handle);
+                    owners.insert((kind, handle), self.id);
+                }
+                // No handle to hold it by: counted as not made.
+                None => self.service.accounts().give_object(self.peer.uid, kind),
             }
         }
         if let Some((kind, handle)) = *destroys {
-            if let Some(handles) = self.objects.get_mut(&kind) {
-                handles.remove(&handle);
-            }
+            let held = self
+                .objects
+                .get_mut(&kind)
+                .is_some_and(|handles| handles.remove(&handle));
             owners.remove(&(kind, handle));
+            if held {
+                self.service.accounts().give_object(self.peer.uid, kind);
+            }
         }
     }
 
@@ -288,8 +381,8 @@ impl Program<'_> {
             return;
         };
         let handle = u32::from_le_bytes(handle.try_into().expect("4 bytes"));
-        if handle != 0 {
-            self.objects.entry(kind).or_default().insert(handle);
+        if handle != 0 && self.objects.entry(kind).or_default().insert(handle) {
+            self.service.accounts().add_object(self.peer.uid, kind);
             self.service
                 .owners
                 .lock()
@@ -305,33 +398,71 @@ impl Program<'_> {
     }
 
     /// Makes the memfd the program passed reachable by the device; returns the device
-    /// address of each of its pages.
-    fn add_memory(&mut self, frame: &Frame) -> Result<Vec<u64>, String> {
+    /// address of each of its pages. Memory the device can reach is memory locked for it
+    /// (the service locks it in a VM, a backend pins what is registered): it is charged to
+    /// the program's process against its RLIMIT_MEMLOCK, as uverbs charges pinned pages, and
+    /// to its user's and the service's shares, before it is taken.
+    fn add_memory(&mut self, frame: &Frame) -> Result<Vec<u64>, MemoryRefusal> {
+        let failed = |why: String| MemoryRefusal::Failed(why);
         let len = protocol::decode_u64(&frame.payload)
-            .ok_or_else(|| "ADD_MEMORY carries a length of 8 bytes".to_string())?;
+            .ok_or_else(|| failed("ADD_MEMORY carries a length of 8 bytes".into()))?;
         let [file] = &frame.files[..] else {
-            return Err("ADD_MEMORY carries one memfd".into());
+            return Err(failed("ADD_MEMORY carries one memfd".into()));
         };
-        let limits = &self.service.limits;
-        if self.memory.count() >= limits.regions_per_program {
-            return Err(format!(
-                "at its quota of {} memory regions",
-                limits.regions_per_program
-            ));
+        // Huge pages the pool may not have would end a backend's connection (SPEC.md §11
+        // item 4), every program's: only memory of base pages is taken.
+        match nix::sys::statfs::fstatfs(file.as_fd()) {
+            Ok(fs) if fs.filesystem_type() == nix::sys::statfs::HUGETLBFS_MAGIC => {
+                return Err(failed(
+                    "memory of huge pages is not shared through the service".into(),
+                ))
+            }
+            Ok(_) => {}
+            Err(e) => return Err(failed(format!("its memory: fstatfs: {e}"))),
         }
-        if self.memory.bytes().saturating_add(len) > limits.bytes_per_program {
-            return Err(format!(
-                "{len} more bytes exceed its quota of {} bytes of shared memory",
-                limits.bytes_per_program
-            ));
+        let file = file.try_clone().map_err(|e| failed(e.to_string()))?;
+        // Checked (sealed, as large as announced) and mapped here before anything is charged.
+        let region = Region::from_file(file, len).map_err(|e| failed(e.to_string()))?;
+        let memlock = match self.peer.pid.map(memlock_of) {
+            Some(Ok(memlock)) => memlock,
+            unknown => {
+                if !std::mem::replace(&mut self.memlock_unknown_said, true) {
+                    let why = match unknown {
+                        Some(Err(why)) => why,
+                        _ => "its process is unknown".into(),
+                    };
+                    log::warn!(
+                        "program {}: its RLIMIT_MEMLOCK is unknown ({why}): it is held to {DEFAULT_MEMLOCK} bytes",
+                        self.id
+                    );
+                }
+                Memlock::Bytes(DEFAULT_MEMLOCK)
+            }
+        };
+        let regions = self.memory.count() + usize::from(self.area_region);
+        let (uid, pid) = (self.peer.uid, self.peer.pid);
+        {
+            let mut accounts = self.service.accounts();
+            accounts
+                .take_region(uid, regions)
+                .map_err(|refusal| MemoryRefusal::OverLimit(refusal.to_string()))?;
+            if let Err(refusal) = accounts.take_bytes(uid, pid, self.memory.bytes(), len, memlock) {
+                accounts.give_region(uid);
+                return Err(MemoryRefusal::OverLimit(refusal.to_string()));
+            }
         }
-        let file = file.try_clone().map_err(|e| e.to_string())?;
-        let region = Region::from_file(file, len).map_err(|e| e.to_string())?;
-        let region = self
-            .service
-            .transport
-            .adopt(region)
-            .map_err(|e| e.to_string())?;
+        let region = match self.service.transport.adopt(region) {
+            Ok(region) => region,
+            Err(e) => {
+                let mut accounts = self.service.accounts();
+                accounts.give_bytes(uid, pid, len);
+                accounts.give_region(uid);
+                return Err(match e {
+                    vrdma_guest::Error::OverLimit(why) => MemoryRefusal::OverLimit(why),
+                    e => failed(e.to_string()),
+                });
+            }
+        };
         let pages = region
             .device_runs()
             .into_iter()
@@ -387,6 +518,8 @@ impl Program<'_> {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&(kind, handle));
+                // Its share is back whatever the device answered: the program is gone.
+                self.service.accounts().give_object(self.peer.uid, kind);
             }
         }
         // Its queues are gone: nothing rings through its doorbell area any more.
@@ -400,12 +533,19 @@ impl Program<'_> {
                 Err(e) => log::error!("program {}: removing its doorbell area: {e}", self.id),
             }
         }
+        if std::mem::take(&mut self.area_region) {
+            self.service.accounts().give_region(self.peer.uid);
+        }
         let bytes = self.memory.bytes();
         for region in self.memory.take() {
             if let Err(e) = self.service.transport.forget(&region) {
                 log::error!("program {}: releasing its memory: {e}", self.id);
             }
+            self.service.accounts().give_region(self.peer.uid);
         }
+        self.service
+            .accounts()
+            .give_bytes(self.peer.uid, self.peer.pid, bytes);
         log::info!(
             "program {} gone: {destroyed} objects destroyed, {bytes} bytes of memory released, {} refusals",
             self.id,
@@ -441,10 +581,4 @@ fn response(status: Status, detail: u32) -> Vec<u8> {
     }
     .as_slice()
     .to_vec()
-}
-
-/// The process and user at the other end of `stream`.
-fn peer(stream: &UnixStream) -> io::Result<(i32, u32)> {
-    let credentials = getsockopt(stream, PeerCredentials)?;
-    Ok((credentials.pid(), credentials.uid()))
 }

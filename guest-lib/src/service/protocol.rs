@@ -15,7 +15,10 @@
 //! | ADD_MEMORY | program | `le64 length` | a memfd sealed against shrinking |
 //! | MEMORY | service | `le64` device address of each 4 KiB page | |
 //! | NOTIFY | program | `le32 queue` (no reply; a program given a notification port kicks through it instead) | |
-//! | FAILED | service | a UTF-8 reason | |
+//! | FAILED | service | a UTF-8 reason: the program's request was malformed, or it was not served | |
+//! | REFUSED | service | a UTF-8 reason: an ADD_MEMORY past a limit of the program, its user or the service (locked memory, memory regions); libibverbs says `ENOMEM` | |
+//!
+//! A connection must say HELLO within the service's handshake time, or it is closed.
 //!
 //! The event socket (a seqpacket socket) carries the device's events about the program's
 //! objects (and the port's and device's), one 8-byte record per message, as SPEC.md §8.4
@@ -29,7 +32,7 @@ use std::os::unix::net::UnixStream;
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 
 /// The version of this protocol; HELLO and WELCOME must agree on it.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Where the service listens unless told otherwise; the default device of programs.
 pub const DEFAULT_SOCKET: &str = "/run/vrdma/vrdmad.sock";
 /// The largest payload a program may send (a control request is far smaller).
@@ -51,6 +54,7 @@ pub enum Kind {
     ControlReply = 102,
     Memory = 103,
     Failed = 104,
+    Refused = 105,
 }
 
 impl TryFrom<u16> for Kind {
@@ -65,6 +69,7 @@ impl TryFrom<u16> for Kind {
             102 => Kind::ControlReply,
             103 => Kind::Memory,
             104 => Kind::Failed,
+            105 => Kind::Refused,
             other => return Err(other),
         })
     }

@@ -39,6 +39,9 @@ impl<'a, F> Chain<'a, F> {
         device: &'a DeviceInner,
         write: F,
     ) -> Result<Self> {
+        // Nothing reaches the rings of a device that is gone, nor a forked child's copy of
+        // its parent's.
+        device.check_data_path()?;
         let producer = queue.producer.lock().unwrap_or_else(|e| e.into_inner());
         let consumer = doorbell
             .record
@@ -203,9 +206,14 @@ const YIELD_EVERY_EMPTY_POLLS: u32 = 64;
 
 impl CompletionQueue {
     /// Moves up to `out.len()` new completions into `out`; returns how many. No call into
-    /// the device: the CQEs are read from the ring by their phase bit.
+    /// the device: the CQEs are read from the ring by their phase bit. Once the device is
+    /// gone, the completions it wrote are still taken, and then [`Error::Disconnected`]
+    /// ends the program's polling loop: no completion can come any more.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         let cq = &self.inner;
+        if !cq.device.opened_by.is_this_process_fast() {
+            return Err(Error::Forked);
+        }
         let mut consumer = cq.consumer.lock().unwrap_or_else(|e| e.into_inner());
         let mut n = 0;
         while n < out.len() {
@@ -234,6 +242,11 @@ impl CompletionQueue {
             if consumer.empty_polls.is_multiple_of(YIELD_EVERY_EMPTY_POLLS) {
                 drop(consumer);
                 std::thread::yield_now();
+                // A program that only polls learns here that the device went away (its
+                // connection closed): a look without waiting, once per yield.
+                cq.device.look_for_loss()?;
+            } else {
+                cq.device.check_data_path()?;
             }
         }
         Ok(n)
@@ -243,6 +256,8 @@ impl CompletionQueue {
     /// `ibv_req_notify_cq`, poll once more after arming: completions that arrived before it
     /// raise no event.
     pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        // No event can come from a device that is gone: the program's wait would never end.
+        self.inner.device.check_data_path()?;
         let request = ArmRequest {
             sequence: self
                 .inner

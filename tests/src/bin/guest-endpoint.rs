@@ -250,13 +250,19 @@ impl<'a> Endpoint<'a> {
         (message, last)
     }
 
-    /// One-sided operation `op` on the local range `offset..offset + len`; waits for it.
+    /// One-sided operation `op` on the local range `offset..offset + len`; waits for it
+    /// (past the completion of the last message sent, which may come after its echo).
     fn rdma(&self, wr_id: u64, op: SendOp, offset: u64, len: usize) {
         let sges = [self.sge(offset, len)];
         self.qp
             .post_send(&[SendWr::new(wr_id, op, Payload::Sges(&sges))])
             .expect("post RDMA");
-        let done = wait_for_guest_completions(self.cq, 1)[0];
+        let done = loop {
+            let done = wait_for_guest_completions(self.cq, 1)[0];
+            if !(done.is_success() && done.opcode == wc_opcode::SEND) {
+                break done;
+            }
+        };
         assert!(
             done.is_success() && done.wr_id == wr_id,
             "RDMA {wr_id}: {done:?}"
