@@ -1056,23 +1056,31 @@ pub(crate) unsafe extern "C" fn post_send(
 }
 
 /// The inline bytes the SGEs describe: in place for one SGE, gathered into `gathered` for
-/// several.
+/// several. An SGE of no bytes names no memory: its address may be anything, NULL too (UCX
+/// posts such SGEs), and is not read.
 ///
 /// # Safety
-/// Each SGE must describe readable memory of the program.
+/// Each SGE of a length other than 0 must describe readable memory of the program.
 unsafe fn inline_bytes<'a>(list: &'a [Sge], gathered: &'a mut [u8]) -> Result<&'a [u8], c_int> {
+    /// # Safety
+    /// As `inline_bytes`', for this one SGE.
+    unsafe fn bytes_of<'b>(sge: &Sge) -> &'b [u8] {
+        if sge.length == 0 {
+            return &[];
+        }
+        // SAFETY: per the contract, a readable range of the program's.
+        unsafe { std::slice::from_raw_parts(sge.addr as *const u8, sge.length as usize) }
+    }
     if let [one] = list {
         // SAFETY: per the contract.
-        return Ok(unsafe {
-            std::slice::from_raw_parts(one.addr as *const u8, one.length as usize)
-        });
+        return Ok(unsafe { bytes_of(one) });
     }
     let mut len = 0;
     for sge in list {
         let n = sge.length as usize;
         let room = gathered.get_mut(len..len + n).ok_or(libc::EINVAL)?;
         // SAFETY: per the contract; `room` is this library's stack buffer.
-        room.copy_from_slice(unsafe { std::slice::from_raw_parts(sge.addr as *const u8, n) });
+        room.copy_from_slice(unsafe { bytes_of(sge) });
         len += n;
     }
     Ok(&gathered[..len])
@@ -1225,4 +1233,37 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
     let queue = unsafe { ours::<VrdmaSrq>(srq) };
     // SAFETY: the program's list of receive requests, per the API contract.
     unsafe { post_receives(queue.inner.recv_chain(), wr, bad_wr) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inline_sges_of_no_bytes_are_not_read_whatever_their_address() {
+        let payload = *b"vrdma";
+        let mut gathered = [0u8; 64];
+        let empty = Sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        let bytes = Sge {
+            addr: payload.as_ptr() as u64,
+            length: payload.len() as u32,
+            lkey: 0,
+        };
+        // SAFETY: `bytes` describes `payload`; `empty` describes nothing.
+        unsafe {
+            assert_eq!(inline_bytes(&[empty], &mut gathered), Ok(&[][..]));
+            assert_eq!(
+                inline_bytes(&[bytes, empty], &mut gathered),
+                Ok(&payload[..])
+            );
+            assert_eq!(
+                inline_bytes(&[empty, bytes, empty], &mut gathered),
+                Ok(&payload[..])
+            );
+        }
+    }
 }
