@@ -1,7 +1,7 @@
 //! libibverbs verbs that vrdma does not serve yet. Programs linked against them must still
 //! load (Debian builds them with BIND_NOW), so each exists, says once on standard error that
-//! it is not served, and fails as libibverbs documents: NULL or an errno, with errno set to
-//! EOPNOTSUPP.
+//! it is not served when `VRDMA_DEBUG` asks, and fails as libibverbs documents: NULL or an
+//! errno, with errno set to EOPNOTSUPP.
 
 use std::os::raw::{c_int, c_void};
 use std::ptr;
