@@ -7,6 +7,7 @@ pub mod work;
 
 pub use posting::{encode_recv, encode_send, Chain, SendShape};
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -362,10 +363,14 @@ impl Device {
             inner: Arc::new(CqInner {
                 device: Arc::clone(&self.inner),
                 handle: created.handle.to_native(),
-                depth,
-                ring,
                 doorbell,
-                consumer: Mutex::default(),
+                consumer: Mutex::new(CqConsumer {
+                    ring,
+                    depth,
+                    index: 0,
+                    empty_polls: 0,
+                    receive_queues: HashMap::new(),
+                }),
                 arm_sequence: AtomicU32::new(0),
             }),
         })
@@ -605,19 +610,29 @@ impl Drop for MemoryRegion {
 struct CqInner {
     device: Arc<DeviceInner>,
     handle: u32,
-    depth: u32,
-    ring: SharedBuffer,
     doorbell: SharedBuffer,
     consumer: Mutex<CqConsumer>,
     arm_sequence: AtomicU32,
 }
 
 /// The driver's side of a CQ ring.
-#[derive(Default)]
 struct CqConsumer {
+    ring: SharedBuffer,
+    depth: u32,
     index: u32,
     /// Polls in a row that found nothing.
     empty_polls: u32,
+    /// The receive completions taken so far, by QP number, of each QP whose RQ completes
+    /// here: a receive slot is free again once the device took its WQE, so the QP counts
+    /// completions to refuse a post past `max_recv_wr` outstanding receives, as verbs does
+    /// (SPEC.md §8.1).
+    receive_queues: HashMap<u32, Arc<AtomicU32>>,
+}
+
+impl CqInner {
+    fn consumer(&self) -> std::sync::MutexGuard<'_, CqConsumer> {
+        self.consumer.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl Drop for CqInner {
@@ -634,7 +649,7 @@ pub struct CompletionQueue {
 
 impl CompletionQueue {
     pub fn depth(&self) -> u32 {
-        self.inner.depth
+        self.inner.consumer().depth
     }
     pub fn handle(&self) -> u32 {
         self.inner.handle
@@ -770,9 +785,25 @@ impl<'a> QueuePairBuilder<'a> {
             doorbell: Le64::from(doorbell.device_addr()?),
         };
         let created: CreateQpResponse = device.command(Opcode::CreateQp, &request)?;
+        let qp_num = created.qp_num.to_native();
+        let rq = rq.map(|ring| {
+            let completed = Arc::new(AtomicU32::new(0));
+            self.recv_cq
+                .inner
+                .consumer()
+                .receive_queues
+                .insert(qp_num, Arc::clone(&completed));
+            WorkQueue {
+                ring,
+                depth: recv_wr,
+                stride: u64::from(rq_stride),
+                producer: Mutex::new(0),
+                completed: Some(completed),
+            }
+        });
         Ok(QueuePair {
             handle: created.handle.to_native(),
-            qp_num: created.qp_num.to_native(),
+            qp_num,
             qp_type: self.qp_type,
             notify_queue: u32::from(created.notify_queue.to_native()),
             doorbell_bit: created.doorbell_bit.to_native(),
@@ -790,13 +821,9 @@ impl<'a> QueuePairBuilder<'a> {
                 depth: send_wr,
                 stride: u64::from(sq_stride),
                 producer: Mutex::new(0),
+                completed: None,
             },
-            rq: rq.map(|ring| WorkQueue {
-                ring,
-                depth: recv_wr,
-                stride: u64::from(rq_stride),
-                producer: Mutex::new(0),
-            }),
+            rq,
             _srq: self.srq.map(|srq| Arc::clone(&srq.inner)),
             doorbell,
         })
@@ -809,6 +836,10 @@ struct WorkQueue {
     depth: u32,
     stride: u64,
     producer: Mutex<u32>,
+    /// An RQ's receive completions taken from its CQ (free-running): posted less these is
+    /// what the queue holds in verbs' terms, which may not exceed `depth`. None where
+    /// completions are not counted (an SQ, whose unsignaled sends complete unseen; an SRQ).
+    completed: Option<Arc<AtomicU32>>,
 }
 
 /// A queue pair.
@@ -1011,6 +1042,17 @@ impl QueuePair {
 impl Drop for QueuePair {
     fn drop(&mut self) {
         self.pd.device.destroy(Opcode::DestroyQp, self.handle);
+        if let Some(completed) = self.rq.as_ref().and_then(|rq| rq.completed.as_ref()) {
+            let mut consumer = self._cqs[1].consumer();
+            // Only this QP's entry: a QP number the host gave again has its own.
+            if consumer
+                .receive_queues
+                .get(&self.qp_num)
+                .is_some_and(|counted| Arc::ptr_eq(counted, completed))
+            {
+                consumer.receive_queues.remove(&self.qp_num);
+            }
+        }
     }
 }
 
@@ -1084,6 +1126,7 @@ impl ProtectionDomain {
                     depth,
                     stride: u64::from(stride),
                     producer: Mutex::new(0),
+                    completed: None,
                 },
                 doorbell,
             }),

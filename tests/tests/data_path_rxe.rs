@@ -155,6 +155,46 @@ fn rc_send_recv_round_trips_carry_their_payload() {
     );
 }
 
+/// A receive queue holds `max_recv_wr` receives until they complete, as verbs says: the
+/// device takes a receive WQE out of the ring when it hands it to the host queue, which frees
+/// its slot, but a post past that many outstanding receives is still refused (`ENOMEM` in
+/// libibverbs' terms; rdma-core's `test_full_rq_bad_flow`) until a completion is polled.
+#[test]
+fn a_receive_queue_holds_its_depth_of_receives_until_they_complete() {
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    let depth = b.qp.caps().max_recv_wr;
+    let receive = |wr_id: u64| RecvWr { wr_id, sges: &[] };
+    for i in 0..u64::from(depth) {
+        b.qp.post_recv(&[receive(i)]).unwrap();
+    }
+    let taken = Instant::now();
+    while b.qp.recv_backlog().unwrap() > 0 {
+        assert!(
+            taken.elapsed() < Duration::from_secs(10),
+            "the device takes the receives"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let full = b.qp.post_recv(&[receive(1000)]);
+    assert!(
+        matches!(full, Err(vrdma_guest::Error::QueueFull { posted: 0 })),
+        "{depth} receives outstanding, the ring empty: {full:?}"
+    );
+    a.qp.post_send(&[SendWr::new(1, SendOp::Send, Payload::Inline(&[]))])
+        .unwrap();
+    let received = wait_for_guest_completions(&b.cq, 1);
+    assert_eq!(
+        (received[0].wr_id, received[0].status),
+        (0, wc_status::SUCCESS)
+    );
+    b.qp.post_recv(&[receive(1001)]).unwrap();
+    assert!(matches!(
+        b.qp.post_recv(&[receive(1002)]),
+        Err(vrdma_guest::Error::QueueFull { .. })
+    ));
+}
+
 #[test]
 fn two_guest_processes_make_10000_checked_round_trips() {
     const ROUND_TRIPS: u32 = 10_000;
