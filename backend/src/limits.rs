@@ -214,7 +214,8 @@ pub fn offered_features(host: &DeviceAttr) -> u64 {
         | features::RC
         | features::UD
         | features::INDIRECT_PAGE_LIST
-        | features::DOORBELL_AREAS;
+        | features::DOORBELL_AREAS
+        | features::RESIZE_CQ;
     if host.max_srq > 0 {
         bits |= features::SRQ;
     }

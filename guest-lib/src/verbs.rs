@@ -18,17 +18,18 @@ use vrdma_spec::codec::{
     ring_pending, ring_slot, send_wqe_shift, sge_offset, ArmRequest, SendHeader, UdAddress,
     WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
 };
-use vrdma_spec::config::DeviceConfig;
+use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     qp_type, CreateAhRequest, CreateCqRequest, CreateQpRequest, CreateQpResponse, CreateSrqRequest,
     CreateSrqResponse, CreatedResponse, DeviceAttr, HandleRequest, ModifyQpRequest,
     ModifySrqRequest, Opcode, PortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
-    QueryPortRequest, RegMrRequest, RegMrResponse, ResponseHeader, SetNotifyAreaRequest, Status,
+    QueryPortRequest, RegMrRequest, RegMrResponse, ResizeCqRequest, ResponseHeader,
+    SetNotifyAreaRequest, Status,
 };
 use vrdma_spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES, PAGE_LIST_ENTRIES_PER_PAGE};
 use vrdma_spec::ring::{
-    cqe_is_valid, event_kind, CqDoorbell, Cqe, QpDoorbell, RecvWqe, SendWqe, Sge as WireSge,
-    SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
+    cqe_is_valid, event_kind, resized_cq_owner, CqDoorbell, Cqe, QpDoorbell, RecvWqe, SendWqe,
+    Sge as WireSge, SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
 use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64, SPEC_VERSION};
 
@@ -654,6 +655,44 @@ impl CompletionQueue {
     pub fn handle(&self) -> u32 {
         self.inner.handle
     }
+
+    /// Moves the CQ to a ring of `depth` entries (a power of two), keeping the completions
+    /// not yet polled (RESIZE_CQ, SPEC.md §5.7.1); polls wait meanwhile. A depth below the
+    /// completions the CQ holds is refused (`INVALID_ARGUMENT`, detail `EINVAL`), and the CQ
+    /// stays as it was.
+    pub fn resize(&self, depth: u32) -> Result<()> {
+        let device = &self.inner.device;
+        if device.transport.features() & features::RESIZE_CQ == 0 {
+            // What the device would answer; a driver does not send it (SPEC.md §2).
+            return Err(Error::Device {
+                opcode: Opcode::ResizeCq,
+                status: Status::Unsupported,
+                detail: 0,
+            });
+        }
+        let mut consumer = self.inner.consumer();
+        let ring_bytes = u64::from(depth) * CQE_SIZE as u64;
+        let ring = device.transport.alloc(ring_bytes.max(1), PAGE_SIZE)?;
+        // Every slot reads as consumed until the device writes it (SPEC.md §5.7.1).
+        for slot in 0..depth {
+            let owner = resized_cq_owner(slot, consumer.index, depth);
+            ring.write(
+                u64::from(slot) * CQE_SIZE as u64 + CQE_SIZE as u64 - 1,
+                &[owner],
+            )?;
+        }
+        let (list, _list_pages) = device.ring_page_list(ring.addr(), ring_bytes.max(1))?;
+        let request = ResizeCqRequest {
+            cq: Le32::from(self.inner.handle),
+            cqe: Le32::from(depth),
+            ring: list,
+        };
+        let _: CreatedResponse = device.command(Opcode::ResizeCq, &request)?;
+        consumer.ring = ring;
+        consumer.depth = depth;
+        Ok(())
+    }
+
     /// True while QPs complete here: each keeps the CQ alive (see [`ProtectionDomain::in_use`]).
     pub fn in_use(&self) -> bool {
         Arc::strong_count(&self.inner) > 1

@@ -715,6 +715,32 @@ completion_field_readers! {
     read_dlid_path_bits -> u8 = |wc| wc.dlid_path_bits;
 }
 
+/// Moves the CQ to a ring of at least `cqe` entries (a power of two), keeping the
+/// completions not yet polled; EINVAL when it holds more than that, as on rxe.
+#[no_mangle]
+unsafe extern "C" fn ibv_resize_cq(cq: *mut ibv_cq, cqe: c_int) -> c_int {
+    let depth = u32::try_from(cqe)
+        .ok()
+        .filter(|&cqe| cqe > 0)
+        .and_then(|cqe| cqe.max(2).checked_next_power_of_two());
+    let (Some(depth), false) = (depth, cq.is_null()) else {
+        return libc::EINVAL;
+    };
+    // SAFETY: a CQ from ibv_create_cq, per the API contract.
+    let ours_cq = unsafe { ours::<VrdmaCq>(cq) };
+    match ours_cq.inner.resize(depth) {
+        Ok(()) => {
+            // SAFETY: the program's live CQ; `cqe` is the field libibverbs keeps current.
+            unsafe { (*cq).cqe = c_int::try_from(depth).unwrap_or(c_int::MAX) };
+            0
+        }
+        Err(e) => {
+            report_once("resize_cq", &format!("ibv_resize_cq failed: {e}"));
+            raise_errno(&e)
+        }
+    }
+}
+
 #[no_mangle]
 pub(crate) unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
     if cq.is_null() {

@@ -35,7 +35,6 @@ type P = *mut c_void;
 
 unserved! {
     ibv_rereg_mr(P, c_int, P, P, usize, c_int) -> int;
-    ibv_resize_cq(P, c_int) -> int;
     ibv_query_ece(P, P) -> int;
     ibv_set_ece(P, P) -> int;
     ibv_attach_mcast(P, P, u16) -> int;
