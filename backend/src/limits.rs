@@ -111,9 +111,20 @@ pub fn cq_quota_bytes(depth: u32) -> u64 {
     u64::from(HOST_CQ_DEPTHS) * u64::from(depth) * CQE_SIZE as u64
 }
 
-/// Entries of `entry_bytes` (per depth) the guest's ring quota holds, as a depth limit.
-fn rings_within(quotas: &Quotas, entry_bytes: u64) -> u32 {
-    u32::try_from(quotas.max_ring_bytes / entry_bytes).unwrap_or(u32::MAX)
+/// Entries of `entry_bytes` (per depth) that half the guest's ring quota holds, as a depth
+/// limit: a queue at an advertised depth takes at most half the quota, so a QP at `max_qp_wr`
+/// fits beside a CQ at `max_cqe` (SPEC.md §3), and programs that create their queues at the
+/// advertised depths get them.
+fn depth_within_half_the_quota(quotas: &Quotas, entry_bytes: u64) -> u32 {
+    u32::try_from(quotas.max_ring_bytes / 2 / entry_bytes).unwrap_or(u32::MAX)
+}
+
+/// The send and receive slots the advertised depths are for: one SGE and no inline data, the
+/// smallest WQEs programs post (SPEC.md §3). A NIC's depth limits, too, are for its smallest
+/// WQEs; queues of larger slots at those depths take more ring bytes, and the quota decides.
+pub fn one_sge_slots() -> (u64, u64) {
+    let slot = |shift: Option<u8>| 1u64 << shift.expect("one SGE fits the smallest slots");
+    (slot(send_wqe_shift(1, 0)), slot(recv_wqe_shift(1)))
 }
 
 /// Page sizes the device maps: 4 KiB and 2 MiB (huge pages) and 1 GiB.
@@ -127,12 +138,7 @@ pub fn advertised_config(
 ) -> DeviceConfig {
     let max_sge = host.max_sge.min(MAX_SEND_SGE);
     let max_inline = host.max_inline_data.min(MAX_SEND_INLINE);
-    // The largest slots a queue of the advertised limits has: one such queue at the
-    // advertised depth fits the guest's ring quota (SPEC.md §3), so the limits say what a
-    // guest can create.
-    let slot = |shift: Option<u8>| 1u64 << shift.expect("within MAX_SEND_SGE and MAX_SEND_INLINE");
-    let send_slot = slot(send_wqe_shift(max_sge, max_inline));
-    let recv_slot = slot(recv_wqe_shift(max_sge));
+    let (send_slot, recv_slot) = one_sge_slots();
     DeviceConfig {
         version: Le32::from(SPEC_VERSION),
         num_notify_queues: Le32::from(num_notify_queues.clamp(1, MAX_NOTIFY_QUEUES)),
@@ -144,19 +150,21 @@ pub fn advertised_config(
         ),
         max_qp_wr: Le32::from(prev_power_of_two(
             host.max_qp_wr
-                .min(rings_within(quotas, send_slot + recv_slot)),
+                .min(depth_within_half_the_quota(quotas, send_slot + recv_slot)),
         )),
         max_sge: Le32::from(max_sge),
         max_cq: Le32::from(host.max_cq.min(quotas.max_cq)),
         max_cqe: Le32::from(prev_power_of_two(
-            (host.max_cqe / HOST_CQ_DEPTHS).min(rings_within(quotas, cq_quota_bytes(1))),
+            (host.max_cqe / HOST_CQ_DEPTHS)
+                .min(depth_within_half_the_quota(quotas, cq_quota_bytes(1))),
         )),
         max_mr: Le32::from(host.max_mr.min(quotas.max_mr)),
         max_pd: Le32::from(host.max_pd.min(quotas.max_pd)),
         max_ah: Le32::from(host.max_ah.min(quotas.max_ah)),
         max_srq: Le32::from(host.max_srq.min(quotas.max_srq).min(MAX_DOORBELL_BITS / 2)),
         max_srq_wr: Le32::from(prev_power_of_two(
-            host.max_srq_wr.min(rings_within(quotas, recv_slot)),
+            host.max_srq_wr
+                .min(depth_within_half_the_quota(quotas, recv_slot)),
         )),
         max_inline_data: Le32::from(max_inline),
         max_qp_rd_atom: Le32::from(host.max_qp_rd_atom),
@@ -212,7 +220,8 @@ pub fn offered_features(host: &DeviceAttr) -> u64 {
         | features::UD
         | features::INDIRECT_PAGE_LIST
         | features::DOORBELL_AREAS
-        | features::RESET_COMMAND;
+        | features::RESET_COMMAND
+        | features::RESIZE_CQ;
     if host.max_srq > 0 {
         bits |= features::SRQ;
     }
@@ -322,27 +331,42 @@ mod tests {
     }
 
     #[test]
-    fn one_queue_of_each_kind_at_the_advertised_limits_fits_the_ring_quota() {
+    fn a_queue_at_an_advertised_depth_fits_the_ring_quota_beside_a_cq_at_max_cqe() {
+        let (send_slot, recv_slot) = one_sge_slots();
+        assert_eq!((send_slot, recv_slot), (128, 32));
         for guests in [1, DEFAULT_GUESTS, 1 << 20] {
             let quotas = Quotas::shared_by(guests);
             let c = advertised_config(&rxe_like(), &quotas, 1);
-            let (max_sge, inline) = (c.max_sge.to_native(), c.max_inline_data.to_native());
-            let slot = |shift: Option<u8>| 1u64 << shift.unwrap();
-            let qp = u64::from(c.max_qp_wr.to_native())
-                * (slot(send_wqe_shift(max_sge, inline)) + slot(recv_wqe_shift(max_sge)));
-            let srq = u64::from(c.max_srq_wr.to_native()) * slot(recv_wqe_shift(max_sge));
+            let qp = u64::from(c.max_qp_wr.to_native()) * (send_slot + recv_slot);
+            let srq = u64::from(c.max_srq_wr.to_native()) * recv_slot;
             let cq = cq_quota_bytes(c.max_cqe.to_native());
             for (what, bytes) in [("QP", qp), ("SRQ", srq), ("CQ", cq)] {
                 assert!(
-                    bytes <= quotas.max_ring_bytes,
+                    bytes <= quotas.max_ring_bytes / 2,
                     "{guests} guests: {what} {bytes}"
                 );
-                // Where the quota, not the host, is the bound: as deep as it holds.
+                // Where the quota, not the host, is the bound: as deep as half of it holds.
                 if guests == DEFAULT_GUESTS && what != "CQ" {
-                    assert!(bytes > quotas.max_ring_bytes / 2, "{what}: {bytes}");
+                    assert!(bytes > quotas.max_ring_bytes / 4, "{what}: {bytes}");
                 }
             }
+            assert!(qp + cq <= quotas.max_ring_bytes, "{guests} guests");
         }
+    }
+
+    #[test]
+    fn the_default_quotas_offer_the_queue_depths_ucx_asks_for() {
+        // UCX's UD transport asks for a receive queue of 4,096 entries (one SGE each) and
+        // its RC transport for an SRQ of 4,095; Open MPI's UCX layer fails MPI_Init
+        // without them.
+        let c = advertised_config(&rxe_like(), &Quotas::default(), 1);
+        assert!(
+            c.max_qp_wr.to_native() >= 4096,
+            "{}",
+            c.max_qp_wr.to_native()
+        );
+        assert!(c.max_srq_wr.to_native() >= 4096);
+        assert!(c.max_cqe.to_native() >= 4096);
     }
 
     #[test]

@@ -21,7 +21,8 @@ pub(crate) const WANTED_FEATURES: u64 = features::VERSION_1
     | features::INDIRECT_PAGE_LIST
     | features::DOORBELL_AREAS
     | features::CM
-    | features::RESET_COMMAND;
+    | features::RESET_COMMAND
+    | features::RESIZE_CQ;
 
 pub trait Transport: Send + Sync {
     /// The device configuration space, read at attach time.

@@ -7,6 +7,7 @@ pub mod work;
 
 pub use posting::{encode_recv, encode_send, Chain, SendShape};
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,17 +18,18 @@ use vrdma_spec::codec::{
     ring_pending, ring_slot, send_wqe_shift, sge_offset, ArmRequest, SendHeader, UdAddress,
     WqePayload, RECV_WQE_HEADER, SEND_WQE_HEADER,
 };
-use vrdma_spec::config::DeviceConfig;
+use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
     qp_type, CreateAhRequest, CreateCqRequest, CreateQpRequest, CreateQpResponse, CreateSrqRequest,
     CreateSrqResponse, CreatedResponse, DeviceAttr, HandleRequest, ModifyQpRequest,
     ModifySrqRequest, Opcode, PortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
-    QueryPortRequest, RegMrRequest, RegMrResponse, ResponseHeader, SetNotifyAreaRequest, Status,
+    QueryPortRequest, RegMrRequest, RegMrResponse, ResizeCqRequest, ResponseHeader,
+    SetNotifyAreaRequest, Status,
 };
 use vrdma_spec::mem::{PageList, PageListForm, MAX_DIRECT_PAGES, PAGE_LIST_ENTRIES_PER_PAGE};
 use vrdma_spec::ring::{
-    cqe_is_valid, event_kind, CqDoorbell, Cqe, QpDoorbell, RecvWqe, SendWqe, Sge as WireSge,
-    SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
+    cqe_is_valid, event_kind, resized_cq_owner, CqDoorbell, Cqe, QpDoorbell, RecvWqe, SendWqe,
+    Sge as WireSge, SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
 use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64, SPEC_VERSION};
 
@@ -443,10 +445,14 @@ impl Device {
             inner: Arc::new(CqInner {
                 device: Arc::clone(&self.inner),
                 handle: created.handle.to_native(),
-                depth,
-                ring,
                 doorbell,
-                consumer: Mutex::default(),
+                consumer: Mutex::new(CqConsumer {
+                    ring,
+                    depth,
+                    index: 0,
+                    empty_polls: 0,
+                    receive_queues: HashMap::new(),
+                }),
                 arm_sequence: AtomicU32::new(0),
             }),
         })
@@ -700,19 +706,29 @@ impl Drop for MemoryRegion {
 struct CqInner {
     device: Arc<DeviceInner>,
     handle: u32,
-    depth: u32,
-    ring: SharedBuffer,
     doorbell: SharedBuffer,
     consumer: Mutex<CqConsumer>,
     arm_sequence: AtomicU32,
 }
 
 /// The driver's side of a CQ ring.
-#[derive(Default)]
 struct CqConsumer {
+    ring: SharedBuffer,
+    depth: u32,
     index: u32,
     /// Polls in a row that found nothing.
     empty_polls: u32,
+    /// The receive completions taken so far, by QP number, of each QP whose RQ completes
+    /// here: a receive slot is free again once the device took its WQE, so the QP counts
+    /// completions to refuse a post past `max_recv_wr` outstanding receives, as verbs does
+    /// (SPEC.md §8.1).
+    receive_queues: HashMap<u32, Arc<AtomicU32>>,
+}
+
+impl CqInner {
+    fn consumer(&self) -> std::sync::MutexGuard<'_, CqConsumer> {
+        self.consumer.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl Drop for CqInner {
@@ -729,11 +745,49 @@ pub struct CompletionQueue {
 
 impl CompletionQueue {
     pub fn depth(&self) -> u32 {
-        self.inner.depth
+        self.inner.consumer().depth
     }
     pub fn handle(&self) -> u32 {
         self.inner.handle
     }
+
+    /// Moves the CQ to a ring of `depth` entries (a power of two), keeping the completions
+    /// not yet polled (RESIZE_CQ, SPEC.md §5.7.1); polls wait meanwhile. A depth below the
+    /// completions the CQ holds is refused (`INVALID_ARGUMENT`, detail `EINVAL`), and the CQ
+    /// stays as it was.
+    pub fn resize(&self, depth: u32) -> Result<()> {
+        let device = &self.inner.device;
+        if device.transport()?.features() & features::RESIZE_CQ == 0 {
+            // What the device would answer; a driver does not send it (SPEC.md §2).
+            return Err(Error::Device {
+                opcode: Opcode::ResizeCq,
+                status: Status::Unsupported,
+                detail: 0,
+            });
+        }
+        let mut consumer = self.inner.consumer();
+        let ring_bytes = u64::from(depth) * CQE_SIZE as u64;
+        let ring = device.transport()?.alloc(ring_bytes.max(1), PAGE_SIZE)?;
+        // Every slot reads as consumed until the device writes it (SPEC.md §5.7.1).
+        for slot in 0..depth {
+            let owner = resized_cq_owner(slot, consumer.index, depth);
+            ring.write(
+                u64::from(slot) * CQE_SIZE as u64 + CQE_SIZE as u64 - 1,
+                &[owner],
+            )?;
+        }
+        let (list, _list_pages) = device.ring_page_list(ring.addr(), ring_bytes.max(1))?;
+        let request = ResizeCqRequest {
+            cq: Le32::from(self.inner.handle),
+            cqe: Le32::from(depth),
+            ring: list,
+        };
+        let _: CreatedResponse = device.command(Opcode::ResizeCq, &request)?;
+        consumer.ring = ring;
+        consumer.depth = depth;
+        Ok(())
+    }
+
     /// True while QPs complete here: each keeps the CQ alive (see [`ProtectionDomain::in_use`]).
     pub fn in_use(&self) -> bool {
         Arc::strong_count(&self.inner) > 1
@@ -864,9 +918,25 @@ impl<'a> QueuePairBuilder<'a> {
             doorbell: Le64::from(doorbell.device_addr()?),
         };
         let created: CreateQpResponse = device.command(Opcode::CreateQp, &request)?;
+        let qp_num = created.qp_num.to_native();
+        let rq = rq.map(|ring| {
+            let completed = Arc::new(AtomicU32::new(0));
+            self.recv_cq
+                .inner
+                .consumer()
+                .receive_queues
+                .insert(qp_num, Arc::clone(&completed));
+            WorkQueue {
+                ring,
+                depth: recv_wr,
+                stride: u64::from(rq_stride),
+                producer: Mutex::new(0),
+                completed: Some(completed),
+            }
+        });
         Ok(QueuePair {
             handle: created.handle.to_native(),
-            qp_num: created.qp_num.to_native(),
+            qp_num,
             qp_type: self.qp_type,
             notify_queue: u32::from(created.notify_queue.to_native()),
             doorbell_bit: created.doorbell_bit.to_native(),
@@ -884,13 +954,9 @@ impl<'a> QueuePairBuilder<'a> {
                 depth: send_wr,
                 stride: u64::from(sq_stride),
                 producer: Mutex::new(0),
+                completed: None,
             },
-            rq: rq.map(|ring| WorkQueue {
-                ring,
-                depth: recv_wr,
-                stride: u64::from(rq_stride),
-                producer: Mutex::new(0),
-            }),
+            rq,
             _srq: self.srq.map(|srq| Arc::clone(&srq.inner)),
             doorbell,
         })
@@ -903,6 +969,10 @@ struct WorkQueue {
     depth: u32,
     stride: u64,
     producer: Mutex<u32>,
+    /// An RQ's receive completions taken from its CQ (free-running): posted less these is
+    /// what the queue holds in verbs' terms, which may not exceed `depth`. None where
+    /// completions are not counted (an SQ, whose unsignaled sends complete unseen; an SRQ).
+    completed: Option<Arc<AtomicU32>>,
 }
 
 /// A queue pair.
@@ -1105,6 +1175,17 @@ impl QueuePair {
 impl Drop for QueuePair {
     fn drop(&mut self) {
         self.pd.device.destroy(Opcode::DestroyQp, self.handle);
+        if let Some(completed) = self.rq.as_ref().and_then(|rq| rq.completed.as_ref()) {
+            let mut consumer = self._cqs[1].consumer();
+            // Only this QP's entry: a QP number the host gave again has its own.
+            if consumer
+                .receive_queues
+                .get(&self.qp_num)
+                .is_some_and(|counted| Arc::ptr_eq(counted, completed))
+            {
+                consumer.receive_queues.remove(&self.qp_num);
+            }
+        }
     }
 }
 
@@ -1177,6 +1258,7 @@ impl ProtectionDomain {
                     depth,
                     stride: u64::from(stride),
                     producer: Mutex::new(0),
+                    completed: None,
                 },
                 doorbell,
             }),

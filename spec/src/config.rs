@@ -19,6 +19,8 @@ pub mod features {
     pub const DOORBELL_AREAS: u64 = 1 << 5;
     /// Connection management on the driver's own address (CM_* commands, SPEC.md §13).
     pub const CM: u64 = 1 << 6;
+    /// RESIZE_CQ: a CQ moves to a ring of another depth (SPEC.md §5.7.1).
+    pub const RESIZE_CQ: u64 = 1 << 7;
     /// The driver says when it resets (the RESET command, SPEC.md §9): a stop of the
     /// device's queues without it (the hypervisor pausing the VM, or moving it) keeps every
     /// object.

@@ -86,6 +86,7 @@ wire_enum! {
         CmInitQpAttr = 33,
         CmQuery = 34,
         CmGetEvent = 35,
+        ResizeCq = 36,
         Reset = 48,
     }
 }
@@ -149,6 +150,7 @@ impl Opcode {
             | Self::CmQuery
             | Self::CmGetEvent => size_of::<HandleRequest>(),
             Self::CreateCq => size_of::<CreateCqRequest>(),
+            Self::ResizeCq => size_of::<ResizeCqRequest>(),
             Self::RegMr => size_of::<RegMrRequest>(),
             Self::CreateQp => size_of::<CreateQpRequest>(),
             Self::ModifyQp => size_of::<ModifyQpRequest>(),
@@ -177,6 +179,7 @@ impl Opcode {
             Self::QueryGid => size_of::<QueryGidResponse>(),
             Self::AllocPd
             | Self::CreateCq
+            | Self::ResizeCq
             | Self::CreateAh
             | Self::AddDoorbellArea
             | Self::CmCreateId => size_of::<CreatedResponse>(),
@@ -350,8 +353,8 @@ pub struct HandleRequest {
 pub struct CreatedResponse {
     /// The new object's handle (ADD_DOORBELL_AREA: the area's number); never zero.
     pub handle: Le32,
-    /// CREATE_CQ: the CQ depth granted (equals the request). ADD_DOORBELL_AREA: the area's
-    /// bits (equal the request). Otherwise zero.
+    /// CREATE_CQ and RESIZE_CQ: the CQ depth granted (equals the request).
+    /// ADD_DOORBELL_AREA: the area's bits (equal the request). Otherwise zero.
     pub value: Le32,
 }
 
@@ -367,6 +370,19 @@ pub struct CreateCqRequest {
     pub ring: PageList,
     /// GPA of the CQ's [`crate::ring::CqDoorbell`]; 16-byte aligned.
     pub doorbell: Le64,
+}
+
+/// RESIZE_CQ request (SPEC.md §5.7.1): the CQ moves to a new ring of another depth.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ResizeCqRequest {
+    /// The CQ; its response's `handle` names it again.
+    pub cq: Le32,
+    /// The new depth: a power of two, 2..=`max_cqe`, at least the CQEs the ring holds.
+    pub cqe: Le32,
+    /// Pages holding `cqe` CQEs, prepared by the driver as §5.7.1 says
+    /// ([`crate::ring::resized_cq_owner`]).
+    pub ring: PageList,
 }
 
 /// Memory access flags of MRs and QPs; ibverbs values (SPEC.md §5.8).
@@ -688,6 +704,7 @@ wire_struct!(
     ModifySrqRequest = 16,
     SetNotifyAreaRequest = 16,
     AddDoorbellAreaRequest = 24,
+    ResizeCqRequest = 24,
 );
 
 #[cfg(test)]
@@ -696,19 +713,19 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip_and_unknown_values_are_rejected() {
-        for raw in (1..=35u16).chain([48]) {
+        for raw in (1..=36u16).chain([48]) {
             let op = Opcode::try_from(raw).unwrap();
             assert_eq!(op as u16, raw);
         }
         assert_eq!(Opcode::try_from(0), Err(0));
-        assert_eq!(Opcode::try_from(36), Err(36));
+        assert_eq!(Opcode::try_from(37), Err(37));
         assert_eq!(Opcode::try_from(47), Err(47));
         assert_eq!(Opcode::try_from(u16::MAX), Err(u16::MAX));
     }
 
     #[test]
     fn every_request_and_response_size_is_a_multiple_of_eight() {
-        for raw in (1..=35u16).chain([48]) {
+        for raw in (1..=36u16).chain([48]) {
             let op = Opcode::try_from(raw).unwrap();
             assert_eq!(op.request_size() % 8, 0, "{op:?}");
             assert_eq!(op.response_size() % 8, 0, "{op:?}");

@@ -279,10 +279,42 @@ pub fn cqe_owner_for(index: u32, depth: u32) -> u8 {
     u8::from(index & depth == 0)
 }
 
+/// The `owner` byte a driver resizing a CQ (SPEC.md §5.7.1) writes into slot `slot` of the
+/// new ring of `depth` CQEs, its consumer index being `consumer`: that of the index before
+/// `consumer`, within one lap, that lands in the slot, as if the CQ had always had the new
+/// depth and every CQE before `consumer` had been written. So the slot reads as new only
+/// once the device writes it.
+pub fn resized_cq_owner(slot: u32, consumer: u32, depth: u32) -> u8 {
+    debug_assert!(depth.is_power_of_two() && slot < depth);
+    let lap_start = consumer.wrapping_sub(depth);
+    let index = lap_start.wrapping_add(slot.wrapping_sub(lap_start) & (depth - 1));
+    cqe_owner_for(index, depth)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use core::mem::offset_of;
+
+    #[test]
+    fn a_resized_rings_slots_read_as_new_only_once_written() {
+        for depth in [2u32, 8, 64] {
+            for consumer in [0u32, 1, 5, 63, 64, 1000, u32::MAX - 3, u32::MAX] {
+                for slot in 0..depth {
+                    let owner = resized_cq_owner(slot, consumer, depth);
+                    // The next index the driver reads in this slot: at or after `consumer`.
+                    let next = consumer.wrapping_add(slot.wrapping_sub(consumer) & (depth - 1));
+                    assert_eq!(next & (depth - 1), slot);
+                    assert!(
+                        !cqe_is_valid(owner, next, depth),
+                        "depth {depth}, consumer {consumer}, slot {slot}"
+                    );
+                    // Once the device writes the CQE of that index, it is.
+                    assert!(cqe_is_valid(cqe_owner_for(next, depth), next, depth));
+                }
+            }
+        }
+    }
 
     #[test]
     fn owner_is_the_last_byte_of_a_cqe() {

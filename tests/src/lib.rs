@@ -432,10 +432,15 @@ pub struct CProgram(std::path::PathBuf);
 
 impl CProgram {
     pub fn build(name: &str, libraries: &[&str]) -> CProgram {
+        CProgram::build_with("cc", name, libraries)
+    }
+
+    /// Builds `c/NAME.c` with `compiler` (`mpicc` for an MPI program).
+    pub fn build_with(compiler: &str, name: &str, libraries: &[&str]) -> CProgram {
         let source =
             std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("c/{name}.c"));
         let program = std::env::temp_dir().join(format!("vrdma-{name}-{}", std::process::id()));
-        let compiled = std::process::Command::new("cc")
+        let compiled = std::process::Command::new(compiler)
             .args(["-Wall", "-O1", "-o"])
             .arg(&program)
             .arg(&source)

@@ -155,6 +155,110 @@ fn rc_send_recv_round_trips_carry_their_payload() {
     );
 }
 
+/// A receive queue holds `max_recv_wr` receives until they complete, as verbs says: the
+/// device takes a receive WQE out of the ring when it hands it to the host queue, which frees
+/// its slot, but a post past that many outstanding receives is still refused (`ENOMEM` in
+/// libibverbs' terms; rdma-core's `test_full_rq_bad_flow`) until a completion is polled.
+#[test]
+fn a_receive_queue_holds_its_depth_of_receives_until_they_complete() {
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    let depth = b.qp.caps().max_recv_wr;
+    let receive = |wr_id: u64| RecvWr { wr_id, sges: &[] };
+    for i in 0..u64::from(depth) {
+        b.qp.post_recv(&[receive(i)]).unwrap();
+    }
+    let taken = Instant::now();
+    while b.qp.recv_backlog().unwrap() > 0 {
+        assert!(
+            taken.elapsed() < Duration::from_secs(10),
+            "the device takes the receives"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let full = b.qp.post_recv(&[receive(1000)]);
+    assert!(
+        matches!(full, Err(vrdma_guest::Error::QueueFull { posted: 0 })),
+        "{depth} receives outstanding, the ring empty: {full:?}"
+    );
+    a.qp.post_send(&[SendWr::new(1, SendOp::Send, Payload::Inline(&[]))])
+        .unwrap();
+    let received = wait_for_guest_completions(&b.cq, 1);
+    assert_eq!(
+        (received[0].wr_id, received[0].status),
+        (0, wc_status::SUCCESS)
+    );
+    b.qp.post_recv(&[receive(1001)]).unwrap();
+    assert!(matches!(
+        b.qp.post_recv(&[receive(1002)]),
+        Err(vrdma_guest::Error::QueueFull { .. })
+    ));
+}
+
+/// `ibv_resize_cq` (RESIZE_CQ, SPEC.md §5.7.1): a CQ holding completions not yet polled moves
+/// to a deeper ring with them, in order, then holds more than its old depth; one shrunk below
+/// what it holds is refused with EINVAL, as on rxe, and goes on as it was.
+#[test]
+fn a_cq_resized_keeps_its_completions_and_refuses_to_shrink_below_them() {
+    let backend = start_backend();
+    let (a, b) = rc_pair(&backend, 1 << 16);
+    let cq = a.device.create_cq(4).unwrap();
+    let qp = QueuePair::builder(QpType::Rc, &cq)
+        .max_send_wr(32)
+        .build(&a.pd)
+        .unwrap();
+    let (index, gid) = a.device.gid().unwrap();
+    let peer = QueuePair::builder(QpType::Rc, &b.cq).build(&b.pd).unwrap();
+    connect_guest_qp(&qp, index as u8, gid, peer.qp_num()).unwrap();
+    connect_guest_qp(&peer, index as u8, gid, qp.qp_num()).unwrap();
+    let write = |wr_id: u64| {
+        qp.post_send(&[SendWr::new(
+            wr_id,
+            SendOp::RdmaWrite {
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+            },
+            Payload::Sges(&[a.sge(0, 8)]),
+        )])
+        .unwrap();
+    };
+    let poll = |n: usize| wait_for_guest_completions(&cq, n);
+    for wr_id in 0..3 {
+        write(wr_id);
+    }
+    assert_eq!(poll(1)[0].wr_id, 0);
+    cq.resize(16).unwrap();
+    assert_eq!(cq.depth(), 16);
+    for wr_id in 3..15 {
+        write(wr_id);
+    }
+    let done = poll(14);
+    assert!(done.iter().all(WorkCompletion::is_success), "{done:?}");
+    let ids: Vec<u64> = done.iter().map(|c| c.wr_id).collect();
+    assert_eq!(ids, (1..15).collect::<Vec<_>>(), "in order, none lost");
+    for wr_id in 15..20 {
+        write(wr_id);
+    }
+    let shrink = cq.resize(2);
+    assert!(
+        matches!(
+            shrink,
+            Err(vrdma_guest::Error::Device {
+                status: vrdma_guest::Status::InvalidArgument,
+                detail,
+                ..
+            }) if detail == libc::EINVAL as u32
+        ),
+        "5 completions held: {shrink:?}"
+    );
+    assert_eq!(cq.depth(), 16);
+    let ids: Vec<u64> = poll(5).iter().map(|c| c.wr_id).collect();
+    assert_eq!(ids, (15..20).collect::<Vec<_>>());
+    cq.resize(4).unwrap();
+    write(20);
+    assert_eq!(poll(1)[0].wr_id, 20);
+}
+
 #[test]
 fn two_guest_processes_make_10000_checked_round_trips() {
     const ROUND_TRIPS: u32 = 10_000;

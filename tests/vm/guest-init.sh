@@ -58,6 +58,10 @@ mount -t overlay overlay \
 [ -n "$results" ] || fail "no vrdma.results= on the kernel command line"
 mount -t 9p -o "$opts" results "/newroot$results" || fail "cannot mount the results share"
 
+# A host name: the kernel's default, "(none)", is no valid node name, and Open MPI's mpirun
+# refuses to start with it.
+hostname vrdma-guest || echo "guest-init: cannot set the host name"
+
 # rxe cannot sit on lo on this kernel; one end of a veth pair works, and two processes on the
 # same rxe device reach each other through its IPv4 GID. Without rxe only lo is needed.
 if [ "$want_rxe" = 1 ]; then

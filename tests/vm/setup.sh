@@ -34,8 +34,9 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
   python3-venv patch
   # rdma-core's own test suite, run on rxe0 and on vrdma0 (tests/rdma-core-suite.py)
   python3-pyverbs
-  # UCX's tools (ucx_info, ucx_perftest), run on vrdma0 (tests/tests/ibverbs_rxe.rs)
-  ucx-utils
+  # UCX's tools (ucx_info, ucx_perftest), run on vrdma0 (tests/tests/ibverbs_rxe.rs), and
+  # Open MPI over UCX (mpirun, and mpicc for the test's program)
+  ucx-utils openmpi-bin libopenmpi-dev
   # libfabric's tools (fi_pingpong over its verbs provider), run on vrdma0
   # (tests/tests/rdmacm_programs_rxe.rs)
   libfabric-bin
@@ -146,6 +147,7 @@ verify_setup() {
   for tool in rdma:iproute2 ibv_devinfo:ibverbs-utils ib_write_bw:perftest busybox:busybox-static \
     cpio:cpio depmod:kmod valgrind:valgrind ninja:ninja-build ucx_perftest:ucx-utils \
     fi_pingpong:libfabric-bin \
+    mpirun:openmpi-bin mpicc:libopenmpi-dev \
     libvirtd:libvirt-daemon-system virsh:libvirt-clients debootstrap:debootstrap; do
     command -v "${tool%%:*}" >/dev/null || [ -x "/sbin/${tool%%:*}" ] ||
       fail "${tool%%:*} is missing" "apt-get install ${tool#*:}"

@@ -351,7 +351,7 @@ impl<'m> Slots<'m> {
     /// Slot `index` (any u32: the ring index wraps), read in place; `None` if guest memory no
     /// longer holds its page.
     #[inline(always)]
-    fn slot(&self, index: u32) -> Option<VolatileSlice<'m>> {
+    pub(super) fn slot(&self, index: u32) -> Option<VolatileSlice<'m>> {
         if self.base == 0 {
             return self.slot_in_pages(index);
         }

@@ -280,7 +280,7 @@ fn wr_id_of(slot: &impl Slot) -> u64 {
 
 /// A CQE as the words it is written with; its owner byte is in the last (see
 /// [`Slots::publish`]).
-fn cqe_words(cqe: &Cqe) -> [u64; CQE_SIZE / 8] {
+pub(super) fn cqe_words(cqe: &Cqe) -> [u64; CQE_SIZE / 8] {
     const _: () = assert!(std::mem::offset_of!(Cqe, owner) >= CQE_SIZE - 8);
     let mut words = [0u64; CQE_SIZE / 8];
     for (word, bytes) in words.iter_mut().zip(cqe.as_slice().chunks_exact(8)) {
@@ -665,7 +665,7 @@ impl Poller {
     ) -> bool {
         let mut visit = cq.progress.lock();
         let Visited { progress, resolved } = &mut *visit;
-        let mapped = resolved.through(mem, || cq.spans());
+        let mapped = resolved.through(mem, || cq.spans(&progress.ring));
         if self.cq_room(mapped, cq, progress, 1).unwrap_or(0) == 0
             || self.write_cqes(mapped, cq, progress, 1, |_| cqe) == 0
         {
@@ -1034,8 +1034,8 @@ impl Poller {
         }
         let consumer = mapped.load(RECORD, CqDoorbell::CONSUMER_INDEX, Ordering::Acquire);
         match consumer.map(|c| ring_pending(progress.producer, c)) {
-            Some(used) if used <= cq.ring.depth => {
-                progress.room = cq.ring.depth - used;
+            Some(used) if used <= progress.ring.depth => {
+                progress.room = progress.ring.depth - used;
                 Some(progress.room)
             }
             _ => {
@@ -1064,15 +1064,18 @@ impl Poller {
         count: u32,
         cqe: impl Fn(usize) -> Cqe,
     ) -> u32 {
-        let (first, depth) = (progress.producer, cq.ring.depth);
-        let written =
-            Slots::new(&cq.ring, mapped.from(FIRST_PAGE)).publish(first, count, |index, at| {
+        let (first, depth) = (progress.producer, progress.ring.depth);
+        let written = Slots::new(&progress.ring, mapped.from(FIRST_PAGE)).publish(
+            first,
+            count,
+            |index, at| {
                 let owner = cqe_owner_for(at, depth);
                 cqe_words(&Cqe {
                     owner,
                     ..cqe(index as usize)
                 })
-            });
+            },
+        );
         progress.producer = progress.producer.wrapping_add(written);
         progress.room = progress.room.saturating_sub(written);
         if written < count {
@@ -1094,7 +1097,7 @@ impl Poller {
     fn poll_cq(&mut self, mem: &Arc<Memory>, cq: &CqData) -> bool {
         let mut visit = cq.progress.lock();
         let Visited { progress, resolved } = &mut *visit;
-        let mapped = resolved.through(mem, || cq.spans());
+        let mapped = resolved.through(mem, || cq.spans(&progress.ring));
         let Some(room) = self.cq_room(mapped, cq, progress, BATCH) else {
             return false;
         };

@@ -97,6 +97,8 @@ impl<P> Visited<P> {
 }
 
 pub(super) struct CqProgress {
+    /// The CQ's ring: RESIZE_CQ moves the CQ to another (SPEC.md §5.7.1).
+    pub(super) ring: GuestRing,
     pub(super) producer: u32,
     /// Free slots as of the consumer index last read, less the CQEs written since. The driver
     /// only ever frees more, so up to this many can be written without reading it again.
@@ -113,7 +115,6 @@ pub(super) struct CqProgress {
 pub struct CqData {
     pub handle: u32,
     pub host: Arc<dyn HostCompletionQueue>,
-    pub(super) ring: GuestRing,
     pub(super) doorbell: u64,
     pub(super) progress: Mutex<Visited<CqProgress>>,
     /// The host CQ is armed and has not completed anything since: arming it again before
@@ -154,11 +155,21 @@ impl CqData {
 
     /// Bytes the ring quota counts for the CQ ([`crate::limits::cq_quota_bytes`]).
     pub fn ring_bytes(&self) -> u64 {
-        crate::limits::cq_quota_bytes(self.ring.depth)
+        crate::limits::cq_quota_bytes(self.depth())
     }
 
-    pub(super) fn spans(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
-        spans_of::<CqDoorbell>(self.doorbell, std::iter::once(&self.ring))
+    /// The depth of the CQ's ring.
+    pub fn depth(&self) -> u32 {
+        self.progress.lock().progress.ring.depth
+    }
+
+    /// The CQ's doorbell record, then the pages of `ring` (its ring, under the progress
+    /// lock), as spans.
+    pub(super) fn spans<'a>(
+        &'a self,
+        ring: &'a GuestRing,
+    ) -> impl Iterator<Item = (u64, usize)> + 'a {
+        spans_of::<CqDoorbell>(self.doorbell, std::iter::once(ring))
     }
 
     pub fn new(
@@ -170,9 +181,9 @@ impl CqData {
         CqData {
             handle,
             host,
-            ring,
             doorbell,
             progress: Visited::new(CqProgress {
+                ring,
                 producer: 0,
                 room: 0,
                 arm_served: 0,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use vm_memory::{Bytes, GuestAddress};
 use vrdma_spec::codec::ArmRequest;
 use vrdma_spec::ring::{
-    event_kind, wc_status, CqDoorbell, NotifyState, QpDoorbell, NOTIFY_NEED_WAKEUP,
+    event_kind, wc_status, CqDoorbell, NotifyState, QpDoorbell, CQE_SHIFT, NOTIFY_NEED_WAKEUP,
 };
 
 use super::*;
@@ -811,4 +811,72 @@ fn a_guest_that_reconnects_owes_what_its_last_connection_owed() {
         "the debt carried over holds the send back"
     );
     assert!(next.sent().is_empty());
+}
+
+/// RESIZE_CQ (SPEC.md §5.7.1): the CQEs the driver has not consumed move to their indexes in
+/// the new ring with the new depth's owner bits, later ones follow them there, and a resize
+/// the CQ cannot take (too shallow, or refused by the host) changes nothing.
+#[test]
+fn a_resized_cq_keeps_its_unconsumed_cqes_at_their_indexes_in_the_new_ring() {
+    const NEW_RING: u64 = 0x60000;
+    let mut rig = Rig::new(8);
+    rig.complete(0..6);
+    assert!(rig.poller.pass());
+    rig.store(CQ_DOORBELL + CqDoorbell::CONSUMER_INDEX, 2);
+    let cq = Arc::clone(&rig.qp_data.send_cq);
+    let new_ring = |depth: u32| {
+        let pages = (0..(u64::from(depth) << CQE_SHIFT).div_ceil(PAGE))
+            .map(|page| NEW_RING + page * PAGE)
+            .collect();
+        GuestRing::new(pages, 12, CQE_SHIFT, depth)
+    };
+    let host_resized = std::cell::Cell::new(0);
+    let resize_host = || {
+        host_resized.set(host_resized.get() + 1);
+        Ok::<(), ()>(())
+    };
+    let too_shallow = rig.shared.resize_cq(&cq, new_ring(2), resize_host);
+    assert!(
+        matches!(
+            too_shallow,
+            Err(ResizeCqError::HoldsMore { held: 4, depth: 2 })
+        ),
+        "{too_shallow:?}"
+    );
+    let refused = rig.shared.resize_cq(&cq, new_ring(16), || Err("no"));
+    assert!(matches!(refused, Err(ResizeCqError::Host("no"))));
+    assert_eq!((host_resized.get(), cq.depth()), (0, 8), "nothing changed");
+
+    // The driver laid out the new ring (every slot reads as consumed), then asked.
+    for slot in 0..16u32 {
+        let owner = vrdma_spec::ring::resized_cq_owner(slot, 2, 16);
+        rig.mem
+            .write_obj(
+                owner,
+                GuestAddress(NEW_RING + (u64::from(slot) << CQE_SHIFT) + 31),
+            )
+            .unwrap();
+    }
+    rig.shared
+        .resize_cq(&cq, new_ring(16), resize_host)
+        .unwrap();
+    assert_eq!((host_resized.get(), cq.depth()), (1, 16));
+    let new_cqe = |index: u32| -> vrdma_spec::ring::Cqe {
+        let at = NEW_RING + (u64::from(index % 16) << CQE_SHIFT);
+        rig.mem.read_obj(GuestAddress(at)).unwrap()
+    };
+    let valid = |index: u32| vrdma_spec::ring::cqe_is_valid(new_cqe(index).owner, index, 16);
+    for index in 2..6 {
+        assert!(valid(index), "CQE {index} kept");
+        assert_eq!(new_cqe(index).wr_id.to_native(), u64::from(index));
+    }
+    assert!(!valid(6), "nothing new past the producer");
+    // Completions go on in the new ring, 12 more than the old one held.
+    rig.complete(6..18);
+    while rig.poller.pass() {}
+    for index in 6..18 {
+        assert!(valid(index), "CQE {index} in the new ring");
+        assert_eq!(new_cqe(index).wr_id.to_native(), u64::from(index));
+    }
+    assert!(rig.events().is_empty(), "{:?}", rig.events());
 }

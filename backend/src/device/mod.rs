@@ -22,7 +22,7 @@ use vrdma_spec::ctrl::{
     CreateQpRequest, CreateQpResponse, CreateSrqRequest, CreateSrqResponse, CreatedResponse,
     DeviceAttr as WireDeviceAttr, HandleRequest, ModifyQpRequest, ModifySrqRequest, Opcode,
     PortAttr as WirePortAttr, QpAttr as WireQpAttr, QueryGidRequest, QueryGidResponse,
-    QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResponseHeader,
+    QueryPortRequest, RegMrRequest, RegMrResponse, RequestHeader, ResizeCqRequest, ResponseHeader,
     SetNotifyAreaRequest, Status, GUEST_GID_INDEX, GUEST_GID_TABLE_LEN, PORT_NUM,
 };
 use vrdma_spec::ring::{CqDoorbell, NotifyState, QpDoorbell, SrqDoorbell, CQE_SHIFT};
@@ -30,7 +30,8 @@ use vrdma_spec::{ByteValued, Le16, Le32, Le64};
 
 use crate::datapath::wqe::{MrRange, QpRules};
 use crate::datapath::{
-    AreaInUse, CqData, DataPath, GuestRing, NoBit, NotifyArea, PollerPool, QpData, SrqData,
+    AreaInUse, CqData, DataPath, GuestRing, NoBit, NotifyArea, PollerPool, QpData, ResizeCqError,
+    SrqData,
 };
 use crate::guest_faults::FaultDomain;
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpAttr, QpCaps, QpInit, QpType};
@@ -366,6 +367,7 @@ impl Device {
                 .map(|_| Vec::new()),
             Opcode::CreateCq => self.create_cq(mem, parse(payload)),
             Opcode::DestroyCq => self.destroy_cq(parse(payload)),
+            Opcode::ResizeCq => self.resize_cq(mem, parse(payload)),
             Opcode::RegMr => self.reg_mr(mem, parse(payload)),
             Opcode::DeregMr => self.dereg_mr(parse(payload)),
             Opcode::CreateQp => self.create_qp(mem, parse(payload)),
@@ -588,6 +590,47 @@ impl Device {
         };
         self.objects.insert_cq(handle, entry);
         self.data_path.add_cq(data);
+        reply(CreatedResponse {
+            handle: Le32::from(handle),
+            value: Le32::from(depth),
+        })
+    }
+
+    /// RESIZE_CQ (SPEC.md §5.7.1): the CQ moves to the driver's new ring, its host CQ
+    /// resized to hold as many completions again, the CQEs the driver has not consumed
+    /// copied over.
+    fn resize_cq<M: GuestMemoryBackend>(&mut self, mem: &M, req: ResizeCqRequest) -> CommandResult {
+        if self.features & features::RESIZE_CQ == 0 {
+            return Err(Refusal::NotNegotiated("RESIZE_CQ").into());
+        }
+        let handle = req.cq.to_native();
+        let depth = req.cqe.to_native();
+        validate::depth("CQ depth", depth, 2, self.config.max_cqe.to_native())?;
+        let entry = self.objects.cq(handle)?;
+        let (host, data) = (Arc::clone(&entry.host), Arc::clone(&entry.data));
+        let (before, after) = (data.ring_bytes(), limits::cq_quota_bytes(depth));
+        self.check_ring_quota(after.saturating_sub(before))?;
+        let ring = self.ring(mem, &req.ring, depth, CQE_SHIFT)?;
+        let senders: Vec<Arc<QpData>> = self
+            .objects
+            .qps
+            .values()
+            .filter(|qp| qp.send_cq == handle)
+            .map(|qp| Arc::clone(&qp.data))
+            .collect();
+        self.data_path.settle_cq(&data, &senders);
+        self.data_path
+            .resize_cq(&data, ring, || host.resize(limits::HOST_CQ_DEPTHS * depth))
+            .map_err(|e| -> CommandError {
+                match e {
+                    ResizeCqError::HoldsMore { held, depth } => {
+                        Refusal::CqHoldsMore { held, depth }.into()
+                    }
+                    ResizeCqError::Unusable => Refusal::CqUnusable.into(),
+                    ResizeCqError::Host(e) => e.into(),
+                }
+            })?;
+        self.objects.ring_bytes = self.objects.ring_bytes - before + after;
         reply(CreatedResponse {
             handle: Le32::from(handle),
             value: Le32::from(depth),

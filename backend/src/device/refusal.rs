@@ -123,6 +123,10 @@ pub enum Refusal {
     PrivilegedQkey,
     #[error("not a legal transition from the QP's state, or attributes missing for it: {0}")]
     QpTransition(String),
+    #[error("the CQ holds {held} completions, more than a ring of {depth}")]
+    CqHoldsMore { held: u32, depth: u32 },
+    #[error("the CQ's ring, record or consumer index is unusable, or the CQ failed")]
+    CqUnusable,
 
     // Guest memory (§4, §6).
     #[error("{what} at {gpa:#x} is not {align}-byte aligned")]
@@ -218,6 +222,8 @@ impl Refusal {
             | PkeyIndex(_)
             | PrivilegedQkey
             | QpTransition(_)
+            | CqHoldsMore { .. }
+            | CqUnusable
             | Overflow(_)
             | RepeatedRingPage
             | ConnectedElsewhere(_) => Status::InvalidArgument,
@@ -229,7 +235,8 @@ impl Refusal {
     /// connection manager found), as a native device's call fails.
     pub fn detail(&self) -> u32 {
         match self {
-            Refusal::QpTransition(_) | Refusal::CmState { .. } | Refusal::CmHost(_) => {
+            Refusal::QpTransition(_) | Refusal::CmState { .. } | Refusal::CmHost(_)
+            | Refusal::CqHoldsMore { .. } => {
                 libc::EINVAL as u32
             }
             _ => 0,

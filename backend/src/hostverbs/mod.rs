@@ -952,6 +952,26 @@ impl CompletionQueue {
         })
     }
 
+    /// Makes room for at least `depth` completions, keeping those the CQ holds; fails
+    /// (EINVAL) if it holds more.
+    pub fn resize(&self, depth: u32) -> Result<()> {
+        let cqe = c_int::try_from(depth).map_err(|_| Error::Verbs {
+            call: "ibv_resize_cq",
+            source: io::Error::from_raw_os_error(libc::EINVAL),
+        })?;
+        let raw = match &self.raw {
+            Raw::Verbs(raw) => raw.as_ptr(),
+            Raw::Loopback(cq) => {
+                return cq.resize(depth).map_err(|errno| Error::Verbs {
+                    call: "ibv_resize_cq",
+                    source: io::Error::from_raw_os_error(errno),
+                })
+            }
+        };
+        // SAFETY: the CQ is alive; libibverbs serialises a resize with polls of the CQ.
+        check("ibv_resize_cq", unsafe { ibv_resize_cq(raw, cqe) })
+    }
+
     /// Capacity the provider actually allocated.
     pub fn depth(&self) -> u32 {
         match &self.raw {

@@ -62,9 +62,38 @@ pub(crate) fn set_errno(errno: c_int) {
     unsafe { *libc::__errno_location() = errno };
 }
 
-/// Says `message` on standard error once per process and kind: a library cannot log through
-/// the program, and a program looping over a failing call must not flood its terminal.
+/// The environment variable that asks this library (and vrdma's librdmacm) to say on standard
+/// error why a call failed: set to anything but empty or `0`.
+pub(crate) const DEBUG_VARIABLE: &str = "VRDMA_DEBUG";
+
+/// Whether the program's environment asked for [`report_once`]'s lines, read once.
+fn debug_asked() -> bool {
+    static ASKED: OnceLock<bool> = OnceLock::new();
+    *ASKED.get_or_init(|| {
+        std::env::var_os(DEBUG_VARIABLE).is_some_and(|value| !value.is_empty() && value != "0")
+    })
+}
+
+/// Says why a verb failed, on standard error, once per process and kind, and only when
+/// `VRDMA_DEBUG` asks for it: a kernel provider fails silently with an errno, and programs
+/// that search a device's limits by trial (libfabric's inline size, UCX's queue depths)
+/// expect no line for a refused try.
 pub(crate) fn report_once(kind: &'static str, message: &str) {
+    if debug_asked() {
+        say_once(kind, message);
+    }
+}
+
+/// Says `message` on standard error once per process and kind, asked or not: for what keeps a
+/// program from reaching vrdma0 at all (no device configured, a backend that does not answer),
+/// which only the user can fix and nothing else would tell them.
+pub(crate) fn report_setup(kind: &'static str, message: &str) {
+    say_once(kind, message);
+}
+
+/// A library cannot log through the program, and a program looping over a failing call must
+/// not flood its terminal: each kind is said once.
+fn say_once(kind: &'static str, message: &str) {
     static SAID: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
     let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
     if !said.contains(&kind) {
@@ -94,7 +123,7 @@ fn vrdma_device() -> Option<&'static VrdmaDevice> {
                 })
             }
             Err(e) => {
-                report_once("config", &e.to_string());
+                report_setup("config", &e.to_string());
                 None
             }
         })
@@ -231,7 +260,7 @@ unsafe extern "C" fn ibv_get_device_guid(device: *mut ibv_device) -> u64 {
                 .to_be()
         }
         Err(e) => {
-            report_once("open", &open_failure(ours, &e));
+            report_setup("open", &open_failure(ours, &e));
             0
         }
     }
@@ -269,7 +298,7 @@ pub(crate) unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut
     let opened = match kept.map_or_else(|| Device::open(&ours.target.target), Ok) {
         Ok(opened) => opened,
         Err(e) => {
-            report_once("open", &open_failure(ours, &e));
+            report_setup("open", &open_failure(ours, &e));
             set_errno(libc::ENODEV);
             return ptr::null_mut();
         }

@@ -715,6 +715,32 @@ completion_field_readers! {
     read_dlid_path_bits -> u8 = |wc| wc.dlid_path_bits;
 }
 
+/// Moves the CQ to a ring of at least `cqe` entries (a power of two), keeping the
+/// completions not yet polled; EINVAL when it holds more than that, as on rxe.
+#[no_mangle]
+unsafe extern "C" fn ibv_resize_cq(cq: *mut ibv_cq, cqe: c_int) -> c_int {
+    let depth = u32::try_from(cqe)
+        .ok()
+        .filter(|&cqe| cqe > 0)
+        .and_then(|cqe| cqe.max(2).checked_next_power_of_two());
+    let (Some(depth), false) = (depth, cq.is_null()) else {
+        return libc::EINVAL;
+    };
+    // SAFETY: a CQ from ibv_create_cq, per the API contract.
+    let ours_cq = unsafe { ours::<VrdmaCq>(cq) };
+    match ours_cq.inner.resize(depth) {
+        Ok(()) => {
+            // SAFETY: the program's live CQ; `cqe` is the field libibverbs keeps current.
+            unsafe { (*cq).cqe = c_int::try_from(depth).unwrap_or(c_int::MAX) };
+            0
+        }
+        Err(e) => {
+            report_once("resize_cq", &format!("ibv_resize_cq failed: {e}"));
+            raise_errno(&e)
+        }
+    }
+}
+
 #[no_mangle]
 pub(crate) unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
     if cq.is_null() {
@@ -1056,23 +1082,31 @@ pub(crate) unsafe extern "C" fn post_send(
 }
 
 /// The inline bytes the SGEs describe: in place for one SGE, gathered into `gathered` for
-/// several.
+/// several. An SGE of no bytes names no memory: its address may be anything, NULL too (UCX
+/// posts such SGEs), and is not read.
 ///
 /// # Safety
-/// Each SGE must describe readable memory of the program.
+/// Each SGE of a length other than 0 must describe readable memory of the program.
 unsafe fn inline_bytes<'a>(list: &'a [Sge], gathered: &'a mut [u8]) -> Result<&'a [u8], c_int> {
+    /// # Safety
+    /// As `inline_bytes`', for this one SGE.
+    unsafe fn bytes_of<'b>(sge: &Sge) -> &'b [u8] {
+        if sge.length == 0 {
+            return &[];
+        }
+        // SAFETY: per the contract, a readable range of the program's.
+        unsafe { std::slice::from_raw_parts(sge.addr as *const u8, sge.length as usize) }
+    }
     if let [one] = list {
         // SAFETY: per the contract.
-        return Ok(unsafe {
-            std::slice::from_raw_parts(one.addr as *const u8, one.length as usize)
-        });
+        return Ok(unsafe { bytes_of(one) });
     }
     let mut len = 0;
     for sge in list {
         let n = sge.length as usize;
         let room = gathered.get_mut(len..len + n).ok_or(libc::EINVAL)?;
         // SAFETY: per the contract; `room` is this library's stack buffer.
-        room.copy_from_slice(unsafe { std::slice::from_raw_parts(sge.addr as *const u8, n) });
+        room.copy_from_slice(unsafe { bytes_of(sge) });
         len += n;
     }
     Ok(&gathered[..len])
@@ -1225,4 +1259,37 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
     let queue = unsafe { ours::<VrdmaSrq>(srq) };
     // SAFETY: the program's list of receive requests, per the API contract.
     unsafe { post_receives(queue.inner.recv_chain(), wr, bad_wr) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inline_sges_of_no_bytes_are_not_read_whatever_their_address() {
+        let payload = *b"vrdma";
+        let mut gathered = [0u8; 64];
+        let empty = Sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        let bytes = Sge {
+            addr: payload.as_ptr() as u64,
+            length: payload.len() as u32,
+            lkey: 0,
+        };
+        // SAFETY: `bytes` describes `payload`; `empty` describes nothing.
+        unsafe {
+            assert_eq!(inline_bytes(&[empty], &mut gathered), Ok(&[][..]));
+            assert_eq!(
+                inline_bytes(&[bytes, empty], &mut gathered),
+                Ok(&payload[..])
+            );
+            assert_eq!(
+                inline_bytes(&[empty, bytes, empty], &mut gathered),
+                Ok(&payload[..])
+            );
+        }
+    }
 }

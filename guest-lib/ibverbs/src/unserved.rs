@@ -1,7 +1,7 @@
 //! libibverbs verbs that vrdma does not serve yet. Programs linked against them must still
 //! load (Debian builds them with BIND_NOW), so each exists, says once on standard error that
-//! it is not served, and fails as libibverbs documents: NULL or an errno, with errno set to
-//! EOPNOTSUPP.
+//! it is not served when `VRDMA_DEBUG` asks, and fails as libibverbs documents: NULL or an
+//! errno, with errno set to EOPNOTSUPP.
 
 use std::os::raw::{c_int, c_void};
 use std::ptr;
@@ -35,7 +35,6 @@ type P = *mut c_void;
 
 unserved! {
     ibv_rereg_mr(P, c_int, P, P, usize, c_int) -> int;
-    ibv_resize_cq(P, c_int) -> int;
     ibv_query_ece(P, P) -> int;
     ibv_set_ece(P, P) -> int;
     ibv_attach_mcast(P, P, u16) -> int;

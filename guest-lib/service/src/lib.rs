@@ -54,6 +54,8 @@ pub enum Error {
     },
     #[error("the vrdma device refused the notify area: {0:?}")]
     NotifyArea(Status),
+    #[error("the vrdma device refused to reset what an earlier driver left: {0:?}")]
+    Reset(Status),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -310,6 +312,15 @@ impl Service {
         let (addr, doorbell_bitmap) = notify
             .device_addrs(num_notify_queues)
             .map_err(device_error)?;
+        if transport.features() & vrdma_spec::config::features::RESET_COMMAND != 0 {
+            // The device keeps its objects across a stop of its queues (a paused VM); an
+            // instance before this one (killed, or upgraded) may have left some: they go.
+            let (status, _) =
+                raw_command(&*transport, Opcode::Reset, &[]).map_err(device_error)?;
+            if status != Status::Ok {
+                return Err(Error::Reset(status));
+            }
+        }
         let request = SetNotifyAreaRequest {
             addr,
             doorbell_bitmap,

@@ -7,7 +7,8 @@ use std::mem::{offset_of, size_of};
 
 use vrdma_spec::ctrl::{
     CreateAhRequest, CreateCqRequest, CreateQpRequest, CreateSrqRequest, HandleRequest,
-    ModifyQpRequest, ModifySrqRequest, Opcode, RegMrRequest, RequestHeader, Status,
+    ModifyQpRequest, ModifySrqRequest, Opcode, RegMrRequest, RequestHeader, ResizeCqRequest,
+    Status,
 };
 use vrdma_spec::mem::{
     PageList, PageListForm, MAX_DIRECT_PAGES, MAX_INDIRECT_PAGES, MAX_PAGE_SHIFT, MIN_PAGE_SHIFT,
@@ -187,6 +188,12 @@ pub fn plan(request: &[u8]) -> Result<Plan, Refusal> {
                 size_of::<CqDoorbell>() as u64,
             ));
             plan.creates = Some(ObjectKind::Cq);
+        }
+        Opcode::ResizeCq => {
+            plan.names
+                .push((ObjectKind::Cq, handle_at(offset_of!(ResizeCqRequest, cq))));
+            plan.page_lists
+                .push(field(offset_of!(ResizeCqRequest, ring)));
         }
         Opcode::RegMr => {
             plan.names
@@ -448,6 +455,19 @@ mod tests {
             3,
             "srq 0 names none"
         );
+    }
+
+    #[test]
+    fn a_resize_cq_names_its_cq_and_ring_and_creates_nothing() {
+        let resize = ResizeCqRequest {
+            cq: Le32::from(7),
+            cqe: Le32::from(64),
+            ..Default::default()
+        };
+        let plan = plan(&request(Opcode::ResizeCq, &resize)).unwrap();
+        assert_eq!(plan.names, vec![(ObjectKind::Cq, 7)]);
+        assert_eq!(plan.page_lists, vec![HEADER + 8]);
+        assert_eq!((plan.creates, plan.destroys), (None, None));
     }
 
     /// The doorbell area of a QP or SRQ is the service's to choose (SPEC.md §12): a program

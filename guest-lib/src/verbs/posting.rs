@@ -65,7 +65,12 @@ impl<'a, F> Chain<'a, F> {
     where
         F: Fn(u64, &W) -> Result<()>,
     {
-        if ring_pending(self.next, self.consumer) >= self.queue.depth {
+        let outstanding = |completed: &AtomicU32| {
+            ring_pending(self.next, completed.load(Ordering::Acquire)) >= self.queue.depth
+        };
+        if ring_pending(self.next, self.consumer) >= self.queue.depth
+            || self.queue.completed.as_deref().is_some_and(outstanding)
+        {
             return Err(Error::QueueFull {
                 posted: ring_pending(self.next, *self.producer) as usize,
             });
@@ -214,20 +219,25 @@ impl CompletionQueue {
         if !cq.device.opened_by.is_this_process_fast() {
             return Err(Error::Forked);
         }
-        let mut consumer = cq.consumer.lock().unwrap_or_else(|e| e.into_inner());
+        let mut consumer = cq.consumer();
         let mut n = 0;
         while n < out.len() {
             let index = consumer.index;
-            let slot = u64::from(ring_slot(index, cq.depth)) * CQE_SIZE as u64;
-            let owner = cq
+            let slot = u64::from(ring_slot(index, consumer.depth)) * CQE_SIZE as u64;
+            let owner = consumer
                 .ring
                 .atomic_u8(slot + CQE_SIZE as u64 - 1)?
                 .load(Ordering::Acquire);
-            if !cqe_is_valid(owner, index, cq.depth) {
+            if !cqe_is_valid(owner, index, consumer.depth) {
                 break;
             }
             let mut cqe = Cqe::default();
-            cq.ring.read(slot, cqe.as_mut_slice())?;
+            consumer.ring.read(slot, cqe.as_mut_slice())?;
+            if cqe.opcode & vrdma_spec::ring::wc_opcode::RECV != 0 {
+                if let Some(completed) = consumer.receive_queues.get(&cqe.qp_num.to_native()) {
+                    completed.fetch_add(1, Ordering::Release);
+                }
+            }
             out[n] = WorkCompletion::from(&cqe);
             n += 1;
             consumer.index = index.wrapping_add(1);

@@ -19,6 +19,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -236,7 +237,7 @@ impl Context {
         }
         self.device.state().cqs += 1;
         Ok(Arc::new(Cq {
-            depth,
+            depth: AtomicU32::new(depth),
             state: Mutex::default(),
             channel,
             events: Arc::clone(&self.events),
@@ -286,7 +287,8 @@ impl Channel {
 
 /// A completion queue.
 pub struct Cq {
-    depth: u32,
+    /// Completions it holds at most; changed only by [`Cq::resize`].
+    depth: AtomicU32,
     state: Mutex<CqState>,
     channel: Option<Arc<Channel>>,
     events: Arc<EventQueue>,
@@ -313,7 +315,18 @@ impl Cq {
     }
 
     pub fn depth(&self) -> u32 {
-        self.depth
+        self.depth.load(Ordering::Relaxed)
+    }
+
+    /// Holds up to `depth` completions from now on; EINVAL, changing nothing, if that is
+    /// not a depth a CQ may have or the CQ holds more, as `ibv_resize_cq` on rxe.
+    pub fn resize(&self, depth: u32) -> std::result::Result<(), i32> {
+        let state = lock(&self.state);
+        if depth == 0 || depth > MAX_CQE || state.entries.len() > depth as usize {
+            return Err(libc::EINVAL);
+        }
+        self.depth.store(depth, Ordering::Relaxed);
+        Ok(())
     }
 
     pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
@@ -335,7 +348,7 @@ impl Cq {
     /// the CQ's context gets CQ_ERR (once).
     fn push(&self, wc: WorkCompletion, solicited: bool) {
         let mut state = lock(&self.state);
-        if state.entries.len() >= self.depth as usize {
+        if state.entries.len() >= self.depth() as usize {
             if !state.overrun {
                 state.overrun = true;
                 self.events.push(AsyncEvent::CqError(self.id()));
