@@ -1079,6 +1079,8 @@ fn a_refused_srq_wqe_raises_srq_error_and_fails_the_qps_receiving_from_it() {
         .collect();
     expected.sort_by_key(|e| format!("{e:?}"));
     assert_eq!(events, expected);
+    // Finding: MODIFY_SRQ still answered OK on the failed SRQ. It can only be destroyed.
+    assert!(srq.set_limit(4).is_err(), "a failed SRQ refuses MODIFY_SRQ");
 }
 
 /// The threads of process `pid` whose name starts with `prefix`, with their allowed CPUs

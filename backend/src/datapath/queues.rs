@@ -305,6 +305,11 @@ impl SrqData {
         spans_of::<SrqDoorbell>(self.doorbell, std::iter::once(&self.ring))
     }
 
+    /// True once the device takes no more WQEs from the SRQ (SRQ_ERROR, SPEC.md §8.4).
+    pub fn failed(&self) -> bool {
+        self.progress.lock().progress.failed
+    }
+
     /// WQEs the SRQ holds.
     pub fn depth(&self) -> u32 {
         self.ring.depth

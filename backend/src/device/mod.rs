@@ -888,6 +888,9 @@ impl Device {
     fn modify_srq(&mut self, req: ModifySrqRequest) -> CommandResult {
         let entry = self.objects.srq(req.handle.to_native())?;
         let limit = validate::modify_srq(&req, entry.data.depth())?;
+        if entry.data.failed() {
+            return Err(Refusal::SrqFailed.into());
+        }
         self.data_path.arm_srq_limit(&entry.data, limit);
         Ok(Vec::new())
     }

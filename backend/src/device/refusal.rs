@@ -127,6 +127,8 @@ pub enum Refusal {
     CqHoldsMore { held: u32, depth: u32 },
     #[error("the CQ's ring, record or consumer index is unusable, or the CQ failed")]
     CqUnusable,
+    #[error("the SRQ failed (SRQ_ERROR): it can only be destroyed")]
+    SrqFailed,
 
     // Guest memory (§4, §6).
     #[error("{what} at {gpa:#x} is not {align}-byte aligned")]
@@ -224,6 +226,7 @@ impl Refusal {
             | QpTransition(_)
             | CqHoldsMore { .. }
             | CqUnusable
+            | SrqFailed
             | Overflow(_)
             | RepeatedRingPage
             | ConnectedElsewhere(_) => Status::InvalidArgument,
@@ -235,10 +238,11 @@ impl Refusal {
     /// connection manager found), as a native device's call fails.
     pub fn detail(&self) -> u32 {
         match self {
-            Refusal::QpTransition(_) | Refusal::CmState { .. } | Refusal::CmHost(_)
-            | Refusal::CqHoldsMore { .. } => {
-                libc::EINVAL as u32
-            }
+            Refusal::QpTransition(_)
+            | Refusal::CmState { .. }
+            | Refusal::CmHost(_)
+            | Refusal::CqHoldsMore { .. }
+            | Refusal::SrqFailed => libc::EINVAL as u32,
             _ => 0,
         }
     }
