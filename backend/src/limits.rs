@@ -218,6 +218,7 @@ pub fn offered_features(host: &DeviceAttr) -> u64 {
     let mut bits = features::VERSION_1
         | features::RC
         | features::UD
+        | features::UC
         | features::INDIRECT_PAGE_LIST
         | features::DOORBELL_AREAS
         | features::RESET_COMMAND

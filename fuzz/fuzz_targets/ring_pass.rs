@@ -25,7 +25,7 @@ const AREAS: [u64; 8] = [
 
 fuzz_target!(|input: &[u8]| {
     // Rings of one run of memory, or (odd lengths) of scattered pages.
-    let mut rig = if input.len() % 2 == 0 {
+    let mut rig = if input.len().is_multiple_of(2) {
         Rig::new(16)
     } else {
         Rig::with_scattered_rings(16)

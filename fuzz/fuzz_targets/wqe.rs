@@ -36,8 +36,8 @@ fuzz_target!(|input: &[u8]| {
         rq_stride: stride,
     };
     let lookup = |lkey: u32| {
-        (lkey % 3 != 0).then_some(MrRange {
-            pd: if lkey % 5 == 0 { 8 } else { 7 },
+        (!lkey.is_multiple_of(3)).then_some(MrRange {
+            pd: if lkey.is_multiple_of(5) { 8 } else { 7 },
             start: u64::from(lkey) << 12,
             len: 1 << 20,
         })

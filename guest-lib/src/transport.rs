@@ -16,6 +16,7 @@ use crate::{Error, Result};
 pub(crate) const WANTED_FEATURES: u64 = features::VERSION_1
     | features::RC
     | features::UD
+    | features::UC
     | features::SRQ
     | features::ATOMIC
     | features::INDIRECT_PAGE_LIST

@@ -21,6 +21,8 @@ pub mod features {
     pub const CM: u64 = 1 << 6;
     /// RESIZE_CQ: a CQ moves to a ring of another depth (SPEC.md §5.7.1).
     pub const RESIZE_CQ: u64 = 1 << 7;
+    /// Unreliable-connected QPs (SEND and RDMA WRITE; no READ or atomics: SPEC.md §5.9).
+    pub const UC: u64 = 1 << 8;
     /// The driver says when it resets (the RESET command, SPEC.md §9): a stop of the
     /// device's queues without it (the hypervisor pausing the VM, or moving it) keeps every
     /// object.

@@ -24,7 +24,7 @@ pub use vm_memory::ByteValued;
 pub const VIRTIO_ID_RDMA: u32 = 42;
 
 /// Version of this specification; reported in the config space (SPEC.md §3).
-pub const SPEC_VERSION: u32 = 1;
+pub const SPEC_VERSION: u32 = 2;
 
 /// Copies a wire struct out of the start of `bytes`, which need not be aligned; `None` when
 /// `bytes` is shorter than the struct.

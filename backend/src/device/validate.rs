@@ -88,7 +88,8 @@ pub fn create_qp(
 ) -> Result<QpShape, Refusal> {
     let qp_type = match req.qp_type {
         qp_type::RC => QpType::Rc,
-        qp_type::UC => QpType::Uc,
+        qp_type::UC if negotiated & features::UC != 0 => QpType::Uc,
+        qp_type::UC => return Err(Refusal::NotNegotiated("UC")),
         qp_type::UD if negotiated & features::UD != 0 => QpType::Ud,
         qp_type::UD => return Err(Refusal::NotNegotiated("UD")),
         other => return Err(Refusal::QpType(other)),
@@ -884,6 +885,16 @@ mod tests {
         let not_negotiated = refused(create_qp(&ud, &config(), features::RC));
         assert_eq!(not_negotiated, Refusal::NotNegotiated("UD"));
         assert_eq!(not_negotiated.status(), Status::Unsupported);
+        // Finding: UC had no feature bit; a driver could not tell whether a device serves it.
+        let uc = CreateQpRequest {
+            qp_type: qp_type::UC,
+            ..r
+        };
+        assert_eq!(
+            refused(create_qp(&uc, &config(), features::RC)),
+            Refusal::NotNegotiated("UC")
+        );
+        assert!(create_qp(&uc, &config(), features::RC | features::UC).is_ok());
     }
 
     #[test]

@@ -304,6 +304,13 @@ impl Service {
         let transport: Arc<dyn Transport> =
             Arc::from(vrdma_guest::target::open(target).map_err(device_error)?);
         let config = *transport.config();
+        let version = config.version.to_native();
+        if version != vrdma_spec::SPEC_VERSION {
+            return Err(device_error(vrdma_guest::Error::Attach(format!(
+                "the device implements specification version {version}, this service version {}",
+                vrdma_spec::SPEC_VERSION
+            ))));
+        }
         let num_notify_queues = config.num_notify_queues.to_native();
         let device_bits =
             doorbell_bitmap_bits(config.max_qp.to_native(), config.max_srq.to_native());
@@ -315,8 +322,7 @@ impl Service {
         if transport.features() & vrdma_spec::config::features::RESET_COMMAND != 0 {
             // The device keeps its objects across a stop of its queues (a paused VM); an
             // instance before this one (killed, or upgraded) may have left some: they go.
-            let (status, _) =
-                raw_command(&*transport, Opcode::Reset, &[]).map_err(device_error)?;
+            let (status, _) = raw_command(&*transport, Opcode::Reset, &[]).map_err(device_error)?;
             if status != Status::Ok {
                 return Err(Error::Reset(status));
             }
