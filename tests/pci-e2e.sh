@@ -18,6 +18,9 @@
 #     pinned   a program's 256 MiB buffer RDMA-written from here for 60 s, checked in the VM
 #              where the program reads it, while the VM compacts its memory in a loop and a
 #              sentinel program checks that none of the frames it is given is written
+#     leaver   a program of vrdmad punches holes in, truncates and unmaps all the memory it
+#              shared and exits while a peer here RDMA-WRITEs into it: a sentinel in the VM
+#              finds no frame written; another program of vrdmad keeps working
 #     paused   QEMU `stop` and `cont` three times under a guest-lib program's checked round
 #              trips with a peer here: the program finishes with no error, the device keeps
 #              every object (vrdmactl shows the VM paused, then running, with its QPs)
@@ -50,7 +53,7 @@ source "$repo/tests/listening.sh"
 bin=$(cd "$1" && pwd)
 device=${2:-}
 case "$device" in
-  loopback) parts=${VRDMA_PCI_PARTS:-service,pinned,paused,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
+  loopback) parts=${VRDMA_PCI_PARTS:-service,pinned,leaver,paused,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
     domain= launch=() native_address= vm_address= own_address=() ;;
   rxe0)
     [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
@@ -329,6 +332,26 @@ compacted_under_writes() {
 check_pinned() {
   check "a program's 256 MiB buffer written from outside for 60 s while the VM compacts memory: every byte where the program reads it, no frame of another program written" \
     compacted_under_writes
+}
+
+# --- part leaver: see tests/pci-guest.sh.
+left_badly() {
+  local ok=0
+  "$bin/pin-check" leaver "$socket" "$exchange/leaver.to-vm" "$exchange/leaver.from-vm" 20 \
+    >"$work/leaver.out" 2>"$work/leaver.err" || ok=1
+  echo end >>"$exchange/leaver.to-vm"
+  wait_line "$exchange/leaver.vm" '^end$' 300 >/dev/null || ok=1
+  "$bin/pin-check" writer "$socket" "$exchange/bystander.to-vm" "$exchange/bystander.from-vm" 5 \
+    >"$work/bystander.out" 2>"$work/bystander.err" || ok=1
+  echo end >>"$exchange/bystander.to-vm"
+  echo "pci-e2e: leaver: $(tail -n 1 "$work/leaver.out"); $(grep -E '^sentinel ' "$exchange/leaver.vm");" \
+    "bystander: $(tail -n 1 "$work/bystander.out"); vrdmad: $(grep -o '^program [0-9]* gone.*' "$exchange/leaver.vm" | tr '\n' ' ')"
+  grep -qx 'sentinel-rc 0' "$exchange/leaver.vm" && grep -q 'mismatches=0$' "$work/bystander.out" || ok=1
+  [ "$ok" = 0 ] || { cat "$work/leaver.out" "$exchange/leaver.vm" >&2; show_logs leaver; show_logs bystander; }
+}
+check_leaver() {
+  check "a program of vrdmad punches holes in, truncates and unmaps all it shared and exits under a peer's RDMA WRITEs: no frame it freed is written (a sentinel checks for 40 s), another program keeps working" \
+    left_badly
 }
 
 # --- part paused: QEMU stop and cont under a program's traffic (SPEC.md §9).

@@ -407,11 +407,36 @@ part_pinned() {
   kill "$fragmenter"
 }
 
+# A program of vrdmad that leaves badly (SPEC.md §12): session leaver, a `target` whose
+# buffer `pin-check leaver` outside WRITEs into before and after it punches holes in,
+# truncates and unmaps all the memory it shared and exits; a sentinel checks meanwhile and
+# for a while after that no frame it freed is written (leaver.vm). Session bystander, a
+# second program of vrdmad, is checked by `pin-check writer` outside afterwards. Their
+# RLIMIT_MEMLOCK is raised for their buffers (vrdmad charges what they share to it).
+part_leaver() {
+  local sentinel bystander leaver
+  local program=(prlimit --memlock=unlimited:unlimited setpriv --reuid=65534 --regid=65534 --clear-groups)
+  start_service vrdmad-leaver.log
+  session bystander "${program[@]}" -- target service $((4 << 20)) &
+  bystander=$!
+  session leaver "${program[@]}" -- target service $((32 << 20)) &
+  leaver=$!
+  wait_for_line "$exchange/leaver.from-vm" rkey=
+  "$bin/pin-check" sentinel 40 64 >"$exchange/leaver.vm" 2>&1 &
+  sentinel=$!
+  wait "$sentinel"
+  echo "sentinel-rc $?" >>"$exchange/leaver.vm"
+  grep -o 'program [0-9]* gone.*' "$exchange/vrdmad-leaver.log" >>"$exchange/leaver.vm"
+  echo end >>"$exchange/leaver.vm"
+  wait "$leaver" "$bystander"
+  stop_service
+}
+
 modprobe uio_pci_generic 2>/dev/null # the initramfs loaded it already, if it has it
 IFS=, read -ra parts_to_run <<<"$parts"
 for part in "${parts_to_run[@]}"; do
   case "$part" in
-    service | users | reopen | native | held | pinned | paused) "part_$part" ;;
+    service | users | reopen | native | held | pinned | leaver | paused) "part_$part" ;;
     *) echo "pci-guest.sh: unknown part '$part'" >&2; exit 2 ;;
   esac
 done

@@ -8,6 +8,8 @@
 //! timings of a real NIC) are marked `#[ignore = "needs rdma_rxe: why"]`; in the VM a missing
 //! rxe device fails them all.
 
+pub mod target_writer;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

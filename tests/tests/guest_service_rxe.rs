@@ -18,6 +18,7 @@ use vrdma_guest::{
     access, wc_status, Device, DeviceEvent, Error, Payload, QpState, QpType, QueuePair, SendOp,
     SendWr, Sge,
 };
+use vrdma_tests::target_writer::{TargetLines, TargetWriter, CHUNK_LEN};
 use vrdma_tests::{
     connect_to_itself, control_request, cpu_time, host_resource_counts, response_status,
     start_backend, vrdma_library_dir, vrdma_run_script, wait_for_guest_completions,
@@ -276,6 +277,75 @@ fn a_killed_program_leaves_nothing_on_the_device_and_the_others_keep_running() {
     survivor.still_served(2);
     // A new program is served beside the survivor.
     WritingGuest::open(&service.target()).still_served(3);
+}
+
+/// A `guest-endpoint target`'s pipes, as the lines that drive it.
+struct PipedTarget {
+    stdin: std::process::ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl TargetLines for PipedTarget {
+    fn send(&mut self, text: &str) {
+        writeln!(self.stdin, "{text}").expect("write to the target");
+    }
+
+    fn receive(&mut self) -> String {
+        line(&mut self.stdout)
+    }
+}
+
+/// SPEC.md §12, on a host (the service attached to a backend socket; inside a VM,
+/// tests/pci-e2e.sh part leaver): a program that punches holes in, truncates and unmaps all
+/// the memory it shared, and exits, while a peer RDMA-WRITEs into its buffer, ends only
+/// itself: the peer's WRITEs fail once the service destroyed what it held, everything of it
+/// leaves the host, the backend and the service go on, and another program keeps working.
+#[test]
+fn a_program_that_punches_truncates_and_unmaps_its_memory_and_exits_ends_only_itself() {
+    let backend = start_backend();
+    let mut service = ServiceProcess::start(&backend.socket, &[]);
+    let survivor = WritingGuest::open(&service.target());
+    let baseline = host_resource_counts();
+    let mut leaver = guest_endpoint("target", &service.target(), 4 << 20)
+        .spawn()
+        .expect("start guest-endpoint");
+    let mut lines = PipedTarget {
+        stdin: leaver.stdin.take().unwrap(),
+        stdout: BufReader::new(leaver.stdout.take().unwrap()),
+    };
+    let writer = TargetWriter::connect(&service.target(), &mut lines);
+    assert_eq!(
+        writer.round(&mut lines, 0),
+        0,
+        "checked writes before it left"
+    );
+    lines.send("leave");
+    assert_eq!(lines.receive(), "punched");
+    // Its objects stand: WRITEs into the memory it punched land (in what the backend maps).
+    for seed in 0..64 {
+        let done = writer.write(seed * u64::from(CHUNK_LEN) % writer.length, seed);
+        assert!(done.is_success(), "WRITE into punched memory: {done:?}");
+    }
+    lines.send("exit");
+    assert!(leaver.wait().unwrap().success(), "it exits as it chose to");
+    service.wait_for_log("the leaver's summary", |log| log.contains("program 2 gone"));
+    // Its buffer is no longer a target: the first WRITE after the service destroyed its QP and
+    // MR fails (a NIC would retry, then give up), and nothing else gives.
+    let mut writes = 0u64;
+    let failed = loop {
+        let offset = writes * u64::from(CHUNK_LEN) % writer.length;
+        let done = writer.write(offset, writes);
+        if !done.is_success() {
+            break done;
+        }
+        writes += 1;
+        assert!(writes < 1000, "WRITEs into the buffer it left still land");
+    };
+    assert_ne!(failed.status, wc_status::SUCCESS);
+    survivor.still_served(1);
+    WritingGuest::open(&service.target()).still_served(2);
+    drop(writer);
+    wait_for_host_counts(&baseline);
 }
 
 /// A command that runs as user `nobody` in group `nogroup` (65534) and no other (std drops

@@ -356,6 +356,7 @@ impl<'a> Endpoint<'a> {
 /// | `u64 OFFSET`                     | `value=V`                                       |
 /// | `recv QPN\|srq FIRST COUNT SLOT` | `ok` once COUNT receives, `wr_id` FIRST.., each SLOT bytes from offset 0, are with the device |
 /// | `wait COUNT`                     | COUNT lines `wr_id=W qpn=Q src_qp=S len=L status=T grh=G` |
+/// | `leave`                          | `punched`; after the next line the process is gone: see [`leave_every_shared_memory`] |
 struct Target {
     device: Device,
     pd: ProtectionDomain,
@@ -397,7 +398,8 @@ impl Target {
             self.mr.addr(),
             self.mr.len()
         );
-        for line in std::io::stdin().lock().lines() {
+        let mut lines = std::io::stdin().lock().lines();
+        while let Some(line) = lines.next() {
             let line = line.expect("read a command");
             let words: Vec<&str> = line.split_whitespace().collect();
             let number = |i: usize| -> u64 {
@@ -480,6 +482,9 @@ impl Target {
                         );
                     }
                 }
+                Some("leave") => leave_every_shared_memory(|| {
+                    let _ = lines.next();
+                }),
                 _ => panic!("unknown command: {line}"),
             }
         }
@@ -503,4 +508,47 @@ impl Target {
             .find(|qp| u64::from(qp.qp_num()) == qpn)
             .unwrap_or_else(|| panic!("no QP {qpn} here"))
     }
+}
+
+/// What a program that means harm (or just ends badly) can do to the memory it shared with the
+/// device (SPEC.md §12): punch holes in every memfd it mapped and truncate each; prints
+/// `punched` and lives on (its objects too) until `next_line` returns, so that a peer can write
+/// into the memory it punched meanwhile; then unmaps it all and exits without telling anyone.
+fn leave_every_shared_memory(next_line: impl FnOnce()) -> ! {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("read /proc/self/maps");
+    let shared: Vec<(usize, usize)> = maps
+        .lines()
+        .filter(|line| line.contains("/memfd:"))
+        .filter_map(|line| {
+            let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+            let start = usize::from_str_radix(start, 16).ok()?;
+            Some((start, usize::from_str_radix(end, 16).ok()? - start))
+        })
+        .collect();
+    for &(start, len) in &shared {
+        // SAFETY: a mapping of this process (from its maps); removing its pages makes the
+        // memory read as zeroes, which nothing of this process reads any more.
+        unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_REMOVE) };
+    }
+    for fd in std::fs::read_dir("/proc/self/fd")
+        .expect("read /proc/self/fd")
+        .flatten()
+    {
+        let is_memfd = std::fs::read_link(fd.path())
+            .is_ok_and(|target| target.to_string_lossy().starts_with("/memfd:"));
+        if let (true, Ok(fd)) = (is_memfd, fd.file_name().to_string_lossy().parse::<i32>()) {
+            // SAFETY: truncating a descriptor of this process; a sealed one refuses.
+            unsafe { libc::ftruncate(fd, 0) };
+        }
+    }
+    println!("punched");
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    next_line();
+    for &(start, len) in &shared {
+        // SAFETY: the process exits right after; no thread of it is told to touch this memory
+        // again (one that does ends the process, which is what a crash would do too).
+        unsafe { libc::munmap(start as *mut libc::c_void, len) };
+    }
+    // SAFETY: ends the process at once, running nothing of it (no destructor, no handler).
+    unsafe { libc::_exit(0) }
 }

@@ -7,6 +7,12 @@
 //!            target` in the VM (driven through the session files TO_VM and FROM_VM, see
 //!            tests/pci-guest.sh) and has the target check each round where the program
 //!            reads it; prints `done rounds=R mismatches=M` (exit 1 on a mismatch)
+//!        pin-check leaver SOCKET TO_VM FROM_VM SECONDS
+//!            outside the VM: as `writer`, one round; then tells the target to `leave` (punch
+//!            holes in and truncate every memory it shared), WRITEs into the punched buffer
+//!            for SECONDS, lets the target unmap it all and exit, and WRITEs on until one
+//!            fails; prints `done mismatches=M writes-into-punched-memory=P
+//!            writes-after-it-left=N ended=WHY`
 //!        pin-check fragment MIB
 //!            in the VM: fragments memory (MIB of 4 KiB pages, every other one freed) so that
 //!            compaction has work, prints `fragmented`, and holds the rest until killed
@@ -20,13 +26,9 @@ use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use vrdma_guest::{access, Device, Payload, QpType, QueuePair, SendOp, SendWr, Sge};
-use vrdma_tests::{connect_guest_qp, line_field, test_pattern, wait_for_guest_completions};
+use vrdma_tests::target_writer::{TargetLines, TargetWriter, CHUNK_LEN};
 
 const PAGE: usize = 4096;
-/// Chunks written and checked each round, spread over the target's buffer.
-const CHUNKS: u64 = 32;
-const CHUNK_LEN: u32 = 64 << 10;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -37,13 +39,18 @@ fn main() {
             Session::new(to_vm, from_vm),
             Duration::from_secs(seconds.parse().expect("SECONDS")),
         ),
+        ["leaver", socket, to_vm, from_vm, seconds] => leaver(
+            socket,
+            Session::new(to_vm, from_vm),
+            Duration::from_secs(seconds.parse().expect("SECONDS")),
+        ),
         ["fragment", mib] => fragment(mib.parse().expect("MIB")),
         ["sentinel", seconds, mib] => sentinel(
             Duration::from_secs(seconds.parse().expect("SECONDS")),
             mib.parse().expect("MIB"),
         ),
         _ => {
-            eprintln!("usage: pin-check writer SOCKET TO_VM FROM_VM SECONDS | fragment MIB | sentinel SECONDS MIB");
+            eprintln!("usage: pin-check writer|leaver SOCKET TO_VM FROM_VM SECONDS | fragment MIB | sentinel SECONDS MIB");
             std::process::exit(2);
         }
     };
@@ -55,6 +62,16 @@ struct Session {
     to_vm: PathBuf,
     from_vm: PathBuf,
     read: usize,
+}
+
+impl TargetLines for Session {
+    fn send(&mut self, line: &str) {
+        Session::send(self, line)
+    }
+
+    fn receive(&mut self) -> String {
+        Session::receive(self)
+    }
 }
 
 impl Session {
@@ -100,77 +117,48 @@ fn read_lines(path: &Path) -> Vec<String> {
     }
 }
 
-fn field(line: &str, name: &str) -> u64 {
-    let value = line_field(line, name).unwrap_or_else(|| panic!("no {name} in {line}"));
-    let (digits, radix) = match value.strip_prefix("0x") {
-        Some(hex) => (hex, 16),
-        None => (value, 10),
-    };
-    u64::from_str_radix(digits, radix).unwrap_or_else(|_| panic!("{name} in {line}"))
-}
-
 fn writer(socket: &str, mut target: Session, seconds: Duration) -> bool {
-    let hello = target.receive();
-    let (rkey, va) = (field(&hello, "rkey") as u32, field(&hello, "va"));
-    let device = Device::open(socket).expect("attach to the backend");
-    let pd = device.alloc_pd().expect("alloc PD");
-    let cq = device.create_cq(64).expect("create CQ");
-    let qp = QueuePair::builder(QpType::Rc, &cq)
-        .max_send_wr(64)
-        .build(&pd)
-        .expect("create QP");
-    let source = device
-        .alloc_buffer(u64::from(CHUNK_LEN))
-        .expect("source buffer");
-    let mr = pd.reg_mr(&source, access::LOCAL_WRITE).expect("register");
-    target.send("rc");
-    let theirs = field(&target.receive(), "qpn") as u32;
-    target.send(&format!("connect {theirs} {}", qp.qp_num()));
-    assert_eq!(target.receive(), "ok", "the target connected");
-    let (gid_index, gid) = device.gid().expect("GID");
-    connect_guest_qp(&qp, gid_index as u8, gid, theirs).expect("connect");
-
-    // Each round's chunks lie one chunk further into their stretch of the target's buffer
-    // than the last round's: over the rounds every page is written and checked.
-    let length = field(&hello, "len");
-    let stride = length / CHUNKS;
-    let at = |round: u64, chunk: u64| chunk * stride + round * u64::from(CHUNK_LEN) % stride;
+    let writer = TargetWriter::connect(socket, &mut target);
     let (start, mut rounds, mut mismatches) = (Instant::now(), 0u64, 0u64);
     while start.elapsed() < seconds {
-        for chunk in 0..CHUNKS {
-            let seed = rounds * CHUNKS + chunk;
-            source
-                .write(0, &test_pattern(CHUNK_LEN as usize, seed))
-                .expect("fill the source");
-            let write = SendOp::RdmaWrite {
-                remote_addr: va + at(rounds, chunk),
-                rkey,
-            };
-            let sge = [Sge {
-                addr: source.addr(),
-                length: CHUNK_LEN,
-                lkey: mr.lkey(),
-            }];
-            qp.post_send(&[SendWr::new(seed, write, Payload::Sges(&sge))])
-                .expect("post the WRITE");
-            let done = wait_for_guest_completions(&cq, 1);
-            assert!(done[0].is_success(), "WRITE {seed}: {:?}", done[0]);
-        }
-        for chunk in 0..CHUNKS {
-            let seed = rounds * CHUNKS + chunk;
-            target.send(&format!("expect {} {CHUNK_LEN} {seed}", at(rounds, chunk)));
-        }
-        for chunk in 0..CHUNKS {
-            let answer = target.receive();
-            if answer != "ok" {
-                mismatches += 1;
-                println!("round {rounds} chunk {chunk}: {answer}");
-            }
-        }
+        mismatches += writer.round(&mut target, rounds);
         rounds += 1;
     }
     println!("done rounds={rounds} mismatches={mismatches}");
     mismatches == 0 && rounds > 0
+}
+
+/// A checked round into the target, then `leave`: the target punches holes in and truncates
+/// all the memory it shared; for `seconds` WRITEs go into the buffer it punched (its objects
+/// still stand: each must succeed, and lands where the device was told, not in a frame the
+/// kernel gave back); then the target unmaps it all and exits, and WRITEs go on until one
+/// fails (the service destroyed what the program held).
+fn leaver(socket: &str, mut target: Session, seconds: Duration) -> bool {
+    let writer = TargetWriter::connect(socket, &mut target);
+    let mismatches = writer.round(&mut target, 0);
+    target.send("leave");
+    assert_eq!(target.receive(), "punched", "the target punched its memory");
+    let (start, mut punched_writes) = (Instant::now(), 0u64);
+    while start.elapsed() < seconds {
+        let offset = punched_writes * u64::from(CHUNK_LEN) % writer.length;
+        let done = writer.write(offset, punched_writes);
+        assert!(done.is_success(), "WRITE into punched memory: {done:?}");
+        punched_writes += 1;
+    }
+    target.send("exit");
+    let mut writes = 0u64;
+    let ended = loop {
+        let done = writer.write((writes * u64::from(CHUNK_LEN)) % writer.length, writes);
+        if !done.is_success() {
+            break format!("status {}", done.status);
+        }
+        writes += 1;
+        if writes == 100_000 {
+            break "never".into();
+        }
+    };
+    println!("done mismatches={mismatches} writes-into-punched-memory={punched_writes} writes-after-it-left={writes} ended={ended}");
+    mismatches == 0 && ended != "never"
 }
 
 fn fragment(mib: usize) -> bool {
