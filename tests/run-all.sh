@@ -26,8 +26,10 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 
-step "cargo clippy"
+step "cargo clippy (the workspace and the fuzz targets), rustdoc's links"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --manifest-path fuzz/Cargo.toml --all-targets -- -D warnings
+cargo doc --workspace --no-deps --locked --quiet
 
 step "build the binaries, link vrdma's libibverbs.so.1 (for the unmodified-program tests)"
 # Before any test: integration tests run the backend binary and these programs as processes.

@@ -149,13 +149,15 @@ impl CmChannel {
     /// # Safety
     /// `raw` is an unacknowledged event of this channel.
     unsafe fn copy_event(self: &Arc<Self>, raw: &rdma_cm_event) -> CmEvent {
-        let key_of = |id: *mut rdma_cm_id| (*id).context as u64;
+        // SAFETY: the ids of an unacknowledged event are alive (the function's contract).
+        let key_of = |id: *mut rdma_cm_id| unsafe { (*id).context } as u64;
         let is_request = raw.event == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST;
         let (key, new_id) = match NonNull::new(raw.listen_id) {
             Some(listen_id) if is_request => {
                 let new_id = NonNull::new(raw.id).map(|id| {
                     // Until the device keys it, none of its events can be routed.
-                    (*id.as_ptr()).context = std::ptr::null_mut();
+                    // SAFETY: the request's new id is alive and not yet known to anyone else.
+                    unsafe { (*id.as_ptr()).context = std::ptr::null_mut() };
                     CmId {
                         raw: id,
                         _channel: Arc::clone(self),
@@ -165,7 +167,8 @@ impl CmChannel {
             }
             _ => (key_of(raw.id), None),
         };
-        let ud = (*raw.id).ps == rdma_port_space::RDMA_PS_UDP
+        // SAFETY: the event's id is alive (the function's contract).
+        let ud = unsafe { (*raw.id).ps } == rdma_port_space::RDMA_PS_UDP
             && matches!(
                 raw.event,
                 rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST
@@ -174,10 +177,11 @@ impl CmChannel {
         let copy = |data: *const c_void, len: u8| match data.is_null() {
             true => Vec::new(),
             // SAFETY: librdmacm gives `len` bytes at `data`, valid until the ack.
-            false => std::slice::from_raw_parts(data.cast::<u8>(), len.into()).to_vec(),
+            false => unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len.into()) }.to_vec(),
         };
         let (param, ud_ah) = if ud {
-            let ud = &raw.param.ud;
+            // SAFETY: a UD id's CONNECT_REQUEST and ESTABLISHED events carry `param.ud`.
+            let ud = unsafe { &raw.param.ud };
             let param = ConnParam {
                 qp_num: ud.qp_num,
                 qkey: ud.qkey,
@@ -186,7 +190,8 @@ impl CmChannel {
             };
             (param, Some(AhAttr::from(&ud.ah_attr)))
         } else {
-            let conn = &raw.param.conn;
+            // SAFETY: every other event carries `param.conn` (zeroed where it has none).
+            let conn = unsafe { &raw.param.conn };
             let param = ConnParam {
                 responder_resources: conn.responder_resources,
                 initiator_depth: conn.initiator_depth,

@@ -1,5 +1,5 @@
 //! Connection management (SPEC.md §13): CM ids the device runs the host's connection manager
-//! with, on this driver's own address. Events come as [`DeviceEvent::CmEvent`] naming the id;
+//! with, on this driver's own address. Events come as [`crate::work::DeviceEvent::CmEvent`] naming the id;
 //! [`CmId::get_event`] takes them.
 
 use std::net::SocketAddrV4;

@@ -2,7 +2,7 @@
 //! both buffers registered at IOVAs unrelated to their host addresses (as a guest's VAs will
 //! be). Prints round-trip latency; the demo runs it beside native `ibv_rc_pingpong`.
 //!
-//! usage: rc-pingpong [ITERATIONS] [SIZE]
+//! usage: `rc-pingpong [ITERATIONS] [SIZE]`
 
 use std::sync::Arc;
 use std::time::Instant;
