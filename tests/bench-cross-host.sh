@@ -49,7 +49,7 @@ perftest() {
       [ "$(timeout 400 busybox nc -l -p "$verdict_port" </dev/null)" = again ] || return 0
       continue
     fi
-    verdict=done
+    verdict="done"
     for _ in $(seq 60); do
       output=$(timeout 300 "${run[@]}" "ib_$test" "${args[@]}" -p "$run_port" "$peer" 2>&1) && break
       grep -q "Couldn't connect\|Unable to open file descriptor" <<<"$output" || break

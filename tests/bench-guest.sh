@@ -30,8 +30,8 @@ export VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs"
 # calibration is noisy ("Can't produce a report", or a latency of "inf"), as full emulation
 # sometimes makes it: up to three tries.
 perftest() { # DEVICE TEST SIZE ITERS COLUMN
-  local try result
-  for try in 1 2 3; do
+  local result
+  for _ in 1 2 3; do
     result=$(perftest_once "$@")
     [[ "$result" =~ ^[0-9]+(\.[0-9]+)?$ ]] && break
     result=

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by tests/bench-guest.sh (rxe0, in the benchmark guest) and tests/demo.sh (the
 # loopback host, on this machine's real cores): instructions_per_wqe.
 # Instructions per WQE: a backend under callgrind that counts only inside the

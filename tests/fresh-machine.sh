@@ -31,8 +31,8 @@ log() { echo "fresh-machine: $*" >&2; }
 # dpkg's log (rotated parts too, oldest first) from $since on: "install P <none> V" is a
 # package that was not on the machine before; "upgrade P OLD NEW" one that was, at OLD.
 dpkg_log_since() {
-  local f
-  for f in $(ls -r /var/log/dpkg.log* 2>/dev/null); do zcat -f "$f"; done |
+  local logs=(/var/log/dpkg.log*) i
+  for ((i = ${#logs[@]} - 1; i >= 0; i--)); do [ -e "${logs[i]}" ] && zcat -f "${logs[i]}"; done |
     awk -v since="$since" '($1 " " $2) >= since'
 }
 

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the test scripts.
 # wait_until_listening PORT [SECONDS] returns once a TCP socket
 # listens on PORT (at most SECONDS, 60 by default; 1 if none did). ibv_*_pingpong and perftest

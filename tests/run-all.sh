@@ -31,6 +31,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy --manifest-path fuzz/Cargo.toml --all-targets -- -D warnings
 cargo doc --workspace --no-deps --locked --quiet
 
+step "shellcheck (the test, build and packaging scripts; .shellcheckrc)"
+git ls-files -z '*.sh' .ci/run | xargs -0 shellcheck -S warning
+
 step "build the binaries, link vrdma's libibverbs.so.1 (for the unmodified-program tests)"
 # Before any test: integration tests run the backend binary and these programs as processes.
 cargo build --workspace --bins --examples --locked

@@ -1,4 +1,5 @@
 #!/bin/busybox sh
+# shellcheck shell=dash
 # PID 1 of the test guest. Loads the modules the initramfs carries, mounts the machine's root
 # (read-only 9p) and the run's results folder (writable 9p, mounted at the same path it has on
 # the machine), brings up rdma_rxe on a veth, runs the command and records its exit code.

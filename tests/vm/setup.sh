@@ -42,6 +42,8 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
   libfabric-bin
   # to count the backend's instructions per WQE in the benchmark (callgrind)
   valgrind
+  # the test command's check of the shell scripts (tests/run-all.sh)
+  shellcheck
   # libvirt, which starts the nested VM in the rxe guest (tests/vm/libvirtd.sh)
   libvirt-daemon-system libvirt-clients
   # the clean Debian system the packages are installed on (tests/vm/clean-root.sh)
@@ -146,7 +148,7 @@ verify_setup() {
   local tool
   for tool in rdma:iproute2 ibv_devinfo:ibverbs-utils ib_write_bw:perftest busybox:busybox-static \
     cpio:cpio depmod:kmod valgrind:valgrind ninja:ninja-build ucx_perftest:ucx-utils \
-    fi_pingpong:libfabric-bin \
+    fi_pingpong:libfabric-bin shellcheck:shellcheck \
     mpirun:openmpi-bin mpicc:libopenmpi-dev \
     libvirtd:libvirt-daemon-system virsh:libvirt-clients debootstrap:debootstrap; do
     command -v "${tool%%:*}" >/dev/null || [ -x "/sbin/${tool%%:*}" ] ||
