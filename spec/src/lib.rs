@@ -15,6 +15,7 @@ pub mod config;
 pub mod ctrl;
 pub mod mem;
 pub mod ring;
+pub mod service;
 pub mod verbs;
 
 pub use vm_memory::endian::{Le16, Le32, Le64};
