@@ -25,6 +25,7 @@ package() {
   local name=$1 depends=$2 description=$3 recommends=${4:-} root=$work/$1
   mkdir -p "$root/DEBIAN" "$root/usr/share/doc/$name"
   cp README.md "$root/usr/share/doc/$name/"
+  cp -r docs "$root/usr/share/doc/$name/"
   if [ -d "$root/etc" ]; then
     (cd "$root" && find etc -type f | sed 's|^|/|') >"$root/DEBIAN/conffiles"
   fi

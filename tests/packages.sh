@@ -27,9 +27,11 @@ expect "$backend" /usr/bin/vhost-user-rdma /usr/bin/vrdmactl \
   /lib/systemd/system/vrdma-backend.service /usr/lib/sysusers.d/vrdma-backend.conf \
   /usr/lib/tmpfiles.d/vrdma-backend.conf \
   /etc/vrdma/guests.toml /etc/default/vrdma-backend /usr/share/doc/vrdma-backend/README.md \
+  /usr/share/doc/vrdma-backend/docs/operating.md \
   /usr/share/doc/vrdma-backend/examples/vrdma-vm.xml
 expect "$guest" /usr/lib/vrdma/libibverbs.so.1 /usr/lib/vrdma/librdmacm.so.1 /usr/lib/vrdma/vrdma-run /usr/bin/vrdma-run \
   /usr/sbin/vrdmad /lib/systemd/system/vrdmad.service /usr/lib/sysusers.d/vrdma.conf \
+  /usr/share/doc/vrdma-guest/README.md /usr/share/doc/vrdma-guest/docs/vm.md \
   /usr/lib/udev/rules.d/60-vrdma.rules /usr/lib/modules-load.d/vrdma-pin.conf \
   "/usr/src/vrdma-pin-$version/vrdma_pin.c" "/usr/src/vrdma-pin-$version/dkms.conf"
 [ "$(dpkg-deb -f "$guest" Recommends)" = "dkms, linux-headers-amd64" ] ||

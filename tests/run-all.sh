@@ -46,7 +46,7 @@ cargo test --workspace --locked
 step "the Debian packages: built (release), their contents, scripts and dependencies checked"
 tests/packages.sh
 
-step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in README)"
+step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in docs/testing.md)"
 fuzz/run.sh "${VRDMA_FUZZ_SECONDS:-4}"
 
 step "a VM with the vrdma PCI device, served by the loopback host on this machine (about a minute)"

@@ -16,7 +16,7 @@ use crate::hostverbs::DeviceAttr;
 /// that 64 guests at their quotas stay within the host's limits: the host provider maps two
 /// queue buffers per QP and one per CQ or SRQ into the backend (`vm.max_map_count`, 65,530 by
 /// default, bounds them all), and its queue buffers cost up to ten times the guest's ring
-/// bytes on rxe (README: Quotas).
+/// bytes on rxe (docs/operating.md: Quotas).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Quotas {
     pub max_qp: u32,

@@ -18,8 +18,8 @@ struct Args {
     #[arg(long, required_unless_present_any = ["check", "config"], conflicts_with = "config")]
     socket_path: Option<std::path::PathBuf>,
     /// Serve the guests this file declares, each on its own socket with its own address,
-    /// quotas and rate limits (README: "Many guests, one backend"); the other options are
-    /// their defaults.
+    /// quotas and rate limits (docs/operating.md: "Many guests, one backend"); the other
+    /// options are their defaults.
     #[arg(long, conflicts_with_all = ["check", "guest_ip"])]
     config: Option<std::path::PathBuf>,
     /// Host RDMA device that serves the guests; `loopback` is the backend's own software

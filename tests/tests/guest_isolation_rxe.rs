@@ -457,7 +457,7 @@ fn a_guest_failing_qps_in_a_loop_logs_within_its_budget() {
 }
 
 /// Finding: one guest could hold about 530 descriptors (509 memory regions), not the 20 README
-/// said, so 8 to 10 guests exhausted a limit of 4,096; the backend once failed to prepare the
+/// then said, so 8 to 10 guests exhausted a limit of 4,096; the backend once failed to prepare the
 /// next connection for want of them, and a connection whose vring worker got no exit event
 /// then never released its objects. Memory regions now have a per-guest quota, the exit
 /// events are made with the connection's backend, and the backend reserves what its guests

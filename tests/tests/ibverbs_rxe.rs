@@ -703,7 +703,7 @@ fn rdma_between_two_vrdma_programs_under_a_cpu_hog_completes_without_remote_erro
     //
     // The QPs wait 4 s for an acknowledgement (-u 20) instead of perftest's 67 ms: rxe's
     // retransmission of large messages itself completes them with these errors, natively
-    // too (`ib_write_bw -a -q 8 -u 4` between two native programs, README), and an
+    // too (`ib_write_bw -a -q 8 -u 4` between two native programs, docs/programs.md), and an
     // emulated machine this loaded takes longer than 67 ms to acknowledge 4 MiB.
     let backend = start_backend();
     let socket = backend.socket.to_str().unwrap();
@@ -885,8 +885,8 @@ fn mpirun(program: &CProgram, wrapper: &[&str], env: &[(&str, &str)]) {
 /// ranks of one host talk through shared memory).
 ///
 /// UCX 1.13 needs one setting on rxe0 whatever the device: `UCX_UD_VERBS_ETH_DGID_CHECK=n`
-/// (README: UCX), without which natively too every rank dies in a UD timeout. The test
-/// checks that rxe0 passes with it, and gives vrdma0 exactly that. About 40 s in the guest.
+/// (docs/programs.md: UCX), without which natively too every rank dies in a UD timeout. The
+/// test checks that rxe0 passes with it, and gives vrdma0 exactly that. About 40 s in the guest.
 #[test]
 fn open_mpi_over_ucx_runs_on_vrdma0_with_what_rxe0_needs() {
     let program = CProgram::build_with("mpicc", "mpi_check", &[]);
@@ -1238,16 +1238,17 @@ impl Drop for RdmaCoreSuite {
     }
 }
 
-/// The cases README's "rdma-core's test suite" table excuses on vrdma0, each named in
-/// backquotes in a row's first cell.
-fn readme_suite_exceptions() -> BTreeSet<String> {
-    let readme =
-        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
-            .expect("read README.md");
-    let section = readme
+/// The cases docs/programs.md's "rdma-core's test suite" table excuses on vrdma0, each named
+/// in backquotes in a row's first cell.
+fn documented_suite_exceptions() -> BTreeSet<String> {
+    let programs_doc = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/programs.md"),
+    )
+    .expect("read docs/programs.md");
+    let section = programs_doc
         .split("\n### rdma-core's test suite")
         .nth(1)
-        .expect("README has a section \"rdma-core's test suite\"");
+        .expect("docs/programs.md has a section \"rdma-core's test suite\"");
     let section = section.split("\n#").next().unwrap_or(section);
     section
         .lines()
@@ -1260,8 +1261,8 @@ fn readme_suite_exceptions() -> BTreeSet<String> {
 }
 
 /// Issue #32's yardstick: rdma-core's own tests pass on vrdma0 every case they pass on
-/// rxe0 in the same guest run, but those README lists with a reason; and each listed
-/// exception is still one (vrdma0 does not pass it).
+/// rxe0 in the same guest run, but those docs/programs.md lists with a reason; and each
+/// listed exception is still one (vrdma0 does not pass it).
 #[test]
 #[ignore = "needs rdma_rxe and python3-pyverbs: run by tests/run-all.sh inside the VM harness"]
 fn rdma_core_test_suite_passes_on_vrdma0_every_case_it_passes_on_rxe0() {
@@ -1280,9 +1281,9 @@ fn rdma_core_test_suite_passes_on_vrdma0_every_case_it_passes_on_rxe0() {
         (vrdma, suite.run_as_nobody(&vrdma_args, &service.target()))
     };
     let (on_rxe, on_vrdma) = (native.passes(), vrdma.passes());
-    let excused = readme_suite_exceptions();
+    let excused = documented_suite_exceptions();
     println!(
-        "rdma-core's suite: {} cases; rxe0 passes {}, vrdma0 passes {} ({} excused in README)",
+        "rdma-core's suite: {} cases; rxe0 passes {}, vrdma0 passes {} ({} excused in docs/programs.md)",
         native.outcomes.len(),
         on_rxe.len(),
         on_vrdma.len(),
@@ -1295,7 +1296,7 @@ fn rdma_core_test_suite_passes_on_vrdma0_every_case_it_passes_on_rxe0() {
         .collect();
     assert!(
         unexcused.is_empty(),
-        "passed on rxe0, not on vrdma0, not in README:\n{}",
+        "passed on rxe0, not on vrdma0, not in docs/programs.md:\n{}",
         unexcused.join("\n")
     );
     // (Whether rxe0 passes an excused case is not checked: some cases draw random values,
@@ -1306,7 +1307,7 @@ fn rdma_core_test_suite_passes_on_vrdma0_every_case_it_passes_on_rxe0() {
         .collect();
     assert!(
         stale.is_empty(),
-        "README excuses cases that vrdma0 passes: {stale:?}"
+        "docs/programs.md excuses cases that vrdma0 passes: {stale:?}"
     );
     let on_service = served.passes();
     println!(

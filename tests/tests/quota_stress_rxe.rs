@@ -1,7 +1,7 @@
 //! 64 guests, each holding everything its default quotas allow, against one backend process on
-//! rxe: the backend's memory and mapping count stay within the bounds README states, every
-//! request past a quota is refused with NO_RESOURCES by the rule for it, and every guest is
-//! still served. Runs inside the VM harness.
+//! rxe: the backend's memory and mapping count stay within the bounds docs/operating.md states,
+//! every request past a quota is refused with NO_RESOURCES by the rule for it, and every guest
+//! is still served. Runs inside the VM harness.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -18,23 +18,24 @@ const GUESTS: usize = 64;
 /// Processes the guests live in (32 each): the guest side works in parallel.
 const PROCESSES: usize = 2;
 
-/// README's bound on the backend's mappings: the host provider maps two queue buffers per QP
-/// and one per CQ or SRQ; a guest connection adds a few more (its threads, its memory table).
+/// docs/operating.md's bound on the backend's mappings: the host provider maps two queue
+/// buffers per QP and one per CQ or SRQ; a guest connection adds a few more (its threads, its
+/// memory table).
 fn mapping_bound(quotas: &Quotas, guests: usize) -> usize {
     let per_guest = 2 * quotas.max_qp + quotas.max_cq + quotas.max_srq + 16;
     2_000 + guests * per_guest as usize
 }
 
-/// README's bound on the memory the backend itself holds (RssAnon + RssFile, KiB): its heap
-/// (< 2 MiB per guest) and the host provider's queue buffers, which rxe makes up to ten
-/// times the guest's ring bytes.
+/// docs/operating.md's bound on the memory the backend itself holds (RssAnon + RssFile, KiB):
+/// its heap (< 2 MiB per guest) and the host provider's queue buffers, which rxe makes up to
+/// ten times the guest's ring bytes.
 fn own_memory_bound_kib(quotas: &Quotas, guests: usize) -> u64 {
     let per_guest = 10 * quotas.max_ring_bytes + (2 << 20);
     ((64 << 20) + guests as u64 * per_guest) >> 10
 }
 
-/// README's bound on the guest memory mapped in the backend (RssShmem, KiB): rings and
-/// registered pages, which are the guests' memory, shared and counted here again.
+/// docs/operating.md's bound on the guest memory mapped in the backend (RssShmem, KiB): rings
+/// and registered pages, which are the guests' memory, shared and counted here again.
 fn guest_memory_bound_kib(quotas: &Quotas, guests: usize) -> u64 {
     (guests as u64 * (quotas.max_ring_bytes + quotas.max_registered_bytes)) >> 10
 }
@@ -55,8 +56,8 @@ fn memory_kib(pid: u32) -> BTreeMap<String, u64> {
         .collect()
 }
 
-/// README's bound on the backend's threads: four per guest connection, the poller pool and a
-/// few of its own.
+/// docs/operating.md's bound on the backend's threads: four per guest connection, the poller
+/// pool and a few of its own.
 fn thread_bound(guests: usize) -> usize {
     16 + 4 * guests
 }

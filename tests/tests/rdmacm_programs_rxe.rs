@@ -258,7 +258,8 @@ fn perftest_connects_with_rdma_cm_on_vrdma() {
     // perftest's client makes its test connection as soon as the parameters are exchanged
     // over a first one, and fails (and crashes) when the server has not listened again by
     // then: vrdma's librdmacm keeps a destroyed listener listening for the server's next
-    // bind to take over (README), as its create_id, bind and listen are slower than native.
+    // bind to take over (docs/programs.md), as its create_id, bind and listen are slower than
+    // native.
     for test in ["ib_write_lat", "ib_send_bw", "ib_read_bw"] {
         for (server, client) in [
             (On::Native, On::Vrdma(&a)),
