@@ -348,6 +348,14 @@ fn a_program_that_punches_truncates_and_unmaps_its_memory_and_exits_ends_only_it
     wait_for_host_counts(&baseline);
 }
 
+/// Tests that start programs as another user run as root, as CI runs them.
+fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test starts programs as another user: run it as root");
+    }
+}
+
 /// A command that runs as user `nobody` in group `nogroup` (65534) and no other (std drops
 /// root's supplementary groups with its user).
 fn as_nobody(mut command: Command) -> Command {
@@ -357,11 +365,7 @@ fn as_nobody(mut command: Command) -> Command {
 
 #[test]
 fn unprivileged_programs_use_rdma_through_the_service_and_others_cannot_reach_it() {
-    // Run as root, as CI does, the test drops to nobody for the programs.
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        panic!("this test starts programs as another user: run it as root");
-    }
+    require_root();
     let backend = start_backend();
     let service = ServiceProcess::start(&backend.socket, &["--group", "nogroup"]);
     let target = service.target();
@@ -494,10 +498,7 @@ fn nobody_holding(endpoint: &Path, target: &str) -> (Child, BufReader<ChildStdou
 /// four programs of one process took all of the device's PDs.)
 #[test]
 fn one_users_silent_connections_and_many_programs_leave_other_users_their_share() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        panic!("this test starts programs as another user: run it as root");
-    }
+    require_root();
     let backend = start_backend();
     let service = ServiceProcess::start(&backend.socket, &["--group", "nogroup"]);
     let target = service.target();
@@ -711,10 +712,7 @@ fn registrations(mut command: Command, mib: &[&str]) -> String {
 /// ENOMEM. (Before, the service locked up to 1 GiB for any program of any user.)
 #[test]
 fn registering_past_rlimit_memlock_or_the_users_share_fails_with_enomem() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        panic!("this test starts programs as another user: run it as root");
-    }
+    require_root();
     let backend = start_backend();
     // 256 MiB locked at most, 64 MiB for each user.
     let service = ServiceProcess::start(
