@@ -118,14 +118,27 @@ const LOCK_DIR_MODE: u32 = 0o3770;
 
 /// Makes `dir` the claims folder of `group` (see [`lock_dir_for`]), if it is not yet closed
 /// to other users; fails where it is open to them and this process may not change that.
+/// Root preparing the folder for another group (a backend that starts as root and serves as
+/// `--user`) gives it, and the claims in it, to that group: claims root made before (its
+/// declared guests', an earlier backend's) would otherwise keep the serving user from
+/// claiming a GID for a guest added at run time. Backends that serve as different users
+/// share the folder only through one group (the packages' `vrdma`).
 fn close_to_others(dir: &Path, group: nix::unistd::Gid) -> io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(dir)?;
-    if meta.mode() & 0o007 == 0 {
+    let to_group =
+        nix::unistd::geteuid().is_root() && group.as_raw() != 0 && meta.gid() != group.as_raw();
+    if meta.mode() & 0o007 == 0 && !to_group {
         return Ok(());
     }
     nix::unistd::chown(dir, None, Some(group)).map_err(io::Error::from)?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(LOCK_DIR_MODE))
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(LOCK_DIR_MODE))?;
+    if to_group {
+        for claim in std::fs::read_dir(dir)?.flatten() {
+            nix::unistd::chown(&claim.path(), None, Some(group)).map_err(io::Error::from)?;
+        }
+    }
+    Ok(())
 }
 
 /// Opens the lock file for reading (all flock needs), making it if missing.
@@ -175,6 +188,31 @@ mod tests {
         std::fs::remove_dir(&dir).unwrap();
         let made = lock_dir();
         assert_eq!(std::fs::metadata(made).unwrap().mode() & 0o007, 0);
+    }
+
+    /// Finding: a backend started as root claimed its declared guests' GIDs in a folder of
+    /// root's group, so once it served as `--user`, a guest added at run time could not claim
+    /// its GID ("Permission denied"). Root preparing the folder for the serving user's group
+    /// now gives the folder and its claims to that group.
+    #[test]
+    fn root_gives_the_claims_folder_and_its_claims_to_the_serving_group() {
+        use std::os::unix::fs::MetadataExt;
+        assert!(nix::unistd::geteuid().is_root(), "run as root, as CI does");
+        let dir = std::env::temp_dir().join(format!("vrdma-claims-root-{}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap();
+        let root = nix::unistd::Gid::from_raw(0);
+        close_to_others(&dir, root).unwrap();
+        let claim = dir.join("gid-test-1-0.lock");
+        open_lock_file(&claim).unwrap();
+        assert_eq!(std::fs::metadata(&claim).unwrap().gid(), 0);
+        let nogroup = nix::unistd::Gid::from_raw(65534);
+        close_to_others(&dir, nogroup).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().gid(), 65534);
+        assert_eq!(std::fs::metadata(&claim).unwrap().gid(), 65534);
+        // Root's own backends leave a serving group's folder as it is: root opens any claim.
+        close_to_others(&dir, root).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().gid(), 65534);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

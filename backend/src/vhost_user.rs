@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
@@ -76,7 +76,35 @@ pub struct RdmaBackend {
     control_queue: Option<Vring>,
     kicks: KickThrottle,
     /// The front end asked for the device's features, as every front end does first.
-    greeted: Arc<AtomicBool>,
+    greeted: Arc<Greeting>,
+}
+
+/// Whether a connection's front end has spoken; its watchdog ([`close_if_silent`]) sleeps on
+/// it and ends as soon as it has, so that no thread outlives a greeting.
+#[derive(Default)]
+struct Greeting {
+    greeted: Mutex<bool>,
+    spoken: std::sync::Condvar,
+}
+
+impl Greeting {
+    fn mark(&self) {
+        let mut greeted = self.greeted.lock().unwrap_or_else(|e| e.into_inner());
+        if !*greeted {
+            *greeted = true;
+            self.spoken.notify_all();
+        }
+    }
+
+    /// Waits at most `timeout` for the greeting; whether it came.
+    fn wait(&self, timeout: std::time::Duration) -> bool {
+        let greeted = self.greeted.lock().unwrap_or_else(|e| e.into_inner());
+        let (greeted, _) = self
+            .spoken
+            .wait_timeout_while(greeted, timeout, |greeted| !*greeted)
+            .unwrap_or_else(|e| e.into_inner());
+        *greeted
+    }
 }
 
 /// Kicks no poller asked for (none was asleep, SPEC.md §8.5) are wasted work: a wake-up of
@@ -317,7 +345,7 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn features(&self) -> u64 {
-        self.greeted.store(true, Ordering::Release);
+        self.greeted.mark();
         self.device.offered_features()
             | 1 << VIRTIO_F_VERSION_1
             | 1 << VIRTIO_RING_F_EVENT_IDX
@@ -801,8 +829,7 @@ fn close_if_silent(
 ) {
     let greeted = Arc::clone(&backend.read().unwrap_or_else(|e| e.into_inner()).greeted);
     let watch = move || {
-        std::thread::sleep(timeout);
-        if !greeted.load(Ordering::Acquire) {
+        if !greeted.wait(timeout) {
             log::warn!(
                 "connection {connection}: the front end said nothing for {timeout:?} (no GET_FEATURES): closed"
             );
@@ -810,7 +837,7 @@ fn close_if_silent(
         }
     };
     if let Err(e) = std::thread::Builder::new()
-        .name(format!("vrdma-conn{connection}-hello"))
+        .name(format!("vrdma-hello{connection}"))
         .spawn(watch)
     {
         log::warn!("connection {connection}: no handshake timeout ({e})");

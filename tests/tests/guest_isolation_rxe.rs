@@ -965,3 +965,32 @@ fn a_silent_connection_does_not_keep_the_guest_out() {
     drop(silent);
     stop_alive(backend);
 }
+
+/// Finding: the handshake watchdog of each connection slept out the whole handshake time (10 s
+/// by default), greeted or not, so a backend under a burst of connections held a thread per
+/// connection for that long. It now ends when the front end speaks.
+#[test]
+fn a_front_end_that_speaks_leaves_no_handshake_watchdog_behind() {
+    let socket = socket("greeted");
+    let backend = spawn_backend_process(&socket, &["--handshake-timeout-ms", "60000"]);
+    let guest = served_guest(&socket);
+    guest.still_served(1);
+    let watchdogs = || {
+        std::fs::read_dir(format!("/proc/{}/task", backend.id()))
+            .unwrap()
+            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+            .filter(|name| name.starts_with("vrdma-hello"))
+            .count()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while watchdogs() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        watchdogs(),
+        0,
+        "a watchdog outlived its connection's greeting"
+    );
+    drop(guest);
+    stop_alive(backend);
+}
