@@ -7,6 +7,8 @@ use vrdma_guest::{
     SendOp, SendWr, Sge, SharedBuffer, WorkCompletion,
 };
 
+use std::time::{Duration, Instant};
+
 use crate::{connect_guest_qp, line_field, test_pattern, wait_for_guest_completions};
 
 /// Chunks written and checked each round, spread over the target's buffer.
@@ -86,6 +88,27 @@ impl TargetWriter {
 
     /// RDMA-WRITEs the pattern of `seed` at `offset` of the target's buffer; its completion.
     pub fn write(&self, offset: u64, seed: u64) -> WorkCompletion {
+        self.post_write(offset, seed);
+        wait_for_guest_completions(&self.cq, 1)[0]
+    }
+
+    /// As [`TargetWriter::write`], waiting at most `wait` for the completion: a WRITE to a QP
+    /// that is gone completes only once the NIC's retries are spent (with an error), which on
+    /// a real NIC may take longer than a test waits.
+    pub fn write_within(&self, offset: u64, seed: u64, wait: Duration) -> Option<WorkCompletion> {
+        self.post_write(offset, seed);
+        let deadline = Instant::now() + wait;
+        let mut done = [WorkCompletion::default()];
+        while Instant::now() < deadline {
+            if self.cq.poll(&mut done).expect("poll the CQ") == 1 {
+                return Some(done[0]);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        None
+    }
+
+    fn post_write(&self, offset: u64, seed: u64) {
         self.source
             .write(0, &test_pattern(CHUNK_LEN as usize, seed))
             .expect("fill the source");
@@ -101,7 +124,6 @@ impl TargetWriter {
         self.qp
             .post_send(&[SendWr::new(seed, write, Payload::Sges(&sge))])
             .expect("post the WRITE");
-        wait_for_guest_completions(&self.cq, 1)[0]
     }
 
     /// One round: CHUNKS writes spread over the target's buffer, one chunk further into their
