@@ -55,6 +55,23 @@ perftest_once() { # DEVICE TEST SIZE ITERS COLUMN
   wait $server || true
 }
 
+# UCX's active-message latency over rc_verbs (ucx_perftest at UCX's transport layer, as Open
+# MPI's UCX runs it) on DEVICE (rxe0, or vrdma0 through vrdma-run); prints the client's typical
+# latency in us. UCX polls its receive and send CQs in turn, never arming them, and its
+# receives come from an SRQ: a pattern perftest does not have. Both ends name the device
+# (ucx_perftest's server takes the client's parameters, its device too).
+ucx_am_lat() { # DEVICE ITERS
+  local run=() port=13377
+  [ "$1" = vrdma0 ] && run=("$vrdma_run" --device "$vrdma_socket" --)
+  "${run[@]}" ucx_perftest -d "$1:1" -x rc_verbs -t am_lat -s $lat_size -n "$2" -p $port >/tmp/ucx-server.log 2>&1 &
+  local server=$!
+  wait_until_listening $port || true # the client then says why it could not connect
+  # "Final: ITERATIONS TYPICAL AVERAGE OVERALL ...", latencies in us.
+  timeout 120 "${run[@]}" ucx_perftest -d "$1:1" -x rc_verbs -t am_lat -s $lat_size -n "$2" -p $port 127.0.0.1 |
+    awk '$1 == "Final:" {print $3; exit}'
+  wait $server || true
+}
+
 # Prints the table row of TEST from its native and vrdma results (empty when perftest gave
 # none, which counts as a failure).
 row() { # TEST SIZE UNIT NATIVE VRDMA
@@ -86,6 +103,9 @@ failures=0
     fi
     row $test $size $unit "$n" "$v"
   done
+  ucx_iters=${VRDMA_BENCH_UCX_ITERS:-$lat_iters}
+  row "ucx_perftest rc_verbs am_lat" $lat_size us "$(ucx_am_lat rxe0 $ucx_iters)" \
+    "$(ucx_am_lat vrdma0 $ucx_iters)"
   echo
   echo "Backend CPU per WQE (write_bw, ${bw_size}-byte writes; user + system time of the backend process, busy polling included, so an upper bound): ${cpu_per_wqe:-n/a} us"
 }

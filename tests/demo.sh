@@ -56,6 +56,8 @@ table=$(awk '/^\|/ { if (gap && seen) print ""; print; seen = 1; gap = 0; next }
     "the full operation for read/atomic); bandwidth is the average for 64 KiB messages." \
     "Both columns run the same unmodified perftest binaries: natively on rxe0, and on vrdma0" \
     "through vrdma's libibverbs.so.1 (vrdma-run), guest-lib over the vhost-user backend." \
+    "The ucx_perftest row is UCX's typical active-message latency over its rc_verbs transport" \
+    "(half the round trip, 8 bytes), the same unmodified binary on rxe0 and on vrdma0." \
     "Control-path timings compare the backend's host verbs layer with the same verbs through" \
     "guest-lib and the control queue; the scaling rows come from ctl-bench." \
     "The first registration over 4 KiB pages pays for the backend's page tables: the guest" \

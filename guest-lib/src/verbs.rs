@@ -47,6 +47,8 @@ struct DeviceInner {
     notify_area: SharedBuffer,
     doorbell_bitmap: SharedBuffer,
     kicks: AtomicU64,
+    /// Times a poll of an empty CQ gave up the CPU ([`Device::polling_yields`]).
+    yields: AtomicU64,
     /// The process that opened the device: only it may use it ([`crate::fork`]).
     opened_by: OpenedBy,
     /// The device is gone (its connection ended, it failed or was reset): requests, posts and
@@ -83,6 +85,7 @@ impl DeviceInner {
             notify_area,
             doorbell_bitmap,
             kicks: AtomicU64::new(0),
+            yields: AtomicU64::new(0),
             opened_by,
             lost: AtomicBool::new(false),
         }
@@ -451,6 +454,7 @@ impl Device {
                     depth,
                     index: 0,
                     empty_polls: 0,
+                    yielded_at: None,
                     receive_queues: HashMap::new(),
                 }),
                 arm_sequence: AtomicU32::new(0),
@@ -496,6 +500,12 @@ impl Device {
     /// Kicks this process has sent the device (doorbells it rang while a poller slept).
     pub fn kicks_sent(&self) -> u64 {
         self.inner.kicks.load(Ordering::Relaxed)
+    }
+
+    /// Times this process's polls of an empty CQ gave up the CPU (to let the device's poller
+    /// run where it shares the CPU: see [`CompletionQueue::poll`]).
+    pub fn polling_yields(&self) -> u64 {
+        self.inner.yields.load(Ordering::Relaxed)
     }
 
     /// Sets every bit of the doorbell bitmap and kicks every notification queue, whether or
@@ -718,6 +728,10 @@ struct CqConsumer {
     index: u32,
     /// Polls in a row that found nothing.
     empty_polls: u32,
+    /// When a poll that found nothing last gave up the CPU (or, before any did, found
+    /// nothing first). Not reset by completions: right after one, the program has just
+    /// posted its answer, often, and the poller that relays it may need this CPU.
+    yielded_at: Option<std::time::Instant>,
     /// The receive completions taken so far, by QP number, of each QP whose RQ completes
     /// here: a receive slot is free again once the device took its WQE, so the QP counts
     /// completions to refuse a post past `max_recv_wr` outstanding receives, as verbs does

@@ -202,12 +202,19 @@ fn write_sges(
     Ok(())
 }
 
-/// A program that busy-polls a CQ yields its CPU once every this many empty polls. The
-/// device's poller relays the program's WQEs and completions: where both share CPUs (a
-/// process attached directly to the backend on a busy host), a poll loop that never yields
-/// keeps the poller waiting for a scheduler slice per message. Every 64th empty poll costs a
-/// pure spin little.
+/// A program that busy-polls a CQ yields its CPU once every this many empty polls, and on
+/// an empty poll [`YIELD_AFTER_EMPTY_POLLING`] or more after its last yield. The device's poller relays the
+/// program's WQEs and completions: where both share CPUs (a process attached directly to the
+/// backend on a busy host, a VM's vCPUs), a poll loop that never yields keeps the poller
+/// waiting for a scheduler slice per message. Every 64th empty poll costs a pure spin little.
 const YIELD_EVERY_EMPTY_POLLS: u32 = 64;
+
+/// A count of polls alone says nothing of time: where each round of the program's loop is
+/// slow (UCX polls its receive and send CQs in turn, with its own work between; under
+/// emulation one poll costs microseconds), 64 of them held the poller off for hundreds of
+/// microseconds per message relayed (UCX's am_lat at 3x native in a VM, where perftest's
+/// send_lat was at 1.15x). Natively, 64 empty polls take less than this.
+const YIELD_AFTER_EMPTY_POLLING: std::time::Duration = std::time::Duration::from_micros(20);
 
 impl CompletionQueue {
     /// Moves up to `out.len()` new completions into `out`; returns how many. No call into
@@ -249,11 +256,18 @@ impl CompletionQueue {
                 .store(consumer.index, Ordering::Release);
         } else {
             consumer.empty_polls = consumer.empty_polls.wrapping_add(1);
-            if consumer.empty_polls.is_multiple_of(YIELD_EVERY_EMPTY_POLLS) {
+            let every = consumer.empty_polls.is_multiple_of(YIELD_EVERY_EMPTY_POLLS);
+            let now = std::time::Instant::now();
+            let since = *consumer.yielded_at.get_or_insert(now);
+            if every || now.duration_since(since) >= YIELD_AFTER_EMPTY_POLLING {
+                consumer.yielded_at = Some(now);
                 drop(consumer);
                 std::thread::yield_now();
+                cq.device.yields.fetch_add(1, Ordering::Relaxed);
+            }
+            if every {
                 // A program that only polls learns here that the device went away (its
-                // connection closed): a look without waiting, once per yield.
+                // connection closed): a look without waiting, once every 64 empty polls.
                 cq.device.look_for_loss()?;
             } else {
                 cq.device.check_data_path()?;
