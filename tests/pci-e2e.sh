@@ -13,8 +13,9 @@
 #              once beside a third pair whose client is killed with SIGKILL mid-stream (vrdmad
 #              destroys what it held); SIGKILL of the service under four programs asleep in
 #              ibv_get_cq_event and four polling ends each with an error (none hangs or
-#              reports success); a service restart ends a waiting program with an error and
-#              serves the next at once
+#              reports success), and what it pinned for them stays pinned until the next
+#              vrdmad has reset the device; a service restart ends a waiting program with an
+#              error and serves the next at once
 #     pinned   a program's 256 MiB buffer RDMA-written from here for 60 s, checked in the VM
 #              where the program reads it, while the VM compacts its memory in a loop and a
 #              sentinel program checks that none of the frames it is given is written
@@ -109,14 +110,24 @@ start_backend() {
   return 1
 }
 
-# wait_line FILE REGEX SECONDS: prints the first line of FILE matching REGEX, waiting for it.
+# vm_lost: whether the VM has ended, or its kernel failed (then its programs may hang until
+# the VM's timeout): nothing more will come from it, and no check should wait for it.
+vm_lost() {
+  [ -n "${vm:-}" ] || return 1
+  ! kill -0 "$vm" 2>/dev/null || grep -qE '\] (BUG: |Oops: |Kernel panic)' "$logs/vm.log"
+}
+
+# wait_line FILE REGEX SECONDS: prints the first line of FILE matching REGEX, waiting for it
+# (not past the VM's loss, after which one more look).
 wait_line() {
-  local file=$1 pattern=$2 start=$SECONDS line
+  local file=$1 pattern=$2 start=$SECONDS line lost=0
   while [ $((SECONDS - start)) -lt "$3" ]; do
     if [ -f "$file" ] && line=$(grep -m1 -E "$pattern" "$file"); then
       echo "$line"
       return 0
     fi
+    [ "$lost" = 1 ] && { echo "pci-e2e: the VM is lost (see its log), no '$pattern' in $file" >&2; return 1; }
+    vm_lost && lost=1
     sleep 0.5
   done
   echo "pci-e2e: no line matching '$pattern' in $file after $3 s" >&2
@@ -134,6 +145,17 @@ show_logs() {
     [ -s "$f" ] && { echo "--- $f" >&2; tail -n 20 "$f" >&2; }
   done
   return 1
+}
+
+# beside_vm COMMAND...: runs COMMAND, a peer of the VM's programs, ending it if the VM is lost.
+beside_vm() {
+  "$@" &
+  local peer=$!
+  while kill -0 "$peer" 2>/dev/null; do
+    vm_lost && { kill "$peer"; echo "pci-e2e: the VM is lost (see its log) under $1" >&2; }
+    sleep 0.5
+  done
+  wait "$peer"
 }
 
 # pair NAME COMMAND...: runs COMMAND here against the VM's program of session NAME; they
@@ -244,12 +266,17 @@ killed_program_reaped() {
   [ "$destroyed" -gt 0 ] && ! grep -q "program .*: destroying" "$exchange/vrdmad.log"
 }
 # Every program of killed.vm ended with an error (a status neither 0 nor `hung`) within
-# seconds of vrdmad's SIGKILL, and none printed the pingpong's result.
+# seconds of vrdmad's SIGKILL, and none printed the pingpong's result. What the dead vrdmad
+# pinned for them stayed pinned until the next one had reset the device.
 killed_service_ended_its_programs() {
-  local name rc seconds failed=0
+  local name rc seconds failed=0 dead reset
   wait_line "$exchange/killed.vm" '^end$' 900 >/dev/null || return 1
+  dead=$(awk '$1 == "held-dead" { print $2 }' "$exchange/killed.vm")
+  reset=$(awk '$1 == "held-reset" { print $2 }' "$exchange/killed.vm")
+  echo "pci-e2e:   pages held for the device: ${dead:-?} once its programs had ended, ${reset:-?} once the next vrdmad had reset it"
+  [ "${dead:-0}" -gt 0 ] && [ "$reset" = 0 ] || failed=1
   while read -r name rc seconds; do
-    [ "$name" = end ] && continue
+    [[ "$name" == end || "$name" == held-* ]] && continue
     echo "pci-e2e:   $name: status $rc, $seconds s after the kill"
     if [ "$rc" = hung ] || [ "$rc" = 0 ] || grep -q ' iters in ' "$exchange/$name.out"; then
       tail -n 3 "$exchange/$name.out" >&2
@@ -285,7 +312,7 @@ check_service() {
     perftest_pairs
   check "the third pair's client, killed with SIGKILL mid-stream: vrdmad destroyed all it held" \
     killed_program_reaped
-  check "vrdmad killed with SIGKILL under four programs asleep in ibv_get_cq_event and four polling: each ends with an error, none reports success" \
+  check "vrdmad killed with SIGKILL under four programs asleep in ibv_get_cq_event and four polling: each ends with an error, none reports success, their memory stays pinned until the device is reset" \
     killed_service_ended_its_programs
   check "a vrdmad restart ends a program waiting on it with an error, and the next program works" \
     service_restarted
@@ -320,7 +347,7 @@ check_users() {
 # --- part pinned: see tests/pci-guest.sh. 60 s of writes and checks while the VM compacts.
 compacted_under_writes() {
   local ok=0
-  "$bin/pin-check" writer "$socket" "$exchange/pinned.to-vm" "$exchange/pinned.from-vm" 60 \
+  beside_vm "$bin/pin-check" writer "$socket" "$exchange/pinned.to-vm" "$exchange/pinned.from-vm" 60 \
     >"$work/pinned.out" 2>"$work/pinned.err" || ok=1
   echo end >>"$exchange/pinned.to-vm"
   wait_line "$exchange/pinned.vm" '^end$' 300 >/dev/null || ok=1
@@ -337,11 +364,11 @@ check_pinned() {
 # --- part leaver: see tests/pci-guest.sh.
 left_badly() {
   local ok=0
-  "$bin/pin-check" leaver "$socket" "$exchange/leaver.to-vm" "$exchange/leaver.from-vm" 20 \
+  beside_vm "$bin/pin-check" leaver "$socket" "$exchange/leaver.to-vm" "$exchange/leaver.from-vm" 20 \
     >"$work/leaver.out" 2>"$work/leaver.err" || ok=1
   echo end >>"$exchange/leaver.to-vm"
   wait_line "$exchange/leaver.vm" '^end$' 300 >/dev/null || ok=1
-  "$bin/pin-check" writer "$socket" "$exchange/bystander.to-vm" "$exchange/bystander.from-vm" 5 \
+  beside_vm "$bin/pin-check" writer "$socket" "$exchange/bystander.to-vm" "$exchange/bystander.from-vm" 5 \
     >"$work/bystander.out" 2>"$work/bystander.err" || ok=1
   echo end >>"$exchange/bystander.to-vm"
   echo "pci-e2e: leaver: $(tail -n 1 "$work/leaver.out"); $(grep -E '^sentinel ' "$exchange/leaver.vm");" \

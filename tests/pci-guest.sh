@@ -251,7 +251,9 @@ idle_record() {
 # serves their rings, but no one serves their requests and events, and the next vrdmad
 # resets it, so each must end with an error (none hang, none report success). killed.vm: a
 # line `NAME RC SECONDS` per program, RC `hung` when it had not ended 120 s after the kill;
-# `end`. vrdmad is started again.
+# the pages the pinning module holds for the device once they have all ended (`held-dead N`:
+# the device may still write what the dead vrdmad pinned) and once vrdmad has started again
+# and reset the device (`held-reset N`); `end`.
 kill_record() {
   local i port name mode pids=() names=() killed rc
   for i in 0 1 2 3; do
@@ -283,8 +285,10 @@ kill_record() {
     [ "$rc" = hung ] && kill -9 "${pids[$i]}"
     echo "${names[$i]} $rc $((SECONDS - killed))" >>"$exchange/killed.vm"
   done
-  echo end >>"$exchange/killed.vm"
+  echo "held-dead $(</sys/module/vrdma_pin/parameters/held_pages)" >>"$exchange/killed.vm"
   start_service vrdmad-after-kill.log
+  echo "held-reset $(</sys/module/vrdma_pin/parameters/held_pages)" >>"$exchange/killed.vm"
+  echo end >>"$exchange/killed.vm"
 }
 
 # A service restart under a program waiting for an event (an unprivileged `sleep` program

@@ -6,6 +6,11 @@
  * allocated (a hole punched in a memfd frees it). A pin keeps both until it ends, so what the
  * device writes always lands in memory the process still owns, and never in a frame the
  * kernel gave to someone else. The interface is in vrdma_pin.h.
+ *
+ * A driver that dies leaves its objects on the device, which goes on writing their memory
+ * until the next driver resets it (SPEC.md section 9). So the pins of a file that names its
+ * device are not ended when the file is closed: they are held until a driver of that device
+ * says it has reset it.
  */
 #include <linux/capability.h>
 #include <linux/fs.h>
@@ -30,7 +35,19 @@ struct vrdma_pinned {
 struct vrdma_pin_file {
 	struct mm_struct *mm;
 	struct xarray pins;
+	/* The device the pins are for (VRDMA_PIN_IOC_DEVICE), 0 if none was named. */
+	u64 device;
+	/* Once closed with pins for a device: on vrdma_pin_held, with their page count. */
+	struct list_head held;
+	unsigned long held_pages;
 };
+
+/* Closed files whose device may still write their pinned pages. */
+static LIST_HEAD(vrdma_pin_held);
+static DEFINE_MUTEX(vrdma_pin_held_lock);
+static unsigned long held_pages;
+module_param(held_pages, ulong, 0444);
+MODULE_PARM_DESC(held_pages, "pages of closed files held until their device is reset");
 
 static int vrdma_pin_open(struct inode *inode, struct file *file)
 {
@@ -56,9 +73,9 @@ static void vrdma_pin_end(struct vrdma_pin_file *pf, struct vrdma_pinned *pinned
 	kfree(pinned);
 }
 
-static int vrdma_pin_release(struct inode *inode, struct file *file)
+/* Ends every pin of a file no one can use any more, and the file. */
+static void vrdma_pin_file_end(struct vrdma_pin_file *pf)
 {
-	struct vrdma_pin_file *pf = file->private_data;
 	struct vrdma_pinned *pinned;
 	unsigned long id;
 
@@ -67,7 +84,44 @@ static int vrdma_pin_release(struct inode *inode, struct file *file)
 	xa_destroy(&pf->pins);
 	mmdrop(pf->mm);
 	kfree(pf);
+}
+
+static int vrdma_pin_release(struct inode *inode, struct file *file)
+{
+	struct vrdma_pin_file *pf = file->private_data;
+	struct vrdma_pinned *pinned;
+	unsigned long id;
+
+	if (!pf->device || xa_empty(&pf->pins)) {
+		vrdma_pin_file_end(pf);
+		return 0;
+	}
+	/* No ioctl runs on a file being released: its pins are all there is. */
+	xa_for_each(&pf->pins, id, pinned)
+		pf->held_pages += pinned->npages;
+	mutex_lock(&vrdma_pin_held_lock);
+	list_add_tail(&pf->held, &vrdma_pin_held);
+	held_pages += pf->held_pages;
+	mutex_unlock(&vrdma_pin_held_lock);
 	return 0;
+}
+
+/* Ends what closed files held for `device`, which its driver has reset. */
+static void vrdma_pin_end_held(u64 device)
+{
+	struct vrdma_pin_file *pf, *next;
+	LIST_HEAD(ending);
+
+	mutex_lock(&vrdma_pin_held_lock);
+	list_for_each_entry_safe(pf, next, &vrdma_pin_held, held) {
+		if (pf->device != device)
+			continue;
+		list_move_tail(&pf->held, &ending);
+		held_pages -= pf->held_pages;
+	}
+	mutex_unlock(&vrdma_pin_held_lock);
+	list_for_each_entry_safe(pf, next, &ending, held)
+		vrdma_pin_file_end(pf);
 }
 
 /* Charges `npages` to the file's process as uverbs does (mm->pinned_vm against RLIMIT_MEMLOCK). */
@@ -170,12 +224,31 @@ static long vrdma_pin_ioctl(struct file *file, unsigned int cmd, unsigned long a
 {
 	struct vrdma_pin_file *pf = file->private_data;
 	struct vrdma_pinned *pinned;
+	u64 device;
 	u32 id;
 
 	/* Pins are charged to, and made in, the memory of the process that opened the file. */
 	if (current->mm != pf->mm)
 		return -EPERM;
 	switch (cmd) {
+	case VRDMA_PIN_IOC_DEVICE:
+		/* Only a device's driver may have pages held past its end, or end them. */
+		if (!capable(CAP_SYS_ADMIN))
+			return -EPERM;
+		if (get_user(device, (u64 __user *)arg))
+			return -EFAULT;
+		if (!device)
+			return -EINVAL;
+		if (cmpxchg(&pf->device, 0, device))
+			return -EBUSY;
+		return 0;
+	case VRDMA_PIN_IOC_DEVICE_RESET:
+		if (!capable(CAP_SYS_ADMIN))
+			return -EPERM;
+		if (!pf->device)
+			return -EINVAL;
+		vrdma_pin_end_held(pf->device);
+		return 0;
 	case VRDMA_PIN_IOC_PIN:
 		return vrdma_pin_pin(pf, (struct vrdma_pin __user *)arg);
 	case VRDMA_PIN_IOC_UNPIN:
@@ -207,7 +280,23 @@ static struct miscdevice vrdma_pin_device = {
 	.fops = &vrdma_pin_fops,
 };
 
-module_misc_device(vrdma_pin_device);
+static int __init vrdma_pin_init(void)
+{
+	return misc_register(&vrdma_pin_device);
+}
+
+/* Unloading the module ends what it held: whoever unloads it knows no device uses it. */
+static void __exit vrdma_pin_exit(void)
+{
+	struct vrdma_pin_file *pf, *next;
+
+	misc_deregister(&vrdma_pin_device);
+	list_for_each_entry_safe(pf, next, &vrdma_pin_held, held)
+		vrdma_pin_file_end(pf);
+}
+
+module_init(vrdma_pin_init);
+module_exit(vrdma_pin_exit);
 
 MODULE_DESCRIPTION("Pins process memory for the vrdma paravirtual RDMA device");
 MODULE_LICENSE("Dual BSD/GPL");

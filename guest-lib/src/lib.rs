@@ -125,6 +125,9 @@ pub enum Error {
 fn pin_hint(error: &std::io::Error) -> &'static str {
     match error.raw_os_error() {
         Some(libc::ENOENT) => ": load the vrdma_pin module (modprobe vrdma_pin; guest-lib/kmod)",
+        Some(libc::ENOTTY) => {
+            ": the loaded vrdma_pin module is older than this library: load its own"
+        }
         Some(libc::ENOMEM) => {
             ": over the process's locked-memory limit (ulimit -l, RLIMIT_MEMLOCK)"
         }

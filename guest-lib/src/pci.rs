@@ -21,6 +21,7 @@ use vrdma_spec::config::{features, DeviceConfig, FIRST_NOTIFY_QUEUE, MAX_NOTIFY_
 use vrdma_spec::ring::Event;
 
 use crate::mmio::Bar;
+use crate::pin::PinFile;
 use crate::shm::{Region, RegionSet, SharedBuffer};
 use crate::transport::{NotifyPort, Transport, WANTED_FEATURES};
 use crate::virtq::{DeviceQueues, QueueSignal, SplitQueue, QUEUE_SIZE};
@@ -322,6 +323,8 @@ pub struct PciTransport {
     notify_port: Option<NotifyPort>,
     /// The process that opened the device: a forked child's copy never resets it.
     opened_by: crate::fork::OpenedBy,
+    /// The pins of all memory the device is given, made for this device.
+    pins: Arc<PinFile>,
 }
 
 impl PciTransport {
@@ -399,8 +402,9 @@ impl PciTransport {
             );
         }
 
+        let pins = PinFile::for_device(pin_device_number(&path)?)?;
         let memory = RegionSet::default();
-        memory.add(Region::new_pinned(REGION_SIZE, false)?);
+        memory.add(Region::new_pinned(&pins, REGION_SIZE, false)?);
         let mut queues = Vec::with_capacity(usize::from(num_queues));
         for index in 0..num_queues {
             common.write16(common::QUEUE_SELECT, index)?;
@@ -460,6 +464,7 @@ impl PciTransport {
             features,
             notify_port,
             opened_by: crate::fork::OpenedBy::this_process(),
+            pins,
         })
     }
 
@@ -515,6 +520,10 @@ impl Transport for PciTransport {
         self.notify_port.as_ref()
     }
 
+    fn device_reset(&self) -> Result<()> {
+        self.pins.device_reset()
+    }
+
     fn next_event(&self, timeout: Duration) -> Result<Option<Event>> {
         self.check_device()?;
         self.queues.next_event(timeout)
@@ -523,7 +532,7 @@ impl Transport for PciTransport {
     fn alloc(&self, len: u64, align: u64) -> Result<SharedBuffer> {
         // The device reaches all guest RAM: a new region needs no announcing.
         self.memory.alloc_or_grow(len, align, REGION_SIZE, |size| {
-            Region::new_pinned(size, false)
+            Region::new_pinned(&self.pins, size, false)
         })
     }
 
@@ -531,8 +540,9 @@ impl Transport for PciTransport {
         // The device reaches all guest RAM: pinned pages need no announcing.
         // SAFETY: the caller's contract is Region::pin_in_place's.
         unsafe {
-            self.memory
-                .share(addr, len, |start, len| Region::pin_in_place(start, len))
+            self.memory.share(addr, len, |start, len| {
+                Region::pin_in_place(&self.pins, start, len)
+            })
         }
     }
 
@@ -542,7 +552,7 @@ impl Transport for PciTransport {
 
     fn adopt(&self, region: Region) -> Result<Arc<Region>> {
         // The device reaches all guest RAM: pinned pages need no announcing.
-        region.pinned().map(Arc::new)
+        region.pinned(&self.pins).map(Arc::new)
     }
 
     fn forget(&self, _region: &Region) -> Result<()> {
@@ -621,6 +631,20 @@ fn read_device_config(common: &Structure, device: &Structure) -> Result<DeviceCo
 fn sysfs_hex(path: &Path) -> Option<u16> {
     let text = fs::read_to_string(path).ok()?;
     u16::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
+}
+
+/// The number that names the device at `path` to the pinning module: its PCI address
+/// (`DDDD:BB:DD.F`, as sysfs names it) read as one hexadecimal number, never 0.
+fn pin_device_number(path: &Path) -> Result<u64> {
+    let name = path
+        .file_name()
+        .and_then(|name| name.to_str())
+        .unwrap_or_default();
+    let digits: String = name.chars().filter(char::is_ascii_hexdigit).collect();
+    u64::from_str_radix(&digits, 16)
+        .ok()
+        .filter(|&number| number != 0 && digits.len() == 9)
+        .ok_or_else(|| Error::Attach(format!("{} is not named by a PCI address", path.display())))
 }
 
 /// The sysfs folder of the vrdma device at `address`, or of the first one.
@@ -732,6 +756,16 @@ fn enable_bus_mastering(path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_device_is_numbered_for_the_pinning_module_by_its_pci_address() {
+        let number = |name: &str| pin_device_number(&Path::new(SYSFS_DEVICES).join(name)).ok();
+        assert_eq!(number("0000:00:04.0"), Some(0x40));
+        assert_eq!(number("0001:af:1f.7"), Some(0x1a_f1f7));
+        assert_ne!(number("0000:00:04.1"), number("0000:00:40.0"));
+        assert_eq!(number("0000:00:00.0"), None);
+        assert_eq!(number("vrdma"), None);
+    }
 
     /// A configuration space with a capability list: `caps` are (offset, bytes).
     fn config_space(first: u8, caps: &[(usize, Vec<u8>)]) -> Vec<u8> {

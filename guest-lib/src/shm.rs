@@ -15,6 +15,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex};
 
+use crate::pin::{Pin, PinFile};
 use crate::{Error, Result};
 
 /// 4 KiB: the page size guest-lib describes memory in.
@@ -149,7 +150,7 @@ pub struct Region {
     owned: bool,
     /// The pin that keeps the pages where the device was told they are (inside a VM), until
     /// the region is dropped.
-    pin: Option<crate::pin::Pin>,
+    pin: Option<Pin>,
 }
 
 // SAFETY: the mapping is plain shared memory; all access goes through bounds-checked copies or
@@ -248,8 +249,8 @@ impl Region {
 
     /// The region pinned, addressed by the device at its pages' guest-physical addresses (as
     /// [`Region::new_pinned`]).
-    pub fn pinned(self) -> Result<Region> {
-        let (pin, pages) = pin_and_locate(self.addr(), self.len, self.page_size)?;
+    pub fn pinned(self, pins: &Arc<PinFile>) -> Result<Region> {
+        let (pin, pages) = pin_and_locate(pins, self.addr(), self.len, self.page_size)?;
         let mut region = self.with_device_pages(pages)?;
         region.pin = Some(pin);
         Ok(region)
@@ -258,8 +259,8 @@ impl Region {
     /// As [`Region::new`], pinned, with each page's guest-physical address from the pin.
     /// Pinned pages stay in their frames, so the device may keep using these addresses for as
     /// long as the region lives.
-    pub fn new_pinned(len: u64, huge: bool) -> Result<Arc<Region>> {
-        Self::map(len, huge)?.pinned().map(Arc::new)
+    pub fn new_pinned(pins: &Arc<PinFile>, len: u64, huge: bool) -> Result<Arc<Region>> {
+        Self::map(len, huge)?.pinned(pins).map(Arc::new)
     }
 
     /// Makes `addr..addr + len` (page-aligned) of this process's memory shared with a
@@ -324,9 +325,9 @@ impl Region {
     ///
     /// # Safety
     /// The range must stay mapped, as it is, while the device uses it.
-    pub unsafe fn pin_in_place(addr: u64, len: u64) -> Result<Arc<Region>> {
+    pub unsafe fn pin_in_place(pins: &Arc<PinFile>, addr: u64, len: u64) -> Result<Arc<Region>> {
         check_page_range(addr, len)?;
-        let (pin, pages) = pin_and_locate(addr, len, PAGE_SIZE)?;
+        let (pin, pages) = pin_and_locate(pins, addr, len, PAGE_SIZE)?;
         let mut region = Self::program_memory(None, addr, len, DeviceAddressing::Pages(pages));
         region.pin = Some(pin);
         Ok(Arc::new(region))
@@ -539,8 +540,13 @@ fn check_page_range(addr: u64, len: u64) -> Result<()> {
 
 /// Pins `addr..addr + len` and returns the pin with the guest-physical address of each of
 /// its pages of `page_size` bytes (a huge page's is its first 4 KiB page's).
-fn pin_and_locate(addr: u64, len: u64, page_size: u64) -> Result<(crate::pin::Pin, Vec<u64>)> {
-    let (pin, frames) = crate::pin::Pin::new(addr, len)?;
+fn pin_and_locate(
+    pins: &Arc<PinFile>,
+    addr: u64,
+    len: u64,
+    page_size: u64,
+) -> Result<(Pin, Vec<u64>)> {
+    let (pin, frames) = Pin::new(pins, addr, len)?;
     let step = (page_size / PAGE_SIZE) as usize;
     Ok((pin, frames.into_iter().step_by(step.max(1)).collect()))
 }

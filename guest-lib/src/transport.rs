@@ -98,6 +98,13 @@ pub trait Transport: Send + Sync {
         None
     }
 
+    /// Tells the transport that its driver has reset the device (SPEC.md §9: RESET, or the
+    /// reset that opened it where RESET is not offered): nothing a driver before this one
+    /// left reaches memory any more. In a VM, the pins dead drivers left end.
+    fn device_reset(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Whether the device is known to be gone for good (a direct attachment whose backend
     /// closed the socket). Cheap enough to ask whenever a wait for events times out.
     fn disconnected(&self) -> bool {

@@ -367,6 +367,8 @@ impl Device {
             // learns here that this is a new driver: whatever an earlier one left goes.
             inner.command::<_, Empty>(Opcode::Reset, &Empty)?;
         }
+        // Reset either way (a device without RESET drops all at the reset that opened it).
+        inner.transport()?.device_reset()?;
         inner.command::<_, Empty>(Opcode::SetNotifyArea, &request)?;
         Ok(Device {
             inner: Arc::new(inner),

@@ -327,6 +327,9 @@ impl Service {
                 return Err(Error::Reset(status));
             }
         }
+        // Reset either way (a device without RESET drops all at the reset that opened it):
+        // what an instance before this one left pinned may go.
+        transport.device_reset().map_err(device_error)?;
         let request = SetNotifyAreaRequest {
             addr,
             doorbell_bitmap,
