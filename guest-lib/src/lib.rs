@@ -68,6 +68,11 @@ pub use work::{
 pub enum Error {
     #[error("attaching to the vrdma backend failed: {0}")]
     Attach(String),
+    #[error(
+        "the device implements specification version {device}, this library version {}",
+        vrdma_spec::SPEC_VERSION
+    )]
+    SpecVersion { device: u32 },
     #[error("the vrdma backend closed the connection before serving it: it serves no more guests now (another guest is connected and the backend does not share its GID, or it is at its --guests limit; its log says which)")]
     Refused,
     #[error("device transport: {0}")]

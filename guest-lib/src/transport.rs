@@ -133,6 +133,17 @@ pub trait Transport: Send + Sync {
     }
 }
 
+impl dyn Transport {
+    /// Refuses a device of another specification version than this library's (SPEC.md §3
+    /// `version`): a driver never drives a device whose rules it does not know.
+    pub fn check_version(&self) -> Result<()> {
+        match self.config().version.to_native() {
+            vrdma_spec::SPEC_VERSION => Ok(()),
+            device => Err(Error::SpecVersion { device }),
+        }
+    }
+}
+
 /// Memory regions of a transport whose device bounds them ([`Transport::memory_regions`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryRegions {

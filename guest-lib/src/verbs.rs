@@ -31,7 +31,7 @@ use vrdma_spec::ring::{
     cqe_is_valid, event_kind, resized_cq_owner, CqDoorbell, Cqe, QpDoorbell, RecvWqe, SendWqe,
     Sge as WireSge, SrqDoorbell, CQE_SIZE, NOTIFY_NEED_WAKEUP,
 };
-use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64, SPEC_VERSION};
+use vrdma_spec::{read_wire, ByteValued, Gid, Le16, Le32, Le64};
 
 use crate::direct::{DirectOptions, DirectTransport};
 use crate::fork::OpenedBy;
@@ -337,12 +337,7 @@ impl Device {
 
     /// Initialises the device over any transport (SPEC.md §9 step 3).
     pub fn with_transport(transport: Box<dyn Transport>) -> Result<Device> {
-        let version = transport.config().version.to_native();
-        if version != SPEC_VERSION {
-            return Err(Error::Attach(format!(
-                "the device implements specification version {version}, this library version {SPEC_VERSION}"
-            )));
-        }
+        transport.check_version()?;
         let opened_by = OpenedBy::this_process();
         if let Some((notify_area, doorbell_bitmap)) = transport.notify_area() {
             // The device's driver (the guest service) set the area up for every program.

@@ -303,14 +303,8 @@ impl Service {
         };
         let transport: Arc<dyn Transport> =
             Arc::from(vrdma_guest::target::open(target).map_err(device_error)?);
+        transport.check_version().map_err(device_error)?;
         let config = *transport.config();
-        let version = config.version.to_native();
-        if version != vrdma_spec::SPEC_VERSION {
-            return Err(device_error(vrdma_guest::Error::Attach(format!(
-                "the device implements specification version {version}, this service version {}",
-                vrdma_spec::SPEC_VERSION
-            ))));
-        }
         let num_notify_queues = config.num_notify_queues.to_native();
         let device_bits =
             doorbell_bitmap_bits(config.max_qp.to_native(), config.max_srq.to_native());
