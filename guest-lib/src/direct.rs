@@ -86,7 +86,7 @@ impl DirectTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .add_mem_region(&region_info(&region))
-            .map_err(|e| Error::Attach(format!("adding shared memory: {e}")))?;
+            .map_err(Error::VhostUser)?;
         regions.in_use += 1;
         Ok(Arc::new(region))
     }
@@ -94,9 +94,8 @@ impl DirectTransport {
     /// Attaches to the backend listening on `socket`.
     pub fn connect(socket: &Path, options: DirectOptions) -> Result<DirectTransport> {
         let max_queues = u64::from(FIRST_NOTIFY_QUEUE) + u64::from(MAX_NOTIFY_QUEUES);
-        let mut frontend =
-            Frontend::connect(socket, max_queues).map_err(|e| Error::Attach(e.to_string()))?;
-        let vhost = |e: vhost::Error| Error::Attach(e.to_string());
+        let mut frontend = Frontend::connect(socket, max_queues).map_err(Error::VhostUser)?;
+        let vhost = Error::VhostUser;
         // A backend that serves no more guests accepts the connection and closes it at once:
         // the first message or the first reply finds the socket closed.
         let refused = |e: vhost::Error| {
@@ -118,7 +117,9 @@ impl DirectTransport {
             (PROTOCOL_FEATURES, "protocol features"),
         ] {
             if offered & bit == 0 {
-                return Err(Error::Attach(format!("the backend does not offer {name}")));
+                return Err(Error::Incompatible(format!(
+                    "the backend does not offer {name}"
+                )));
             }
         }
         let needed = VhostUserProtocolFeatures::CONFIG
@@ -127,7 +128,7 @@ impl DirectTransport {
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS;
         let protocol = frontend.get_protocol_features().map_err(vhost)?;
         if !protocol.contains(needed) {
-            return Err(Error::Attach(format!(
+            return Err(Error::Incompatible(format!(
                 "the backend lacks protocol features {:?}",
                 needed - protocol
             )));
@@ -147,7 +148,7 @@ impl DirectTransport {
         let config: DeviceConfig = match vrdma_spec::read_wire(&bytes) {
             Some(config) if bytes.len() == size as usize => config,
             _ => {
-                return Err(Error::Attach(format!(
+                return Err(Error::Incompatible(format!(
                     "config space of {} bytes, expected {size}",
                     bytes.len()
                 )))
@@ -155,14 +156,14 @@ impl DirectTransport {
         };
         let notify_queues = config.num_notify_queues.to_native();
         if !(1..=MAX_NOTIFY_QUEUES).contains(&notify_queues) {
-            return Err(Error::Attach(format!(
+            return Err(Error::Incompatible(format!(
                 "the device reports {notify_queues} notification queues"
             )));
         }
         let num_queues = usize::from(FIRST_NOTIFY_QUEUE) + notify_queues as usize;
         let queue_num = frontend.get_queue_num().map_err(vhost)?;
         if queue_num < num_queues as u64 {
-            return Err(Error::Attach(format!(
+            return Err(Error::Incompatible(format!(
                 "the backend has {queue_num} queues, the device needs {num_queues}"
             )));
         }
@@ -176,7 +177,7 @@ impl DirectTransport {
             stated => slots.min(stated as usize),
         };
         if region_limit < 1 {
-            return Err(Error::Attach(
+            return Err(Error::Incompatible(
                 "the backend takes no memory region at all".into(),
             ));
         }
@@ -256,7 +257,7 @@ impl Transport for DirectTransport {
                 .map_err(Error::Transport)?;
             frontend
                 .set_vring_kick(index, &renewed)
-                .map_err(|e| Error::Attach(format!("SET_VRING_KICK: {e}")))?;
+                .map_err(Error::VhostUser)?;
             // SAFETY: makes the queue's own kick descriptor number refer to the renewed
             // eventfd (closing the old one): the queue's signal keeps using its number, now
             // for the descriptor the device was given.
@@ -307,7 +308,7 @@ impl Transport for DirectTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove_mem_region(&region_info(region))
-            .map_err(|e| Error::Attach(format!("removing shared memory: {e}")))?;
+            .map_err(Error::VhostUser)?;
         regions.in_use = regions.in_use.saturating_sub(1);
         Ok(())
     }

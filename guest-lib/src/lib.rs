@@ -66,8 +66,30 @@ pub use work::{
 /// Errors of guest-lib.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("attaching to the vrdma backend failed: {0}")]
-    Attach(String),
+    /// No vrdma device where the target says: no PCI device in the VM (or none at that
+    /// address), or what it needs to be reached is missing.
+    #[error("no vrdma device: {0}")]
+    NoDevice(String),
+    /// Another process (or driver) drives the device: in a VM, the guest service usually.
+    #[error("{0}")]
+    DeviceBusy(String),
+    /// A system call on the way to the device failed: what was being done, and the OS error.
+    #[error("{what}: {source}")]
+    System {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The vhost-user conversation with a backend (direct attach) failed.
+    #[error("vhost-user: {0}")]
+    VhostUser(#[source] vhost::Error),
+    /// The device (or the backend, or the guest service) is not one this library can drive:
+    /// it lacks what the library needs, or says something the specification does not allow.
+    #[error("the device cannot be driven by this library: {0}")]
+    Incompatible(String),
+    /// The guest service refused to serve this program (past its limits); its reason.
+    #[error("the vrdma service refused this program: {0}")]
+    ServiceRefused(String),
     #[error(
         "the device implements specification version {device}, this library version {}",
         vrdma_spec::SPEC_VERSION

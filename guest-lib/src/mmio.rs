@@ -30,7 +30,10 @@ unsafe impl Sync for Bar {}
 impl Bar {
     /// Maps the whole BAR that the sysfs `resource` file at `path` exposes.
     pub fn map(path: &Path) -> Result<Bar> {
-        let io = |e: std::io::Error| Error::Attach(format!("mapping {}: {e}", path.display()));
+        let io = |source| Error::System {
+            what: format!("mapping {}", path.display()),
+            source,
+        };
         let file = OpenOptions::new()
             .read(true)
             .write(true)

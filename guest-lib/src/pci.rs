@@ -95,7 +95,7 @@ pub struct VirtioCapabilities {
 pub fn parse_capabilities(config: &[u8]) -> Result<VirtioCapabilities> {
     const CAP_VENDOR: u8 = 0x09;
     const STATUS_CAP_LIST: u8 = 0x10;
-    let bad = |what: &str| Error::Attach(format!("PCI configuration space: {what}"));
+    let bad = |what: &str| Error::Incompatible(format!("PCI configuration space: {what}"));
     let byte = |at: usize| config.get(at).copied().ok_or_else(|| bad("truncated"));
     let le32 = |at: usize| -> Result<u32> {
         let bytes = config.get(at..at + 4).ok_or_else(|| bad("truncated"))?;
@@ -167,7 +167,7 @@ struct Structure {
 impl Structure {
     fn at(&self, offset: u64, width: u64) -> Result<u64> {
         if offset + width > self.length {
-            return Err(Error::Attach(format!(
+            return Err(Error::Incompatible(format!(
                 "register {offset:#x} beyond a {}-byte virtio structure",
                 self.length
             )));
@@ -336,8 +336,10 @@ impl PciTransport {
         let claim = claim(&path)?;
         bind_to_uio(&path)?;
         enable_bus_mastering(&path)?;
-        let config_space = fs::read(path.join("config"))
-            .map_err(|e| Error::Attach(format!("reading {}/config: {e}", path.display())))?;
+        let config_space = fs::read(path.join("config")).map_err(|source| Error::System {
+            what: format!("reading {}/config", path.display()),
+            source,
+        })?;
         let capabilities = parse_capabilities(&config_space)?;
         let mut bars: Vec<(u8, Arc<Bar>)> = Vec::new();
         let mut structure = |location: Location| -> Result<Structure> {
@@ -345,7 +347,7 @@ impl PciTransport {
                 Some((_, bar)) => Arc::clone(bar),
                 None => {
                     if location.bar > 5 {
-                        return Err(Error::Attach(format!(
+                        return Err(Error::Incompatible(format!(
                             "capability names BAR {}",
                             location.bar
                         )));
@@ -579,7 +581,7 @@ fn open_notify_port(path: &Path, location: Location) -> Option<NotifyPort> {
 
 fn fail<T>(common: &Structure, why: String) -> Result<T> {
     let _ = common.write8(common::DEVICE_STATUS, status::FAILED);
-    Err(Error::Attach(why))
+    Err(Error::Incompatible(why))
 }
 
 /// Writes 0 to the device status and waits until the device reads back 0 (virtio spec
@@ -589,7 +591,9 @@ fn reset(common: &Structure) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while common.read8(common::DEVICE_STATUS)? != 0 {
         if Instant::now() > deadline {
-            return Err(Error::Attach("the device does not finish its reset".into()));
+            return Err(Error::Incompatible(
+                "the device does not finish its reset".into(),
+            ));
         }
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -609,7 +613,7 @@ fn read_features(common: &Structure) -> Result<u64> {
 fn read_device_config(common: &Structure, device: &Structure) -> Result<DeviceConfig> {
     let size = std::mem::size_of::<DeviceConfig>() as u64;
     if device.length < size {
-        return Err(Error::Attach(format!(
+        return Err(Error::Incompatible(format!(
             "config space of {} bytes, expected {size}",
             device.length
         )));
@@ -622,10 +626,12 @@ fn read_device_config(common: &Structure, device: &Structure) -> Result<DeviceCo
         }
         if common.read8(common::CONFIG_GENERATION)? == generation {
             return vrdma_spec::read_wire(&bytes)
-                .ok_or_else(|| Error::Attach("malformed config space".into()));
+                .ok_or_else(|| Error::Incompatible("malformed config space".into()));
         }
     }
-    Err(Error::Attach("the config space keeps changing".into()))
+    Err(Error::Incompatible(
+        "the config space keeps changing".into(),
+    ))
 }
 
 fn sysfs_hex(path: &Path) -> Option<u16> {
@@ -644,7 +650,7 @@ fn pin_device_number(path: &Path) -> Result<u64> {
     u64::from_str_radix(&digits, 16)
         .ok()
         .filter(|&number| number != 0 && digits.len() == 9)
-        .ok_or_else(|| Error::Attach(format!("{} is not named by a PCI address", path.display())))
+        .ok_or_else(|| Error::NoDevice(format!("{} is not named by a PCI address", path.display())))
 }
 
 /// The sysfs folder of the vrdma device at `address`, or of the first one.
@@ -658,19 +664,22 @@ fn find_device(address: Option<&str>) -> Result<PathBuf> {
         return if is_vrdma(&path) {
             Ok(path)
         } else {
-            Err(Error::Attach(format!(
+            Err(Error::NoDevice(format!(
                 "{address} is not a vrdma PCI device"
             )))
         };
     }
     let mut found: Vec<PathBuf> = fs::read_dir(SYSFS_DEVICES)
-        .map_err(|e| Error::Attach(format!("{SYSFS_DEVICES}: {e}")))?
+        .map_err(|source| Error::System {
+            what: format!("listing {SYSFS_DEVICES}"),
+            source,
+        })?
         .filter_map(|entry| Some(entry.ok()?.path()))
         .filter(|path| is_vrdma(path))
         .collect();
     found.sort();
     found.into_iter().next().ok_or_else(|| {
-        Error::Attach(format!(
+        Error::NoDevice(format!(
             "no vrdma PCI device ({VIRTIO_VENDOR:04x}:{VRDMA_DEVICE_ID:04x}) in this VM"
         ))
     })
@@ -680,18 +689,21 @@ fn find_device(address: Option<&str>) -> Result<PathBuf> {
 /// file, which the kernel drops when the process ends, however it ends.
 fn claim(path: &Path) -> Result<Flock<fs::File>> {
     let config = path.join("config");
-    let file = fs::File::open(&config)
-        .map_err(|e| Error::Attach(format!("opening {}: {e}", config.display())))?;
-    Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| {
-        Error::Attach(match errno {
-            Errno::EWOULDBLOCK => format!(
-                "the vrdma PCI device {} is driven by another process, which it would lose \
+    let file = fs::File::open(&config).map_err(|source| Error::System {
+        what: format!("opening {}", config.display()),
+        source,
+    })?;
+    Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| match errno {
+        Errno::EWOULDBLOCK => Error::DeviceBusy(format!(
+            "the vrdma PCI device {} is driven by another process, which it would lose \
                  were it opened here: when that is the vrdma service (vrdmad), use the device \
                  `service` (its socket) instead",
-                path.display()
-            ),
-            errno => format!("locking {}: {errno}", config.display()),
-        })
+            path.display()
+        )),
+        errno => Error::System {
+            what: format!("locking {}", config.display()),
+            source: errno.into(),
+        },
     })
 }
 
@@ -710,14 +722,16 @@ fn bind_to_uio(path: &Path) -> Result<()> {
         .map(|name| name.to_string_lossy().into_owned())
         .unwrap_or_default();
     let write = |file: PathBuf, value: &str| {
-        fs::write(&file, value)
-            .map_err(|e| Error::Attach(format!("writing {value} to {}: {e}", file.display())))
+        fs::write(&file, value).map_err(|source| Error::System {
+            what: format!("writing {value} to {}", file.display()),
+            source,
+        })
     };
     if driver(path).is_some() {
         write(path.join("driver/unbind"), &address)?;
     }
     if !Path::new("/sys/bus/pci/drivers").join(UIO_DRIVER).exists() {
-        return Err(Error::Attach(format!(
+        return Err(Error::NoDevice(format!(
             "the {UIO_DRIVER} driver is not loaded (modprobe {UIO_DRIVER})"
         )));
     }
@@ -725,7 +739,7 @@ fn bind_to_uio(path: &Path) -> Result<()> {
     write(PathBuf::from("/sys/bus/pci/drivers_probe"), &address)?;
     match driver(path) {
         Some(name) if name == UIO_DRIVER => Ok(()),
-        other => Err(Error::Attach(format!(
+        other => Err(Error::DeviceBusy(format!(
             "{address} did not bind to {UIO_DRIVER} (driver: {other:?})"
         ))),
     }
@@ -736,7 +750,10 @@ fn bind_to_uio(path: &Path) -> Result<()> {
 fn enable_bus_mastering(path: &Path) -> Result<()> {
     const COMMAND: u64 = 0x04;
     const BUS_MASTER: u16 = 1 << 2;
-    let io = |e: std::io::Error| Error::Attach(format!("PCI command register: {e}"));
+    let io = |source| Error::System {
+        what: "setting bus mastering in the PCI command register".into(),
+        source,
+    };
     let config = fs::OpenOptions::new()
         .read(true)
         .write(true)

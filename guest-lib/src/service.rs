@@ -57,17 +57,15 @@ fn socket_error(error: std::io::Error) -> Error {
 }
 
 fn protocol_error(what: impl std::fmt::Display) -> Error {
-    Error::Attach(format!("the vrdma service: {what}"))
+    Error::Incompatible(format!("the vrdma service: {what}"))
 }
 
 impl ServiceTransport {
     /// Connects to the service listening on `socket`.
     pub fn connect(socket: &Path) -> Result<ServiceTransport> {
-        let stream = UnixStream::connect(socket).map_err(|e| {
-            Error::Attach(format!(
-                "connecting to the vrdma service at {}: {e}",
-                socket.display()
-            ))
+        let stream = UnixStream::connect(socket).map_err(|source| Error::System {
+            what: format!("connecting to the vrdma service at {}", socket.display()),
+            source,
         })?;
         Self::greet(stream)
     }
@@ -84,7 +82,9 @@ impl ServiceTransport {
             mut files,
         } = match (hello, answer) {
             (_, Ok(Some(frame))) if frame.kind == Kind::Failed => {
-                return Err(protocol_error(String::from_utf8_lossy(&frame.payload)))
+                return Err(Error::ServiceRefused(
+                    String::from_utf8_lossy(&frame.payload).into_owned(),
+                ))
             }
             (Err(e), _) => return Err(Error::Transport(e)),
             (Ok(()), answer) => answer

@@ -313,7 +313,9 @@ impl DeviceQueues {
         };
         let mut queues = queues.into_iter();
         let (Some(control_queue), Some(mut event_queue)) = (queues.next(), queues.next()) else {
-            return Err(Error::Attach("the device needs at least two queues".into()));
+            return Err(Error::Incompatible(
+                "the device needs at least two queues".into(),
+            ));
         };
         let control = Control {
             queue: control_queue,

@@ -186,7 +186,15 @@ fn errno_of(error: &vrdma_guest::Error) -> c_int {
         // Past a memory limit (RLIMIT_MEMLOCK, the service's shares, the backend's memory
         // regions): ENOMEM, as uverbs refuses pinning past RLIMIT_MEMLOCK.
         Error::OverLimit(_) => libc::ENOMEM,
-        Error::DeviceReset => libc::EIO,
+        // The OS error of a failed system call, not a generic EIO.
+        Error::System { source, .. } | Error::Transport(source) | Error::SharedMemory(source) => {
+            source.raw_os_error().unwrap_or(libc::EIO)
+        }
+        Error::NoDevice(_) => libc::ENODEV,
+        Error::DeviceBusy(_) => libc::EBUSY,
+        // Past the service's limit on programs: a later attempt may be served.
+        Error::ServiceRefused(_) => libc::EAGAIN,
+        Error::Incompatible(_) => libc::EPROTO,
         _ => libc::EIO,
     }
 }
@@ -852,5 +860,35 @@ mod tests {
         };
         assert_eq!(raise_errno(&refused), libc::EINVAL);
         assert_eq!(errno(), libc::EINVAL);
+    }
+
+    #[test]
+    fn a_failed_system_call_keeps_its_own_errno() {
+        use vrdma_guest::Error;
+        let os = |errno| std::io::Error::from_raw_os_error(errno);
+        let cases = [
+            (
+                Error::System {
+                    what: "opening a sysfs file".into(),
+                    source: os(libc::EACCES),
+                },
+                libc::EACCES,
+            ),
+            (Error::Transport(os(libc::EPIPE)), libc::EPIPE),
+            (Error::SharedMemory(os(libc::EMFILE)), libc::EMFILE),
+            (
+                Error::Transport(std::io::Error::other("no errno")),
+                libc::EIO,
+            ),
+            (Error::NoDevice("none in this VM".into()), libc::ENODEV),
+            (Error::DeviceBusy("vrdmad drives it".into()), libc::EBUSY),
+            (
+                Error::ServiceRefused("too many programs".into()),
+                libc::EAGAIN,
+            ),
+        ];
+        for (error, expected) in cases {
+            assert_eq!(errno_of(&error), expected, "{error}");
+        }
     }
 }
