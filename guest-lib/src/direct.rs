@@ -86,7 +86,10 @@ impl DirectTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .add_mem_region(&region_info(&region))
-            .map_err(Error::VhostUser)?;
+            .map_err(|source| Error::VhostUser {
+                what: "adding shared memory",
+                source,
+            })?;
         regions.in_use += 1;
         Ok(Arc::new(region))
     }
@@ -94,8 +97,15 @@ impl DirectTransport {
     /// Attaches to the backend listening on `socket`.
     pub fn connect(socket: &Path, options: DirectOptions) -> Result<DirectTransport> {
         let max_queues = u64::from(FIRST_NOTIFY_QUEUE) + u64::from(MAX_NOTIFY_QUEUES);
-        let mut frontend = Frontend::connect(socket, max_queues).map_err(Error::VhostUser)?;
-        let vhost = Error::VhostUser;
+        let mut frontend =
+            Frontend::connect(socket, max_queues).map_err(|source| Error::VhostUser {
+                what: "connecting to the backend",
+                source,
+            })?;
+        let vhost = |source| Error::VhostUser {
+            what: "setting the device up",
+            source,
+        };
         // A backend that serves no more guests accepts the connection and closes it at once:
         // the first message or the first reply finds the socket closed.
         let refused = |e: vhost::Error| {
@@ -257,7 +267,10 @@ impl Transport for DirectTransport {
                 .map_err(Error::Transport)?;
             frontend
                 .set_vring_kick(index, &renewed)
-                .map_err(Error::VhostUser)?;
+                .map_err(|source| Error::VhostUser {
+                    what: "renewing a kick descriptor",
+                    source,
+                })?;
             // SAFETY: makes the queue's own kick descriptor number refer to the renewed
             // eventfd (closing the old one): the queue's signal keeps using its number, now
             // for the descriptor the device was given.
@@ -308,7 +321,10 @@ impl Transport for DirectTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove_mem_region(&region_info(region))
-            .map_err(Error::VhostUser)?;
+            .map_err(|source| Error::VhostUser {
+                what: "removing shared memory",
+                source,
+            })?;
         regions.in_use = regions.in_use.saturating_sub(1);
         Ok(())
     }

@@ -80,9 +80,13 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// The vhost-user conversation with a backend (direct attach) failed.
-    #[error("vhost-user: {0}")]
-    VhostUser(#[source] vhost::Error),
+    /// The vhost-user conversation with a backend (direct attach) failed: at what, and how.
+    #[error("{what}: {source}")]
+    VhostUser {
+        what: &'static str,
+        #[source]
+        source: vhost::Error,
+    },
     /// The device (or the backend, or the guest service) is not one this library can drive:
     /// it lacks what the library needs, or says something the specification does not allow.
     #[error("the device cannot be driven by this library: {0}")]
