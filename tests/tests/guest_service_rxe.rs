@@ -7,7 +7,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
@@ -22,8 +22,8 @@ use vrdma_tests::target_writer::{TargetLines, TargetWriter, CHUNK_LEN};
 use vrdma_tests::{
     connect_to_itself, control_request, cpu_time, host_resource_counts, response_status,
     start_backend, vrdma_library_dir, vrdma_run_script, wait_for_guest_completions,
-    wait_for_host_counts, wait_until_listening, CProgram, ServiceProcess, UnprivilegedCopies,
-    WritingGuest,
+    wait_for_host_counts, wait_until_listening, CProgram, ServiceProcess, TestBackend,
+    UnprivilegedCopies, WritingGuest,
 };
 
 const PAGE: u64 = 4096;
@@ -353,6 +353,32 @@ fn require_root() {
     }
 }
 
+/// A backend, the service over it for group `nogroup`, and a copy of guest-endpoint that
+/// user `nobody` may run: where tests of unprivileged programs start.
+struct ServedToNobody {
+    // Dropped in this order: the service before its backend.
+    service: ServiceProcess,
+    _backend: TestBackend,
+    endpoint: PathBuf,
+    _copies: UnprivilegedCopies,
+}
+
+impl ServedToNobody {
+    fn start() -> ServedToNobody {
+        require_root();
+        let backend = start_backend();
+        let service = ServiceProcess::start(&backend.socket, &["--group", "nogroup"]);
+        let copies = UnprivilegedCopies::new();
+        let endpoint = copies.copy(Path::new(env!("CARGO_BIN_EXE_guest-endpoint")));
+        ServedToNobody {
+            service,
+            _backend: backend,
+            endpoint,
+            _copies: copies,
+        }
+    }
+}
+
 /// A command that runs as user `nobody` in group `nogroup` (65534) and no other (std drops
 /// root's supplementary groups with its user).
 fn as_nobody(mut command: Command) -> Command {
@@ -362,18 +388,14 @@ fn as_nobody(mut command: Command) -> Command {
 
 #[test]
 fn unprivileged_programs_use_rdma_through_the_service_and_others_cannot_reach_it() {
-    require_root();
-    let backend = start_backend();
-    let service = ServiceProcess::start(&backend.socket, &["--group", "nogroup"]);
-    let target = service.target();
-    let copies = UnprivilegedCopies::new();
-    let endpoint = copies.copy(Path::new(env!("CARGO_BIN_EXE_guest-endpoint")));
+    let served = ServedToNobody::start();
+    let (target, endpoint) = (served.service.target(), &served.endpoint);
     // Members of the socket's group: served, with no capability.
     ping_pong(100, |mode| {
-        as_nobody(guest_endpoint_at(&endpoint, mode, &target, 100))
+        as_nobody(guest_endpoint_at(endpoint, mode, &target, 100))
     });
     // Others: refused by the socket itself, with the reason.
-    let refused = as_nobody(guest_endpoint_at(&endpoint, "rc", &target, 0))
+    let refused = as_nobody(guest_endpoint_at(endpoint, "rc", &target, 0))
         .gid(65533)
         .stderr(Stdio::piped())
         .output()
@@ -495,16 +517,12 @@ fn nobody_holding(endpoint: &Path, target: &str) -> (Child, BufReader<ChildStdou
 /// four programs of one process took all of the device's PDs.)
 #[test]
 fn one_users_silent_connections_and_many_programs_leave_other_users_their_share() {
-    require_root();
-    let backend = start_backend();
-    let service = ServiceProcess::start(&backend.socket, &["--group", "nogroup"]);
-    let target = service.target();
-    let copies = UnprivilegedCopies::new();
-    let endpoint = copies.copy(Path::new(env!("CARGO_BIN_EXE_guest-endpoint")));
+    let served = ServedToNobody::start();
+    let (service, target, endpoint) = (&served.service, served.service.target(), &served.endpoint);
     let silent: Vec<_> = (0..300)
         .map(|_| std::os::unix::net::UnixStream::connect(&service.socket).unwrap())
         .collect();
-    let (mut holder, _out) = nobody_holding(&endpoint, &target);
+    let (mut holder, _out) = nobody_holding(endpoint, &target);
     // The silent ones go, and with them their user's places.
     drop(silent);
     let programs: Vec<Device> = (0..4).map(|_| open_once_served(&target)).collect();
@@ -517,7 +535,7 @@ fn one_users_silent_connections_and_many_programs_leave_other_users_their_share(
     }
     assert_eq!(pds.len(), share as usize, "four programs, one user's share");
     // Another user's program is served with a share of its own (it takes a PD).
-    let (mut second, _out) = nobody_holding(&endpoint, &target);
+    let (mut second, _out) = nobody_holding(endpoint, &target);
     for program in [&mut holder, &mut second] {
         program.kill().unwrap();
         program.wait().unwrap();
