@@ -344,12 +344,20 @@ check_users() {
       rping_with_native
 }
 
+# pin_check MODE SESSION SECONDS: pin-check MODE here against the VM's target program of
+# SESSION for SECONDS, then tells that program to end.
+pin_check() {
+  beside_vm "$bin/pin-check" "$1" "$socket" "$exchange/$2.to-vm" "$exchange/$2.from-vm" "$3" \
+    >"$work/$2.out" 2>"$work/$2.err"
+  local rc=$?
+  echo end >>"$exchange/$2.to-vm"
+  return "$rc"
+}
+
 # --- part pinned: see tests/pci-guest.sh. 60 s of writes and checks while the VM compacts.
 compacted_under_writes() {
   local ok=0
-  beside_vm "$bin/pin-check" writer "$socket" "$exchange/pinned.to-vm" "$exchange/pinned.from-vm" 60 \
-    >"$work/pinned.out" 2>"$work/pinned.err" || ok=1
-  echo end >>"$exchange/pinned.to-vm"
+  pin_check writer pinned 60 || ok=1
   wait_line "$exchange/pinned.vm" '^end$' 300 >/dev/null || ok=1
   echo "pci-e2e: $(tail -n 1 "$work/pinned.out"); $(grep -E '^sentinel ' "$exchange/pinned.vm");" \
     "$(awk '$1 == "pgmigrate_success" || $1 == "compact_success" { printf "%s %s ", $1, $2 }' "$exchange/pinned.vm")"
@@ -364,13 +372,9 @@ check_pinned() {
 # --- part leaver: see tests/pci-guest.sh.
 left_badly() {
   local ok=0
-  beside_vm "$bin/pin-check" leaver "$socket" "$exchange/leaver.to-vm" "$exchange/leaver.from-vm" 20 \
-    >"$work/leaver.out" 2>"$work/leaver.err" || ok=1
-  echo end >>"$exchange/leaver.to-vm"
+  pin_check leaver leaver 20 || ok=1
   wait_line "$exchange/leaver.vm" '^end$' 300 >/dev/null || ok=1
-  beside_vm "$bin/pin-check" writer "$socket" "$exchange/bystander.to-vm" "$exchange/bystander.from-vm" 5 \
-    >"$work/bystander.out" 2>"$work/bystander.err" || ok=1
-  echo end >>"$exchange/bystander.to-vm"
+  pin_check writer bystander 5 || ok=1
   echo "pci-e2e: leaver: $(tail -n 1 "$work/leaver.out"); $(grep -E '^sentinel ' "$exchange/leaver.vm");" \
     "bystander: $(tail -n 1 "$work/bystander.out"); vrdmad: $(grep -o '^program [0-9]* gone.*' "$exchange/leaver.vm" | tr '\n' ' ')"
   grep -qx 'sentinel-rc 0' "$exchange/leaver.vm" && grep -q 'mismatches=0$' "$work/bystander.out" || ok=1
