@@ -3,10 +3,9 @@
 //! Tests run on the test device ([`test_device_name`]): under plain `cargo test`, a loopback
 //! device of the test's own (the backend's software RDMA device, in this process), so that
 //! the control path, the data path and unmodified programs run with no VM; inside the VM
-//! harness, rxe0, where `tests/run-all.sh` runs every test again with `--include-ignored`.
-//! Tests that only rxe can run (native peers on rxe0, host links, pinned registrations,
-//! timings of a real NIC) are marked `#[ignore = "needs rdma_rxe: why"]`; in the VM a missing
-//! rxe device fails them all.
+//! harness, rxe0, where `tests/guest-tests.sh` runs the tests that only rxe can run (native
+//! peers on rxe0, host links, pinned registrations, timings of a real NIC), marked
+//! `#[ignore = "needs rdma_rxe: why"]`; in the VM a missing rxe device fails them all.
 
 pub mod target_writer;
 

@@ -34,11 +34,11 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
   python3-venv patch
   # rdma-core's own test suite, run on rxe0 and on vrdma0 (tests/rdma-core-suite.py)
   python3-pyverbs
-  # UCX's tools (ucx_info, ucx_perftest), run on vrdma0 (tests/tests/ibverbs_rxe.rs), and
+  # UCX's tools (ucx_info, ucx_perftest), run on vrdma0 (tests/tests/ibverbs_programs.rs), and
   # Open MPI over UCX (mpirun, and mpicc for the test's program)
   ucx-utils openmpi-bin libopenmpi-dev
   # libfabric's tools (fi_pingpong over its verbs provider), run on vrdma0
-  # (tests/tests/rdmacm_programs_rxe.rs)
+  # (tests/tests/rdmacm_programs.rs)
   libfabric-bin
   # to count the backend's instructions per WQE in the benchmark (callgrind)
   valgrind

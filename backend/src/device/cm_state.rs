@@ -7,7 +7,7 @@
 //! `id->verbs->device`, NULL until the id is bound to a device; `rdma_connect` reads
 //! `id->cma_dev`), so a guest that could reach it out of order could end the backend with
 //! every guest on it. The table is pure, so unit tests and the `cm_state` fuzz target check it
-//! without a host connection manager; the rxe tests (`cm_rxe.rs`) check the device against it.
+//! without a host connection manager; the rxe tests (`cm.rs`) check the device against it.
 
 use vrdma_spec::cm::cm_event;
 use vrdma_spec::ctrl::Opcode;
@@ -413,7 +413,7 @@ mod tests {
     }
 
     /// Every state is reached from a fresh id or a connection request's by commands the table
-    /// allows and events, and so is tested on rxe by the same path (cm_rxe.rs).
+    /// allows and events, and so is tested on rxe by the same path (cm.rs).
     #[test]
     fn every_state_is_reachable() {
         let mut seen = BTreeSet::from([IdState::Idle, IdState::Requested]);

@@ -1,4 +1,4 @@
-//! Guests at their quotas, for the 64-guest stress test (tests/tests/quota_stress_rxe.rs).
+//! Guests at their quotas, for the 64-guest stress test (tests/tests/quota_stress.rs).
 //!
 //! usage: quota-guests SOCKET N
 //!
