@@ -16,13 +16,13 @@
 #            programs asleep in ibv_get_cq_event and four polling (killed.vm); a service
 #            restart under a waiting program: how that program ended and whether the next
 #            one works (restart.vm)
-#   users    the guest service, and through it two users' ibv_rc_pingpong pair (users.vm);
-#            given CM_ADDRESSES, then rping through vrdma's librdmacm and the service, as an
-#            unprivileged user: the client of a native server outside the VM, then the server
-#            of a native client there (cm.vm: `client RC`, `server RC`)
+#   cm       the guest service, and through it rping on vrdma's librdmacm as an unprivileged
+#            user: the client of a native server outside the VM at the first of CM_ADDRESSES,
+#            then the server of a native client there on the second (cm.vm: `client RC`,
+#            `server RC`)
 #   reopen   a backend restart under the running VM (session reopen)
-#   native   guest-lib attached to the PCI device directly (session native-peer), then an
-#            unmodified ibv_rc_pingpong through vrdma's libibverbs; this VM has no network,
+#   native   an unmodified ibv_rc_pingpong through vrdma's libibverbs attached to the PCI
+#            device directly, against a native peer outside; this VM has no network,
 #            so its TCP address exchange is relayed through pingpong.up / pingpong.down
 #   held     guest-lib attached to the PCI device makes its objects (QP and all), says its QP
 #            number and waits for a peer that never comes: the VM is destroyed under it
@@ -48,6 +48,14 @@ source "$repo/tests/listening.sh"
 # them from the program under test on the VM's one vCPU.
 exec {never}<> <(:)
 pause() { read -rt "$1" -u "$never" || true; }
+
+# mark WHAT: the VM's uptime and WHAT, a line of timeline.vm (tests/pci-e2e.sh prints it: where
+# a nested VM's minutes go).
+mark() {
+  local up
+  read -r up _ </proc/uptime
+  echo "$up s $*" >>"$exchange/timeline.vm"
+}
 
 # Prints the lines of FILE as they are appended (9p has no inotify: polls), until `end`.
 follow() {
@@ -106,7 +114,8 @@ threads() {
 start_service() {
   RUST_LOG=info "$bin/vrdmad" --device pci --group nogroup 2>"$exchange/$1" &
   service=$!
-  for _ in $(seq 600); do grep -q 'listening on ' "$exchange/$1" && return 0; pause 0.5; done
+  wait_for_line "$exchange/$1" 'listening on '
+  mark "vrdmad listening"
 }
 
 # Stops vrdmad as systemd does, with SIGTERM, which ends it (exit status 143): anything else
@@ -344,24 +353,24 @@ rping_pairs() {
     pause 2
   done
   echo "client $rc" >>"$exchange/cm.vm"
+  mark "rping client ended"
   as_user 65534 timeout 600 rping -s -a "$2" -p 18531 -C 5 >"$exchange/rping-server.out" 2>&1
   echo "server $?" >>"$exchange/cm.vm"
+  mark "rping server ended"
 }
 
-# Two users' programs through the guest service, and rdma_cm's rping (for the nested VM).
-part_users() {
+# rdma_cm's rping through the guest service (for the nested VM: the part service checks the
+# service itself, on the loopback-served VM).
+part_cm() {
   start_service vrdmad.log
-  users_pair pingpong 18520 ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 20
-  echo end >>"$exchange/users.vm"
   # shellcheck disable=SC2086 # two addresses
-  [ -z "$cm_addresses" ] || rping_pairs $cm_addresses
+  rping_pairs $cm_addresses
   stop_service
 }
 
 part_reopen() { session reopen -- reopen pci; }
 
 part_native() {
-  session native-peer -- pong pci "$round_trips"
   # The pingpong's peer address is 127.0.0.1 here: a one-connection listener copies the
   # socket into pingpong.up and pingpong.down into the socket.
   busybox nc -l -p 18515 -e sh -c 'busybox tail -c +1 -F -s 1 "$2" & exec cat >>"$1"' \
@@ -392,7 +401,7 @@ part_pinned() {
   "$bin/pin-check" fragment 192 >"$exchange/fragment.vm" &
   fragmenter=$!
   wait_for_line "$exchange/fragment.vm" fragmented
-  "$bin/pin-check" sentinel 75 64 >"$exchange/pinned.vm" 2>&1 &
+  "$bin/pin-check" sentinel 45 64 >"$exchange/pinned.vm" 2>&1 &
   sentinel=$!
   (
     while [ ! -e "$exchange/pinned.stop" ]; do
@@ -426,7 +435,7 @@ part_leaver() {
   session leaver "${program[@]}" -- target service $((32 << 20)) &
   leaver=$!
   wait_for_line "$exchange/leaver.from-vm" rkey=
-  "$bin/pin-check" sentinel 40 64 >"$exchange/leaver.vm" 2>&1 &
+  "$bin/pin-check" sentinel 30 64 >"$exchange/leaver.vm" 2>&1 &
   sentinel=$!
   wait "$sentinel"
   echo "sentinel-rc $?" >>"$exchange/leaver.vm"
@@ -439,8 +448,10 @@ part_leaver() {
 modprobe uio_pci_generic 2>/dev/null # the initramfs loaded it already, if it has it
 IFS=, read -ra parts_to_run <<<"$parts"
 for part in "${parts_to_run[@]}"; do
+  mark "part $part"
   case "$part" in
-    service | users | reopen | native | held | pinned | leaver | paused) "part_$part" ;;
+    service | cm | reopen | native | held | pinned | leaver | paused) "part_$part" ;;
     *) echo "pci-guest.sh: unknown part '$part'" >&2; exit 2 ;;
   esac
 done
+mark "parts done"
