@@ -4,12 +4,18 @@
 # Builds with the machine's stable toolchain: the coverage instrumentation libFuzzer needs
 # (LLVM's sancov pass) is reachable through stable rustc flags, as cargo-fuzz passes them
 # when no sanitizer is asked for; integer overflow and debug assertions are on.
-#   fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]   (default 30 s, every target)
+#   fuzz/run.sh [--brief] [SECONDS_PER_TARGET] [TARGET...]   (default 30 s, every target)
+#   --brief  build with less optimisation (profile brief), for runs of a few seconds
 #   VRDMA_FUZZ_RUNS=N  stop each target after N executions instead of after SECONDS
 # A crash fails the run and leaves its input under target/fuzz/artifacts/TARGET/; add it to
 # fuzz/corpus/TARGET so that every later run replays it.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+profile=release
+if [ "${1:-}" = --brief ]; then
+  profile=brief
+  shift
+fi
 seconds=${1:-30}
 shift || true
 triple=$(rustc -vV | awk '/^host:/ {print $2}')
@@ -19,7 +25,7 @@ export CARGO_TARGET_DIR="$here/../target/fuzz/build"
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
-cargo build --manifest-path "$here/Cargo.toml" --locked --release --bins --target "$triple"
+cargo build --manifest-path "$here/Cargo.toml" --locked --profile "$profile" --bins --target "$triple"
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] ||
   mapfile -t targets < <(sed -n 's/^name = "\(.*\)"$/\1/p' "$here/Cargo.toml" | grep -v '^vrdma-fuzz$')
@@ -30,7 +36,7 @@ for target in "${targets[@]}"; do
   limit=(-max_total_time="$seconds")
   [ -n "${VRDMA_FUZZ_RUNS:-}" ] && limit=(-runs="$VRDMA_FUZZ_RUNS")
   log="$here/../target/fuzz/$target.log"
-  if "$CARGO_TARGET_DIR/$triple/release/$target" "$corpus" "$here/corpus/$target" \
+  if "$CARGO_TARGET_DIR/$triple/$profile/$target" "$corpus" "$here/corpus/$target" \
     "${limit[@]}" -artifact_prefix="$artifacts/" -print_final_stats=1 >"$log" 2>&1; then
     runs=$(awk '/stat::number_of_executed_units/ {print $2}' "$log")
     cov=$(grep -o 'cov: [0-9]*' "$log" | tail -n1)

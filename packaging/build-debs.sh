@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds vrdma's Debian packages from the workspace (release), into target/debs/ (or OUT_DIR):
+# Builds vrdma's Debian packages from the workspace (release unless --debug), into target/debs/ (or OUT_DIR):
 # - vrdma-backend: vhost-user-rdma and vrdmactl, the systemd unit (backend/systemd), its
 #   users, the default guest declarations (/etc/vrdma/guests.toml) and options
 #   (/etc/default/vrdma-backend), a libvirt domain for a VM with a vrdma device (an example);
@@ -7,13 +7,20 @@
 #   libibverbs.so.1 and librdmacm.so.1 (/usr/lib/vrdma), vrdma-run, the guest service vrdmad
 #   and its unit, which the vrdma PCI device starts (udev rule), and the source of the
 #   vrdma_pin module for DKMS.
-# usage: packaging/build-debs.sh [OUT_DIR]   (prints the packages' paths)
+# usage: packaging/build-debs.sh [--debug] [OUT_DIR]   (prints the packages' paths)
+#   --debug  package the debug build (target/debug) instead: the test command checks the
+#            packages of the build it tests, and spares CI a release build of its own
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
+profile=release cargo_flags=(--release) link_flags=(--release)
+if [ "${1:-}" = --debug ]; then
+  profile=debug cargo_flags=() link_flags=()
+  shift
+fi
 out=$(mkdir -p "${1:-$repo/target/debs}" && cd "${1:-$repo/target/debs}" && pwd)
 cd "$repo"
-cargo build --release --locked -p vrdma-backend -p vrdmad --bins >&2
-lib_dir=$(guest-lib/ibverbs/link.sh --release)
+cargo build "${cargo_flags[@]}" --locked -p vrdma-backend -p vrdmad --bins >&2
+lib_dir=$(guest-lib/ibverbs/link.sh "${link_flags[@]}")
 version=$(awk -F'"' '/^version/ { print $2; exit }' Cargo.toml)
 arch=$(dpkg --print-architecture)
 work=$(mktemp -d)
@@ -94,8 +101,8 @@ SCRIPT
 }
 
 backend=$work/vrdma-backend
-install -D -m 0755 target/release/vhost-user-rdma "$backend/usr/bin/vhost-user-rdma"
-install -D -m 0755 target/release/vrdmactl "$backend/usr/bin/vrdmactl"
+install -D -s -m 0755 target/$profile/vhost-user-rdma "$backend/usr/bin/vhost-user-rdma"
+install -D -s -m 0755 target/$profile/vrdmactl "$backend/usr/bin/vrdmactl"
 install -D -m 0644 backend/systemd/vrdma-backend.service "$backend/lib/systemd/system/vrdma-backend.service"
 install -D -m 0644 backend/systemd/vrdma-backend.sysusers "$backend/usr/lib/sysusers.d/vrdma-backend.conf"
 install -D -m 0644 backend/systemd/vrdma-backend.tmpfiles "$backend/usr/lib/tmpfiles.d/vrdma-backend.conf"
@@ -110,10 +117,10 @@ package vrdma-backend "libc6, libgcc-s1, libibverbs1, librdmacm1, ibverbs-provid
  changes the guests it serves."
 
 guest=$work/vrdma-guest
-install -D -m 0644 "$lib_dir/libibverbs.so.1" "$guest/usr/lib/vrdma/libibverbs.so.1"
-install -D -m 0644 "$lib_dir/librdmacm.so.1" "$guest/usr/lib/vrdma/librdmacm.so.1"
+install -D -s -m 0644 "$lib_dir/libibverbs.so.1" "$guest/usr/lib/vrdma/libibverbs.so.1"
+install -D -s -m 0644 "$lib_dir/librdmacm.so.1" "$guest/usr/lib/vrdma/librdmacm.so.1"
 install -D -m 0755 guest-lib/ibverbs/vrdma-run "$guest/usr/lib/vrdma/vrdma-run"
-install -D -m 0755 target/release/vrdmad "$guest/usr/sbin/vrdmad"
+install -D -s -m 0755 target/$profile/vrdmad "$guest/usr/sbin/vrdmad"
 install -D -m 0644 guest-lib/service/systemd/vrdmad.service "$guest/lib/systemd/system/vrdmad.service"
 install -D -m 0644 guest-lib/service/systemd/vrdma.sysusers "$guest/usr/lib/sysusers.d/vrdma.conf"
 install -D -m 0644 guest-lib/service/systemd/60-vrdma.rules "$guest/usr/lib/udev/rules.d/60-vrdma.rules"

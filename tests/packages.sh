@@ -2,13 +2,14 @@
 # The Debian packages (packaging/build-debs.sh): built from the workspace, they hold what they
 # should, their maintainer scripts parse, their Depends name the packages of every shared
 # library their programs need, and apt resolves their dependencies on this system
-# (apt-get --simulate: nothing is installed).
+# (apt-get --simulate: nothing is installed). They package the debug build the other tests
+# run (build-debs.sh --debug): the release build is the demo's.
 # usage: tests/packages.sh
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$repo/target/debs
 rm -rf "$out"
-mapfile -t debs < <("$repo/packaging/build-debs.sh" "$out")
+mapfile -t debs < <("$repo/packaging/build-debs.sh" --debug "$out")
 [ ${#debs[@]} -eq 2 ] || { echo "packages: expected 2 packages, got: ${debs[*]}" >&2; exit 1; }
 fail() { echo "packages: $*" >&2; exit 1; }
 version=$(awk -F'"' '/^version/ { print $2; exit }' "$repo/Cargo.toml")

@@ -43,11 +43,11 @@ guest-lib/ibverbs/link.sh >/dev/null
 step "unit tests, and the integration tests on the loopback host (this machine, no VM; about a minute)"
 cargo test --workspace --locked
 
-step "the Debian packages: built (release), their contents, scripts and dependencies checked"
+step "the Debian packages (of the debug build): their contents, scripts and dependencies checked"
 tests/packages.sh
 
 step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in docs/testing.md)"
-fuzz/run.sh "${VRDMA_FUZZ_SECONDS:-4}"
+fuzz/run.sh --brief "${VRDMA_FUZZ_SECONDS:-4}"
 
 step "a VM with the vrdma PCI device, served by the loopback host on this machine (about a minute)"
 tests/pci-e2e.sh "$PWD/target/debug" loopback
@@ -75,6 +75,7 @@ VRDMA_BENCH_ROUND_TRIPS=2000 VRDMA_BENCH_WQES=20000 target/debug/relay-bench
 VRDMA_BENCH_RATE_MESSAGES=60 VRDMA_BENCH_LAT_ITERS=200 tests/bench-rate.sh target/debug
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENCH_GUESTS=8 \
   VRDMA_BENCH_MR_MIB=64 VRDMA_BENCH_CALLGRIND_WRITES=100 VRDMA_BENCH_CM_CONNECTIONS=10 \
+  VRDMA_BENCH_TESTS="write_lat write_bw" VRDMA_BENCH_PINNED_TESTS=read_lat \
   tests/vm/run.sh -- tests/bench-guest.sh "$PWD/target/debug"
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 \
   tests/vm/two-hosts.sh -- tests/bench-cross-host.sh "$PWD/target/debug"
