@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds the QEMU the nested-VM tests run: Debian's QEMU 10.0 source with
 # vhost-user-rdma.patch (the generic vhost-user PCI device made user-creatable and virtio id 42
-# given a name), x86_64 system emulator only, TCG, no firmware. Idempotent: the result is cached
-# under target/qemu/ and rebuilt only when this script or the patch change.
+# given a name), x86_64 system emulator only, TCG, no firmware, no debug information (a fifth
+# less build time, and this build is on the path of every fresh clone's test command).
+# Idempotent: the result is cached under target/qemu/ and rebuilt only when this script or the
+# patch change.
 # Prints the path of the built qemu-system-x86_64.
 set -euo pipefail
 
@@ -56,7 +58,8 @@ mkdir -p "$cache/build"
   cd "$cache/build"
   "$cache/src/configure" --python="$cache/venv/bin/python3" --target-list=x86_64-softmmu \
     --without-default-features --enable-tcg --enable-vhost-user --enable-virtfs --enable-attr \
-    --enable-cap-ng --enable-fdt=system --disable-docs --disable-install-blobs
+    --enable-cap-ng --enable-fdt=system --disable-docs --disable-install-blobs \
+    --disable-debug-info --disable-qom-cast-debug
   ninja qemu-system-x86_64
 ) >"$cache/build.log" 2>&1 || { tail -n 40 "$cache/build.log" >&2; exit 1; }
 echo "$inputs" >"$cache/stamp"
