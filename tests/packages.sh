@@ -7,7 +7,7 @@
 # usage: tests/packages.sh
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-out=$repo/target/debs
+out=$repo/target/debug/debs # beside the build they hold (target/debs: the release packages)
 rm -rf "$out"
 mapfile -t debs < <("$repo/packaging/build-debs.sh" --debug "$out")
 [ ${#debs[@]} -eq 2 ] || { echo "packages: expected 2 packages, got: ${debs[*]}" >&2; exit 1; }

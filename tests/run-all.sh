@@ -84,7 +84,7 @@ step "a nested VM with the vrdma PCI device started by libvirt, served through r
 tests/vm/run.sh -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
 
 step "the packages installed on a clean Debian system booted with systemd (its root made once: about a minute)"
-tests/install-check.sh target/debs/*.deb
+tests/install-check.sh target/debug/debs/*.deb
 step "done"
 }
 

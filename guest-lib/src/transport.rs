@@ -5,7 +5,9 @@ use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
 use vrdma_spec::config::{features, DeviceConfig, FIRST_NOTIFY_QUEUE};
+use vrdma_spec::ctrl::{request_bytes, Opcode, ResponseHeader, SetNotifyAreaRequest, Status};
 use vrdma_spec::ring::Event;
+use vrdma_spec::{read_wire, ByteValued};
 
 use std::sync::Arc;
 
@@ -133,13 +135,78 @@ pub trait Transport: Send + Sync {
     }
 }
 
-impl dyn Transport {
+impl dyn Transport + '_ {
     /// Refuses a device of another specification version than this library's (SPEC.md §3
     /// `version`): a driver never drives a device whose rules it does not know.
     pub fn check_version(&self) -> Result<()> {
         match self.config().version.to_native() {
             vrdma_spec::SPEC_VERSION => Ok(()),
             device => Err(Error::SpecVersion { device }),
+        }
+    }
+
+    /// One control command (SPEC.md §6): `payload` framed as `opcode`'s request, the answer
+    /// read up to `opcode`'s response size. An answer shorter than its header, or with a
+    /// status SPEC.md does not define, is [`Error::BadResponse`].
+    pub fn command(&self, opcode: Opcode, payload: &[u8]) -> Result<Response> {
+        let header_len = std::mem::size_of::<ResponseHeader>();
+        let mut bytes = vec![0u8; header_len + opcode.response_size()];
+        let written = self
+            .control(&request_bytes(opcode as u16, payload), &mut bytes)?
+            .min(bytes.len());
+        let malformed = Error::BadResponse {
+            opcode,
+            len: written,
+        };
+        bytes.truncate(written);
+        let Some(header) = read_wire::<ResponseHeader>(&bytes) else {
+            return Err(malformed);
+        };
+        let status = Status::try_from(header.status.to_native()).map_err(|_| malformed)?;
+        Ok(Response {
+            opcode,
+            status,
+            detail: header.detail.to_native(),
+            payload: bytes.split_off(header_len),
+        })
+    }
+
+    /// A new driver's start once its notify area is made (SPEC.md §9 step 3): RESET where the
+    /// device offers it (what an earlier driver left, a killed or an upgraded one, goes; a
+    /// device without RESET dropped all at the reset that opened it), then the pins dead
+    /// drivers left end ([`Transport::device_reset`]), then SET_NOTIFY_AREA.
+    pub fn start_driver(&self, notify_area: &SetNotifyAreaRequest) -> Result<()> {
+        if self.features() & features::RESET_COMMAND != 0 {
+            self.command(Opcode::Reset, &[])?.accepted()?;
+        }
+        self.device_reset()?;
+        self.command(Opcode::SetNotifyArea, notify_area.as_slice())?
+            .accepted()?;
+        Ok(())
+    }
+}
+
+/// The device's answer to a control command (`command` of a `dyn Transport`).
+#[derive(Debug)]
+pub struct Response {
+    pub opcode: Opcode,
+    pub status: Status,
+    /// The header's `detail` (SPEC.md §6): which rule refused the request.
+    pub detail: u32,
+    /// The bytes the device wrote after the header.
+    pub payload: Vec<u8>,
+}
+
+impl Response {
+    /// The payload of an answer with status OK; any other status as [`Error::Device`].
+    pub fn accepted(self) -> Result<Vec<u8>> {
+        match self.status {
+            Status::Ok => Ok(self.payload),
+            status => Err(Error::Device {
+                opcode: self.opcode,
+                status,
+                detail: self.detail,
+            }),
         }
     }
 }

@@ -68,10 +68,6 @@ pub struct Device {
     inner: Arc<DeviceInner>,
 }
 
-fn encode<T: ByteValued>(opcode: Opcode, request: &T) -> Vec<u8> {
-    vrdma_spec::ctrl::request_bytes(opcode as u16, request.as_slice())
-}
-
 /// An empty request or response payload.
 #[derive(Clone, Copy, Default)]
 #[repr(C)]
@@ -172,47 +168,19 @@ impl DeviceInner {
         opcode: Opcode,
         request: &Req,
     ) -> Result<Resp> {
-        let header_len = std::mem::size_of::<ResponseHeader>();
-        let mut response = vec![0u8; header_len + std::mem::size_of::<Resp>()];
-        let written = self.noting_loss(
-            self.transport()?
-                .control(&encode(opcode, request), &mut response),
-        )?;
-        if written < header_len {
-            return Err(Error::BadResponse {
-                opcode,
-                len: written,
-            });
-        }
-        let header: ResponseHeader = read_wire(&response).ok_or(Error::BadResponse {
-            opcode,
-            len: written,
-        })?;
-        let status =
-            Status::try_from(header.status.to_native()).map_err(|_| Error::BadResponse {
-                opcode,
-                len: written,
-            })?;
-        if status == Status::NotReady {
+        let response = self.noting_loss(self.transport()?.command(opcode, request.as_slice()))?;
+        if response.status == Status::NotReady {
             return self.noting_loss(Err(Error::DeviceReset));
         }
-        if status != Status::Ok {
-            return Err(Error::Device {
-                opcode,
-                status,
-                detail: header.detail.to_native(),
-            });
-        }
-        if written != response.len() {
-            return Err(Error::BadResponse {
-                opcode,
-                len: written,
-            });
-        }
-        read_wire(&response[header_len..]).ok_or(Error::BadResponse {
+        let payload = response.accepted()?;
+        let malformed = Error::BadResponse {
             opcode,
-            len: written,
-        })
+            len: std::mem::size_of::<ResponseHeader>() + payload.len(),
+        };
+        if payload.len() != std::mem::size_of::<Resp>() {
+            return Err(malformed);
+        }
+        read_wire(&payload).ok_or(malformed)
     }
 
     /// Destroys `handle` with `opcode`; used by Drop, where an error can only be logged.
@@ -357,20 +325,12 @@ impl Device {
             });
         }
         let (notify_area, doorbell_bitmap) = alloc_notify_area(&*transport)?;
-        let reset = transport.features() & vrdma_spec::config::features::RESET_COMMAND != 0;
         let request = SetNotifyAreaRequest {
             addr: Le64::from(notify_area.device_addr()?),
             doorbell_bitmap: Le64::from(doorbell_bitmap.device_addr()?),
         };
         let inner = DeviceInner::new(transport, notify_area, doorbell_bitmap, opened_by);
-        if reset {
-            // A device that keeps its objects across a stop of its queues (a paused VM)
-            // learns here that this is a new driver: whatever an earlier one left goes.
-            inner.command::<_, Empty>(Opcode::Reset, &Empty)?;
-        }
-        // Reset either way (a device without RESET drops all at the reset that opened it).
-        inner.transport()?.device_reset()?;
-        inner.command::<_, Empty>(Opcode::SetNotifyArea, &request)?;
+        inner.transport()?.start_driver(&request)?;
         Ok(Device {
             inner: Arc::new(inner),
         })

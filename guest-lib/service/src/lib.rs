@@ -36,7 +36,7 @@ use vrdma_guest::transport::Transport;
 use vrdma_spec::codec::{doorbell_bitmap_bits, notify_area_bytes};
 use vrdma_spec::config::{features, DeviceConfig};
 use vrdma_spec::ctrl::{
-    AddDoorbellAreaRequest, CreatedResponse, DeviceAttr, HandleRequest, Opcode, ResponseHeader,
+    AddDoorbellAreaRequest, CreatedResponse, DeviceAttr, HandleRequest, Opcode,
     SetNotifyAreaRequest, Status,
 };
 use vrdma_spec::ring::{event_kind, Event};
@@ -52,10 +52,6 @@ pub enum Error {
         target: String,
         source: vrdma_guest::Error,
     },
-    #[error("the vrdma device refused the notify area: {0:?}")]
-    NotifyArea(Status),
-    #[error("the vrdma device refused to reset what an earlier driver left: {0:?}")]
-    Reset(Status),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -313,26 +309,12 @@ impl Service {
         let (addr, doorbell_bitmap) = notify
             .device_addrs(num_notify_queues)
             .map_err(device_error)?;
-        if transport.features() & vrdma_spec::config::features::RESET_COMMAND != 0 {
-            // The device keeps its objects across a stop of its queues (a paused VM); an
-            // instance before this one (killed, or upgraded) may have left some: they go.
-            let (status, _) = raw_command(&*transport, Opcode::Reset, &[]).map_err(device_error)?;
-            if status != Status::Ok {
-                return Err(Error::Reset(status));
-            }
-        }
-        // Reset either way (a device without RESET drops all at the reset that opened it):
-        // what an instance before this one left pinned may go.
-        transport.device_reset().map_err(device_error)?;
-        let request = SetNotifyAreaRequest {
-            addr,
-            doorbell_bitmap,
-        };
-        let (status, _) = raw_command(&*transport, Opcode::SetNotifyArea, request.as_slice())
+        transport
+            .start_driver(&SetNotifyAreaRequest {
+                addr,
+                doorbell_bitmap,
+            })
             .map_err(device_error)?;
-        if status != Status::Ok {
-            return Err(Error::NotifyArea(status));
-        }
         // A backend ends the connection at a memory region past its limit: the programs get
         // what the service's own memory leaves, less a few for its growth.
         let regions = match transport.memory_regions() {
@@ -432,23 +414,17 @@ impl Service {
             bits: Le32::from(bits),
             reserved: Le32::from(0),
         };
-        let added = raw_command(
-            &*self.transport,
-            Opcode::AddDoorbellArea,
-            request.as_slice(),
-        )
-        .map_err(|e| format!("ADD_DOORBELL_AREA: {e}"))?;
-        match added {
-            (Status::Ok, reply) => {
-                let created: CreatedResponse =
-                    read_wire(&reply).ok_or("ADD_DOORBELL_AREA: a short answer")?;
-                Ok(Some(ProgramArea {
-                    number: created.handle.to_native(),
-                    doorbells,
-                }))
-            }
-            (status, _) => Err(format!("ADD_DOORBELL_AREA: {status:?}")),
-        }
+        let reply = self
+            .transport
+            .command(Opcode::AddDoorbellArea, request.as_slice())
+            .and_then(|response| response.accepted())
+            .map_err(|e| format!("ADD_DOORBELL_AREA: {e}"))?;
+        let created: CreatedResponse =
+            read_wire(&reply).ok_or("ADD_DOORBELL_AREA: a short answer")?;
+        Ok(Some(ProgramArea {
+            number: created.handle.to_native(),
+            doorbells,
+        }))
     }
 
     /// Removes a program's doorbell area once none of its queues rings through it.
@@ -457,13 +433,11 @@ impl Service {
             handle: Le32::from(area.number),
             reserved: Le32::from(0),
         };
-        let (status, _) = raw_command(
-            &*self.transport,
-            Opcode::DestroyDoorbellArea,
-            request.as_slice(),
-        )?;
+        let response = self
+            .transport
+            .command(Opcode::DestroyDoorbellArea, request.as_slice())?;
         self.transport.forget(&area.doorbells.region)?;
-        Ok(status)
+        Ok(response.status)
     }
 
     /// Serves programs connecting to `listener` until the device is lost.
@@ -629,25 +603,6 @@ fn send_event(program: u64, socket: &UnixStream, event: &Event) {
             event.kind.to_native()
         ),
     }
-}
-
-/// Sends one control request to the device; returns its status (the response payload, which
-/// this caller does not need, is dropped).
-/// Sends the service's own request `opcode` with `payload`: the status, and the response
-/// payload.
-fn raw_command(
-    transport: &dyn Transport,
-    opcode: Opcode,
-    payload: &[u8],
-) -> vrdma_guest::Result<(Status, Vec<u8>)> {
-    let request = vrdma_spec::ctrl::request_bytes(opcode as u16, payload);
-    let header_len = std::mem::size_of::<ResponseHeader>();
-    let mut response = vec![0u8; header_len + opcode.response_size()];
-    let written = transport.control(&request, &mut response)?;
-    let header: ResponseHeader = read_wire(&response).expect("sized for the header");
-    let status = Status::try_from(header.status.to_native()).unwrap_or(Status::HostError);
-    response.truncate(written.max(header_len));
-    Ok((status, response.split_off(header_len)))
 }
 
 /// Binds the service's socket at `path`, with `mode` and, if given, `group`: who may open it

@@ -17,7 +17,7 @@ use vrdma_spec::{read_wire, ByteValued, Le16, Le32};
 use crate::accounts::{memlock_of, Memlock};
 use crate::memory::Regions;
 use crate::requests::{self, ObjectKind, ProgramMemory};
-use crate::{raw_command, ProgramArea, Service};
+use crate::{ProgramArea, Service};
 
 /// Refusals logged per program before only every thousandth is: a program cannot flood the
 /// log.
@@ -499,13 +499,14 @@ impl Program<'_> {
                     handle: Le32::from(handle),
                     reserved: Le32::from(0),
                 };
-                match raw_command(
-                    &*self.service.transport,
-                    kind.destroy_opcode(),
-                    request.as_slice(),
-                ) {
-                    Ok((Status::Ok, _)) => destroyed += 1,
-                    Ok((status, _)) => log::error!(
+                match self
+                    .service
+                    .transport
+                    .command(kind.destroy_opcode(), request.as_slice())
+                    .map(|response| response.status)
+                {
+                    Ok(Status::Ok) => destroyed += 1,
+                    Ok(status) => log::error!(
                         "program {}: destroying {kind:?} {handle:#x}: {status:?}",
                         self.id
                     ),
