@@ -63,7 +63,7 @@ for line in sys.stdin:
         print(m["executable"])')
 [ ${#binaries[@]} -gt 0 ] || { echo "run-all: no integration test binaries were built" >&2; exit 1; }
 
-step "integration tests with real RDMA (QEMU guest, rdma_rxe)"
+step "integration tests that need real RDMA (QEMU guest, rdma_rxe)"
 # 6 GiB: the quota stress test's 64 guests hold ~3 GiB of the backend and the host provider.
 tests/vm/run.sh --mem 6144 -- tests/guest-tests.sh "${binaries[@]}"
 
@@ -80,7 +80,7 @@ VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENC
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 \
   tests/vm/two-hosts.sh -- tests/bench-cross-host.sh "$PWD/target/debug"
 
-step "a nested VM with the vrdma PCI device started by libvirt, served through rxe0 in the rxe guest (about 5 minutes)"
+step "a nested VM with the vrdma PCI device started by libvirt, served through rxe0 in the rxe guest (about 10 minutes: the nested boot takes 3)"
 tests/vm/run.sh -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
 
 step "the packages installed on a clean Debian system booted with systemd (its root made once: about a minute)"
