@@ -510,7 +510,7 @@ impl Context {
     pub fn query_port(&self, port: u8) -> Result<PortAttr> {
         let raw = match &self.raw {
             Raw::Verbs(raw) => raw.as_ptr(),
-            Raw::Loopback(_) => return loopback::port_attr(port),
+            Raw::Loopback(context) => return context.query_port(port),
         };
         // SAFETY: all-zero is a valid ibv_port_attr (integers only).
         let mut attr: ibv_port_attr = unsafe { std::mem::zeroed() };
@@ -536,8 +536,8 @@ impl Context {
 
     /// The GID at `index` of `port` and its type. An unused entry is an error (ENODATA).
     pub fn query_gid(&self, port: u8, index: u32) -> Result<(Gid, GidType)> {
-        if self.loopback().is_some() {
-            return loopback::query_gid(port, index);
+        if let Some(context) = self.loopback() {
+            return context.query_gid(port, index);
         }
         let entry = self.query_gid_entry(port, index)?;
         let gid_type = match entry.gid_type {
@@ -630,7 +630,7 @@ impl Context {
                 NonNull::new(unsafe { ibv_alloc_pd(raw.as_ptr()) })
                     .ok_or_else(|| last_error("ibv_alloc_pd"))?,
             ),
-            Raw::Loopback(context) => Raw::Loopback(context.alloc_pd()),
+            Raw::Loopback(context) => Raw::Loopback(context.alloc_pd()?),
         };
         Ok(Arc::new(ProtectionDomain {
             raw,

@@ -26,9 +26,12 @@ use std::time::{Duration, Instant};
 use rdma_sys::{ibv_access_flags, ibv_wc_status};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+mod faults;
 #[cfg(test)]
 mod tests;
 mod transfer;
+
+pub use faults::Verb;
 
 use transfer::{receive_completion, Retries, Wait};
 
@@ -67,6 +70,9 @@ const MTU_4096: u32 = 5;
 const UD_MTU: u64 = 4096;
 /// Bytes of the GRH that heads every UD receive buffer.
 const GRH_LEN: usize = 40;
+/// `ibv_port_state` of a port taken down, and its physical state then.
+const PORT_DOWN: u32 = 1;
+const PHYS_STATE_DISABLED: u8 = 3;
 /// `rnr_retry` that means retrying for ever.
 const RNR_FOREVER: u8 = 7;
 
@@ -188,7 +194,7 @@ pub struct Context {
 
 impl Drop for Context {
     fn drop(&mut self) {
-        self.device.state().contexts -= 1;
+        (self.device.state().contexts).retain(|events| !Arc::ptr_eq(events, &self.events));
     }
 }
 
@@ -200,14 +206,12 @@ impl Context {
             source: e,
         })?;
         let device = Device::named(name);
-        device.state().contexts += 1;
-        Ok(Context {
-            device,
-            events: Arc::new(EventQueue {
-                fd,
-                queue: Mutex::default(),
-            }),
-        })
+        let events = Arc::new(EventQueue {
+            fd,
+            queue: Mutex::default(),
+        });
+        device.state().contexts.push(Arc::clone(&events));
+        Ok(Context { device, events })
     }
 
     pub fn async_fd(&self) -> RawFd {
@@ -218,13 +222,39 @@ impl Context {
         self.events.take()
     }
 
-    pub fn alloc_pd(&self) -> Handle {
+    /// [`port_attr`] as the port is now ([`Device::set_port_active`]), unless a failure is
+    /// armed ([`Device::fail`]).
+    pub fn query_port(&self, port: u8) -> Result<PortAttr> {
         let mut state = self.device.state();
+        state.refuse(Verb::QueryPort)?;
+        let attr = port_attr(port)?;
+        Ok(match state.port_down {
+            true => PortAttr {
+                state: PORT_DOWN,
+                phys_state: PHYS_STATE_DISABLED,
+                ..attr
+            },
+            false => attr,
+        })
+    }
+
+    /// [`query_gid`], with the GID [`Device::replace_gid`] put there, unless a failure is
+    /// armed ([`Device::fail`]).
+    pub fn query_gid(&self, port: u8, index: u32) -> Result<(Gid, GidType)> {
+        let mut state = self.device.state();
+        state.refuse(Verb::QueryGid)?;
+        let (gid, kind) = query_gid(port, index)?;
+        Ok((state.replaced_gid.unwrap_or(gid), kind))
+    }
+
+    pub fn alloc_pd(&self) -> Result<Handle> {
+        let mut state = self.device.state();
+        state.refuse(Verb::AllocPd)?;
         state.pds += 1;
-        Handle {
+        Ok(Handle {
             device: self.device,
             id: state.new_id(),
-        }
+        })
     }
 
     pub fn dealloc_pd(&self) {
@@ -235,7 +265,10 @@ impl Context {
         if depth == 0 || depth > MAX_CQE {
             return Err(errno("ibv_create_cq", libc::EINVAL));
         }
-        self.device.state().cqs += 1;
+        let mut state = self.device.state();
+        state.refuse(Verb::CreateCq)?;
+        state.cqs += 1;
+        drop(state);
         Ok(Arc::new(Cq {
             depth: AtomicU32::new(depth),
             state: Mutex::default(),
@@ -321,6 +354,7 @@ impl Cq {
     /// Holds up to `depth` completions from now on; EINVAL, changing nothing, if that is
     /// not a depth a CQ may have or the CQ holds more, as `ibv_resize_cq` on rxe.
     pub fn resize(&self, depth: u32) -> std::result::Result<(), i32> {
+        self.device.state().faults.check(Verb::ResizeCq)?;
         let state = lock(&self.state);
         if depth == 0 || depth > MAX_CQE || state.entries.len() > depth as usize {
             return Err(libc::EINVAL);
@@ -403,12 +437,59 @@ impl Device {
         lock(&self.state)
     }
 
+    /// Makes a call of `verb` fail with `errno` once `successes` more have succeeded (for
+    /// posts, counted by work request) ([`faults`]); failures armed for one verb fire in turn.
+    pub fn fail(&self, verb: Verb, successes: u32, errno: i32) {
+        self.state().faults.arm(verb, successes, errno);
+    }
+
+    /// Takes the port down or brings it up, as a cable pulled and put back: queries say so
+    /// and every context gets PORT_ERR or PORT_ACTIVE. Traffic goes on (this device has no
+    /// wire to lose); what is under test is what the backend tells its guests.
+    pub fn set_port_active(&self, active: bool) {
+        let mut state = self.state();
+        if state.port_down != active {
+            return;
+        }
+        state.port_down = !active;
+        let event = match active {
+            true => AsyncEvent::PortActive(1),
+            false => AsyncEvent::PortError(1),
+        };
+        for events in &state.contexts {
+            events.push(event);
+        }
+    }
+
+    /// Makes queries of the GID table's one entry answer `gid`, as a host's table does when
+    /// the address under an entry changes; traffic is unaffected.
+    pub fn replace_gid(&self, gid: Gid) {
+        self.state().replaced_gid = Some(gid);
+    }
+
+    /// Failures armed ([`Device::fail`]) that have not fired yet.
+    pub fn failures_pending(&self) -> usize {
+        self.state().faults.pending()
+    }
+
+    /// A fatal error of QP `qpn`, as a NIC reports one: the QP enters the error state (its
+    /// work flushed) and its context gets the QP_FATAL event. False if there is no such QP.
+    pub fn raise_qp_fatal(&self, qpn: u32) -> bool {
+        let mut state = self.state();
+        let Some(events) = state.qps.get(&qpn).map(|qp| Arc::clone(&qp.send_cq.events)) else {
+            return false;
+        };
+        state.fail_qp(qpn);
+        events.push(AsyncEvent::QpFailed(qpn));
+        true
+    }
+
     /// The objects alive, by kind (`rdma resource show`'s names): what tests compare
     /// before and after to find leaks.
     pub fn resource_counts(&self) -> std::collections::BTreeMap<String, u64> {
         let state = self.state();
         let counts = [
-            ("ctx", state.contexts),
+            ("ctx", state.contexts.len()),
             ("pd", state.pds),
             ("cq", state.cqs),
             ("qp", state.qps.len()),
@@ -455,6 +536,7 @@ impl Device {
         access: u32,
     ) -> Result<u32> {
         let mut state = self.state();
+        state.refuse(Verb::RegMr)?;
         let key = state.new_key();
         state.mrs.insert(
             key,
@@ -490,6 +572,7 @@ impl Device {
             return Err(errno("ibv_create_qp", libc::EINVAL));
         }
         let mut state = self.state();
+        state.refuse(Verb::CreateQp)?;
         if let Some(srq) = init.srq {
             if !state.srqs.contains_key(&srq) {
                 return Err(errno("ibv_create_qp", libc::EINVAL));
@@ -526,6 +609,7 @@ impl Device {
 
     pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, attr_mask: u32) -> Result<()> {
         let mut state = self.state();
+        state.refuse(Verb::ModifyQp)?;
         let qp = state
             .qps
             .get_mut(&qpn)
@@ -559,7 +643,8 @@ impl Device {
     }
 
     pub fn query_qp(&self, qpn: u32) -> Result<QpAttr> {
-        let state = self.state();
+        let mut state = self.state();
+        state.refuse(Verb::QueryQp)?;
         let qp = state
             .qps
             .get(&qpn)
@@ -596,6 +681,9 @@ impl Device {
             if !ready || !allowed || sges > max_sge as usize {
                 return Err(post_refused(CALL, posted, libc::EINVAL));
             }
+            if let Err(code) = state.faults.check(Verb::PostSend) {
+                return Err(post_refused(CALL, posted, code));
+            }
             if waiting >= max_wr as usize {
                 return Err(post_refused(CALL, posted, libc::ENOMEM));
             }
@@ -615,7 +703,9 @@ impl Device {
 
     pub fn post_recv(&self, qpn: u32, wrs: &[RecvWr<'_>]) -> Result<()> {
         const CALL: &str = "ibv_post_recv";
-        let mut state = self.state();
+        let mut guard = self.state();
+        // The fields apart: the QP and the armed failures are borrowed at once.
+        let state = &mut *guard;
         let Some(qp) = state.qps.get_mut(&qpn) else {
             return Err(post_refused(CALL, 0, libc::EINVAL));
         };
@@ -626,7 +716,7 @@ impl Device {
                     Some(libc::EINVAL)
                 }
                 _ if qp.rq.len() >= qp.caps.max_recv_wr as usize => Some(libc::ENOMEM),
-                _ => None,
+                _ => state.faults.check(Verb::PostRecv).err(),
             };
             if let Some(code) = refused {
                 return Err(post_refused(CALL, posted, code));
@@ -649,6 +739,7 @@ impl Device {
             return Err(errno("ibv_create_srq", libc::EINVAL));
         }
         let mut state = self.state();
+        state.refuse(Verb::CreateSrq)?;
         let id = state.new_id();
         state.srqs.insert(
             id,
@@ -668,7 +759,9 @@ impl Device {
 
     pub fn srq_post_recv(&self, id: u32, wrs: &[RecvWr<'_>]) -> Result<()> {
         const CALL: &str = "ibv_post_srq_recv";
-        let mut state = self.state();
+        let mut guard = self.state();
+        // The fields apart: the SRQ and the armed failures are borrowed at once.
+        let state = &mut *guard;
         let Some(srq) = state.srqs.get_mut(&id) else {
             return Err(post_refused(CALL, 0, libc::EINVAL));
         };
@@ -678,6 +771,9 @@ impl Device {
             }
             if srq.queue.len() >= srq.max_wr as usize {
                 return Err(post_refused(CALL, posted, libc::ENOMEM));
+            }
+            if let Err(code) = state.faults.check(Verb::PostSrqRecv) {
+                return Err(post_refused(CALL, posted, code));
             }
             srq.queue.push_back(Recv::new(wr));
         }
@@ -690,6 +786,7 @@ impl Device {
             return Err(errno("ibv_create_ah", libc::EINVAL));
         }
         let mut state = self.state();
+        state.refuse(Verb::CreateAh)?;
         let id = state.new_id();
         state.ahs.insert(
             id,
@@ -789,8 +886,9 @@ type Table<V> = HashMap<u32, V, std::hash::BuildHasherDefault<NumberHasher>>;
 
 #[derive(Default)]
 struct State {
-    /// Contexts, PDs and CQs alive (the objects that have no table here).
-    contexts: usize,
+    /// The asynchronous events of every context alive.
+    contexts: Vec<Arc<EventQueue>>,
+    /// PDs and CQs alive (the objects that have no table here).
     pds: usize,
     cqs: usize,
     next_id: u32,
@@ -802,6 +900,11 @@ struct State {
     ahs: Table<Ah>,
     /// QPs with sends waiting for a receive, oldest first.
     waiting: Vec<u32>,
+    faults: faults::Faults,
+    /// The port was taken down ([`Device::set_port_active`]).
+    port_down: bool,
+    /// What queries find in the GID table's one entry ([`Device::replace_gid`]).
+    replaced_gid: Option<Gid>,
 }
 
 struct Mr {
@@ -988,6 +1091,13 @@ impl<'a> Request<'a> {
 }
 
 impl State {
+    /// Fails the call of `verb` with the errno of an armed failure that falls on it.
+    fn refuse(&mut self, verb: Verb) -> Result<()> {
+        self.faults
+            .check(verb)
+            .map_err(|code| errno(verb.call(), code))
+    }
+
     fn new_id(&mut self) -> u32 {
         self.next_id = self.next_id.wrapping_add(1).max(1);
         self.next_id
