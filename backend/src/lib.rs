@@ -9,7 +9,7 @@ pub mod device;
 pub mod gid_claim;
 pub mod guest_address;
 pub mod guest_faults;
-mod guest_mapping;
+pub mod guest_mapping;
 pub mod guests;
 pub mod hostverbs;
 pub mod limits;

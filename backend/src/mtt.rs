@@ -16,10 +16,6 @@ use vrdma_spec::mem::{
     PAGE_LIST_ENTRIES_PER_PAGE, PAGE_LIST_PAGE_SIZE,
 };
 
-pub use crate::guest_mapping::{
-    with_pages_contiguous, GuestPagesMapping, MapBudget, PopulatedRanges,
-};
-
 /// Why a page list was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum MttError {
@@ -253,6 +249,9 @@ fn check_in_one_region<M: GuestMemoryBackend>(
 mod tests {
     use super::*;
     use crate::guest_faults::FaultDomain;
+    use crate::guest_mapping::{
+        with_pages_contiguous, GuestPagesMapping, MapBudget, PopulatedRanges,
+    };
 
     fn faults() -> Arc<FaultDomain> {
         FaultDomain::new("test")

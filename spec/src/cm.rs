@@ -1,7 +1,7 @@
 //! Connection management (SPEC.md §13): the device runs the RDMA connection manager for the
 //! driver, on the driver's own address, with the driver's QPs.
 
-use crate::ctrl::AhAttr;
+use crate::address::AhAttr;
 use crate::{wire_struct, Le16, Le32};
 
 /// Port spaces of CM_CREATE_ID; librdmacm's values.

@@ -1,5 +1,6 @@
 //! Control queue: request/response framing and every command (SPEC.md §5).
 
+pub use crate::address::AhAttr;
 use crate::cm;
 use crate::mem::PageList;
 use crate::{wire_struct, Le16, Le32, Le64};
@@ -482,28 +483,6 @@ pub struct CreateQpResponse {
     pub max_inline_data: Le32,
 }
 
-/// Address vector (SPEC.md §5.10), used by MODIFY_QP (RC) and CREATE_AH (UD).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct AhAttr {
-    /// Destination GID, network order. Used when `is_global` is 1 (always, on RoCE).
-    pub dgid: [u8; 16],
-    /// 20 bits.
-    pub flow_label: Le32,
-    pub dlid: Le16,
-    /// Below the port's `gid_tbl_len`.
-    pub sgid_index: u8,
-    pub hop_limit: u8,
-    pub traffic_class: u8,
-    /// 0..=15.
-    pub sl: u8,
-    /// 0 or 1; must be 1 on an Ethernet port.
-    pub is_global: u8,
-    /// Must be 1.
-    pub port_num: u8,
-    pub reserved: Le32,
-}
-
 /// QP states; ibverbs values (SPEC.md §5.11).
 pub mod qp_state {
     pub const RESET: u8 = 0;
@@ -695,7 +674,6 @@ wire_struct!(
     RegMrResponse = 16,
     CreateQpRequest = 88,
     CreateQpResponse = 32,
-    AhAttr = 32,
     QpAttr = 64,
     ModifyQpRequest = 72,
     CreateAhRequest = 40,

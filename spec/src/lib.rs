@@ -9,6 +9,7 @@
 //! Beside the wire format, [`verbs`] is the one verbs vocabulary both sides speak (QP types,
 //! states, attributes, address vectors, SGEs), with its wire forms.
 
+pub mod address;
 pub mod cm;
 pub mod codec;
 pub mod config;

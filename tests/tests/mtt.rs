@@ -7,8 +7,9 @@ use std::fs::File;
 use std::sync::Arc;
 
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap};
+use vrdma_backend::guest_mapping::GuestPagesMapping;
 use vrdma_backend::hostverbs::{AnonymousMemory, Payload, PinnedMemory, SendOp, SendWr, Sge};
-use vrdma_backend::mtt::{pages_needed, resolve_page_list, GuestPagesMapping, PageListRules};
+use vrdma_backend::mtt::{pages_needed, resolve_page_list, PageListRules};
 use vrdma_spec::mem::{PageList, PageListForm};
 use vrdma_spec::{Le16, Le32, Le64};
 use vrdma_tests::{connected_rc_pair, open_test_device, wait_for_completions, FULL_ACCESS};

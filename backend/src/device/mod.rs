@@ -35,6 +35,7 @@ use crate::datapath::{
     SrqData,
 };
 use crate::guest_faults::FaultDomain;
+use crate::guest_mapping;
 use crate::hostverbs::{self, AhAttr, GidType, PortAttr, QpAttr, QpCaps, QpInit, QpType};
 use crate::mtt::{self, pages_needed, PageListRules};
 use crate::{limits, Config, HostDevice};
@@ -63,7 +64,7 @@ pub struct Device {
     /// The connection's failed commands, counted by rule.
     refusals: RefusalLog,
     /// What of the backend's mapping of guest RAM registrations have populated.
-    populated: mtt::PopulatedRanges,
+    populated: guest_mapping::PopulatedRanges,
     /// The guest's memory as far as faults go: a fault in any mapping of it ends this
     /// connection ([`crate::guest_faults`]).
     fault_domain: Arc<FaultDomain>,
@@ -190,7 +191,7 @@ impl Device {
             port,
             config: advertised,
             objects: Objects::new(),
-            populated: mtt::PopulatedRanges::default(),
+            populated: guest_mapping::PopulatedRanges::default(),
             fault_domain: FaultDomain::new("a connection starting"),
             connection: peers.new_connection(),
             peers: Arc::clone(peers),

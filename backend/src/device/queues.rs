@@ -144,13 +144,20 @@ impl Device {
             // pinned, so the mappings a guest causes do not pile up with its MRs (SPEC.md §6).
             let populated = &mut self.populated;
             let faults = &self.fault_domain;
-            mtt::with_pages_contiguous(mem, (&runs, page_size), populated, faults, |memory| {
-                pd.reg_mr_pinned(memory, offset as usize, length as usize, virt_addr, access)
-            })??
+            guest_mapping::with_pages_contiguous(
+                mem,
+                (&runs, page_size),
+                populated,
+                faults,
+                |memory| {
+                    pd.reg_mr_pinned(memory, offset as usize, length as usize, virt_addr, access)
+                },
+            )??
         } else {
             // A host that reaches the pages through this process (the loopback) keeps a
             // mapping of them of its own, from the same budget, for the MR's life.
-            let mapping = mtt::GuestPagesMapping::new(&runs, page_size, &self.fault_domain)?;
+            let mapping =
+                guest_mapping::GuestPagesMapping::new(&runs, page_size, &self.fault_domain)?;
             pd.reg_mr_range(mapping, offset as usize, length as usize, virt_addr, access)?
         };
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
