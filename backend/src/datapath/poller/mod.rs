@@ -25,9 +25,12 @@ use vrdma_spec::ring::SrqDoorbell;
 
 use super::doorbells::DoorbellBit;
 use super::guest_access::{Mapped, Slots};
+use super::mr_table::MrTable;
 use super::queues::{CqData, QpData, QpProgress, SrqData, Visited, FIRST_PAGE, RECORD};
+use super::shard::Shard;
+use super::shared::Shared;
 use super::wqe::MrRange;
-use super::{Memory, MrTable, Shard, Shared, BATCH};
+use super::{Memory, BATCH};
 use crate::hostverbs::{SendBatch, Sge, WorkCompletion};
 pub(super) use completions::cqe_words;
 use pass::Planned;

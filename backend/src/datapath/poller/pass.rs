@@ -12,7 +12,8 @@ use vrdma_spec::ring::{NotifyState, QpDoorbell, NOTIFY_NEED_WAKEUP};
 use super::super::doorbells::DoorbellBit;
 use super::super::guest_access::store;
 use super::super::queues::{QpData, RECORD};
-use super::super::{Memory, Rung};
+use super::super::shard::Rung;
+use super::super::Memory;
 use super::{with_live_qp, Poller};
 
 /// A queue a pass visits: its doorbell bit, which of its send WQEs the pass may take, and

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use super::super::doorbells::{DoorbellArea, DoorbellBit};
 use super::super::guest_access::Resolved;
-use super::super::{Memory, Shared};
+use super::super::shared::Shared;
+use super::super::Memory;
 
 /// The doorbell bitmap words a look reads, kept from look to look, so that a look takes no
 /// lock and looks nothing up: which words they are changes only with the queue table and the
