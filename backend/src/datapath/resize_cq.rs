@@ -10,7 +10,7 @@ use super::queues::{self, CqData, GuestRing};
 use super::shared::Shared;
 use super::{guest_access, poller, wqe};
 
-/// Why [`DataPath::resize_cq`] left a CQ as it was.
+/// Why [`DataPath::resize_cq`](super::DataPath::resize_cq) left a CQ as it was.
 #[derive(Debug, thiserror::Error)]
 pub enum ResizeCqError<E> {
     #[error("the CQ holds {held} completions, more than a ring of {depth}")]

@@ -50,7 +50,7 @@ impl ProtectionDomain {
 }
 
 impl SharedReceiveQueue {
-    /// What names this SRQ in an [`super::AsyncEvent`].
+    /// What names this SRQ in an [`AsyncEvent`](crate::hostverbs::AsyncEvent).
     pub fn id(&self) -> ObjectId {
         match &self.raw {
             Raw::Verbs(raw) => raw.as_ptr() as ObjectId,
