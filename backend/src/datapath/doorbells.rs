@@ -6,7 +6,14 @@ use std::collections::BTreeMap;
 
 use vrdma_spec::codec::{MAX_DOORBELL_AREAS, MAX_DOORBELL_BITS};
 
-use super::NotifyArea;
+/// Where a doorbell area's notification states and bitmap are (SPEC.md §8.5, §8.6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NotifyArea {
+    /// GPA of the `NotifyState` records.
+    pub states: u64,
+    /// GPA of the doorbell bitmap.
+    pub doorbell_bitmap: u64,
+}
 
 /// A queue's doorbell bit: the area whose bitmap holds it (0: SET_NOTIFY_AREA's) and its
 /// number there, the `doorbell_bit` the driver was given.

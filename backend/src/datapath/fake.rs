@@ -3,7 +3,7 @@
 //! host queues that record what they are given.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vm_memory::{
@@ -19,8 +19,11 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::ByteValued;
 
+use super::doorbells::DoorbellBit;
 use super::host::{HostCompletionQueue, HostQueuePair};
 use super::poller::Poller;
+use super::shard::{Rung, Shard};
+use super::shared::Shared;
 use super::wqe::{MrRange, QpRules};
 use super::*;
 use crate::hostverbs::{self, ObjectId, RecvWr, SendBatch, WorkCompletion};

@@ -14,7 +14,8 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::poller::Poller;
-use super::{Shared, SLEEP_LIMIT_MS};
+use super::shared::Shared;
+use super::SLEEP_LIMIT_MS;
 use crate::hostverbs;
 use crate::per_second::PerSecond;
 

@@ -4,12 +4,14 @@
 use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic};
 use vrdma_spec::codec::ArmRequest;
 use vrdma_spec::ring::{
     event_kind, wc_status, CqDoorbell, NotifyState, QpDoorbell, CQE_SHIFT, NOTIFY_NEED_WAKEUP,
 };
 
+use super::doorbells::DoorbellBit;
+use super::shard::Rung;
 use super::*;
 
 use super::fake::*;

@@ -1,4 +1,4 @@
-//! Unit tests of `qp`.
+//! Unit tests of `qp::posting`.
 
 use super::*;
 
