@@ -57,6 +57,9 @@ pub use verbs::{
     RcPeer, SharedReceiveQueue,
 };
 pub use vrdma_spec as spec;
+
+/// 4 KiB: the page size guest-lib describes memory in (and pins it by).
+pub const PAGE_SIZE: u64 = 4096;
 pub use vrdma_spec::ctrl::{Opcode, Status};
 pub use vrdma_spec::Gid;
 pub use work::{

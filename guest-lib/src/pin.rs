@@ -13,8 +13,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use crate::shm::PAGE_SIZE;
-use crate::{Error, Result};
+use crate::{Error, Result, PAGE_SIZE};
 
 /// The pinning module's device node.
 pub const PIN_DEVICE: &str = "/dev/vrdma-pin";

@@ -28,8 +28,7 @@ use crate::pin::Pin;
 use heap::Heap;
 pub use region_set::RegionSet;
 
-/// 4 KiB: the page size guest-lib describes memory in.
-pub const PAGE_SIZE: u64 = 4096;
+pub use crate::PAGE_SIZE;
 const HUGE_PAGE_SIZE: u64 = 2 << 20;
 
 /// How the device addresses a region's memory.
