@@ -30,7 +30,8 @@ step "cargo clippy (the workspace and the fuzz targets), rustdoc's links"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # In the workspace's target directory: the fuzz targets' dependencies were just checked there.
 CARGO_TARGET_DIR=$PWD/target cargo clippy --manifest-path fuzz/Cargo.toml --all-targets -- -D warnings
-cargo doc --workspace --no-deps --locked --quiet
+# Every rustdoc warning is an error: a link to an item a reader of the docs cannot see, too.
+RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --locked --quiet
 
 step "shellcheck (the test, build and packaging scripts; .shellcheckrc)"
 git ls-files -z '*.sh' .ci/run | xargs -0 shellcheck -S warning

@@ -1,5 +1,6 @@
 //! Memory translation (SPEC.md §6): guest page lists are read, validated against the guest
-//! memory table and resolved to the files that back them, so that [`GuestPagesMapping`] can
+//! memory table and resolved to the files that back them, so that
+//! [`GuestPagesMapping`](crate::guest_mapping::GuestPagesMapping) can
 //! map them contiguously and a host MR can be registered at the guest's virtual address.
 //!
 //! Everything here treats the page list as hostile: counts and shapes are bounded before any

@@ -15,9 +15,9 @@ use vrdma_spec::ring::event_kind;
 
 use super::doorbells::{AreaInUse, NoBit, NotifyArea};
 use super::events::{forward_host_events, EventRaiser, EventSink};
+use super::queue_table::{QueueTable, Rung, ServedQueues};
 use super::queues::{CqData, GuestRing, QpData, SrqData};
 use super::resize_cq::ResizeCqError;
-use super::shard::{Rung, Shard, ShardObjects};
 use super::shared::Shared;
 use super::wqe::MrRange;
 use super::{guest_access, Memory, PollerPool, RateDebt, RateLimits};
@@ -52,7 +52,7 @@ pub struct Stats {
     pub storms: u64,
 }
 
-/// The data path of one connection: its shard, which a thread of the backend's poller pool
+/// The data path of one connection: its queues, which a thread of the backend's poller pool
 /// serves, and the thread that forwards the host context's asynchronous events.
 pub struct DataPath {
     shared: Arc<Shared>,
@@ -74,16 +74,16 @@ impl DataPath {
         host_port: u8,
     ) -> hostverbs::Result<DataPath> {
         let os_error = |call| move |source| hostverbs::Error::Verbs { call, source };
-        // One shard, so one pool thread, per connection: connections, not queues, are spread
+        // One table of queues, so one pool thread, per connection: connections, not queues, are spread
         // over the pool. A QP's consumer index must be published before its completions
         // reach the guest (SPEC.md §8.1), and the CQ they land on may be any of the
         // connection's: a thread that posts a batch and stores the index first, and only
         // then polls the CQs, gives that order; two threads would race for it.
-        let shard = Shard::new(
+        let queues = ServedQueues::new(
             EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?,
             Some(context.create_comp_channel()?),
         );
-        let shared = Arc::new(Shared::new(shard, num_notify_queues, doorbell_bits));
+        let shared = Arc::new(Shared::new(queues, num_notify_queues, doorbell_bits));
         let epoll = Epoll::new().map_err(os_error("epoll_create"))?;
         let stop_host_events = EventFd::new(EFD_NONBLOCK).map_err(os_error("eventfd"))?;
         for (fd, id) in [(stop_host_events.as_raw_fd(), 0), (context.async_fd(), 1)] {
@@ -113,7 +113,7 @@ impl DataPath {
 
     /// The completion channel the connection's CQs are created on.
     pub fn completion_channel(&self) -> Option<&Arc<CompletionChannel>> {
-        self.shared.shard.channel.as_ref()
+        self.shared.queues.channel.as_ref()
     }
 
     /// The connection's log budget: every line a guest can make the backend log draws on it.
@@ -150,7 +150,7 @@ impl DataPath {
         });
         // A sleeping poller publishes NEED_WAKEUP in the new area before it sleeps again:
         // until then the driver would not know to kick.
-        let _ = self.shared.shard.wake.write(1);
+        let _ = self.shared.queues.wake.write(1);
     }
 
     /// Adds a doorbell area of `bits` bits (SPEC.md §8.6); its number, or `None` when the
@@ -158,7 +158,7 @@ impl DataPath {
     pub fn add_doorbell_area(&self, place: NotifyArea, bits: u32) -> Option<u32> {
         let added = self.shared.change_areas(|areas| areas.add(place, bits));
         // As for the first area: a sleeping poller asks for kicks in it too.
-        let _ = self.shared.shard.wake.write(1);
+        let _ = self.shared.queues.wake.write(1);
         added
     }
 
@@ -213,7 +213,7 @@ impl DataPath {
         }
     }
 
-    /// Waits, at most [`RECEIVE_FLUSH_LIMIT`], until every receive the guest published on
+    /// Waits, at most `RECEIVE_FLUSH_LIMIT`, until every receive the guest published on
     /// `qp`'s RQ before this call is on the host QP: the pool thread posts them, woken here.
     /// A connection manager's message must not overtake them (SPEC.md §13.3): a UD peer's
     /// first datagram would find no receive, where native posting would have put it there
@@ -233,7 +233,7 @@ impl DataPath {
                 Err(_) => return,
             }
         };
-        let _ = self.shared.shard.wake.write(1);
+        let _ = self.shared.queues.wake.write(1);
         let deadline = std::time::Instant::now() + RECEIVE_FLUSH_LIMIT;
         loop {
             let progress = &qp.progress.lock().progress;
@@ -250,22 +250,22 @@ impl DataPath {
     /// Tells the guest the device needs a reset (SPEC.md §8.4).
     pub fn device_fatal(&self) {
         self.shared.post_event(event_kind::DEVICE_FATAL, 0);
-        let _ = self.shared.shard.wake.write(1);
+        let _ = self.shared.queues.wake.write(1);
     }
 
     /// The guest posted event buffers: let a poller retry undelivered events.
     pub fn events_available(&self) {
-        let _ = self.shared.shard.wake.write(1);
+        let _ = self.shared.queues.wake.write(1);
     }
 
     pub fn add_cq(&self, cq: Arc<CqData>) {
-        let shard = &self.shared.shard;
-        shard.change_objects(|objects| objects.cqs.push(cq));
-        let _ = shard.wake.write(1);
+        let queues = &self.shared.queues;
+        queues.change_table(|objects| objects.cqs.push(cq));
+        let _ = queues.wake.write(1);
     }
 
     /// Before RESIZE_CQ counts the completions `cq` holds (SPEC.md §5.7.1): waits, at most
-    /// [`RECEIVE_FLUSH_LIMIT`], until the pool thread has posted to the host every send WQE
+    /// `RECEIVE_FLUSH_LIMIT`, until the pool thread has posted to the host every send WQE
     /// the guest published before this call on `senders` (the QPs whose sends complete
     /// there), and has moved into the ring the host completions it has room for. With native
     /// verbs a completion is in the CQ soon after its post; here it would otherwise still be
@@ -285,7 +285,7 @@ impl DataPath {
                 })
                 .collect()
         };
-        let _ = self.shared.shard.wake.write(1);
+        let _ = self.shared.queues.wake.write(1);
         let deadline = std::time::Instant::now() + RECEIVE_FLUSH_LIMIT;
         loop {
             let sent = published.iter().all(|(qp, producer)| {
@@ -300,7 +300,7 @@ impl DataPath {
         }
     }
 
-    /// Moves `cq` to `ring` (RESIZE_CQ, SPEC.md §5.7.1); see [`Shared::resize_cq`].
+    /// Moves `cq` to `ring` (RESIZE_CQ, SPEC.md §5.7.1); see `Shared::resize_cq`.
     pub fn resize_cq<E>(
         &self,
         cq: &CqData,
@@ -312,13 +312,13 @@ impl DataPath {
 
     /// Takes the CQ out of its poller; once this returns, no pass writes to its ring.
     pub fn remove_cq(&self, handle: u32) {
-        let shard = &self.shared.shard;
-        let removed = shard.change_objects(|objects| objects.remove_cq(handle));
+        let queues = &self.shared.queues;
+        let removed = queues.change_table(|objects| objects.remove_cq(handle));
         if let Some(cq) = removed {
             cq.retire();
             // The poller holds its own list of the connection's CQs until its next pass: a
             // sleeping one would keep the host CQ alive until the connection's next work.
-            let _ = shard.wake.write(1);
+            let _ = queues.wake.write(1);
         }
     }
 
@@ -345,14 +345,14 @@ impl DataPath {
     fn add_rung(&self, rung: Rung, area: u32) -> Result<u16, NoBit> {
         let bit = self.shared.areas().alloc(area)?;
         self.shared
-            .shard
-            .change_objects(|objects| objects.insert(bit, rung));
+            .queues
+            .change_table(|objects| objects.insert(bit, rung));
         Ok(bit.bit)
     }
 
     fn remove_rung(&self, handle: u32) {
-        let shard = &self.shared.shard;
-        let removed = shard.change_objects(|objects| objects.remove(handle));
+        let queues = &self.shared.queues;
+        let removed = queues.change_table(|objects| objects.remove(handle));
         if let Some((bit, rung)) = removed {
             rung.retire();
             self.shared.areas().free(bit);
@@ -377,7 +377,7 @@ impl DataPath {
 
     /// Forgets every object (device reset).
     pub fn clear(&self) {
-        self.shared.shard.change_objects(ShardObjects::clear);
+        self.shared.queues.change_table(QueueTable::clear);
         self.shared.mrs.write().clear();
         self.shared.ahs.write().clear();
         self.shared.take_pending_events().clear();
@@ -389,7 +389,7 @@ impl DataPath {
     pub fn set_rate_limits(&self, limits: RateLimits) {
         self.shared.rate_limits.set(limits);
         // A poller asleep behind a limit looks again now.
-        let _ = self.shared.shard.wake.write(1);
+        let _ = self.shared.queues.wake.write(1);
     }
 
     pub fn rate_limits(&self) -> RateLimits {

@@ -11,7 +11,7 @@ use vrdma_spec::ctrl::PORT_NUM;
 use vrdma_spec::ring::{event_kind, Event};
 use vrdma_spec::{Le16, Le32};
 
-use super::shard::{Rung, ShardObjects};
+use super::queue_table::{QueueTable, Rung};
 use super::shared::Shared;
 use crate::hostverbs::{AsyncEvent, Context};
 use crate::log_budget::LogBudget;
@@ -82,9 +82,9 @@ impl Shared {
         }
     }
 
-    /// The guest handle of the first object `pick` finds in any shard.
-    pub(super) fn find_handle(&self, pick: impl Fn(&ShardObjects) -> Option<u32>) -> Option<u32> {
-        pick(&self.shard.objects.lock())
+    /// The guest handle of the first object `pick` finds in the connection's queue table.
+    pub(super) fn find_handle(&self, pick: impl Fn(&QueueTable) -> Option<u32>) -> Option<u32> {
+        pick(&self.queues.table.lock())
     }
 
     /// Turns a host asynchronous event into the guest's event (SPEC.md §8.4), if it concerns
@@ -129,7 +129,7 @@ impl Shared {
                     .info(|| format!("host event {event:?}: guest event {kind} for {handle:#x}"));
                 self.post_event(kind, handle);
                 // A sleeping poller delivers what the event queue had no buffer for.
-                let _ = self.shard.wake.write(1);
+                let _ = self.queues.wake.write(1);
             }
             None => log::debug!("host event {event:?} not forwarded"),
         }
@@ -144,7 +144,7 @@ impl EventRaiser {
     pub fn raise(&self, kind: u16, handle: u32) {
         self.0.post_event(kind, handle);
         // A sleeping poller delivers what the event queue had no buffer for.
-        let _ = self.0.shard.wake.write(1);
+        let _ = self.0.queues.wake.write(1);
     }
 
     /// The connection's log budget.

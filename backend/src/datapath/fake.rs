@@ -22,7 +22,7 @@ use vrdma_spec::ByteValued;
 use super::doorbells::DoorbellBit;
 use super::host::{HostCompletionQueue, HostQueuePair};
 use super::poller::Poller;
-use super::shard::{Rung, Shard};
+use super::queue_table::{Rung, ServedQueues};
 use super::shared::Shared;
 use super::wqe::{MrRange, QpRules};
 use super::*;
@@ -220,8 +220,8 @@ impl Rig {
 
     fn with_pages(cq_depth: u32, scattered: bool) -> Rig {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
-        let shard = Shard::new(EventFd::new(EFD_NONBLOCK).unwrap(), None);
-        let shared = Arc::new(Shared::new(shard, 1, DOORBELL_BITS));
+        let queues = ServedQueues::new(EventFd::new(EFD_NONBLOCK).unwrap(), None);
+        let shared = Arc::new(Shared::new(queues, 1, DOORBELL_BITS));
         *shared.mem.write().unwrap() = Some(GuestMemoryAtomic::new(mem.clone()));
         shared.change_areas(|areas| {
             areas.set_first(
@@ -282,7 +282,7 @@ impl Rig {
             Arc::clone(&cq_data),
             Arc::clone(&cq_data),
         ));
-        shared.shard.change_objects(|objects| {
+        shared.queues.change_table(|objects| {
             objects.insert(QP_BIT, Rung::Qp(Arc::clone(&qp_data)));
             objects.cqs.push(cq_data);
         });

@@ -8,7 +8,7 @@
 //! at the guest's addresses (inline data is part of the WQE itself).
 //!
 //! By subject: `connection.rs` holds `DataPath`, what the control path drives; `shared.rs`
-//! what a connection's threads share; `shard.rs` the table of its queues, `mr_table.rs` that
+//! what a connection's threads share; `queue_table.rs` the table of its queues, `mr_table.rs` that
 //! of its MRs; `events.rs` events for the guest; `resize_cq.rs` RESIZE_CQ; `poller/` a pool
 //! thread's passes, `pool.rs` the threads.
 
@@ -22,10 +22,10 @@ pub mod host;
 mod mr_table;
 mod poller;
 mod pool;
+mod queue_table;
 mod queues;
 mod rate;
 mod resize_cq;
-mod shard;
 mod shared;
 #[cfg(test)]
 mod tests;

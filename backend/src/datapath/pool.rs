@@ -342,7 +342,7 @@ impl PoolWorker {
                 // Awake after all: a driver that saw NEED_WAKEUP may have kicked meanwhile,
                 // for work this pass took. Its wake-up is stale, not wasted.
                 for served in &self.connections {
-                    let _ = served.poller.shard().wake.read();
+                    let _ = served.poller.queues().wake.read();
                 }
             } else {
                 for served in &mut self.connections {
@@ -359,7 +359,7 @@ impl PoolWorker {
         }
     }
 
-    /// One pass over every shard served; true if anything moved. Each step of a pass is
+    /// One pass over the queues of every connection served; true if anything moved. Each step of a pass is
     /// taken for every connection before the next: the doorbells of all (twice, if any was
     /// rung, bounding the sends between the looks), then their receive WQEs, then their send
     /// WQEs and CQs, so that a receive made available before a send, in any connection of
@@ -456,10 +456,10 @@ impl PoolWorker {
             let Some(served) = self.connections.iter_mut().find(|s| s.id == key >> 1) else {
                 continue; // detached since
             };
-            let shard = served.poller.shard();
-            match (key & 1, &shard.channel) {
+            let queues = served.poller.queues();
+            match (key & 1, &queues.channel) {
                 (0, _) => {
-                    let _ = shard.wake.read();
+                    let _ = queues.wake.read();
                     served.kicked = true;
                 }
                 (_, Some(channel)) => {
@@ -488,9 +488,9 @@ impl PoolWorker {
     fn attach(&mut self, shared: Arc<Shared>) {
         let id = self.next_id;
         self.next_id += 1;
-        let shard = &shared.shard;
-        let channel = shard.channel.as_ref().map(|c| (c.fd(), 1));
-        for (fd, kind) in [(shard.wake.as_raw_fd(), 0)].into_iter().chain(channel) {
+        let queues = &shared.queues;
+        let channel = queues.channel.as_ref().map(|c| (c.fd(), 1));
+        for (fd, kind) in [(queues.wake.as_raw_fd(), 0)].into_iter().chain(channel) {
             let event = EpollEvent::new(EventSet::IN, id << 1 | kind);
             if let Err(e) = self.epoll.ctl(ControlOperation::Add, fd, event) {
                 // Served still, by passes; it only sleeps up to SLEEP_LIMIT_MS through events.
@@ -514,9 +514,9 @@ impl PoolWorker {
         self.connections.retain(|served| {
             let keep = !Arc::ptr_eq(served.poller.shared(), shared);
             if !keep {
-                let shard = served.poller.shard();
-                let channel = shard.channel.as_ref().map(|c| c.fd());
-                for fd in [shard.wake.as_raw_fd()].into_iter().chain(channel) {
+                let queues = served.poller.queues();
+                let channel = queues.channel.as_ref().map(|c| c.fd());
+                for fd in [queues.wake.as_raw_fd()].into_iter().chain(channel) {
                     let _ = epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
                 }
             }

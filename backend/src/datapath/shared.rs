@@ -12,8 +12,8 @@ use vrdma_spec::ring::{event_kind, Event, SrqDoorbell};
 use super::doorbells::DoorbellAreas;
 use super::events::EventSink;
 use super::mr_table::MrTable;
+use super::queue_table::{Rung, ServedQueues};
 use super::queues::{QpData, SrqData};
-use super::shard::{Rung, Shard};
 use super::{guest_access, rate, Memory};
 use crate::hostverbs::AddressHandle;
 use crate::log_budget::LogBudget;
@@ -28,7 +28,7 @@ pub(super) struct Shared {
     // Read on every visit: locks without poisoning, whose fast paths are a few instructions.
     pub(super) mrs: parking_lot::RwLock<MrTable>,
     pub(super) ahs: parking_lot::RwLock<HashMap<u32, (u32, Arc<AddressHandle>)>>,
-    pub(super) shard: Shard,
+    pub(super) queues: ServedQueues,
     pub(super) num_notify_queues: u32,
     /// Changed by the control path through [`Shared::change_areas`].
     pub(super) doorbell_areas: Mutex<DoorbellAreas>,
@@ -81,14 +81,14 @@ impl Shared {
         changed
     }
 
-    pub(super) fn new(shard: Shard, num_notify_queues: u32, doorbell_bits: u32) -> Shared {
+    pub(super) fn new(queues: ServedQueues, num_notify_queues: u32, doorbell_bits: u32) -> Shared {
         Shared {
             doorbell_bits,
             mem: RwLock::new(None),
             mem_version: AtomicU64::new(0),
             mrs: parking_lot::RwLock::default(),
             ahs: parking_lot::RwLock::default(),
-            shard,
+            queues,
             num_notify_queues,
             doorbell_areas: Mutex::default(),
             areas_version: AtomicU64::new(0),
@@ -123,7 +123,7 @@ impl Shared {
         count.fetch_add(1, Ordering::Relaxed);
         let asked_for = self.asleep.load(Ordering::SeqCst);
         if asked_for {
-            let _ = self.shard.wake.write(1);
+            let _ = self.queues.wake.write(1);
         }
         asked_for
     }
@@ -142,7 +142,7 @@ impl Shared {
         let left = ring_pending(posted, srq.received.load(Ordering::Acquire));
         if left < limit && srq.limit.swap(0, Ordering::AcqRel) != 0 {
             self.post_event(event_kind::SRQ_LIMIT_REACHED, srq.handle);
-            let _ = self.shard.wake.write(1);
+            let _ = self.queues.wake.write(1);
         }
     }
 
@@ -176,7 +176,7 @@ impl Shared {
             .filter(|(_, receives_from)| std::ptr::eq(Arc::as_ptr(receives_from), srq))
             .map(|(&qp_num, _)| qp_num)
             .collect();
-        let objects = self.shard.objects.lock();
+        let objects = self.queues.table.lock();
         objects
             .queues
             .values()

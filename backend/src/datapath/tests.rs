@@ -11,7 +11,7 @@ use vrdma_spec::ring::{
 };
 
 use super::doorbells::DoorbellBit;
-use super::shard::Rung;
+use super::queue_table::Rung;
 use super::*;
 
 use super::fake::*;
@@ -261,7 +261,7 @@ fn a_queue_in_an_added_doorbell_area_is_rung_there_and_every_area_asks_for_kicks
         .change_areas(|areas| areas.add(place, 64))
         .unwrap();
     let in_area = DoorbellBit { area, bit: 0 };
-    rig.shared.shard.change_objects(|objects| {
+    rig.shared.queues.change_table(|objects| {
         let (_, qp) = objects.remove(QP_HANDLE).unwrap();
         objects.insert(in_area, qp);
     });
@@ -362,8 +362,8 @@ fn a_pass_visits_only_the_queues_whose_doorbell_bits_are_set() {
             Arc::clone(&objects.recv_cq),
         );
         rig.shared
-            .shard
-            .objects
+            .queues
+            .table
             .lock()
             .insert(DoorbellBit { area: 0, bit }, Rung::Qp(Arc::new(qp)));
     }
@@ -463,8 +463,8 @@ fn the_control_path_waits_for_the_visit_of_the_queue_it_removes_not_for_a_pass()
     }
     // The pass is stopped inside the QP's visit: the queue table is free all the same.
     let removed = shared
-        .shard
-        .objects
+        .queues
+        .table
         .lock()
         .remove(QP_HANDLE)
         .map(|(bit, _)| bit);
@@ -490,7 +490,7 @@ fn the_control_path_waits_for_the_visit_of_the_queue_it_removes_not_for_a_pass()
     // A retired QP is left alone, even by a pass that took it from the table before it was
     // removed (as here, where it is put back).
     let retired_qp = Rung::Qp(Arc::clone(&rig.qp_data));
-    shared.shard.objects.lock().insert(QP_BIT, retired_qp);
+    shared.queues.table.lock().insert(QP_BIT, retired_qp);
     rig.write_send(2, LKEY);
     rig.ring_sq();
     rig.set_doorbell_bit(QP_BIT);

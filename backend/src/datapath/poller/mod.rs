@@ -26,8 +26,8 @@ use vrdma_spec::ring::SrqDoorbell;
 use super::doorbells::DoorbellBit;
 use super::guest_access::{Mapped, Slots};
 use super::mr_table::MrTable;
+use super::queue_table::ServedQueues;
 use super::queues::{CqData, QpData, QpProgress, SrqData, Visited, FIRST_PAGE, RECORD};
-use super::shard::Shard;
 use super::shared::Shared;
 use super::wqe::MrRange;
 use super::{Memory, BATCH};
@@ -79,9 +79,9 @@ pub(super) struct Poller {
     /// The last pass found a CQ's ring full with completions that may wait behind it in
     /// the host CQ: they move once the driver polls, which it announces with no kick.
     cq_full: bool,
-    /// The connection's CQs as of the queue table's `objects_version`.
+    /// The connection's CQs as of the queue table's `table_version`.
     cqs: Vec<Arc<CqData>>,
-    objects_version: u64,
+    table_version: u64,
     last_mr: LastMr,
     scan: DoorbellScan,
     /// Whether a send visit found the guest's rate limits' buckets empty.
@@ -177,15 +177,15 @@ impl Poller {
             carried: Vec::new(),
             cq_full: false,
             cqs: Vec::new(),
-            objects_version: u64::MAX,
+            table_version: u64::MAX,
             last_mr: LastMr::default(),
             scan: DoorbellScan::default(),
             throttled: false,
         }
     }
 
-    pub(super) fn shard(&self) -> &Shard {
-        &self.shared.shard
+    pub(super) fn queues(&self) -> &ServedQueues {
+        &self.shared.queues
     }
 
     /// The connection this poller serves.

@@ -11,8 +11,8 @@ use vrdma_spec::ring::{NotifyState, QpDoorbell, NOTIFY_NEED_WAKEUP};
 
 use super::super::doorbells::DoorbellBit;
 use super::super::guest_access::store;
+use super::super::queue_table::Rung;
 use super::super::queues::{QpData, RECORD};
-use super::super::shard::Rung;
 use super::super::Memory;
 use super::{with_live_qp, Poller};
 
@@ -258,17 +258,17 @@ impl Poller {
     /// adding or removing a queue never waits for one.
     fn plan_visits(&mut self) {
         // Nothing to plan (most connections of a pass): no lock taken.
-        let objects_version = self.shared.shard.objects_version.load(Ordering::Acquire);
-        if self.rung.is_empty() && objects_version == self.objects_version {
+        let table_version = self.shared.queues.table_version.load(Ordering::Acquire);
+        if self.rung.is_empty() && table_version == self.table_version {
             return;
         }
         let shared = Arc::clone(&self.shared);
-        let objects = shared.shard.objects.lock();
+        let objects = shared.queues.table.lock();
         // Read under the lock: the list copied is this version's or a later one's.
-        let objects_version = shared.shard.objects_version.load(Ordering::Acquire);
-        if objects_version != self.objects_version {
+        let table_version = shared.queues.table_version.load(Ordering::Acquire);
+        if table_version != self.table_version {
             self.cqs.clone_from(&objects.cqs);
-            self.objects_version = objects_version;
+            self.table_version = table_version;
         }
         let mut bits = std::mem::take(&mut self.rung);
         if bits.len() > 1 {

@@ -32,7 +32,7 @@ impl DoorbellScan {
         bits: &mut Vec<DoorbellBit>,
     ) {
         let versions = (
-            shared.shard.objects_version.load(Ordering::Acquire),
+            shared.queues.table_version.load(Ordering::Acquire),
             shared.areas_version.load(Ordering::Acquire),
         );
         if self.versions != Some(versions) {
@@ -65,11 +65,11 @@ impl DoorbellScan {
 
     #[cold]
     fn refresh(&mut self, shared: &Shared) {
-        let objects = shared.shard.objects.lock();
+        let objects = shared.queues.table.lock();
         // Read under the queue table's lock and before the areas': what is copied is these
         // versions' or later ones' (each changes after what it counts).
         let versions = (
-            shared.shard.objects_version.load(Ordering::Acquire),
+            shared.queues.table_version.load(Ordering::Acquire),
             shared.areas_version.load(Ordering::Acquire),
         );
         let areas = shared.areas();

@@ -37,7 +37,7 @@ impl Rung {
 }
 
 #[derive(Default)]
-pub(super) struct ShardObjects {
+pub(super) struct QueueTable {
     /// QPs and SRQs by doorbell bit, looked up for every queue a pass visits.
     pub(super) queues: HashMap<DoorbellBit, Rung, BuildHasherDefault<KeyHasher>>,
     /// Their doorbell bits by handle.
@@ -48,7 +48,7 @@ pub(super) struct ShardObjects {
     pub(super) cqs: Vec<Arc<CqData>>,
 }
 
-impl ShardObjects {
+impl QueueTable {
     pub(super) fn insert(&mut self, bit: DoorbellBit, rung: Rung) {
         self.bits.insert(rung.handle(), bit);
         self.queues.insert(bit, rung);
@@ -82,38 +82,38 @@ impl ShardObjects {
         for cq in &self.cqs {
             cq.retire();
         }
-        *self = ShardObjects::default();
+        *self = QueueTable::default();
     }
 }
 
 /// A connection's queues as the pool thread serving it sees them: one per connection.
-pub(super) struct Shard {
+pub(super) struct ServedQueues {
     // Taken by the poller whenever a queue is rung: a lock without poisoning checks.
-    pub(super) objects: parking_lot::Mutex<ShardObjects>,
+    pub(super) table: parking_lot::Mutex<QueueTable>,
     /// Changes (under the `objects` lock) with every change of `objects`: the poller copies
     /// the CQ list when it does, and otherwise takes no lock for it.
-    pub(super) objects_version: AtomicU64,
+    pub(super) table_version: AtomicU64,
     pub(super) wake: EventFd,
     /// Host completion events of the connection's CQs; `None` in unit tests, which drive
     /// passes by hand.
     pub(super) channel: Option<Arc<CompletionChannel>>,
 }
 
-impl Shard {
-    pub(super) fn new(wake: EventFd, channel: Option<Arc<CompletionChannel>>) -> Shard {
-        Shard {
-            objects: parking_lot::Mutex::default(),
-            objects_version: AtomicU64::new(0),
+impl ServedQueues {
+    pub(super) fn new(wake: EventFd, channel: Option<Arc<CompletionChannel>>) -> ServedQueues {
+        ServedQueues {
+            table: parking_lot::Mutex::default(),
+            table_version: AtomicU64::new(0),
             wake,
             channel,
         }
     }
 
     /// Changes the queue table, and its version.
-    pub(super) fn change_objects<T>(&self, change: impl FnOnce(&mut ShardObjects) -> T) -> T {
-        let mut objects = self.objects.lock();
+    pub(super) fn change_table<T>(&self, change: impl FnOnce(&mut QueueTable) -> T) -> T {
+        let mut objects = self.table.lock();
         let changed = change(&mut objects);
-        self.objects_version.fetch_add(1, Ordering::Release);
+        self.table_version.fetch_add(1, Ordering::Release);
         changed
     }
 }
