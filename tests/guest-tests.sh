@@ -25,7 +25,7 @@ timed() {
 status=0
 for binary in "$@"; do
   case $(basename "$binary") in
-  hostverbs-* | control_path-*) which=--include-ignored ;;
+  hostverbs-* | control_path-* | cm-*) which=--include-ignored ;;
   *) which=--ignored ;;
   esac
   echo "guest-tests: running $(basename "$binary") $which against ${VRDMA_TEST_DEVICE:-rxe0}"

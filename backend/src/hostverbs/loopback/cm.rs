@@ -87,6 +87,8 @@ struct Slot {
     udp: bool,
     src: Option<SocketAddrV4>,
     dst: Option<SocketAddrV4>,
+    /// Made for a request: it shares its listener's port, which it does not hold.
+    passive: bool,
     stage: Stage,
     backlog: u32,
     /// Connection requests queued on its channel and not yet taken (a listener's).
@@ -106,6 +108,7 @@ impl Slot {
             udp,
             src: None,
             dst: None,
+            passive: false,
             stage: Stage::Idle,
             backlog: 0,
             unanswered: 0,
@@ -354,6 +357,7 @@ impl FabricState {
     fn in_use(&self, udp: bool, address: SocketAddrV4) -> bool {
         self.slots.values().any(|s| {
             s.udp == udp
+                && !s.passive
                 && s.src.is_some_and(|bound| {
                     bound.port() == address.port()
                         && (bound.ip() == address.ip()

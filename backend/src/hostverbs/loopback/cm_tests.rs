@@ -231,7 +231,9 @@ fn a_request_past_the_backlog_or_to_a_closed_port_is_rejected_and_a_reject_carri
         server.take_event().is_none(),
         "the untaken request went with its listener"
     );
-    drop((ids, first, lonely));
+    // The port was the listener's: a request's id, which shares it, does not hold it.
+    let again = listener(&server, "10.4.0.1:7300", 1, 200);
+    drop((ids, first, lonely, again));
     assert_eq!(Fabric::named(&name).id_count(), 0);
 }
 

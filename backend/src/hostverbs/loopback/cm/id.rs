@@ -151,6 +151,7 @@ impl Id {
             let mut slot = Slot::new(&channel, udp, 0);
             slot.src = Some(dst);
             slot.dst = Some(src);
+            slot.passive = true;
             slot.stage = Stage::Requested;
             slot.untaken_at = Some(listener);
             slot.peer = Some(n);
