@@ -3,22 +3,26 @@
 //! through `vrdma-run` and vrdma's `librdmacm.so.1`: against native programs on rxe0 both
 //! ways, and vrdma to vrdma between two guests of one host. Each guest has an address of its
 //! own (`--guest-ip`); the native end uses the host's, 192.168.77.1. Runs inside the VM
-//! harness, where `rdma_ucm` is loaded.
+//! harness, where `rdma_ucm` is loaded; `rping`, `ucmatose` and `udaddy` from guest to guest
+//! also under plain `cargo test`, on the loopback host's connection manager.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use vrdma_backend::hostverbs::loopback;
 use vrdma_tests::{
-    host_resource_counts, spawn_backend_process, vrdma_library_dir as library_dir,
-    vrdma_run_script, wait_until_listening, BackendProcess, CProgram, ServiceProcess,
+    host_resource_counts, spawn_backend_process, start_backend_for_guest, test_device_name,
+    vrdma_library_dir as library_dir, vrdma_run_script, wait_until_listening, BackendProcess,
+    CProgram, ServiceProcess,
 };
 
 const HOST: &str = "192.168.77.1";
 
 /// A guest: its backend (with `address` its own) and socket.
 struct Guest {
-    _backend: BackendProcess,
+    /// `None` for a backend thread of this process ([`loopback_guest`]).
+    _backend: Option<BackendProcess>,
     socket: PathBuf,
     address: &'static str,
 }
@@ -28,8 +32,24 @@ fn guest(name: &str, address: &'static str) -> Guest {
         std::env::temp_dir().join(format!("vrdma-rdmacm-{name}-{}.sock", std::process::id()));
     let backend = spawn_backend_process(&socket, &["--guest-ip", &format!("{address}/24")]);
     Guest {
-        _backend: backend,
+        _backend: Some(backend),
         socket,
+        address,
+    }
+}
+
+fn on_loopback() -> bool {
+    loopback::is_loopback(&test_device_name())
+}
+
+/// A guest served by a backend thread of this process on the test's loopback device: the
+/// guests of one loopback device meet through its connection manager, and a loopback device
+/// is one process's.
+fn loopback_guest(address: &'static str) -> Guest {
+    let served = start_backend_for_guest(&format!("{address}/24"));
+    Guest {
+        _backend: None,
+        socket: served.socket,
         address,
     }
 }
@@ -82,8 +102,12 @@ fn text(output: &Output) -> String {
     )
 }
 
-/// Whether an rdma_cm id on rxe0 (a native program's or a backend's) listens on `port`.
+/// Whether an rdma_cm id on rxe0 (a native program's or a backend's), or on the test's
+/// loopback device, listens on `port`.
 fn cm_listening(port: u16) -> bool {
+    if on_loopback() {
+        return loopback::cm::Fabric::named(&test_device_name()).listening(port);
+    }
     let listed = Command::new("rdma")
         .args(["resource", "show", "cm_id"])
         .output()
@@ -226,6 +250,22 @@ fn ucmatose_and_udaddy_run_unmodified_on_vrdma() {
     ucmatose(On::Vrdma(&a), On::Vrdma(&b), 7523);
     udaddy(On::Native, On::Vrdma(&a));
     udaddy(On::Vrdma(&a), On::Native);
+    udaddy(On::Vrdma(&a), On::Vrdma(&b));
+}
+
+/// rping, ucmatose and udaddy from guest to guest on the loopback host, under plain `cargo
+/// test`: RC connections with RDMA READ and WRITE, several connections on one event channel,
+/// and UD with the peer's address vector from the connection manager.
+#[test]
+fn rping_ucmatose_and_udaddy_run_guest_to_guest_on_the_loopback_host() {
+    if !on_loopback() {
+        eprintln!("on {}: ucmatose_and_udaddy_run_unmodified_on_vrdma and rping_runs_unmodified_on_vrdma cover it", test_device_name());
+        return;
+    }
+    let a = loopback_guest("192.168.77.81");
+    let b = loopback_guest("192.168.77.82");
+    rping(On::Vrdma(&a), On::Vrdma(&b), 7531);
+    ucmatose(On::Vrdma(&a), On::Vrdma(&b), 7532);
     udaddy(On::Vrdma(&a), On::Vrdma(&b));
 }
 

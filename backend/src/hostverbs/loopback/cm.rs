@@ -169,6 +169,15 @@ impl Fabric {
     pub fn holds(&self, ip: Ipv4Addr) -> bool {
         lock(&self.state).addresses.contains_key(&ip)
     }
+
+    /// Whether an id listens on `port` (what `rdma resource show cm_id` tells of the
+    /// kernel's): how tests know a program's server is ready.
+    pub fn listening(&self, port: u16) -> bool {
+        lock(&self.state)
+            .slots
+            .values()
+            .any(|s| s.stage == Stage::Listening && s.src.is_some_and(|a| a.port() == port))
+    }
 }
 
 /// An event channel of a guest whose address is `own`: readable while events wait.
