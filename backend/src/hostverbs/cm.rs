@@ -314,13 +314,6 @@ impl CmId {
         }
     }
 
-    fn ptr(&self) -> *mut rdma_cm_id {
-        match &self.raw {
-            Raw::Verbs(raw) => raw.as_ptr(),
-            Raw::Loopback(_) => unreachable!("a loopback id is served before any librdmacm call"),
-        }
-    }
-
     /// Keys the id: its events are routed by `key` from now on.
     pub fn set_key(&self, key: u64) {
         match self.host() {
@@ -332,13 +325,14 @@ impl CmId {
     }
 
     pub fn bind(&self, address: SocketAddrV4) -> Result<()> {
-        if let Err(id) = self.host() {
-            return id.bind(address);
-        }
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.bind(address),
+        };
         let mut sin = sockaddr_in(address);
         // SAFETY: the id is alive; `sin` is a valid sockaddr_in, copied by the call.
         check("rdma_bind_addr", unsafe {
-            rdma_bind_addr(self.ptr(), (&mut sin as *mut libc::sockaddr_in).cast())
+            rdma_bind_addr(raw, (&mut sin as *mut libc::sockaddr_in).cast())
         })
     }
 
@@ -348,15 +342,16 @@ impl CmId {
         dst: SocketAddrV4,
         timeout_ms: u32,
     ) -> Result<()> {
-        if let Err(id) = self.host() {
-            return id.resolve_addr(src, dst);
-        }
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.resolve_addr(src, dst),
+        };
         let (mut src, mut dst) = (sockaddr_in(src), sockaddr_in(dst));
         let timeout = c_int::try_from(timeout_ms).unwrap_or(c_int::MAX);
         // SAFETY: the id is alive; both sockaddrs are valid and copied by the call.
         check("rdma_resolve_addr", unsafe {
             rdma_resolve_addr(
-                self.ptr(),
+                raw,
                 (&mut src as *mut libc::sockaddr_in).cast(),
                 (&mut dst as *mut libc::sockaddr_in).cast(),
                 timeout,
@@ -365,23 +360,25 @@ impl CmId {
     }
 
     pub fn resolve_route(&self, timeout_ms: u32) -> Result<()> {
-        if let Err(id) = self.host() {
-            return id.resolve_route();
-        }
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.resolve_route(),
+        };
         let timeout = c_int::try_from(timeout_ms).unwrap_or(c_int::MAX);
         // SAFETY: the id is alive.
         check("rdma_resolve_route", unsafe {
-            rdma_resolve_route(self.ptr(), timeout)
+            rdma_resolve_route(raw, timeout)
         })
     }
 
     pub fn listen(&self, backlog: u32) -> Result<()> {
-        if let Err(id) = self.host() {
-            return id.listen(backlog);
-        }
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.listen(backlog),
+        };
         let backlog = c_int::try_from(backlog).unwrap_or(c_int::MAX);
         // SAFETY: the id is alive.
-        check("rdma_listen", unsafe { rdma_listen(self.ptr(), backlog) })
+        check("rdma_listen", unsafe { rdma_listen(raw, backlog) })
     }
 
     fn raw_param(param: &ConnParam, qp_num: u32) -> Result<rdma_conn_param> {
@@ -405,31 +402,32 @@ impl CmId {
 
     /// Connects with the QP numbered `qp_num` (of the same host device).
     pub fn connect(&self, param: &ConnParam, qp_num: u32) -> Result<()> {
-        if let Err(id) = self.host() {
-            return id.connect(param, qp_num);
-        }
-        let mut raw = Self::raw_param(param, qp_num)?;
-        // SAFETY: the id is alive; `raw` and the private data it points to outlive the call,
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.connect(param, qp_num),
+        };
+        let mut conn = Self::raw_param(param, qp_num)?;
+        // SAFETY: the id is alive; `conn` and the private data it points to outlive the call,
         // which copies them.
-        check("rdma_connect", unsafe {
-            rdma_connect(self.ptr(), &mut raw)
-        })
+        check("rdma_connect", unsafe { rdma_connect(raw, &mut conn) })
     }
 
     /// Accepts the connection request this id came from, with the QP numbered `qp_num`.
     pub fn accept(&self, param: &ConnParam, qp_num: u32) -> Result<()> {
-        if let Err(id) = self.host() {
-            return id.accept(param, qp_num);
-        }
-        let mut raw = Self::raw_param(param, qp_num)?;
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.accept(param, qp_num),
+        };
+        let mut conn = Self::raw_param(param, qp_num)?;
         // SAFETY: as in `connect`.
-        check("rdma_accept", unsafe { rdma_accept(self.ptr(), &mut raw) })
+        check("rdma_accept", unsafe { rdma_accept(raw, &mut conn) })
     }
 
     pub fn reject(&self, private_data: &[u8]) -> Result<()> {
-        if let Err(id) = self.host() {
-            return id.reject(private_data);
-        }
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.reject(private_data),
+        };
         let len = u8::try_from(private_data.len())
             .map_err(|_| Error::InvalidArgument("private data over 255 bytes".into()))?;
         let data = match private_data.is_empty() {
@@ -437,38 +435,41 @@ impl CmId {
             false => private_data.as_ptr().cast(),
         };
         // SAFETY: the id is alive; the data outlives the call, which copies it.
-        check("rdma_reject", unsafe { rdma_reject(self.ptr(), data, len) })
+        check("rdma_reject", unsafe { rdma_reject(raw, data, len) })
     }
 
     pub fn disconnect(&self) -> Result<()> {
-        if let Err(id) = self.host() {
-            return id.disconnect();
-        }
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.disconnect(),
+        };
         // SAFETY: the id is alive.
-        check("rdma_disconnect", unsafe { rdma_disconnect(self.ptr()) })
+        check("rdma_disconnect", unsafe { rdma_disconnect(raw) })
     }
 
     pub fn establish(&self) -> Result<()> {
-        if let Err(id) = self.host() {
-            return id.establish();
-        }
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.establish(),
+        };
         // SAFETY: the id is alive.
-        check("rdma_establish", unsafe { rdma_establish(self.ptr()) })
+        check("rdma_establish", unsafe { rdma_establish(raw) })
     }
 
     /// The attributes (and their mask) that move a QP of this id to `state`, in the host's
     /// view.
     pub fn init_qp_attr(&self, state: u32) -> Result<(QpAttr, u32)> {
-        if let Err(id) = self.host() {
-            return id.init_qp_attr(state);
-        }
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.init_qp_attr(state),
+        };
         // SAFETY: all-zero is a valid ibv_qp_attr.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = state;
         let mut mask: c_int = 0;
         // SAFETY: the id is alive; both out-pointers are valid.
         check("rdma_init_qp_attr", unsafe {
-            rdma_init_qp_attr(self.ptr(), &mut attr, &mut mask)
+            rdma_init_qp_attr(raw, &mut attr, &mut mask)
         })?;
         let mask = mask as u32;
         let attr = QpAttr::from_ibv(&attr, mask).map_err(|state| Error::Verbs {
@@ -480,13 +481,14 @@ impl CmId {
 
     /// The id's addresses, route and device.
     pub fn info(&self) -> CmIdInfo {
-        if let Err(id) = self.host() {
-            return id.info();
-        }
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.info(),
+        };
         // SAFETY: the id is alive; librdmacm keeps its route and addresses in it, and the
         // sockaddr unions are read as the sockaddr_in their family says they are.
         unsafe {
-            let id = &*self.ptr();
+            let id = &*raw;
             let addr = &id.route.addr;
             let ib = &addr.addr.ibaddr;
             let path = match (id.route.num_paths > 0, id.route.path_rec.is_null()) {
