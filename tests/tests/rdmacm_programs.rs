@@ -3,8 +3,8 @@
 //! through `vrdma-run` and vrdma's `librdmacm.so.1`: against native programs on rxe0 both
 //! ways, and vrdma to vrdma between two guests of one host. Each guest has an address of its
 //! own (`--guest-ip`); the native end uses the host's, 192.168.77.1. Runs inside the VM
-//! harness, where `rdma_ucm` is loaded; `rping`, `ucmatose` and `udaddy` from guest to guest
-//! also under plain `cargo test`, on the loopback host's connection manager.
+//! harness, where `rdma_ucm` is loaded; the programs from guest to guest also under plain
+//! `cargo test`, on the loopback host's connection manager.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -267,6 +267,42 @@ fn rping_ucmatose_and_udaddy_run_guest_to_guest_on_the_loopback_host() {
     rping(On::Vrdma(&a), On::Vrdma(&b), 7531);
     ucmatose(On::Vrdma(&a), On::Vrdma(&b), 7532);
     udaddy(On::Vrdma(&a), On::Vrdma(&b));
+}
+
+/// rdma_server and rdma_client, a program that moves its own QP (`rdma_establish` at
+/// CONNECT_RESPONSE), rping between two programs sharing one guest's device through the guest
+/// service, and perftest's rdma_cm mode, from guest to guest on the loopback host under plain
+/// `cargo test`.
+#[test]
+fn synchronous_endpoints_own_qps_the_guest_service_and_perftest_connect_on_the_loopback_host() {
+    if !on_loopback() {
+        eprintln!("on {}: the rxe tests of each cover it", test_device_name());
+        return;
+    }
+    let a = loopback_guest("192.168.77.83");
+    let b = loopback_guest("192.168.77.84");
+    rdma_server_client(On::Vrdma(&a), On::Vrdma(&b), 7541);
+    let program = CProgram::build("cm_own_qp", &["-lrdmacm", "-libverbs"]);
+    let output = pair(
+        On::Vrdma(&a),
+        &[program.path(), "server", a.address, "7542"],
+        On::Vrdma(&b),
+        &[program.path(), "client", a.address, "7542"],
+        7542,
+    );
+    assert!(output.contains("cm_own_qp: ok"), "{output}");
+    let service = ServiceProcess::start(&a.socket, &[]);
+    let target = service.target();
+    let through = On::Service(&a, &target);
+    rping(through, through, 7543);
+    rping(through, On::Vrdma(&b), 7544);
+    for (test, port) in [
+        ("ib_write_lat", 7545),
+        ("ib_send_bw", 7546),
+        ("ib_read_bw", 7547),
+    ] {
+        perftest(test, On::Vrdma(&a), On::Vrdma(&b), port);
+    }
 }
 
 /// A perftest test in rdma_cm mode (`-R`), 100 iterations.
