@@ -573,6 +573,81 @@ fn a_guest_killed_mid_connection_leaves_nothing_and_its_peer_sees_the_disconnect
     }
 }
 
+/// The process `parent` started that runs `program` (`timeout` runs `vrdma-run`, which
+/// execs the program).
+fn child_running(parent: u32, program: &str) -> Option<i32> {
+    let children =
+        std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
+    children.split_whitespace().find_map(|pid| {
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+        (comm.trim() == program).then(|| pid.parse().ok()).flatten()
+    })
+}
+
+/// On the loopback host: a guest's rping killed mid-connection leaves no cm id or QP on the
+/// device (its connection's ids go with it), and the other guest's rping, its peer, hears the
+/// disconnect and ends.
+#[test]
+fn a_guest_killed_mid_connection_on_the_loopback_host_leaves_nothing_and_its_peer_sees_it() {
+    if !on_loopback() {
+        eprintln!(
+            "on {}: a_guest_killed_mid_connection_leaves_nothing_and_its_peer_sees_the_disconnect covers it",
+            test_device_name()
+        );
+        return;
+    }
+    let a = loopback_guest("192.168.77.85");
+    let b = loopback_guest("192.168.77.86");
+    let counts = || {
+        let all = host_resource_counts();
+        (all.get("cm_id").copied(), all.get("qp").copied())
+    };
+    let baseline = counts();
+    // rping without a count runs until its peer goes.
+    let mut server = On::Vrdma(&a)
+        .command(&["rping", "-s", "-a", a.address, "-p", "7549"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the server");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cm_listening(7549) {
+        assert!(Instant::now() < deadline, "the server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut client = On::Vrdma(&b)
+        .command(&["rping", "-c", "-a", a.address, "-p", "7549"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the client");
+    // Connected: the server's listener and the connection's two ids.
+    while counts().0 < baseline.0.map(|ids| ids + 3) {
+        assert!(Instant::now() < deadline, "never connected: {:?}", counts());
+        assert!(client.try_wait().unwrap().is_none(), "the client ended");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let rping = child_running(server.id(), "rping").expect("the server's rping");
+    // SAFETY: a plain kill(2) of the process this test started.
+    assert_eq!(unsafe { libc::kill(rping, libc::SIGKILL) }, 0);
+    let _ = server.wait();
+    // The peer hears of it and stops (its `timeout` would say 124).
+    let output = client.wait_with_output().expect("wait for the client");
+    assert_ne!(
+        output.status.code(),
+        Some(124),
+        "the peer never saw the disconnect"
+    );
+    while counts() != baseline {
+        assert!(
+            Instant::now() < deadline,
+            "cm ids and QPs: {baseline:?} before, {:?} now",
+            counts()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 #[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
 fn rdma_cm_programs_share_a_device_through_the_guest_service() {

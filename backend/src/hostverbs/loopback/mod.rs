@@ -375,6 +375,8 @@ pub struct Device {
     state: Mutex<State>,
     /// Wakes the RNR clock when a send starts waiting.
     clock: Condvar,
+    /// Its connection manager's ids and addresses.
+    cm: &'static cm::Fabric,
 }
 
 impl Device {
@@ -389,6 +391,7 @@ impl Device {
         let device: &'static Device = Box::leak(Box::new(Device {
             state: Mutex::new(State::default()),
             clock: Condvar::new(),
+            cm: cm::Fabric::named(name),
         }));
         let started = std::thread::Builder::new()
             .name("vrdma-loopback".into())
@@ -416,6 +419,7 @@ impl Device {
             ("mr", state.mrs.len()),
             ("srq", state.srqs.len()),
             ("ah", state.ahs.len()),
+            ("cm_id", self.cm.id_count()),
         ];
         counts
             .into_iter()
