@@ -279,7 +279,7 @@ impl RdmaBackend {
 }
 
 /// Serves every chain the driver made available on the control queue: its readable bytes (at
-/// most [`MAX_REQUEST_BYTES`]) and the room in its writable part go to `respond`, whose answer
+/// most `MAX_REQUEST_BYTES`) and the room in its writable part go to `respond`, whose answer
 /// is written back before the chain is marked used. A malformed chain is used with nothing
 /// written, and returned with what is wrong with it; an error means the driver broke the
 /// queue itself (an index beyond it).

@@ -502,7 +502,7 @@ impl DataPath {
         }
     }
 
-    /// Waits, at most [`RECEIVE_FLUSH_LIMIT`], until every receive the guest published on
+    /// Waits, at most `RECEIVE_FLUSH_LIMIT`, until every receive the guest published on
     /// `qp`'s RQ before this call is on the host QP: the pool thread posts them, woken here.
     /// A connection manager's message must not overtake them (SPEC.md §13.3): a UD peer's
     /// first datagram would find no receive, where native posting would have put it there
@@ -554,7 +554,7 @@ impl DataPath {
     }
 
     /// Before RESIZE_CQ counts the completions `cq` holds (SPEC.md §5.7.1): waits, at most
-    /// [`RECEIVE_FLUSH_LIMIT`], until the pool thread has posted to the host every send WQE
+    /// `RECEIVE_FLUSH_LIMIT`, until the pool thread has posted to the host every send WQE
     /// the guest published before this call on `senders` (the QPs whose sends complete
     /// there), and has moved into the ring the host completions it has room for. With native
     /// verbs a completion is in the CQ soon after its post; here it would otherwise still be
@@ -589,7 +589,7 @@ impl DataPath {
         }
     }
 
-    /// Moves `cq` to `ring` (RESIZE_CQ, SPEC.md §5.7.1); see [`Shared::resize_cq`].
+    /// Moves `cq` to `ring` (RESIZE_CQ, SPEC.md §5.7.1); see `Shared::resize_cq`.
     pub fn resize_cq<E>(
         &self,
         cq: &CqData,

@@ -38,7 +38,7 @@ pub const SIDR_NO_LISTENER: i32 = 1;
 pub const SIDR_REJECT: i32 = 2;
 /// The Q_Key librdmacm gives UD ids (`RDMA_UDP_QKEY`).
 pub const UDP_QKEY: u32 = 0x0123_4567;
-/// The first port a bind to port 0 gets (Linux's default ephemeral range).
+/// The ports a bind to port 0 picks from (Linux's default ephemeral range).
 const EPHEMERAL_PORTS: std::ops::RangeInclusive<u16> = 32768..=60999;
 /// What the handshake gives a QP: RNR timer 0.64 ms, transport timeout 67 ms.
 const MIN_RNR_TIMER: u8 = 12;
