@@ -102,7 +102,9 @@ pub struct Config {
     /// Source GID index for guest traffic; `None` picks the first RoCEv2 IPv4 GID.
     pub gid_index: Option<u32>,
     /// The guest's own address: its GID is the one this address gives (see
-    /// [`guest_address`]), instead of one of the host's.
+    /// [`guest_address`]), instead of one of the host's. On the loopback host it is an
+    /// address of the loopback's connection manager only ([`hostverbs::loopback::cm`]): the
+    /// guest sends from the device's one GID.
     pub guest_ip: Option<GuestIp>,
     pub quotas: Quotas,
     pub notify_queues: u32,
@@ -195,7 +197,9 @@ impl HostDevice {
             index,
             reason,
         };
+        let loopback = hostverbs::loopback::is_loopback(&config.device);
         let (gid_index, gid) = match (config.guest_ip, config.gid_index) {
+            (Some(_), _) if loopback => (0, hostverbs::loopback::gid()),
             (Some(ip), _) => (wait_for_gid(&context, config.port, ip.gid())?, ip.gid()),
             (None, None) => context.find_roce_v2_ipv4_gid(config.port)?,
             (None, Some(index)) => {
@@ -239,11 +243,16 @@ pub fn claim_guest_gid(config: &Config) -> Result<Option<gid_claim::GidClaim>, E
 }
 
 /// The guest's address of `config`, put on the network interface of the host device's port
-/// (see [`guest_address`]). It is removed when the last holder drops it.
+/// (see [`guest_address`]). It is removed when the last holder drops it. The loopback host
+/// has no network interface: a guest's connection holds its address in the loopback's own
+/// table ([`hostverbs::loopback::cm`]).
 pub fn assign_guest_address(config: &Config) -> Result<SharedGuestAddress, Error> {
     let Some(ip) = config.guest_ip else {
         return Ok(SharedGuestAddress::default());
     };
+    if hostverbs::loopback::is_loopback(&config.device) {
+        return Ok(SharedGuestAddress::default());
+    }
     let ifindex = Context::open(&config.device)?.netdev_index(config.port)?;
     let address = GuestAddress::assign(ifindex, ip)?;
     Ok(Arc::new(Mutex::new(Some(address))))

@@ -240,10 +240,31 @@ pub fn start_backend_on(device: &str) -> TestBackend {
 /// Starts a backend thread on RDMA device `device` with `quotas`, listening on a new socket
 /// under the temp directory.
 pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBackend {
+    serve_in_background(test_config(device, quotas), new_test_socket())
+}
+
+/// Starts a backend thread on the test device serving a guest whose address is `address`
+/// (`--guest-ip`, with its prefix length), listening on a new socket under the temp
+/// directory. On the loopback host, the guests of all such backends of one test reach each
+/// other through its loopback device's connection manager.
+pub fn start_backend_for_guest(address: &str) -> TestBackend {
+    let config = vrdma_backend::Config {
+        guest_ip: Some(address.parse().expect("a guest address")),
+        ..test_config(&test_device_name(), vrdma_backend::Quotas::default())
+    };
+    serve_in_background(config, new_test_socket())
+}
+
+/// A socket path no other test backend of this process uses.
+fn new_test_socket() -> std::path::PathBuf {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let socket = std::env::temp_dir().join(format!("vrdma-test-{}-{n}.sock", std::process::id()));
-    let config = vrdma_backend::Config {
+    std::env::temp_dir().join(format!("vrdma-test-{}-{n}.sock", std::process::id()))
+}
+
+/// The configuration of an in-process test backend on `device` with `quotas`.
+fn test_config(device: &str, quotas: vrdma_backend::Quotas) -> vrdma_backend::Config {
+    vrdma_backend::Config {
         device: device.to_string(),
         port: PORT,
         gid_index: None,
@@ -263,8 +284,7 @@ pub fn start_backend_with(device: &str, quotas: vrdma_backend::Quotas) -> TestBa
         rate_limits: vrdma_backend::datapath::RateLimits::default(),
         socket_group: None,
         handshake_timeout: Duration::from_secs(10),
-    };
-    serve_in_background(config, socket)
+    }
 }
 
 /// Starts a backend thread serving `config` on `socket`; returns once it listens.

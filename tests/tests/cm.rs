@@ -1,15 +1,17 @@
-//! Connection management for guests (SPEC.md §13) on rxe: a guest with its own address
-//! (`--guest-ip`) connects through the device's CM commands to rdma-core's unmodified
-//! `rdma_server`, and accepts `rdma_client`, both native programs on the host's address; and
-//! a guest cannot bind, listen or connect from an address that is not its own. Runs inside
-//! the VM harness, where rxe0 sits on `va` with the host's address 192.168.77.1/24 and
-//! `rdma_ucm` is loaded.
+//! Connection management for guests (SPEC.md §13): a guest with its own address
+//! (`--guest-ip`) connects through the device's CM commands to other guests, and on rxe to
+//! rdma-core's unmodified `rdma_server` and accepts `rdma_client`, both native programs on the
+//! host's address; and a guest cannot bind, listen or connect from an address that is not its
+//! own. The guest-to-guest tests run on the loopback host's connection manager under plain
+//! `cargo test`, and on rxe inside the VM harness, where rxe0 sits on `va` with the host's
+//! address 192.168.77.1/24 and `rdma_ucm` is loaded; the native programs' test only there.
 
 use std::net::SocketAddrV4;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use vrdma_backend::device::cm_state::{verdict, CmCommand, IdState, Verdict};
+use vrdma_backend::hostverbs::loopback;
 use vrdma_guest::cm::{event, port_space};
 use vrdma_guest::spec::cm::{
     CmAddr, CmBindRequest, CmConnectRequest, CmInitQpAttrRequest, CmListenRequest, CmRejectRequest,
@@ -24,7 +26,8 @@ use vrdma_guest::{
 };
 use vrdma_tests::{
     control_request, host_resource_counts, response_status, spawn_backend_process,
-    wait_for_guest_completions, wait_for_host_counts, BackendProcess,
+    start_backend_for_guest, test_device_name, wait_for_guest_completions, wait_for_host_counts,
+    BackendProcess,
 };
 
 const HOST: &str = "192.168.77.1";
@@ -36,11 +39,47 @@ fn socket(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("vrdma-cm-{name}-{}.sock", std::process::id()))
 }
 
-/// A backend serving one guest at `address` (/24), under its seccomp filter.
-fn backend(name: &str, address: &str) -> (BackendProcess, std::path::PathBuf) {
+fn on_loopback() -> bool {
+    loopback::is_loopback(&test_device_name())
+}
+
+/// The backend of a guest.
+enum Backend {
+    /// A backend process of its own, under its seccomp filter, as deployed (rxe).
+    Process(BackendProcess),
+    /// A backend thread of the test process on the test's loopback device: guests reach each
+    /// other only through one loopback device, which is one process's.
+    InProcess,
+}
+
+impl Backend {
+    /// Whether it still serves. A backend thread that fails panics, and the guest's next
+    /// command fails with it, so only a process is asked.
+    fn lives(&mut self) -> bool {
+        match self {
+            Backend::Process(process) => process.try_wait().unwrap().is_none(),
+            Backend::InProcess => true,
+        }
+    }
+}
+
+/// A backend serving one guest at `address` (/24).
+fn backend(name: &str, address: &str) -> (Backend, std::path::PathBuf) {
+    let address = format!("{address}/24");
+    if on_loopback() {
+        let served = start_backend_for_guest(&address);
+        return (Backend::InProcess, served.socket);
+    }
     let socket = socket(name);
-    let backend = spawn_backend_process(&socket, &["--guest-ip", &format!("{address}/24")]);
-    (backend, socket)
+    let backend = spawn_backend_process(&socket, &["--guest-ip", &address]);
+    (Backend::Process(backend), socket)
+}
+
+/// Port `port` of an address nobody listens on: the host's on rxe; on loopback, where only
+/// guests have addresses, the guest's own (`own`).
+fn nobody_listens(own: &str, port: u16) -> SocketAddrV4 {
+    let ip = if on_loopback() { own } else { HOST };
+    SocketAddrV4::new(ip.parse().unwrap(), port)
 }
 
 fn open(socket: &std::path::Path) -> Device {
@@ -210,7 +249,7 @@ fn connect_with_retries(device: &Device, endpoint: &Endpoint, server: SocketAddr
 }
 
 #[test]
-#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
+#[ignore = "needs rdma_rxe and rdma_ucm (native rdma_server and rdma_client on the host's address): run by tests/run-all.sh inside the VM harness"]
 fn a_guest_connects_to_rdma_server_and_accepts_rdma_client() {
     let (backend, socket) = backend("native", "192.168.77.61");
     let baseline = host_resource_counts();
@@ -268,7 +307,6 @@ fn a_guest_connects_to_rdma_server_and_accepts_rdma_client() {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
 fn a_guest_binds_and_resolves_only_from_its_own_address() {
     let (_backend, socket) = backend("own", "192.168.77.62");
     let device = open(&socket);
@@ -323,7 +361,6 @@ fn request(device: &Device, endpoint: &Endpoint, server: SocketAddrV4) -> CmId {
 }
 
 #[test]
-#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
 fn guests_on_one_port_get_only_their_own_requests_and_a_flood_past_the_backlog_is_rejected() {
     let (_a_backend, a_socket) = backend("a", "192.168.77.63");
     let (_b_backend, b_socket) = backend("b", "192.168.77.64");
@@ -505,9 +542,9 @@ fn expected(state: IdState, command: CmCommand) -> &'static [(u16, u32)] {
     }
 }
 
-/// The states an id brought to `state` may be in by the time a command comes: on rxe a
-/// route resolves at once, and an address that does not answer ends in ADDR_ERROR, which
-/// leaves the id bound.
+/// The states an id brought to `state` may be in by the time a command comes: a route
+/// resolves at once, and an address that does not answer ends in ADDR_ERROR (on loopback at
+/// once), which leaves the id bound.
 fn may_be_in(state: IdState) -> Vec<IdState> {
     match state {
         IdState::AddrQuery => vec![IdState::AddrQuery, IdState::Bound],
@@ -714,13 +751,12 @@ fn check_command(m: &Matrix, states: &[IdState], id: &CmId, command: CmCommand) 
 }
 
 /// Every CM command on an id in every state the device keeps (backend/src/device/cm_state.rs),
-/// reached as a driver reaches it, on rxe: each is refused before the host's connection
+/// reached as a driver reaches it, on rxe and on the loopback host: each is refused before the host's connection
 /// manager (INVALID_ARGUMENT, detail EINVAL) where the table says so and carried out where it
 /// does, and the backend lives through all of them. Before the table, CM_RESOLVE_ROUTE on a
 /// fresh id reached librdmacm, which read the id's NULL device: the backend died of SIGSEGV.
 /// A second guest on the same host is the peer. 3 to 6 s under TCG.
 #[test]
-#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
 fn every_cm_command_in_every_id_state_is_answered_as_the_table_says() {
     let started = Instant::now();
     let (mut a_backend, a_socket) = backend("matrix-a", A_ADDRESS);
@@ -756,10 +792,7 @@ fn every_cm_command_in_every_id_state_is_answered_as_the_table_says() {
         }
         check_command(&m, &states, &shared, CmCommand::DestroyId);
         covered += 1;
-        assert!(
-            a_backend.try_wait().unwrap().is_none(),
-            "the backend ended in {state:?}"
-        );
+        assert!(a_backend.lives(), "the backend ended in {state:?}");
     }
     assert_eq!(covered, IdState::ALL.len() * CmCommand::ALL.len());
     assert!(m.holding.get_event().is_ok(), "the peer's backend lives");
@@ -775,7 +808,6 @@ fn every_cm_command_in_every_id_state_is_answered_as_the_table_says() {
 /// data longer than the CM message holds is refused by the device (a field's rule: detail 0),
 /// not passed to the host.
 #[test]
-#[ignore = "needs rdma_rxe and rdma_ucm: run by tests/run-all.sh inside the VM harness"]
 fn commands_out_of_order_are_refused_before_the_host_and_the_backend_lives() {
     let (mut backend, socket) = backend("order", "192.168.77.68");
     let device = open(&socket);
@@ -807,12 +839,12 @@ fn commands_out_of_order_are_refused_before_the_host_and_the_backend_lives() {
             .connect(&endpoint.qp, &param())
             .expect_err("CM_CONNECT on a fresh id"),
     );
-    assert!(backend.try_wait().unwrap().is_none(), "the backend died");
+    assert!(backend.lives(), "the backend died");
     // Still served: the id binds, and a connection goes as far as its private data lets it.
     fresh.bind("0.0.0.0:0".parse().unwrap()).unwrap();
     fresh.listen(1).expect("CM_LISTEN once bound");
     let id = device.create_cm_id(port_space::TCP).unwrap();
-    id.resolve_addr(None, format!("{HOST}:7606").parse().unwrap(), WAIT)
+    id.resolve_addr(None, nobody_listens("192.168.77.68", 7606), WAIT)
         .unwrap();
     expect_event(&device, &id, event::ADDR_RESOLVED);
     id.resolve_route(WAIT).unwrap();
@@ -835,5 +867,5 @@ fn commands_out_of_order_are_refused_before_the_host_and_the_backend_lives() {
     // Refused, so nothing changed: the id still connects (nobody listens: REJECTED).
     id.connect(&endpoint.qp, &param()).unwrap();
     expect_event(&device, &id, event::REJECTED);
-    assert!(backend.try_wait().unwrap().is_none(), "the backend died");
+    assert!(backend.lives(), "the backend died");
 }

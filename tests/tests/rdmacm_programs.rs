@@ -3,22 +3,26 @@
 //! through `vrdma-run` and vrdma's `librdmacm.so.1`: against native programs on rxe0 both
 //! ways, and vrdma to vrdma between two guests of one host. Each guest has an address of its
 //! own (`--guest-ip`); the native end uses the host's, 192.168.77.1. Runs inside the VM
-//! harness, where `rdma_ucm` is loaded.
+//! harness, where `rdma_ucm` is loaded; the programs from guest to guest also under plain
+//! `cargo test`, on the loopback host's connection manager.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use vrdma_backend::hostverbs::loopback;
 use vrdma_tests::{
-    host_resource_counts, spawn_backend_process, vrdma_library_dir as library_dir,
-    vrdma_run_script, wait_until_listening, BackendProcess, CProgram, ServiceProcess,
+    host_resource_counts, spawn_backend_process, start_backend_for_guest, test_device_name,
+    vrdma_library_dir as library_dir, vrdma_run_script, wait_until_listening, BackendProcess,
+    CProgram, ServiceProcess,
 };
 
 const HOST: &str = "192.168.77.1";
 
 /// A guest: its backend (with `address` its own) and socket.
 struct Guest {
-    _backend: BackendProcess,
+    /// `None` for a backend thread of this process ([`loopback_guest`]).
+    _backend: Option<BackendProcess>,
     socket: PathBuf,
     address: &'static str,
 }
@@ -28,8 +32,24 @@ fn guest(name: &str, address: &'static str) -> Guest {
         std::env::temp_dir().join(format!("vrdma-rdmacm-{name}-{}.sock", std::process::id()));
     let backend = spawn_backend_process(&socket, &["--guest-ip", &format!("{address}/24")]);
     Guest {
-        _backend: backend,
+        _backend: Some(backend),
         socket,
+        address,
+    }
+}
+
+fn on_loopback() -> bool {
+    loopback::is_loopback(&test_device_name())
+}
+
+/// A guest served by a backend thread of this process on the test's loopback device: the
+/// guests of one loopback device meet through its connection manager, and a loopback device
+/// is one process's.
+fn loopback_guest(address: &'static str) -> Guest {
+    let served = start_backend_for_guest(&format!("{address}/24"));
+    Guest {
+        _backend: None,
+        socket: served.socket,
         address,
     }
 }
@@ -82,8 +102,12 @@ fn text(output: &Output) -> String {
     )
 }
 
-/// Whether an rdma_cm id on rxe0 (a native program's or a backend's) listens on `port`.
+/// Whether an rdma_cm id on rxe0 (a native program's or a backend's), or on the test's
+/// loopback device, listens on `port`.
 fn cm_listening(port: u16) -> bool {
+    if on_loopback() {
+        return loopback::cm::Fabric::named(&test_device_name()).listening(port);
+    }
     let listed = Command::new("rdma")
         .args(["resource", "show", "cm_id"])
         .output()
@@ -227,6 +251,58 @@ fn ucmatose_and_udaddy_run_unmodified_on_vrdma() {
     udaddy(On::Native, On::Vrdma(&a));
     udaddy(On::Vrdma(&a), On::Native);
     udaddy(On::Vrdma(&a), On::Vrdma(&b));
+}
+
+/// rping, ucmatose and udaddy from guest to guest on the loopback host, under plain `cargo
+/// test`: RC connections with RDMA READ and WRITE, several connections on one event channel,
+/// and UD with the peer's address vector from the connection manager.
+#[test]
+fn rping_ucmatose_and_udaddy_run_guest_to_guest_on_the_loopback_host() {
+    if !on_loopback() {
+        eprintln!("on {}: ucmatose_and_udaddy_run_unmodified_on_vrdma and rping_runs_unmodified_on_vrdma cover it", test_device_name());
+        return;
+    }
+    let a = loopback_guest("192.168.77.81");
+    let b = loopback_guest("192.168.77.82");
+    rping(On::Vrdma(&a), On::Vrdma(&b), 7531);
+    ucmatose(On::Vrdma(&a), On::Vrdma(&b), 7532);
+    udaddy(On::Vrdma(&a), On::Vrdma(&b));
+}
+
+/// rdma_server and rdma_client, a program that moves its own QP (`rdma_establish` at
+/// CONNECT_RESPONSE), rping between two programs sharing one guest's device through the guest
+/// service, and perftest's rdma_cm mode, from guest to guest on the loopback host under plain
+/// `cargo test`.
+#[test]
+fn synchronous_endpoints_own_qps_the_guest_service_and_perftest_connect_on_the_loopback_host() {
+    if !on_loopback() {
+        eprintln!("on {}: the rxe tests of each cover it", test_device_name());
+        return;
+    }
+    let a = loopback_guest("192.168.77.83");
+    let b = loopback_guest("192.168.77.84");
+    rdma_server_client(On::Vrdma(&a), On::Vrdma(&b), 7541);
+    let program = CProgram::build("cm_own_qp", &["-lrdmacm", "-libverbs"]);
+    let output = pair(
+        On::Vrdma(&a),
+        &[program.path(), "server", a.address, "7542"],
+        On::Vrdma(&b),
+        &[program.path(), "client", a.address, "7542"],
+        7542,
+    );
+    assert!(output.contains("cm_own_qp: ok"), "{output}");
+    let service = ServiceProcess::start(&a.socket, &[]);
+    let target = service.target();
+    let through = On::Service(&a, &target);
+    rping(through, through, 7543);
+    rping(through, On::Vrdma(&b), 7544);
+    for (test, port) in [
+        ("ib_write_lat", 7545),
+        ("ib_send_bw", 7546),
+        ("ib_read_bw", 7547),
+    ] {
+        perftest(test, On::Vrdma(&a), On::Vrdma(&b), port);
+    }
 }
 
 /// A perftest test in rdma_cm mode (`-R`), 100 iterations.
@@ -494,6 +570,81 @@ fn a_guest_killed_mid_connection_leaves_nothing_and_its_peer_sees_the_disconnect
             counts()
         );
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The process `parent` started that runs `program` (`timeout` runs `vrdma-run`, which
+/// execs the program).
+fn child_running(parent: u32, program: &str) -> Option<i32> {
+    let children =
+        std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
+    children.split_whitespace().find_map(|pid| {
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+        (comm.trim() == program).then(|| pid.parse().ok()).flatten()
+    })
+}
+
+/// On the loopback host: a guest's rping killed mid-connection leaves no cm id or QP on the
+/// device (its connection's ids go with it), and the other guest's rping, its peer, hears the
+/// disconnect and ends.
+#[test]
+fn a_guest_killed_mid_connection_on_the_loopback_host_leaves_nothing_and_its_peer_sees_it() {
+    if !on_loopback() {
+        eprintln!(
+            "on {}: a_guest_killed_mid_connection_leaves_nothing_and_its_peer_sees_the_disconnect covers it",
+            test_device_name()
+        );
+        return;
+    }
+    let a = loopback_guest("192.168.77.85");
+    let b = loopback_guest("192.168.77.86");
+    let counts = || {
+        let all = host_resource_counts();
+        (all.get("cm_id").copied(), all.get("qp").copied())
+    };
+    let baseline = counts();
+    // rping without a count runs until its peer goes.
+    let mut server = On::Vrdma(&a)
+        .command(&["rping", "-s", "-a", a.address, "-p", "7549"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the server");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cm_listening(7549) {
+        assert!(Instant::now() < deadline, "the server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut client = On::Vrdma(&b)
+        .command(&["rping", "-c", "-a", a.address, "-p", "7549"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the client");
+    // Connected: the server's listener and the connection's two ids.
+    while counts().0 < baseline.0.map(|ids| ids + 3) {
+        assert!(Instant::now() < deadline, "never connected: {:?}", counts());
+        assert!(client.try_wait().unwrap().is_none(), "the client ended");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let rping = child_running(server.id(), "rping").expect("the server's rping");
+    // SAFETY: a plain kill(2) of the process this test started.
+    assert_eq!(unsafe { libc::kill(rping, libc::SIGKILL) }, 0);
+    let _ = server.wait();
+    // The peer hears of it and stops (its `timeout` would say 124).
+    let output = client.wait_with_output().expect("wait for the client");
+    assert_ne!(
+        output.status.code(),
+        Some(124),
+        "the peer never saw the disconnect"
+    );
+    while counts() != baseline {
+        assert!(
+            Instant::now() < deadline,
+            "cm ids and QPs: {baseline:?} before, {:?} now",
+            counts()
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

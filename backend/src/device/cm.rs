@@ -158,7 +158,7 @@ impl ConnectionManager {
         events: EventRaiser,
     ) -> hostverbs::Result<ConnectionManager> {
         let os_error = |call| move |source| hostverbs::Error::Verbs { call, source };
-        let channel = CmChannel::new()?;
+        let channel = CmChannel::open(device, own)?;
         let table = Arc::new(Mutex::new(CmTable {
             next_key: 0,
             ids: HashMap::new(),

@@ -198,8 +198,10 @@ impl Device {
         })
     }
 
-    /// The connection manager of a guest with an address of its own on a host device that
-    /// has one; `None` (and the feature not offered) otherwise.
+    /// The connection manager of a guest with an address of its own; `None` (and the
+    /// feature not offered) otherwise. On the loopback host the address is the loopback's
+    /// own (held in its address table while the connection lasts); elsewhere it is on the
+    /// host device's network interface.
     fn connection_manager(
         config: &Config,
         host: &HostDevice,
@@ -207,9 +209,6 @@ impl Device {
         data_path: &DataPath,
     ) -> Option<cm::ConnectionManager> {
         let ip = config.guest_ip?;
-        if hostverbs::loopback::is_loopback(&config.device) {
-            return None;
-        }
         let quota = advertised.max_qp.to_native() as usize;
         let device = (config.device.as_str(), host.port, host.gid_index);
         match cm::ConnectionManager::new(ip.address, device, quota, data_path.event_raiser()) {

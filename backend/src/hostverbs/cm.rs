@@ -1,10 +1,11 @@
-//! The host's RDMA connection manager (librdmacm): an event channel per guest connection and
-//! CM ids on it, as RAII wrappers. Ids never own a QP here: connection parameters carry the
-//! number of a QP the device created, and the device moves its QPs itself (SPEC.md §13).
+//! The host's RDMA connection manager: an event channel per guest connection and CM ids on
+//! it, as RAII wrappers, on librdmacm or on the loopback host's own connection manager
+//! ([`loopback::cm`]). Ids never own a QP here: connection parameters carry the number of a
+//! QP the device created, and the device moves its QPs itself (SPEC.md §13).
 
 use std::ffi::CStr;
 use std::io;
-use std::net::SocketAddrV4;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::RawFd;
 use std::os::raw::{c_int, c_void};
 use std::ptr::NonNull;
@@ -15,7 +16,9 @@ use rdma_sys::*;
 pub use vrdma_spec::cm::ConnParam;
 use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
-use super::{check, last_error, set_nonblocking, AhAttr, Error, Gid, QpAttr, Result};
+use super::{
+    check, last_error, loopback, set_nonblocking, AhAttr, Error, Gid, QpAttr, Raw, Result,
+};
 
 /// librdmacm's port spaces the device serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,24 +86,37 @@ pub fn prepare() {
     }
 }
 
-/// A librdmacm event channel: readable when an event waits. Non-blocking.
+/// An event channel: readable when an event waits. Non-blocking.
 pub struct CmChannel {
-    raw: NonNull<rdma_event_channel>,
+    raw: Raw<rdma_event_channel, Arc<loopback::cm::Channel>>,
 }
 
 // SAFETY: librdmacm's calls on a channel are thread safe (it locks per id and per channel);
 // the wrapper owns the pointer and frees it only in Drop, after every id (each holds an Arc).
+// The loopback's channel is thread safe of itself.
 unsafe impl Send for CmChannel {}
-// SAFETY: as above: shared references only make librdmacm calls.
+// SAFETY: as above: shared references only make librdmacm calls, or the loopback's, which
+// lock.
 unsafe impl Sync for CmChannel {}
 
 impl CmChannel {
-    /// Opens the connection manager (`/dev/infiniband/rdma_cm`, the `rdma_ucm` module).
-    pub fn new() -> Result<Arc<CmChannel>> {
+    /// Opens the connection manager of `device` for a guest whose address is `own`: the
+    /// loopback's, which holds `own` in the device's address table while the channel lives;
+    /// otherwise the kernel's (`/dev/infiniband/rdma_cm`, the `rdma_ucm` module), where the
+    /// address is on the device's network interface already.
+    pub fn open(device: &str, own: Ipv4Addr) -> Result<Arc<CmChannel>> {
+        if loopback::is_loopback(device) {
+            let channel = loopback::cm::Channel::open(device, own)?;
+            return Ok(Arc::new(CmChannel {
+                raw: Raw::Loopback(channel),
+            }));
+        }
         // SAFETY: no arguments; the result is checked for NULL.
         let raw = NonNull::new(unsafe { rdma_create_event_channel() })
             .ok_or_else(|| last_error("rdma_create_event_channel"))?;
-        let channel = CmChannel { raw };
+        let channel = CmChannel {
+            raw: Raw::Verbs(raw),
+        };
         set_nonblocking(channel.fd()).map_err(|source| Error::Verbs {
             call: "fcntl(O_NONBLOCK) on the CM event channel",
             source,
@@ -110,21 +126,34 @@ impl CmChannel {
 
     /// Readable when an event is waiting.
     pub fn fd(&self) -> RawFd {
-        // SAFETY: the channel is alive; its fd is set at creation.
-        unsafe { (*self.raw.as_ptr()).fd }
+        match &self.raw {
+            // SAFETY: the channel is alive; its fd is set at creation.
+            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).fd },
+            Raw::Loopback(channel) => channel.fd(),
+        }
     }
 
     /// A new id on this channel, keyed `key` (what its events are routed by).
     pub fn create_id(self: &Arc<Self>, space: PortSpace, key: u64) -> Result<CmId> {
+        let channel = match &self.raw {
+            Raw::Verbs(channel) => *channel,
+            Raw::Loopback(channel) => {
+                let id = channel.create_id(space == PortSpace::Udp, key);
+                return Ok(CmId {
+                    raw: Raw::Loopback(id),
+                    _channel: Arc::clone(self),
+                });
+            }
+        };
         let mut id: *mut rdma_cm_id = std::ptr::null_mut();
         // SAFETY: the channel is alive; `id` is a valid out-pointer; the context is an
         // integer key, never dereferenced.
         check("rdma_create_id", unsafe {
-            rdma_create_id(self.raw.as_ptr(), &mut id, key as *mut c_void, space.raw())
+            rdma_create_id(channel.as_ptr(), &mut id, key as *mut c_void, space.raw())
         })?;
         let raw = NonNull::new(id).ok_or_else(|| last_error("rdma_create_id"))?;
         Ok(CmId {
-            raw,
+            raw: Raw::Verbs(raw),
             _channel: Arc::clone(self),
         })
     }
@@ -133,9 +162,26 @@ impl CmChannel {
     /// waits on it (a destroy of its id waits for its acknowledgement). `None` when none
     /// waits.
     pub fn take_event(self: &Arc<Self>) -> Option<CmEvent> {
+        let channel = match &self.raw {
+            Raw::Verbs(channel) => *channel,
+            Raw::Loopback(channel) => {
+                let event = channel.take_event()?;
+                return Some(CmEvent {
+                    event: event.event,
+                    status: event.status,
+                    key: event.key,
+                    new_id: event.new_id.map(|id| CmId {
+                        raw: Raw::Loopback(id),
+                        _channel: Arc::clone(self),
+                    }),
+                    param: event.param,
+                    ud_ah: event.ud_ah,
+                });
+            }
+        };
         let mut raw: *mut rdma_cm_event = std::ptr::null_mut();
         // SAFETY: the channel is alive and non-blocking; `raw` is a valid out-pointer.
-        if unsafe { rdma_get_cm_event(self.raw.as_ptr(), &mut raw) } != 0 || raw.is_null() {
+        if unsafe { rdma_get_cm_event(channel.as_ptr(), &mut raw) } != 0 || raw.is_null() {
             return None;
         }
         // SAFETY: `raw` is the event just returned, valid until acknowledged below; its ids
@@ -159,7 +205,7 @@ impl CmChannel {
                     // SAFETY: the request's new id is alive and not yet known to anyone else.
                     unsafe { (*id.as_ptr()).context = std::ptr::null_mut() };
                     CmId {
-                        raw: id,
+                        raw: Raw::Verbs(id),
                         _channel: Arc::clone(self),
                     }
                 });
@@ -218,8 +264,10 @@ impl CmChannel {
 
 impl Drop for CmChannel {
     fn drop(&mut self) {
-        // SAFETY: every id of the channel is gone (each held an Arc of it); freed once.
-        unsafe { rdma_destroy_event_channel(self.raw.as_ptr()) };
+        if let Raw::Verbs(raw) = &self.raw {
+            // SAFETY: every id of the channel is gone (each held an Arc of it); freed once.
+            unsafe { rdma_destroy_event_channel(raw.as_ptr()) };
+        }
     }
 }
 
@@ -241,13 +289,15 @@ pub struct CmIdInfo {
 
 /// A connection-manager id. Dropping it destroys it (a connected id disconnects first).
 pub struct CmId {
-    raw: NonNull<rdma_cm_id>,
+    raw: Raw<rdma_cm_id, loopback::cm::Id>,
     _channel: Arc<CmChannel>,
 }
 
-// SAFETY: librdmacm locks per id; the wrapper owns the pointer and frees it only in Drop.
+// SAFETY: librdmacm locks per id; the wrapper owns the pointer and frees it only in Drop. A
+// loopback id is thread safe of itself.
 unsafe impl Send for CmId {}
-// SAFETY: shared references only make librdmacm calls, thread safe on one id.
+// SAFETY: shared references only make librdmacm calls, thread safe on one id, or the
+// loopback's, which lock.
 unsafe impl Sync for CmId {}
 
 /// The IPv4 address in `storage`, if it holds one with a non-zero address or port.
@@ -256,22 +306,33 @@ fn from_sockaddr(storage: &libc::sockaddr_in) -> Option<SocketAddrV4> {
 }
 
 impl CmId {
-    fn ptr(&self) -> *mut rdma_cm_id {
-        self.raw.as_ptr()
+    /// The librdmacm id, or the loopback's.
+    fn host(&self) -> std::result::Result<*mut rdma_cm_id, &loopback::cm::Id> {
+        match &self.raw {
+            Raw::Verbs(raw) => Ok(raw.as_ptr()),
+            Raw::Loopback(id) => Err(id),
+        }
     }
 
     /// Keys the id: its events are routed by `key` from now on.
     pub fn set_key(&self, key: u64) {
-        // SAFETY: the id is alive; librdmacm only hands the context back in events, which
-        // the one event thread reads after this call for ids it keyed itself.
-        unsafe { (*self.ptr()).context = key as *mut c_void };
+        match self.host() {
+            // SAFETY: the id is alive; librdmacm only hands the context back in events,
+            // which the one event thread reads after this call for ids it keyed itself.
+            Ok(raw) => unsafe { (*raw).context = key as *mut c_void },
+            Err(id) => id.set_key(key),
+        }
     }
 
     pub fn bind(&self, address: SocketAddrV4) -> Result<()> {
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.bind(address),
+        };
         let mut sin = sockaddr_in(address);
         // SAFETY: the id is alive; `sin` is a valid sockaddr_in, copied by the call.
         check("rdma_bind_addr", unsafe {
-            rdma_bind_addr(self.ptr(), (&mut sin as *mut libc::sockaddr_in).cast())
+            rdma_bind_addr(raw, (&mut sin as *mut libc::sockaddr_in).cast())
         })
     }
 
@@ -281,12 +342,16 @@ impl CmId {
         dst: SocketAddrV4,
         timeout_ms: u32,
     ) -> Result<()> {
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.resolve_addr(src, dst),
+        };
         let (mut src, mut dst) = (sockaddr_in(src), sockaddr_in(dst));
         let timeout = c_int::try_from(timeout_ms).unwrap_or(c_int::MAX);
         // SAFETY: the id is alive; both sockaddrs are valid and copied by the call.
         check("rdma_resolve_addr", unsafe {
             rdma_resolve_addr(
-                self.ptr(),
+                raw,
                 (&mut src as *mut libc::sockaddr_in).cast(),
                 (&mut dst as *mut libc::sockaddr_in).cast(),
                 timeout,
@@ -295,17 +360,25 @@ impl CmId {
     }
 
     pub fn resolve_route(&self, timeout_ms: u32) -> Result<()> {
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.resolve_route(),
+        };
         let timeout = c_int::try_from(timeout_ms).unwrap_or(c_int::MAX);
         // SAFETY: the id is alive.
         check("rdma_resolve_route", unsafe {
-            rdma_resolve_route(self.ptr(), timeout)
+            rdma_resolve_route(raw, timeout)
         })
     }
 
     pub fn listen(&self, backlog: u32) -> Result<()> {
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.listen(backlog),
+        };
         let backlog = c_int::try_from(backlog).unwrap_or(c_int::MAX);
         // SAFETY: the id is alive.
-        check("rdma_listen", unsafe { rdma_listen(self.ptr(), backlog) })
+        check("rdma_listen", unsafe { rdma_listen(raw, backlog) })
     }
 
     fn raw_param(param: &ConnParam, qp_num: u32) -> Result<rdma_conn_param> {
@@ -329,22 +402,32 @@ impl CmId {
 
     /// Connects with the QP numbered `qp_num` (of the same host device).
     pub fn connect(&self, param: &ConnParam, qp_num: u32) -> Result<()> {
-        let mut raw = Self::raw_param(param, qp_num)?;
-        // SAFETY: the id is alive; `raw` and the private data it points to outlive the call,
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.connect(param, qp_num),
+        };
+        let mut conn = Self::raw_param(param, qp_num)?;
+        // SAFETY: the id is alive; `conn` and the private data it points to outlive the call,
         // which copies them.
-        check("rdma_connect", unsafe {
-            rdma_connect(self.ptr(), &mut raw)
-        })
+        check("rdma_connect", unsafe { rdma_connect(raw, &mut conn) })
     }
 
     /// Accepts the connection request this id came from, with the QP numbered `qp_num`.
     pub fn accept(&self, param: &ConnParam, qp_num: u32) -> Result<()> {
-        let mut raw = Self::raw_param(param, qp_num)?;
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.accept(param, qp_num),
+        };
+        let mut conn = Self::raw_param(param, qp_num)?;
         // SAFETY: as in `connect`.
-        check("rdma_accept", unsafe { rdma_accept(self.ptr(), &mut raw) })
+        check("rdma_accept", unsafe { rdma_accept(raw, &mut conn) })
     }
 
     pub fn reject(&self, private_data: &[u8]) -> Result<()> {
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.reject(private_data),
+        };
         let len = u8::try_from(private_data.len())
             .map_err(|_| Error::InvalidArgument("private data over 255 bytes".into()))?;
         let data = match private_data.is_empty() {
@@ -352,29 +435,41 @@ impl CmId {
             false => private_data.as_ptr().cast(),
         };
         // SAFETY: the id is alive; the data outlives the call, which copies it.
-        check("rdma_reject", unsafe { rdma_reject(self.ptr(), data, len) })
+        check("rdma_reject", unsafe { rdma_reject(raw, data, len) })
     }
 
     pub fn disconnect(&self) -> Result<()> {
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.disconnect(),
+        };
         // SAFETY: the id is alive.
-        check("rdma_disconnect", unsafe { rdma_disconnect(self.ptr()) })
+        check("rdma_disconnect", unsafe { rdma_disconnect(raw) })
     }
 
     pub fn establish(&self) -> Result<()> {
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.establish(),
+        };
         // SAFETY: the id is alive.
-        check("rdma_establish", unsafe { rdma_establish(self.ptr()) })
+        check("rdma_establish", unsafe { rdma_establish(raw) })
     }
 
     /// The attributes (and their mask) that move a QP of this id to `state`, in the host's
     /// view.
     pub fn init_qp_attr(&self, state: u32) -> Result<(QpAttr, u32)> {
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.init_qp_attr(state),
+        };
         // SAFETY: all-zero is a valid ibv_qp_attr.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = state;
         let mut mask: c_int = 0;
         // SAFETY: the id is alive; both out-pointers are valid.
         check("rdma_init_qp_attr", unsafe {
-            rdma_init_qp_attr(self.ptr(), &mut attr, &mut mask)
+            rdma_init_qp_attr(raw, &mut attr, &mut mask)
         })?;
         let mask = mask as u32;
         let attr = QpAttr::from_ibv(&attr, mask).map_err(|state| Error::Verbs {
@@ -386,10 +481,14 @@ impl CmId {
 
     /// The id's addresses, route and device.
     pub fn info(&self) -> CmIdInfo {
+        let raw = match self.host() {
+            Ok(raw) => raw,
+            Err(id) => return id.info(),
+        };
         // SAFETY: the id is alive; librdmacm keeps its route and addresses in it, and the
         // sockaddr unions are read as the sockaddr_in their family says they are.
         unsafe {
-            let id = &*self.ptr();
+            let id = &*raw;
             let addr = &id.route.addr;
             let ib = &addr.addr.ibaddr;
             let path = match (id.route.num_paths > 0, id.route.path_rec.is_null()) {
@@ -418,9 +517,13 @@ impl CmId {
 
 impl Drop for CmId {
     fn drop(&mut self) {
+        let Raw::Verbs(raw) = &self.raw else {
+            // The loopback's id destroys itself.
+            return;
+        };
         // SAFETY: the id is alive and destroyed once; every event of it that was taken was
         // acknowledged at once (`take_event`), so this does not wait on the event thread.
-        let ret = unsafe { rdma_destroy_id(self.ptr()) };
+        let ret = unsafe { rdma_destroy_id(raw.as_ptr()) };
         if ret != 0 {
             log::warn!("rdma_destroy_id: {}", io::Error::last_os_error());
         }

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use rdma_sys::{ibv_access_flags, ibv_wc_status};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+pub mod cm;
 pub mod faults;
 #[cfg(test)]
 mod tests;
@@ -408,6 +409,8 @@ pub struct Device {
     state: Mutex<State>,
     /// Wakes the RNR clock when a send starts waiting.
     clock: Condvar,
+    /// Its connection manager's ids and addresses.
+    cm: &'static cm::Fabric,
 }
 
 impl Device {
@@ -422,6 +425,7 @@ impl Device {
         let device: &'static Device = Box::leak(Box::new(Device {
             state: Mutex::new(State::default()),
             clock: Condvar::new(),
+            cm: cm::Fabric::named(name),
         }));
         let started = std::thread::Builder::new()
             .name("vrdma-loopback".into())
@@ -496,6 +500,7 @@ impl Device {
             ("mr", state.mrs.len()),
             ("srq", state.srqs.len()),
             ("ah", state.ahs.len()),
+            ("cm_id", self.cm.id_count()),
         ];
         counts
             .into_iter()
