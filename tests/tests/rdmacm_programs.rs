@@ -106,7 +106,9 @@ fn text(output: &Output) -> String {
 /// loopback device, listens on `port`.
 fn cm_listening(port: u16) -> bool {
     if on_loopback() {
-        return loopback::cm::Fabric::named(&test_device_name()).listening(port);
+        return loopback::Device::named(&test_device_name())
+            .connection_manager()
+            .listening(port);
     }
     let listed = Command::new("rdma")
         .args(["resource", "show", "cm_id"])

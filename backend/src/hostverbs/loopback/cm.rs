@@ -18,7 +18,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_spec::cm::{cm_event, ConnParam};
@@ -131,7 +131,7 @@ struct Pending {
 }
 
 #[derive(Default)]
-struct FabricState {
+struct ManagerState {
     /// Registered guest addresses, by how many channels hold each.
     addresses: HashMap<Ipv4Addr, usize>,
     slots: HashMap<u64, Slot>,
@@ -141,23 +141,19 @@ struct FabricState {
 }
 
 /// The connection manager of one loopback device: its addresses and ids.
-pub struct Fabric {
+pub struct ConnectionManager {
     name: String,
-    state: Mutex<FabricState>,
+    state: Mutex<ManagerState>,
 }
 
-impl Fabric {
-    /// The fabric of the loopback device `name`, made on first use; it lives as long as the
-    /// process (as the device does).
-    pub fn named(name: &str) -> &'static Fabric {
-        static FABRICS: OnceLock<Mutex<HashMap<String, &'static Fabric>>> = OnceLock::new();
-        let mut fabrics = lock(FABRICS.get_or_init(Mutex::default));
-        fabrics.entry(name.to_string()).or_insert_with(|| {
-            Box::leak(Box::new(Fabric {
-                name: name.to_string(),
-                state: Mutex::default(),
-            }))
-        })
+impl ConnectionManager {
+    /// The connection manager of the loopback device `name` (its part of
+    /// [`Device`](super::Device)).
+    pub(super) fn new(name: &str) -> ConnectionManager {
+        ConnectionManager {
+            name: name.to_string(),
+            state: Mutex::default(),
+        }
     }
 
     /// Ids alive, those of requests nobody took included (what tests check for leaks).
@@ -182,7 +178,7 @@ impl Fabric {
 
 /// An event channel of a guest whose address is `own`: readable while events wait.
 pub struct Channel {
-    fabric: &'static Fabric,
+    manager: &'static ConnectionManager,
     own: Ipv4Addr,
     fd: EventFd,
     queue: Mutex<VecDeque<Pending>>,
@@ -206,10 +202,10 @@ impl Channel {
             call: "eventfd",
             source,
         })?;
-        let fabric = Fabric::named(device);
-        *lock(&fabric.state).addresses.entry(own).or_default() += 1;
+        let manager = &super::Device::named(device).cm;
+        *lock(&manager.state).addresses.entry(own).or_default() += 1;
         Ok(Arc::new(Channel {
-            fabric,
+            manager,
             own,
             fd,
             queue: Mutex::default(),
@@ -222,12 +218,12 @@ impl Channel {
 
     /// A new id on this channel, keyed `key`, UD if `udp` (else RC).
     pub fn create_id(self: &Arc<Self>, udp: bool, key: u64) -> Id {
-        let mut state = lock(&self.fabric.state);
+        let mut state = lock(&self.manager.state);
         state.next_slot += 1;
         let number = state.next_slot;
         state.slots.insert(number, Slot::new(self, udp, key));
         Id {
-            fabric: self.fabric,
+            manager: self.manager,
             number,
             _channel: Arc::clone(self),
         }
@@ -253,7 +249,7 @@ impl Channel {
     pub fn take_event(self: &Arc<Self>) -> Option<Event> {
         loop {
             let pending = self.pop()?;
-            let mut state = lock(&self.fabric.state);
+            let mut state = lock(&self.manager.state);
             let Some(slot) = state.slots.get_mut(&pending.slot) else {
                 continue;
             };
@@ -267,7 +263,7 @@ impl Channel {
                 };
                 request.untaken_at = None;
                 new_id = Some(Id {
-                    fabric: self.fabric,
+                    manager: self.manager,
                     number: new,
                     _channel: Arc::clone(self),
                 });
@@ -286,7 +282,7 @@ impl Channel {
 
 impl Drop for Channel {
     fn drop(&mut self) {
-        let mut state = lock(&self.fabric.state);
+        let mut state = lock(&self.manager.state);
         if let Some(count) = state.addresses.get_mut(&self.own) {
             *count -= 1;
             if *count == 0 {
@@ -298,7 +294,7 @@ impl Drop for Channel {
 
 /// An id; dropping it destroys it, as `rdma_destroy_id` (a connection's peer hears of it).
 pub struct Id {
-    fabric: &'static Fabric,
+    manager: &'static ConnectionManager,
     number: u64,
     _channel: Arc<Channel>,
 }
@@ -308,7 +304,7 @@ fn einval(call: &'static str) -> Error {
 }
 
 /// Queues an event for `slot` on its channel (dropped if the channel is gone).
-fn deliver(state: &FabricState, slot: u64, event: u32, status: i32, param: ConnParam) {
+fn deliver(state: &ManagerState, slot: u64, event: u32, status: i32, param: ConnParam) {
     deliver_pending(
         state,
         Pending {
@@ -322,7 +318,7 @@ fn deliver(state: &FabricState, slot: u64, event: u32, status: i32, param: ConnP
     );
 }
 
-fn deliver_pending(state: &FabricState, pending: Pending) {
+fn deliver_pending(state: &ManagerState, pending: Pending) {
     let channel = state
         .slots
         .get(&pending.slot)
@@ -358,7 +354,7 @@ fn device_ah() -> AhAttr {
     }
 }
 
-impl FabricState {
+impl ManagerState {
     fn slot(&mut self, number: u64, call: &'static str) -> Result<&mut Slot> {
         self.slots.get_mut(&number).ok_or_else(|| einval(call))
     }
@@ -463,5 +459,4 @@ impl FabricState {
 
 mod id;
 #[cfg(test)]
-#[path = "cm_tests.rs"]
 mod tests;

@@ -410,7 +410,7 @@ pub struct Device {
     /// Wakes the RNR clock when a send starts waiting.
     clock: Condvar,
     /// Its connection manager's ids and addresses.
-    cm: &'static cm::Fabric,
+    cm: cm::ConnectionManager,
 }
 
 impl Device {
@@ -425,7 +425,7 @@ impl Device {
         let device: &'static Device = Box::leak(Box::new(Device {
             state: Mutex::new(State::default()),
             clock: Condvar::new(),
-            cm: cm::Fabric::named(name),
+            cm: cm::ConnectionManager::new(name),
         }));
         let started = std::thread::Builder::new()
             .name("vrdma-loopback".into())
@@ -435,6 +435,11 @@ impl Device {
         }
         devices.insert(name.to_string(), device);
         device
+    }
+
+    /// Its connection manager: the guests' addresses, their ids and listeners.
+    pub fn connection_manager(&self) -> &cm::ConnectionManager {
+        &self.cm
     }
 
     fn state(&self) -> MutexGuard<'_, State> {

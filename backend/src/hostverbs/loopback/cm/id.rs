@@ -1,5 +1,5 @@
 //! What an id of the loopback connection manager does: librdmacm's calls on one id, each
-//! under the fabric's lock, telling the peer what the IB CM would.
+//! under the connection manager's lock, telling the peer what the IB CM would.
 
 use std::net::SocketAddrV4;
 
@@ -11,16 +11,16 @@ impl Id {
     fn with<T>(
         &self,
         call: &'static str,
-        f: impl FnOnce(&mut FabricState, u64) -> Result<T>,
+        f: impl FnOnce(&mut ManagerState, u64) -> Result<T>,
     ) -> Result<T> {
-        let mut state = lock(&self.fabric.state);
+        let mut state = lock(&self.manager.state);
         state.slot(self.number, call)?;
         f(&mut state, self.number)
     }
 
     /// Keys the id: its events are routed by `key` from now on.
     pub fn set_key(&self, key: u64) {
-        if let Some(slot) = lock(&self.fabric.state).slots.get_mut(&self.number) {
+        if let Some(slot) = lock(&self.manager.state).slots.get_mut(&self.number) {
             slot.key = key;
         }
     }
@@ -102,7 +102,7 @@ impl Id {
         })
     }
 
-    fn side(state: &mut FabricState, param: &ConnParam, qp_num: u32) -> Side {
+    fn side(state: &mut ManagerState, param: &ConnParam, qp_num: u32) -> Side {
         Side {
             qp_num,
             psn: state.new_psn(),
@@ -400,7 +400,7 @@ impl Id {
     }
 
     pub fn info(&self) -> CmIdInfo {
-        let state = lock(&self.fabric.state);
+        let state = lock(&self.manager.state);
         let Some(slot) = state.slots.get(&self.number) else {
             return CmIdInfo::default();
         };
@@ -428,7 +428,7 @@ impl Id {
             pkey: 0xffff,
             path_mtu: if routed { MTU_4096 as u8 } else { 0 },
             num_paths: routed.into(),
-            device: bound.then(|| self.fabric.name.clone()),
+            device: bound.then(|| self.manager.name.clone()),
             port_num: bound.into(),
         }
     }
@@ -436,7 +436,7 @@ impl Id {
 
 impl Drop for Id {
     fn drop(&mut self) {
-        let mut state = lock(&self.fabric.state);
+        let mut state = lock(&self.manager.state);
         // A listener's requests nobody took are refused, as the kernel destroys their ids.
         let untaken: Vec<u64> = state
             .slots

@@ -107,8 +107,12 @@ fn only_an_address_a_guest_of_the_device_holds_resolves_and_binds() {
     drop(stray);
     drop(_first);
     drop(b);
-    assert!(!Fabric::named(&name).holds("10.1.0.2".parse().unwrap()));
-    assert!(Fabric::named(&name).holds("10.1.0.1".parse().unwrap()));
+    assert!(!super::super::Device::named(&name)
+        .connection_manager()
+        .holds("10.1.0.2".parse().unwrap()));
+    assert!(super::super::Device::named(&name)
+        .connection_manager()
+        .holds("10.1.0.1".parse().unwrap()));
 }
 
 #[test]
@@ -187,7 +191,12 @@ fn a_connection_is_requested_accepted_established_and_disconnected_from_either_s
     accepted.disconnect().unwrap();
     assert!(events(&server).is_empty() && events(&client).is_empty());
     drop((id, accepted, listening));
-    assert_eq!(Fabric::named(&name).id_count(), 0);
+    assert_eq!(
+        super::super::Device::named(&name)
+            .connection_manager()
+            .id_count(),
+        0
+    );
 }
 
 #[test]
@@ -234,7 +243,12 @@ fn a_request_past_the_backlog_or_to_a_closed_port_is_rejected_and_a_reject_carri
     // The port was the listener's: a request's id, which shares it, does not hold it.
     let again = listener(&server, "10.4.0.1:7300", 1, 200);
     drop((ids, first, lonely, again));
-    assert_eq!(Fabric::named(&name).id_count(), 0);
+    assert_eq!(
+        super::super::Device::named(&name)
+            .connection_manager()
+            .id_count(),
+        0
+    );
 }
 
 #[test]
