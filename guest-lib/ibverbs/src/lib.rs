@@ -17,6 +17,7 @@
 mod abi;
 mod attr;
 pub mod config;
+mod errno;
 mod events;
 mod objects;
 mod private;

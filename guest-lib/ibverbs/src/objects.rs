@@ -29,7 +29,8 @@ use vrdma_guest::{
     UdDest, WorkCompletion,
 };
 
-use crate::abi::{context_of, raise_errno, report_once, set_errno};
+use crate::abi::context_of;
+use crate::errno::{raise_errno, report_once, set_errno};
 use crate::events::{Channel, ObjectKind};
 use crate::qp_ex::{self, Staged, SERVED_SEND_OPS};
 use crate::translate::{self, send_flags};

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use rdma_sys::{ibv_ah, ibv_data_buf, ibv_qp_create_send_ops_flags as Ops, ibv_qp_ex, ibv_sge};
 use vrdma_guest::{Payload, SendOp, Sge};
 
-use crate::abi::raise_errno;
+use crate::errno::raise_errno;
 use crate::objects::VrdmaQp;
 
 /// `enum ibv_qp_create_send_ops_flags` this library serves.

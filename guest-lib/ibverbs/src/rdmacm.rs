@@ -33,7 +33,8 @@ use vrdma_guest::cm::{event, port_space};
 use vrdma_guest::{CmEvent, CmId, ConnParam, QpState};
 use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
-use crate::abi::{context_of, raise_errno, report_once, set_errno};
+use crate::abi::context_of;
+use crate::errno::{raise_errno, report_once, set_errno};
 use crate::events::{EventQueue, Lingering, ObjectKind};
 use crate::objects;
 

@@ -9,9 +9,10 @@ use rdma_sys::{ibv_context, ibv_device, verbs_context};
 use vrdma_guest::Device;
 
 use super::queries::{query_device_ex, query_port_extended};
-use super::{report_setup, set_errno, VrdmaContext};
+use super::VrdmaContext;
 use crate::attr::{self};
 use crate::config::{self, DeviceTarget, DEVICE_NAME};
+use crate::errno::{report_setup, set_errno};
 use crate::events::{AsyncEvents, Dispatcher};
 use crate::objects;
 

@@ -1,4 +1,4 @@
-//! Unit tests of `abi`.
+//! Unit tests of `errno`.
 
 use super::*;
 
