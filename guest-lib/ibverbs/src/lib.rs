@@ -17,6 +17,7 @@
 mod abi;
 mod attr;
 pub mod config;
+mod context;
 mod errno;
 mod events;
 mod objects;

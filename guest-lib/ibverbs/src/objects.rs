@@ -29,7 +29,7 @@ use vrdma_guest::{
     UdDest, WorkCompletion,
 };
 
-use crate::abi::context_of;
+use crate::context::context_of;
 use crate::errno::{raise_errno, report_once, set_errno};
 use crate::events::{Channel, ObjectKind};
 use crate::qp_ex::{self, Staged, SERVED_SEND_OPS};

@@ -33,7 +33,7 @@ use vrdma_guest::cm::{event, port_space};
 use vrdma_guest::{CmEvent, CmId, ConnParam, QpState};
 use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
-use crate::abi::context_of;
+use crate::context::context_of;
 use crate::errno::{raise_errno, report_once, set_errno};
 use crate::events::{EventQueue, Lingering, ObjectKind};
 use crate::objects;
@@ -180,7 +180,7 @@ fn io_errno(error: &vrdma_guest::Error) -> c_int {
 fn cm_context() -> Option<*mut ibv_context> {
     static CURRENT: std::sync::Mutex<Option<usize>> = std::sync::Mutex::new(None);
     let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
-    let (still_open, oldest) = crate::abi::open_context(current.map(|c| c as *mut ibv_context));
+    let (still_open, oldest) = crate::context::open_context(current.map(|c| c as *mut ibv_context));
     if still_open {
         return current.map(|c| c as *mut ibv_context);
     }

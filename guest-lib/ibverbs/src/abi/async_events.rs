@@ -3,7 +3,7 @@ use std::os::raw::c_int;
 
 use rdma_sys::{ibv_async_event, ibv_context};
 
-use super::context_of;
+use crate::context::context_of;
 use crate::errno::set_errno;
 use crate::events::Element;
 
