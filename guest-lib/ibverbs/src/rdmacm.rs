@@ -35,7 +35,7 @@ use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
 use crate::context::context_of;
 use crate::errno::{raise_errno, report_once, set_errno};
-use crate::events::{EventQueue, Lingering, ObjectKind};
+use crate::events::{CmChannel, Lingering, ObjectKind};
 use crate::objects;
 
 /// `rdma_getaddrinfo` flags.
@@ -48,9 +48,6 @@ const EP_TIMEOUT_MS: c_int = 2000;
 /// How long a destroyed listener still listens on the device for a bind in this process to
 /// take it over (see `vrdma_rdmacm_rdma_destroy_id`).
 const LISTEN_LINGER: Duration = Duration::from_secs(2);
-
-/// A channel: the ids with events waiting, by handle.
-pub(crate) type CmChannel = EventQueue<u32>;
 
 #[repr(C)]
 struct VrdmaEventChannel {
