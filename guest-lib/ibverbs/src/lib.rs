@@ -22,7 +22,6 @@ mod errno;
 mod events;
 mod objects;
 mod private;
-mod qp_ex;
 mod rdmacm;
 mod strings;
 mod translate;
