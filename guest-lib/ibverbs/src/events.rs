@@ -103,6 +103,9 @@ impl<T> AsRawFd for EventQueue<T> {
 /// A completion channel: the CQs (their `ibv_cq` addresses) with an event not yet taken.
 pub(crate) type Channel = EventQueue<usize>;
 
+/// A CM event channel: the CM ids with events waiting, by handle.
+pub(crate) type CmChannel = EventQueue<u32>;
+
 /// What an asynchronous event is about, with the program's object by address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Element {
@@ -138,7 +141,7 @@ struct Routes {
     channels: HashMap<u32, (usize, Arc<Channel>)>,
     objects: HashMap<(ObjectKind, u32), usize>,
     /// CM ids (their address) and the channel their events go to, by device handle.
-    cm_ids: HashMap<u32, (usize, Arc<crate::rdmacm::CmChannel>)>,
+    cm_ids: HashMap<u32, (usize, Arc<CmChannel>)>,
     /// Listeners the program destroyed that still listen on the device for a while.
     lingering: Vec<Lingering>,
 }
@@ -218,7 +221,7 @@ impl Dispatcher {
     }
 
     /// Events of CM id `handle` (at `id`) go to `channel` from now on.
-    pub(crate) fn watch_cm(&self, handle: u32, id: usize, channel: Arc<crate::rdmacm::CmChannel>) {
+    pub(crate) fn watch_cm(&self, handle: u32, id: usize, channel: Arc<CmChannel>) {
         self.routes().cm_ids.insert(handle, (id, channel));
     }
 

@@ -9,18 +9,25 @@
 //! [`config`].
 //!
 //! Layout: [`config`] and the conversions in `attr`, `translate` and `strings` are safe and
-//! unit-tested; `events` routes completion events to channels; `abi` (device, context,
-//! queries) and `objects` (PD, MR, CQ, channels, QP, SRQ, AH and the inlined data path) are
-//! the C edge, with `qp_ex` (the `ibv_wr_*` API), where all `unsafe` is; `unserved` holds the verbs not
-//! served yet and `private` the provider-only ABI that must exist for programs to load.
+//! unit-tested; `errno` says why a call failed (errno, and `VRDMA_DEBUG`'s lines); `events`
+//! routes the device's events to channels and the asynchronous event queue; `context` is an
+//! open device's state; `abi` (device, queries, asynchronous events) and `objects` (PD, MR,
+//! CQ, channels, QP with the `ibv_wr_*` API, SRQ, AH and the inlined data path) are the C
+//! edge; `rdmacm` is librdmacm's API on top of them; `unserved` holds the verbs not served
+//! yet and `private` the provider-only ABI that must exist for programs to load.
+//!
+//! Modules depend one way: `rdmacm` on `abi` and `objects`, `abi` on `objects`, all three on
+//! `context`, which depends on `events`; `events`, `errno` and the conversions depend on no
+//! module of the crate.
 
 mod abi;
 mod attr;
 pub mod config;
+mod context;
+mod errno;
 mod events;
 mod objects;
 mod private;
-mod qp_ex;
 mod rdmacm;
 mod strings;
 mod translate;

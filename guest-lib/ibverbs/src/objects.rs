@@ -4,9 +4,14 @@
 //! that owns its guest-lib object, so the hot path finds guest-lib's rings with one cast: no
 //! allocation, no lock beyond guest-lib's own, no system call while the backend's poller is
 //! awake.
+//!
+//! By object: `cq.rs` CQs and completion channels (with the extended poll API), `qp.rs` QPs
+//! and SRQs, `qp_ex.rs` the `ibv_wr_*` API of QPs made with send ops, which stages work
+//! requests in the QP itself; this file PDs, MRs, AHs and what they share.
 
 mod cq;
 mod qp;
+mod qp_ex;
 
 pub(crate) use cq::*;
 pub(crate) use qp::*;
@@ -29,10 +34,11 @@ use vrdma_guest::{
     UdDest, WorkCompletion,
 };
 
-use crate::abi::{context_of, raise_errno, report_once, set_errno};
+use crate::context::context_of;
+use crate::errno::{raise_errno, report_once, set_errno};
 use crate::events::{Channel, ObjectKind};
-use crate::qp_ex::{self, Staged, SERVED_SEND_OPS};
 use crate::translate::{self, send_flags};
+use qp_ex::{Staged, SERVED_SEND_OPS};
 
 #[repr(C)]
 struct VrdmaPd {
@@ -64,8 +70,8 @@ struct VrdmaCq {
 
 /// A QP. `qp_ex` begins with the `ibv_qp` programs hold, so one pointer serves both APIs.
 #[repr(C)]
-pub(crate) struct VrdmaQp {
-    pub(crate) qp_ex: ibv_qp_ex,
+struct VrdmaQp {
+    qp_ex: ibv_qp_ex,
     inner: QueuePair,
     caps: QpCaps,
     sq_sig_all: bool,
@@ -78,7 +84,7 @@ impl VrdmaQp {
         &self.qp_ex.qp_base
     }
 
-    pub(crate) fn staged(&self) -> Option<&Mutex<Staged>> {
+    fn staged(&self) -> Option<&Mutex<Staged>> {
         self.staged.as_ref()
     }
 
@@ -87,7 +93,7 @@ impl VrdmaQp {
     ///
     /// # Safety
     /// `ud`'s AH must be NULL or one of this library's, alive while the request is.
-    pub(crate) unsafe fn send_wr<'p>(
+    unsafe fn send_wr<'p>(
         &self,
         wr_id: u64,
         op: SendOp,
@@ -117,7 +123,7 @@ impl VrdmaQp {
         })
     }
 
-    pub(crate) fn inner(&self) -> &QueuePair {
+    fn inner(&self) -> &QueuePair {
         &self.inner
     }
 }

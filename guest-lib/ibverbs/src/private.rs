@@ -18,7 +18,7 @@ macro_rules! refuse_with_errno {
     ($($name:ident),* $(,)?) => {$(
         #[no_mangle]
         unsafe extern "C" fn $name() -> c_int {
-            crate::abi::set_errno(libc::EOPNOTSUPP);
+            crate::errno::set_errno(libc::EOPNOTSUPP);
             libc::EOPNOTSUPP
         }
     )*};
@@ -28,7 +28,7 @@ macro_rules! refuse_with_null {
     ($($name:ident),* $(,)?) => {$(
         #[no_mangle]
         unsafe extern "C" fn $name() -> P {
-            crate::abi::set_errno(libc::EOPNOTSUPP);
+            crate::errno::set_errno(libc::EOPNOTSUPP);
             ptr::null_mut()
         }
     )*};

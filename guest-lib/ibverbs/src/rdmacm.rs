@@ -33,8 +33,9 @@ use vrdma_guest::cm::{event, port_space};
 use vrdma_guest::{CmEvent, CmId, ConnParam, QpState};
 use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
-use crate::abi::{context_of, raise_errno, report_once, set_errno};
-use crate::events::{EventQueue, Lingering, ObjectKind};
+use crate::context::context_of;
+use crate::errno::{raise_errno, report_once, set_errno};
+use crate::events::{CmChannel, Lingering, ObjectKind};
 use crate::objects;
 
 /// `rdma_getaddrinfo` flags.
@@ -47,9 +48,6 @@ const EP_TIMEOUT_MS: c_int = 2000;
 /// How long a destroyed listener still listens on the device for a bind in this process to
 /// take it over (see `vrdma_rdmacm_rdma_destroy_id`).
 const LISTEN_LINGER: Duration = Duration::from_secs(2);
-
-/// A channel: the ids with events waiting, by handle.
-pub(crate) type CmChannel = EventQueue<u32>;
 
 #[repr(C)]
 struct VrdmaEventChannel {
@@ -179,7 +177,7 @@ fn io_errno(error: &vrdma_guest::Error) -> c_int {
 fn cm_context() -> Option<*mut ibv_context> {
     static CURRENT: std::sync::Mutex<Option<usize>> = std::sync::Mutex::new(None);
     let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
-    let (still_open, oldest) = crate::abi::open_context(current.map(|c| c as *mut ibv_context));
+    let (still_open, oldest) = crate::context::open_context(current.map(|c| c as *mut ibv_context));
     if still_open {
         return current.map(|c| c as *mut ibv_context);
     }

@@ -6,7 +6,7 @@
 use std::os::raw::{c_int, c_void};
 use std::ptr;
 
-use crate::abi::{report_once, set_errno};
+use crate::errno::{report_once, set_errno};
 
 fn refuse(verb: &'static str) {
     report_once(verb, &format!("{verb} is not served by vrdma yet"));

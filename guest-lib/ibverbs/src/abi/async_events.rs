@@ -3,7 +3,8 @@ use std::os::raw::c_int;
 
 use rdma_sys::{ibv_async_event, ibv_context};
 
-use super::{context_of, set_errno};
+use crate::context::context_of;
+use crate::errno::set_errno;
 use crate::events::Element;
 
 // ---- asynchronous events -----------------------------------------------------------------

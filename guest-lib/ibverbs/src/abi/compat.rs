@@ -4,7 +4,7 @@ use std::os::raw::{c_char, c_int, c_void};
 
 use rdma_sys::IBV_FORK_UNNEEDED;
 
-use super::set_errno;
+use crate::errno::set_errno;
 use crate::{strings, translate};
 
 // ---- fork support ------------------------------------------------------------------------

@@ -9,9 +9,10 @@ use rdma_sys::{ibv_context, ibv_device, verbs_context};
 use vrdma_guest::Device;
 
 use super::queries::{query_device_ex, query_port_extended};
-use super::{report_setup, set_errno, VrdmaContext};
 use crate::attr::{self};
 use crate::config::{self, DeviceTarget, DEVICE_NAME};
+use crate::context::{free_context, make_context};
+use crate::errno::{report_setup, set_errno};
 use crate::events::{AsyncEvents, Dispatcher};
 use crate::objects;
 
@@ -219,30 +220,7 @@ pub(crate) unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut
     // __VERBS_ABI_IS_EXTENDED: tells verbs.h's inline functions that `verbs` surrounds the
     // context.
     verbs.context.abi_compat = usize::MAX as *mut c_void;
-    let context = Box::into_raw(Box::new(VrdmaContext {
-        verbs,
-        device: opened,
-        dispatcher: Mutex::new(dispatcher),
-        async_events,
-    }));
-    // SAFETY: `context` is a valid, uniquely owned allocation until ibv_close_device.
-    let opened = unsafe { ptr::addr_of_mut!((*context).verbs.context) };
-    open_contexts().push(opened as usize);
-    opened
-}
-
-/// The contexts open in the process, oldest first, by address: connection management uses
-/// the program's own (a backend serves a process one connection).
-fn open_contexts() -> std::sync::MutexGuard<'static, Vec<usize>> {
-    static OPEN: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-    OPEN.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Whether `context` is open, and the oldest open context.
-pub(crate) fn open_context(context: Option<*mut ibv_context>) -> (bool, Option<*mut ibv_context>) {
-    let open = open_contexts();
-    let is_open = context.is_some_and(|c| open.contains(&(c as usize)));
-    (is_open, open.first().map(|&c| c as *mut ibv_context))
+    make_context(verbs, opened, dispatcher, async_events)
 }
 
 #[no_mangle]
@@ -250,13 +228,8 @@ unsafe extern "C" fn ibv_close_device(context: *mut ibv_context) -> c_int {
     if context.is_null() {
         return libc::EINVAL;
     }
-    open_contexts().retain(|&c| c != context as usize);
-    // SAFETY: per libibverbs' contract `context` came from ibv_open_device and is closed
-    // once; the VrdmaContext it sits in was made by Box::new there.
-    let owned = unsafe {
-        let offset = std::mem::offset_of!(verbs_context, context);
-        Box::from_raw(context.cast::<u8>().sub(offset).cast::<VrdmaContext>())
-    };
-    drop(owned); // guest-lib closes the device; the eventfd closes
+    // SAFETY: per libibverbs' contract `context` came from ibv_open_device, which
+    // make_context made, and is closed once.
+    unsafe { free_context(context) };
     0
 }

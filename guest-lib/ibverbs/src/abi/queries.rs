@@ -4,8 +4,9 @@ use std::ptr;
 
 use rdma_sys::{ibv_context, ibv_device_attr, ibv_gid, ibv_gid_entry, ibv_port_attr};
 
-use super::{context_of, raise_errno, set_errno, VrdmaContext};
 use crate::attr::{self, COMPAT_PORT_ATTR_LEN};
+use crate::context::{context_of, VrdmaContext};
+use crate::errno::{raise_errno, set_errno};
 
 // ---- queries -----------------------------------------------------------------------------
 

@@ -10,11 +10,11 @@ use std::sync::Mutex;
 use rdma_sys::{ibv_ah, ibv_data_buf, ibv_qp_create_send_ops_flags as Ops, ibv_qp_ex, ibv_sge};
 use vrdma_guest::{Payload, SendOp, Sge};
 
-use crate::abi::raise_errno;
-use crate::objects::VrdmaQp;
+use super::VrdmaQp;
+use crate::errno::raise_errno;
 
 /// `enum ibv_qp_create_send_ops_flags` this library serves.
-pub(crate) const SERVED_SEND_OPS: u64 = Ops::IBV_QP_EX_WITH_RDMA_WRITE.0 as u64
+pub(super) const SERVED_SEND_OPS: u64 = Ops::IBV_QP_EX_WITH_RDMA_WRITE.0 as u64
     | Ops::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0 as u64
     | Ops::IBV_QP_EX_WITH_SEND.0 as u64
     | Ops::IBV_QP_EX_WITH_SEND_WITH_IMM.0 as u64
@@ -38,7 +38,7 @@ struct StagedWr {
 }
 
 /// Work requests between `ibv_wr_start` and `ibv_wr_complete`.
-pub(crate) struct Staged {
+pub(super) struct Staged {
     wrs: Vec<StagedWr>,
     sges: Vec<Sge>,
     inline: Vec<u8>,
@@ -48,7 +48,7 @@ pub(crate) struct Staged {
 }
 
 impl Staged {
-    pub(crate) fn new(depth: u32, max_sge: u32, max_inline: u32) -> Mutex<Staged> {
+    pub(super) fn new(depth: u32, max_sge: u32, max_inline: u32) -> Mutex<Staged> {
         let depth = depth as usize;
         Mutex::new(Staged {
             wrs: Vec::with_capacity(depth),
@@ -75,7 +75,7 @@ impl Staged {
 }
 
 /// Installs the served `wr_*` entry points in `qp_ex`.
-pub(crate) fn install(qp_ex: &mut ibv_qp_ex) {
+pub(super) fn install(qp_ex: &mut ibv_qp_ex) {
     qp_ex.wr_start = Some(wr_start);
     qp_ex.wr_complete = Some(wr_complete);
     qp_ex.wr_abort = Some(wr_abort);
