@@ -260,10 +260,11 @@ fn ucmatose_and_udaddy_run_unmodified_on_vrdma() {
 /// and UD with the peer's address vector from the connection manager.
 #[test]
 fn rping_ucmatose_and_udaddy_run_guest_to_guest_on_the_loopback_host() {
-    if !on_loopback() {
-        eprintln!("on {}: ucmatose_and_udaddy_run_unmodified_on_vrdma and rping_runs_unmodified_on_vrdma cover it", test_device_name());
-        return;
-    }
+    assert!(
+        on_loopback(),
+        "a test of the loopback host, not of {} (ucmatose_and_udaddy_run_unmodified_on_vrdma and rping_runs_unmodified_on_vrdma cover it)",
+        test_device_name()
+    );
     let a = loopback_guest("192.168.77.81");
     let b = loopback_guest("192.168.77.82");
     rping(On::Vrdma(&a), On::Vrdma(&b), 7531);
@@ -277,10 +278,11 @@ fn rping_ucmatose_and_udaddy_run_guest_to_guest_on_the_loopback_host() {
 /// `cargo test`.
 #[test]
 fn synchronous_endpoints_own_qps_the_guest_service_and_perftest_connect_on_the_loopback_host() {
-    if !on_loopback() {
-        eprintln!("on {}: the rxe tests of each cover it", test_device_name());
-        return;
-    }
+    assert!(
+        on_loopback(),
+        "a test of the loopback host, not of {} (the rxe tests of each cover it)",
+        test_device_name()
+    );
     let a = loopback_guest("192.168.77.83");
     let b = loopback_guest("192.168.77.84");
     rdma_server_client(On::Vrdma(&a), On::Vrdma(&b), 7541);
@@ -591,13 +593,11 @@ fn child_running(parent: u32, program: &str) -> Option<i32> {
 /// disconnect and ends.
 #[test]
 fn a_guest_killed_mid_connection_on_the_loopback_host_leaves_nothing_and_its_peer_sees_it() {
-    if !on_loopback() {
-        eprintln!(
-            "on {}: a_guest_killed_mid_connection_leaves_nothing_and_its_peer_sees_the_disconnect covers it",
-            test_device_name()
-        );
-        return;
-    }
+    assert!(
+        on_loopback(),
+        "a test of the loopback host, not of {} (a_guest_killed_mid_connection_leaves_nothing_and_its_peer_sees_the_disconnect covers it)",
+        test_device_name()
+    );
     let a = loopback_guest("192.168.77.85");
     let b = loopback_guest("192.168.77.86");
     let counts = || {
