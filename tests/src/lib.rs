@@ -936,3 +936,38 @@ pub fn response_status(response: &[u8]) -> u16 {
     assert!(response.len() >= 8, "no response header: {response:?}");
     u16::from_le_bytes([response[0], response[1]])
 }
+
+/// How long a test waits for a CM event.
+const CM_EVENT_WAIT: Duration = Duration::from_secs(20);
+
+/// The next CM event of `id`, waiting for the device to announce one.
+pub fn next_cm_event(device: &vrdma_guest::Device, id: &vrdma_guest::CmId) -> vrdma_guest::CmEvent {
+    let deadline = Instant::now() + CM_EVENT_WAIT;
+    loop {
+        if let Some(event) = id.get_event().expect("CM_GET_EVENT") {
+            return event;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "no CM event on id {:#x}", id.handle());
+        // Any device event ends the wait; only the id's own CM event is awaited.
+        let _ = device.wait_event(left).expect("wait for a device event");
+    }
+}
+
+/// The next CM event of `id`, which must be `wanted` (a `vrdma_guest::cm::event` value).
+pub fn expect_cm_event(
+    device: &vrdma_guest::Device,
+    id: &vrdma_guest::CmId,
+    wanted: u32,
+) -> vrdma_guest::CmEvent {
+    let got = next_cm_event(device, id);
+    assert_eq!(
+        got.event,
+        wanted,
+        "{} (status {}) where {} was due",
+        got.name(),
+        got.status,
+        vrdma_guest::cm::event::name(wanted)
+    );
+    got
+}

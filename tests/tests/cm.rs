@@ -20,14 +20,13 @@ use vrdma_guest::spec::cm::{
 use vrdma_guest::spec::ctrl::HandleRequest;
 use vrdma_guest::spec::Le32;
 use vrdma_guest::{
-    access, wc_opcode, CmEvent, CmId, CompletionQueue, ConnParam, Device, DeviceEvent,
-    MemoryRegion, Payload, QpState, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedBuffer,
-    Status,
+    access, wc_opcode, CmEvent, CmId, CompletionQueue, ConnParam, Device, MemoryRegion, Payload,
+    QpState, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge, SharedBuffer, Status,
 };
 use vrdma_tests::{
-    control_request, host_resource_counts, response_status, spawn_backend_process,
-    start_backend_for_guest, test_device_name, wait_for_guest_completions, wait_for_host_counts,
-    BackendProcess,
+    control_request, expect_cm_event, host_resource_counts, next_cm_event, response_status,
+    spawn_backend_process, start_backend_for_guest, test_device_name, wait_for_guest_completions,
+    wait_for_host_counts, BackendProcess,
 };
 
 const HOST: &str = "192.168.77.1";
@@ -84,35 +83,6 @@ fn nobody_listens(own: &str, port: u16) -> SocketAddrV4 {
 
 fn open(socket: &std::path::Path) -> Device {
     Device::open(socket.to_str().unwrap()).expect("open the device")
-}
-
-/// The next CM event of `id`, waiting for the device to announce one.
-fn next_event(device: &Device, id: &CmId) -> CmEvent {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(event) = id.get_event().expect("CM_GET_EVENT") {
-            return event;
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        assert!(!left.is_zero(), "no CM event on id {:#x}", id.handle());
-        match device.wait_event(left).expect("wait for a device event") {
-            Some(DeviceEvent::CmEvent(handle)) if handle == id.handle() => {}
-            _ => {}
-        }
-    }
-}
-
-fn expect_event(device: &Device, id: &CmId, wanted: u32) -> CmEvent {
-    let got = next_event(device, id);
-    assert_eq!(
-        got.event,
-        wanted,
-        "{} (status {}) where {} was due",
-        got.name(),
-        got.status,
-        event::name(wanted)
-    );
-    got
 }
 
 /// An RC QP with one CQ and a buffer of two messages: receive at 0, send from MESSAGE.
@@ -221,7 +191,7 @@ fn connect_with_retries(device: &Device, endpoint: &Endpoint, server: SocketAddr
     let deadline = Instant::now() + WAIT;
     loop {
         let id = request(device, endpoint, server);
-        let answer = next_event(device, &id);
+        let answer = next_cm_event(device, &id);
         if answer.event == event::CONNECT_RESPONSE {
             return id;
         }
@@ -270,7 +240,7 @@ fn a_guest_connects_to_rdma_server_and_accepts_rdma_client() {
         assert_eq!(info.dst.to_ipv4().map(|a| a.port()), Some(7471));
         endpoint.send(b"guest to server.");
         endpoint.wait_both();
-        expect_event(&device, &id, event::DISCONNECTED);
+        expect_cm_event(&device, &id, event::DISCONNECTED);
         // The answer the peer waits for (librdmacm programs disconnect in turn).
         id.disconnect().expect("answer the peer's disconnect");
         finished(server, "rdma_server");
@@ -283,7 +253,7 @@ fn a_guest_connects_to_rdma_server_and_accepts_rdma_client() {
             .expect("bind the guest's own address");
         listener.listen(4).unwrap();
         let client = native("rdma_client", &["-s", "192.168.77.61", "-p", "7472"]);
-        let request = expect_event(&device, &listener, event::CONNECT_REQUEST);
+        let request = expect_cm_event(&device, &listener, event::CONNECT_REQUEST);
         let id = request.new_id.expect("the request's id");
         let endpoint = Endpoint::new(&device);
         id.move_qp(&endpoint.qp, QpState::Init).expect("INIT");
@@ -291,11 +261,11 @@ fn a_guest_connects_to_rdma_server_and_accepts_rdma_client() {
         id.move_qp(&endpoint.qp, QpState::Rtr).expect("RTR");
         id.move_qp(&endpoint.qp, QpState::Rts).expect("RTS");
         id.accept(&endpoint.qp, &param()).expect("CM_ACCEPT");
-        expect_event(&device, &id, event::ESTABLISHED);
+        expect_cm_event(&device, &id, event::ESTABLISHED);
         endpoint.wait(wc_opcode::RECV);
         endpoint.send(b"guest to client.");
         endpoint.wait(wc_opcode::SEND);
-        expect_event(&device, &id, event::DISCONNECTED);
+        expect_cm_event(&device, &id, event::DISCONNECTED);
         id.disconnect().expect("answer the peer's disconnect");
         finished(client, "rdma_client");
     }
@@ -350,9 +320,9 @@ fn request(device: &Device, endpoint: &Endpoint, server: SocketAddrV4) -> CmId {
     let id = device.create_cm_id(port_space::TCP).unwrap();
     id.resolve_addr(None, server, Duration::from_secs(2))
         .unwrap();
-    expect_event(device, &id, event::ADDR_RESOLVED);
+    expect_cm_event(device, &id, event::ADDR_RESOLVED);
     id.resolve_route(Duration::from_secs(2)).unwrap();
-    expect_event(device, &id, event::ROUTE_RESOLVED);
+    expect_cm_event(device, &id, event::ROUTE_RESOLVED);
     id.move_qp(&endpoint.qp, QpState::Init)
         .expect("the CM's INIT attributes");
     endpoint.post_recv();
@@ -371,7 +341,7 @@ fn guests_on_one_port_get_only_their_own_requests_and_a_flood_past_the_backlog_i
     // C connects to A, vrdma to vrdma on one host: only A hears of it.
     let c_endpoint = Endpoint::new(&c);
     let c_id = request(&c, &c_endpoint, "192.168.77.63:7480".parse().unwrap());
-    let asked = expect_event(&a, &a_listener, event::CONNECT_REQUEST);
+    let asked = expect_cm_event(&a, &a_listener, event::CONNECT_REQUEST);
     let a_id = asked.new_id.expect("the request's id");
     let a_endpoint = Endpoint::new(&a);
     a_id.move_qp(&a_endpoint.qp, QpState::Init).unwrap();
@@ -379,11 +349,11 @@ fn guests_on_one_port_get_only_their_own_requests_and_a_flood_past_the_backlog_i
     a_id.move_qp(&a_endpoint.qp, QpState::Rtr).unwrap();
     a_id.move_qp(&a_endpoint.qp, QpState::Rts).unwrap();
     a_id.accept(&a_endpoint.qp, &param()).unwrap();
-    expect_event(&c, &c_id, event::CONNECT_RESPONSE);
+    expect_cm_event(&c, &c_id, event::CONNECT_RESPONSE);
     c_id.move_qp(&c_endpoint.qp, QpState::Rtr).unwrap();
     c_id.move_qp(&c_endpoint.qp, QpState::Rts).unwrap();
     c_id.establish().unwrap();
-    expect_event(&a, &a_id, event::ESTABLISHED);
+    expect_cm_event(&a, &a_id, event::ESTABLISHED);
     c_endpoint.send(b"from c, to a....");
     c_endpoint.wait(wc_opcode::SEND);
     a_endpoint.wait(wc_opcode::RECV);
@@ -396,9 +366,9 @@ fn guests_on_one_port_get_only_their_own_requests_and_a_flood_past_the_backlog_i
     );
     // Disconnecting from either side is seen on the other.
     c_id.disconnect().unwrap();
-    expect_event(&a, &a_id, event::DISCONNECTED);
+    expect_cm_event(&a, &a_id, event::DISCONNECTED);
     a_id.disconnect().unwrap();
-    expect_event(&c, &c_id, event::DISCONNECTED);
+    expect_cm_event(&c, &c_id, event::DISCONNECTED);
     // A flood at B, which takes none of its requests: its backlog of 2 waits, the rest are
     // rejected by the device, and B holds no more ids than that.
     let flood: Vec<(Endpoint, CmId)> = (0..5)
@@ -437,7 +407,7 @@ fn guests_on_one_port_get_only_their_own_requests_and_a_flood_past_the_backlog_i
     }
     for ((_, id), answer) in flood.iter().zip(answers.iter_mut()) {
         if answer.is_none() {
-            *answer = Some(next_event(&c, id));
+            *answer = Some(next_cm_event(&c, id));
         }
     }
     assert_eq!(rejected(&answers), 5, "{answers:?}");
@@ -594,10 +564,10 @@ impl Matrix {
     fn resolved(&self, to: SocketAddrV4, route: bool) -> CmId {
         let id = self.a.create_cm_id(port_space::TCP).unwrap();
         id.resolve_addr(None, to, Duration::from_secs(2)).unwrap();
-        expect_event(&self.a, &id, event::ADDR_RESOLVED);
+        expect_cm_event(&self.a, &id, event::ADDR_RESOLVED);
         if route {
             id.resolve_route(Duration::from_secs(2)).unwrap();
-            expect_event(&self.a, &id, event::ROUTE_RESOLVED);
+            expect_cm_event(&self.a, &id, event::ROUTE_RESOLVED);
         }
         id
     }
@@ -614,7 +584,7 @@ impl Matrix {
 
     /// P takes the request waiting on its accepting listener and accepts it.
     fn p_accepts(&mut self) {
-        let request = expect_event(&self.p, &self.accepting, event::CONNECT_REQUEST);
+        let request = expect_cm_event(&self.p, &self.accepting, event::CONNECT_REQUEST);
         let id = request.new_id.expect("the request's id");
         let endpoint = Endpoint::new(&self.p);
         id.move_qp(&endpoint.qp, QpState::Init).unwrap();
@@ -657,7 +627,7 @@ impl Matrix {
             IdState::ConnectResponse => {
                 let id = self.connecting(peer(ACCEPTING_PORT));
                 self.p_accepts();
-                expect_event(&self.a, &id, event::CONNECT_RESPONSE);
+                expect_cm_event(&self.a, &id, event::CONNECT_RESPONSE);
                 id
             }
             IdState::Connected => {
@@ -667,18 +637,18 @@ impl Matrix {
                 id.move_qp(qp, QpState::Rts).unwrap();
                 id.establish().unwrap();
                 let (p_id, _) = self.accepted.last().unwrap();
-                expect_event(&self.p, p_id, event::ESTABLISHED);
+                expect_cm_event(&self.p, p_id, event::ESTABLISHED);
                 id
             }
             IdState::Disconnected => {
                 let id = self.id_in(IdState::Connected);
                 self.accepted.last().unwrap().0.disconnect().unwrap();
-                expect_event(&self.a, &id, event::DISCONNECTED);
+                expect_cm_event(&self.a, &id, event::DISCONNECTED);
                 id
             }
             IdState::Failed => {
                 let id = self.connecting(peer(CLOSED_PORT));
-                expect_event(&self.a, &id, event::REJECTED);
+                expect_cm_event(&self.a, &id, event::REJECTED);
                 id
             }
             IdState::Requested => {
@@ -694,13 +664,13 @@ impl Matrix {
                 let p_id = self.p.create_cm_id(port_space::TCP).unwrap();
                 let to = SocketAddrV4::new(A_ADDRESS.parse().unwrap(), A_LISTEN_PORT);
                 p_id.resolve_addr(None, to, Duration::from_secs(2)).unwrap();
-                expect_event(&self.p, &p_id, event::ADDR_RESOLVED);
+                expect_cm_event(&self.p, &p_id, event::ADDR_RESOLVED);
                 p_id.resolve_route(Duration::from_secs(2)).unwrap();
-                expect_event(&self.p, &p_id, event::ROUTE_RESOLVED);
+                expect_cm_event(&self.p, &p_id, event::ROUTE_RESOLVED);
                 let p_endpoint = Endpoint::new(&self.p);
                 p_id.move_qp(&p_endpoint.qp, QpState::Init).unwrap();
                 p_id.connect(&p_endpoint.qp, &param()).unwrap();
-                let request = expect_event(&self.a, &listener, event::CONNECT_REQUEST);
+                let request = expect_cm_event(&self.a, &listener, event::CONNECT_REQUEST);
                 self.accepted.push((p_id, p_endpoint));
                 // The listener goes; the request's id is A's to keep.
                 drop(listener);
@@ -715,7 +685,7 @@ impl Matrix {
                 id.accept(&endpoint.qp, &param()).unwrap();
                 // P hears CONNECT_RESPONSE and does not establish: A stays accepted.
                 let (p_id, _) = self.accepted.last().unwrap();
-                expect_event(&self.p, p_id, event::CONNECT_RESPONSE);
+                expect_cm_event(&self.p, p_id, event::CONNECT_RESPONSE);
                 self.kept.push(endpoint);
                 id
             }
@@ -846,9 +816,9 @@ fn commands_out_of_order_are_refused_before_the_host_and_the_backend_lives() {
     let id = device.create_cm_id(port_space::TCP).unwrap();
     id.resolve_addr(None, nobody_listens("192.168.77.68", 7606), WAIT)
         .unwrap();
-    expect_event(&device, &id, event::ADDR_RESOLVED);
+    expect_cm_event(&device, &id, event::ADDR_RESOLVED);
     id.resolve_route(WAIT).unwrap();
-    expect_event(&device, &id, event::ROUTE_RESOLVED);
+    expect_cm_event(&device, &id, event::ROUTE_RESOLVED);
     id.move_qp(&endpoint.qp, QpState::Init).unwrap();
     let too_long = ConnParam {
         private_data: vec![7; vrdma_guest::spec::cm::private_data_limit::CONNECT_TCP + 1],
@@ -866,6 +836,6 @@ fn commands_out_of_order_are_refused_before_the_host_and_the_backend_lives() {
     }
     // Refused, so nothing changed: the id still connects (nobody listens: REJECTED).
     id.connect(&endpoint.qp, &param()).unwrap();
-    expect_event(&device, &id, event::REJECTED);
+    expect_cm_event(&device, &id, event::REJECTED);
     assert!(backend.lives(), "the backend died");
 }

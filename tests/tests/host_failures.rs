@@ -348,3 +348,94 @@ fn a_guest_whose_gid_the_host_reassigned_is_told_it_is_gone() {
         answer => panic!("the guest's GID {gid:?} was replaced; QUERY_GID answered {answer:?}"),
     }
 }
+
+/// Every librdmacm call a CM command makes fails once on the loopback host: the guest gets
+/// HOST_ERROR with the errno, the id stays where it was (the same command then works), and
+/// when the guests go no id is left on the host.
+#[test]
+fn every_host_refusal_of_a_cm_command_reaches_the_guest_and_leaves_no_id() {
+    use std::net::SocketAddrV4;
+    use vrdma_guest::cm::{event, port_space};
+    use vrdma_guest::ConnParam;
+    use vrdma_tests::{expect_cm_event, start_backend_for_guest};
+
+    let (server_backend, client_backend) = (
+        start_backend_for_guest("10.77.0.1/24"),
+        start_backend_for_guest("10.77.0.2/24"),
+    );
+    let baseline = host_resource_counts();
+    {
+        let server = Device::attach(&server_backend.socket).unwrap();
+        let client = Device::attach(&client_backend.socket).unwrap();
+        let param = ConnParam {
+            responder_resources: 1,
+            initiator_depth: 1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            ..ConnParam::default()
+        };
+        let rc_qp = |device: &Device| {
+            let pd = device.alloc_pd().unwrap();
+            let cq = device.create_cq(16).unwrap();
+            let qp = QueuePair::builder(QpType::Rc, &cq).build(&pd).unwrap();
+            (pd, cq, qp)
+        };
+        let host_error = |verb, command: &mut dyn FnMut() -> Result<(), Error>| {
+            refused_once(verb, libc::EIO, Status::HostError, &mut *command);
+            command().unwrap_or_else(|e| panic!("{verb} once the failure fired: {e}"));
+        };
+
+        let listener = server.create_cm_id(port_space::TCP).unwrap();
+        refused_once(Verb::CmCreateId, libc::EIO, Status::HostError, || {
+            server.create_cm_id(port_space::TCP)
+        });
+        let address: SocketAddrV4 = "10.77.0.1:7600".parse().unwrap();
+        host_error(Verb::CmBind, &mut || listener.bind(address).map(drop));
+        host_error(Verb::CmListen, &mut || listener.listen(4));
+
+        let id = client.create_cm_id(port_space::TCP).unwrap();
+        let wait = Duration::from_secs(2);
+        host_error(Verb::CmResolveAddr, &mut || {
+            id.resolve_addr(None, address, wait)
+        });
+        expect_cm_event(&client, &id, event::ADDR_RESOLVED);
+        host_error(Verb::CmResolveRoute, &mut || id.resolve_route(wait));
+        expect_cm_event(&client, &id, event::ROUTE_RESOLVED);
+        let (_client_pd, _client_cq, client_qp) = rc_qp(&client);
+        host_error(Verb::CmInitQpAttr, &mut || {
+            id.move_qp(&client_qp, QpState::Init)
+        });
+        host_error(Verb::CmConnect, &mut || id.connect(&client_qp, &param));
+
+        let request = expect_cm_event(&server, &listener, event::CONNECT_REQUEST);
+        let accepted = request.new_id.expect("the request's id");
+        let (_server_pd, _server_cq, server_qp) = rc_qp(&server);
+        for state in [QpState::Init, QpState::Rtr, QpState::Rts] {
+            accepted.move_qp(&server_qp, state).unwrap();
+        }
+        host_error(Verb::CmAccept, &mut || accepted.accept(&server_qp, &param));
+        expect_cm_event(&client, &id, event::CONNECT_RESPONSE);
+        for state in [QpState::Rtr, QpState::Rts] {
+            id.move_qp(&client_qp, state).unwrap();
+        }
+        host_error(Verb::CmEstablish, &mut || id.establish());
+        expect_cm_event(&server, &accepted, event::ESTABLISHED);
+        host_error(Verb::CmDisconnect, &mut || id.disconnect());
+        expect_cm_event(&server, &accepted, event::DISCONNECTED);
+
+        // A second request, which the server turns down.
+        let second = client.create_cm_id(port_space::TCP).unwrap();
+        second.resolve_addr(None, address, wait).unwrap();
+        expect_cm_event(&client, &second, event::ADDR_RESOLVED);
+        second.resolve_route(wait).unwrap();
+        expect_cm_event(&client, &second, event::ROUTE_RESOLVED);
+        let (_pd, _cq, second_qp) = rc_qp(&client);
+        second.move_qp(&second_qp, QpState::Init).unwrap();
+        second.connect(&second_qp, &param).unwrap();
+        let request = expect_cm_event(&server, &listener, event::CONNECT_REQUEST);
+        let turned_down = request.new_id.expect("the request's id");
+        host_error(Verb::CmReject, &mut || turned_down.reject(b"not now"));
+        expect_cm_event(&client, &second, event::REJECTED);
+    }
+    wait_for_host_counts(&baseline);
+}

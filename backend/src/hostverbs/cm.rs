@@ -138,7 +138,7 @@ impl CmChannel {
         let channel = match &self.raw {
             Raw::Verbs(channel) => *channel,
             Raw::Loopback(channel) => {
-                let id = channel.create_id(space == PortSpace::Udp, key);
+                let id = channel.create_id(space == PortSpace::Udp, key)?;
                 return Ok(CmId {
                     raw: Raw::Loopback(id),
                     _channel: Arc::clone(self),

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, Weak};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_spec::cm::{cm_event, ConnParam};
 
-use super::{errno, gid, lock, MTU_4096, REMOTE_ATOMIC, REMOTE_READ, REMOTE_WRITE};
+use super::{errno, gid, lock, Device, Verb, MTU_4096, REMOTE_ATOMIC, REMOTE_READ, REMOTE_WRITE};
 use crate::hostverbs::cm::CmIdInfo;
 use crate::hostverbs::{qp_attr_mask as mask, AhAttr, Error, Gid, QpAttr, QpState, Result};
 
@@ -156,6 +156,12 @@ impl ConnectionManager {
         }
     }
 
+    /// Fails a call of `verb` when a failure armed on the device falls on it
+    /// ([`Device::fail`]).
+    fn refuse(&self, verb: Verb) -> Result<()> {
+        Device::named(&self.name).state().refuse(verb)
+    }
+
     /// Ids alive, those of requests nobody took included (what tests check for leaks).
     pub fn id_count(&self) -> usize {
         lock(&self.state).slots.len()
@@ -202,7 +208,7 @@ impl Channel {
             call: "eventfd",
             source,
         })?;
-        let manager = &super::Device::named(device).cm;
+        let manager = &Device::named(device).cm;
         *lock(&manager.state).addresses.entry(own).or_default() += 1;
         Ok(Arc::new(Channel {
             manager,
@@ -217,16 +223,17 @@ impl Channel {
     }
 
     /// A new id on this channel, keyed `key`, UD if `udp` (else RC).
-    pub fn create_id(self: &Arc<Self>, udp: bool, key: u64) -> Id {
+    pub fn create_id(self: &Arc<Self>, udp: bool, key: u64) -> Result<Id> {
+        self.manager.refuse(Verb::CmCreateId)?;
         let mut state = lock(&self.manager.state);
         state.next_slot += 1;
         let number = state.next_slot;
         state.slots.insert(number, Slot::new(self, udp, key));
-        Id {
+        Ok(Id {
             manager: self.manager,
             number,
             _channel: Arc::clone(self),
-        }
+        })
     }
 
     fn push(&self, pending: Pending) {

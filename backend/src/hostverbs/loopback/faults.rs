@@ -27,11 +27,22 @@ pub enum Verb {
     PostRecv,
     /// Counted by work request, as [`Verb::PostSend`].
     PostSrqRecv,
+    CmCreateId,
+    CmBind,
+    CmResolveAddr,
+    CmResolveRoute,
+    CmListen,
+    CmConnect,
+    CmAccept,
+    CmReject,
+    CmEstablish,
+    CmDisconnect,
+    CmInitQpAttr,
 }
 
 impl Verb {
-    /// The libibverbs call the verb stands for, as errors name it.
-    pub fn call(self) -> &'static str {
+    /// The libibverbs (or librdmacm) call the verb stands for, as errors name it.
+    pub const fn call(self) -> &'static str {
         match self {
             Verb::QueryPort => "ibv_query_port",
             Verb::QueryGid => "ibv_query_gid_ex",
@@ -47,6 +58,17 @@ impl Verb {
             Verb::PostSend => "ibv_post_send",
             Verb::PostRecv => "ibv_post_recv",
             Verb::PostSrqRecv => "ibv_post_srq_recv",
+            Verb::CmCreateId => "rdma_create_id",
+            Verb::CmBind => "rdma_bind_addr",
+            Verb::CmResolveAddr => "rdma_resolve_addr",
+            Verb::CmResolveRoute => "rdma_resolve_route",
+            Verb::CmListen => "rdma_listen",
+            Verb::CmConnect => "rdma_connect",
+            Verb::CmAccept => "rdma_accept",
+            Verb::CmReject => "rdma_reject",
+            Verb::CmEstablish => "rdma_establish",
+            Verb::CmDisconnect => "rdma_disconnect",
+            Verb::CmInitQpAttr => "rdma_init_qp_attr",
         }
     }
 }

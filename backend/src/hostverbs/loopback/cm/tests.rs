@@ -46,7 +46,7 @@ fn readable(channel: &Channel) -> bool {
 
 /// An id of `channel` resolved to `to`, its route too.
 fn routed(channel: &Arc<Channel>, from: &str, to: &str, key: u64) -> Id {
-    let id = channel.create_id(false, key);
+    let id = channel.create_id(false, key).unwrap();
     id.resolve_addr(address(&format!("{from}:0")), address(to))
         .unwrap();
     id.resolve_route().unwrap();
@@ -58,7 +58,7 @@ fn routed(channel: &Arc<Channel>, from: &str, to: &str, key: u64) -> Id {
 }
 
 fn listener(channel: &Arc<Channel>, at: &str, backlog: u32, key: u64) -> Id {
-    let id = channel.create_id(false, key);
+    let id = channel.create_id(false, key).unwrap();
     id.bind(address(at)).unwrap();
     id.listen(backlog).unwrap();
     id
@@ -75,7 +75,7 @@ fn errno_of(error: Error) -> i32 {
 fn only_an_address_a_guest_of_the_device_holds_resolves_and_binds() {
     let name = device("addresses");
     let a = Channel::open(&name, "10.1.0.1".parse().unwrap()).unwrap();
-    let id = a.create_id(false, 1);
+    let id = a.create_id(false, 1).unwrap();
     // Nobody holds 10.1.0.2: ADDR_ERROR, and the id stays bound to resolve again.
     id.resolve_addr(address("10.1.0.1:0"), address("10.1.0.2:7000"))
         .unwrap();
@@ -97,7 +97,7 @@ fn only_an_address_a_guest_of_the_device_holds_resolves_and_binds() {
     assert_eq!(info.dst, Some(address("10.1.0.2:7000")));
     assert_eq!(info.device.as_deref(), Some(name.as_str()));
     // Binding an address nobody holds, or a port another id has.
-    let stray = b.create_id(false, 2);
+    let stray = b.create_id(false, 2).unwrap();
     let refused = stray.bind(address("10.1.0.9:7000")).unwrap_err();
     assert_eq!(errno_of(refused), libc::EADDRNOTAVAIL);
     let _first = listener(&b, "10.1.0.2:7000", 1, 3);
@@ -119,7 +119,7 @@ fn only_an_address_a_guest_of_the_device_holds_resolves_and_binds() {
 fn commands_out_of_order_are_refused() {
     let name = device("order");
     let a = Channel::open(&name, "10.2.0.1".parse().unwrap()).unwrap();
-    let id = a.create_id(false, 1);
+    let id = a.create_id(false, 1).unwrap();
     let einval = |r: Result<()>| assert_eq!(errno_of(r.unwrap_err()), libc::EINVAL);
     einval(id.resolve_route());
     einval(id.listen(1));
@@ -286,10 +286,10 @@ fn a_ud_request_is_answered_with_the_peer_qp_and_qkey() {
     let name = device("ud");
     let server = Channel::open(&name, "10.6.0.1".parse().unwrap()).unwrap();
     let client = Channel::open(&name, "10.6.0.2".parse().unwrap()).unwrap();
-    let listening = server.create_id(true, 1);
+    let listening = server.create_id(true, 1).unwrap();
     listening.bind(address("10.6.0.1:7500")).unwrap();
     listening.listen(1).unwrap();
-    let id = client.create_id(true, 2);
+    let id = client.create_id(true, 2).unwrap();
     id.resolve_addr(address("10.6.0.2:0"), address("10.6.0.1:7500"))
         .unwrap();
     id.resolve_route().unwrap();
