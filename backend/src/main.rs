@@ -263,7 +263,11 @@ fn serve_declared(args: Args, path: &std::path::Path) -> Result<(), vrdma_backen
     // Room for every declared guest at its quotas (and as many again added at run time).
     let room = Config {
         shared_gid: true,
-        max_guests: config.max_guests.max(2 * declared.guests.len() as u32),
+        max_guests: config.max_guests.max(
+            u32::try_from(declared.guests.len())
+                .unwrap_or(u32::MAX)
+                .saturating_mul(2),
+        ),
         ..config.clone()
     };
     vrdma_backend::reserve_descriptors(&room)?;
