@@ -1,5 +1,11 @@
 //! `vhost-user-rdma`: parses the command line and starts the backend.
 
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 use std::process::ExitCode;
 
 use clap::Parser;
