@@ -200,7 +200,22 @@ fn netlink_error(operation: &'static str, errno: nix::errno::Errno) -> AddressEr
     }
 }
 
+// Netlink's constants are small `c_int`s (flags below 0x1000, AF_INET 2, NLMSG_ERROR 2): the
+// header's fields hold them.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "NLM_F_CREATE | NLM_F_EXCL is 0x600"
+)]
 const NLM_F_CREATE_EXCL: u16 = (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16;
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "NLM_F_REQUEST | NLM_F_ACK is 0x5"
+)]
+const NLM_F_REQUEST_ACK: u16 = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16;
+#[expect(clippy::cast_possible_truncation, reason = "NLMSG_ERROR is 2")]
+const NLMSG_ERROR: u16 = libc::NLMSG_ERROR as u16;
+#[expect(clippy::cast_possible_truncation, reason = "AF_INET is 2")]
+const AF_INET: u8 = libc::AF_INET as u8;
 const NLMSG_HEADER_LEN: usize = 16;
 
 /// An RTM_NEWADDR/RTM_DELADDR request for `ip` on interface `ifindex` (rtnetlink(7)), with a
@@ -215,7 +230,7 @@ fn address_request(
     let mut message = Vec::with_capacity(64);
     message.extend_from_slice(&[0; NLMSG_HEADER_LEN]);
     // struct ifaddrmsg
-    message.push(libc::AF_INET as u8);
+    message.push(AF_INET);
     message.push(ip.prefix_len);
     message.push(0); // flags
     message.push(libc::RT_SCOPE_UNIVERSE);
@@ -227,7 +242,12 @@ fn address_request(
         text.push(0);
         push_attribute(&mut message, libc::IFA_LABEL, &text);
     }
-    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16 | extra_flags;
+    let flags = NLM_F_REQUEST_ACK | extra_flags;
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "a header, an ifaddrmsg and three attributes of at most a label (label_for \
+                  keeps it to MAX_LABEL_LEN) are under 100 bytes"
+    )]
     let len = message.len() as u32;
     message[0..4].copy_from_slice(&len.to_ne_bytes());
     message[4..6].copy_from_slice(&kind.to_ne_bytes());
@@ -235,6 +255,10 @@ fn address_request(
     message
 }
 
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "data is an IPv4 address or a label of at most MAX_LABEL_LEN + 1 bytes"
+)]
 fn push_attribute(message: &mut Vec<u8>, kind: u16, data: &[u8]) {
     let len = 4 + data.len();
     message.extend_from_slice(&(len as u16).to_ne_bytes());
@@ -248,7 +272,7 @@ fn push_attribute(message: &mut Vec<u8>, kind: u16, data: &[u8]) {
 fn acknowledgement(reply: &[u8], seq: u32) -> Option<i32> {
     let field = |at: usize| reply.get(at..at + 4).map(|b| [b[0], b[1], b[2], b[3]]);
     let kind = u16::from_ne_bytes([*reply.get(4)?, *reply.get(5)?]);
-    if kind != libc::NLMSG_ERROR as u16 || u32::from_ne_bytes(field(8)?) != seq {
+    if kind != NLMSG_ERROR || u32::from_ne_bytes(field(8)?) != seq {
         return None;
     }
     Some(-i32::from_ne_bytes(field(NLMSG_HEADER_LEN)?))
@@ -294,6 +318,12 @@ impl Netlink {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    reason = "test values are small constants"
+)]
 mod tests {
     use super::*;
 

@@ -39,7 +39,13 @@ pub fn with_pages_contiguous<M: GuestMemoryBackend, T>(
         if let Some(span) = RegionSpan::of(mem, run, page_size) {
             let start = run.gpa;
             for gap in populated.gaps(start..start + span.len as u64) {
-                if span.populate((gap.start - start) as usize..(gap.end - start) as usize) {
+                #[expect(
+                    clippy::cast_possible_truncation,
+                    reason = "the gap lies in start..start + span.len: both ends are at most \
+                              span.len, a usize"
+                )]
+                let range = (gap.start - start) as usize..(gap.end - start) as usize;
+                if span.populate(range) {
                     populated.insert(gap);
                 }
             }
@@ -268,6 +274,10 @@ impl GuestPagesMapping {
         for run in &file_runs {
             let offset = libc::off_t::try_from(run.offset).map_err(|_| too_large())?;
             // The runs' pages add up to `len`, so neither this nor `at` overflows.
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "the runs' pages add up to len, a usize"
+            )]
             let run_len = run.pages as usize * page_size;
             // SAFETY: the target range lies inside this value's reserved range (replaced in
             // place by MAP_FIXED, so no other mapping is touched); the fd is open for the

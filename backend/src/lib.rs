@@ -3,6 +3,12 @@
 //! Layers: [`hostverbs`] is the only code that touches libibverbs; [`limits`] decides what a
 //! guest is offered; the device logic above them knows nothing of vhost-user plumbing.
 
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 pub mod admin;
 pub mod datapath;
 pub mod device;

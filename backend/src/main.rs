@@ -1,5 +1,11 @@
 //! `vhost-user-rdma`: parses the command line and starts the backend.
 
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -263,7 +269,11 @@ fn serve_declared(args: Args, path: &std::path::Path) -> Result<(), vrdma_backen
     // Room for every declared guest at its quotas (and as many again added at run time).
     let room = Config {
         shared_gid: true,
-        max_guests: config.max_guests.max(2 * declared.guests.len() as u32),
+        max_guests: config.max_guests.max(
+            u32::try_from(declared.guests.len())
+                .unwrap_or(u32::MAX)
+                .saturating_mul(2),
+        ),
         ..config.clone()
     };
     vrdma_backend::reserve_descriptors(&room)?;

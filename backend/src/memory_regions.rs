@@ -129,6 +129,10 @@ fn seals(fd: std::os::fd::RawFd) -> libc::c_int {
 
 /// Faults every page of the region's mapping in, writable.
 fn populate(region: &GuestRegionMmap) -> std::io::Result<()> {
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "the region is mapped in this process: its length is a usize"
+    )]
     let len = region.len() as usize;
     let addr = region.as_ptr();
     // SAFETY: the range is exactly the region's own mapping, which the caller holds mapped;
@@ -142,6 +146,12 @@ fn populate(region: &GuestRegionMmap) -> std::io::Result<()> {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    reason = "test values are small constants"
+)]
 mod tests {
     use super::*;
     use std::fs::File;

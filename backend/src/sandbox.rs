@@ -338,7 +338,9 @@ fn rules() -> Result<BTreeMap<i64, Vec<SeccompRule>>, SandboxError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
         ALLOWED.iter().map(|&call| (call, Vec::new())).collect();
     let domain = |family: libc::c_int| {
-        SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, family as u64)
+        // The families are AF_UNIX and AF_NETLINK, small positive constants.
+        let family = u64::from(family.unsigned_abs());
+        SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, family)
             .and_then(|is| SeccompRule::new(vec![is]))
     };
     rules.insert(
@@ -391,6 +393,12 @@ extern "C" fn disallowed_system_call(
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    reason = "test values are small constants"
+)]
 mod tests {
     use super::*;
 

@@ -162,7 +162,12 @@ impl EventSink for EventQueue {
                 .warn(|| format!("event buffer {head} is malformed: {e}"));
             0
         });
-        self.vring.add_used(head, used as u32).is_ok() && self.vring.signal_used_queue().is_ok()
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "used is 0 or the size of one event"
+        )]
+        let used = used as u32;
+        self.vring.add_used(head, used).is_ok() && self.vring.signal_used_queue().is_ok()
     }
 }
 
@@ -213,10 +218,15 @@ impl RdmaBackend {
             if !self.accepted_regions.contains_key(&host_address) {
                 let page_size = memory_regions::accept(region, self.unsealed_memory)
                     .map_err(io::Error::other)?;
+                #[expect(
+                    clippy::cast_possible_truncation,
+                    reason = "the region is mapped in this process: its length is a usize"
+                )]
+                let len = region.len() as usize;
                 let watched = self
                     .device
                     .fault_domain()
-                    .watch(host_address, region.len() as usize, page_size)
+                    .watch(host_address, len, page_size)
                     .map_err(io::Error::other)?;
                 new.push((host_address, watched));
             }
@@ -325,7 +335,7 @@ where
     let mut writer = chain.writer(mem).map_err(io::Error::other)?;
     let response = respond(&request, writer.available_bytes());
     writer.write_all(&response)?;
-    Ok(response.len() as u32)
+    u32::try_from(response.len()).map_err(io::Error::other)
 }
 
 /// The part of the configuration space `config` a GET_CONFIG of `size` bytes at `offset`

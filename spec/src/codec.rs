@@ -41,12 +41,24 @@ pub fn recv_slot_bytes(max_sge: u32) -> u64 {
 }
 
 /// Inline bytes a send WQE can carry in the largest slot.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "SEND_WQE_HEADER is the size of the send WQE header, asserted at compile time (tens of bytes)"
+)]
 pub const MAX_SEND_INLINE: u32 = (1 << MAX_WQE_SHIFT) - SEND_WQE_HEADER as u32;
 /// SGEs a send WQE can carry in the largest slot.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "SGE_SIZE is the size of the wire SGE, asserted at compile time (16 bytes)"
+)]
 pub const MAX_SEND_SGE: u32 = MAX_SEND_INLINE / SGE_SIZE as u32;
 
 /// The smallest allowed stride (log2) of at least `bytes`; `None` above the largest.
 fn wqe_shift(bytes: u64, min_shift: u8) -> Option<u8> {
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "trailing_zeros of a u64 is at most 64"
+    )]
     let shift = (bytes.max(1).next_power_of_two().trailing_zeros() as u8).max(min_shift);
     (shift <= MAX_WQE_SHIFT).then_some(shift)
 }

@@ -119,12 +119,14 @@ wire_enum! {
 }
 
 /// A control request's bytes (SPEC.md §5.1): the header for `opcode` and `payload`, its
-/// `length` the payload's.
+/// `length` the payload's. A payload longer than `u32::MAX` bytes gets the length `u32::MAX`,
+/// which no request has: the device refuses it as a length mismatch instead of reading a
+/// wrapped length.
 pub fn request_bytes(opcode: u16, payload: &[u8]) -> Vec<u8> {
     let header = RequestHeader {
         opcode: Le16::from(opcode),
         flags: Le16::from(0),
-        length: Le32::from(payload.len() as u32),
+        length: Le32::from(u32::try_from(payload.len()).unwrap_or(u32::MAX)),
     };
     [crate::ByteValued::as_slice(&header), payload].concat()
 }

@@ -9,6 +9,12 @@
 //! Beside the wire format, [`verbs`] is the one verbs vocabulary both sides speak (QP types,
 //! states, attributes, address vectors, SGEs), with its wire forms.
 
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 pub mod address;
 pub mod cm;
 pub mod codec;

@@ -1,5 +1,11 @@
 //! `vrdmactl`: reads the state of a running `vhost-user-rdma` through its management socket.
 
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -407,6 +407,10 @@ impl DataPath {
     }
 
     /// Completions written in error so far, by status (those of none left out).
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "the counters are indexed by status, STATUS_SLOTS (32) of them"
+    )]
     pub fn completion_errors(&self) -> BTreeMap<u8, u64> {
         counted(&self.shared.completion_errors)
             .map(|(status, count)| (status as u8, count))
@@ -414,6 +418,10 @@ impl DataPath {
     }
 
     /// Events raised for the guest so far, by kind (those of none left out).
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "the counters are indexed by event kind, event_kind::KINDS (a handful) of them"
+    )]
     pub fn events_raised(&self) -> BTreeMap<u16, u64> {
         counted(&self.shared.events)
             .map(|(kind, count)| (kind as u16, count))

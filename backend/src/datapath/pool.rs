@@ -428,6 +428,10 @@ impl PoolWorker {
             .iter()
             .filter_map(|s| s.poller.throttled_for());
         if let Some(wait) = throttled.min() {
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "clamped to 1..=SLEEP_LIMIT_MS, an i32"
+            )]
             let wait_ms = wait
                 .as_micros()
                 .div_ceil(1000)

@@ -122,11 +122,11 @@ impl RateGate {
                 allowed.wqes = 0;
                 return allowed;
             }
-            allowed.bytes = self.bytes.tokens as u64;
+            allowed.bytes = tokens_u64(self.bytes.tokens);
         }
         if limits.wqes_per_second != 0 {
             self.wqes.refill(limits.wqes_per_second, now);
-            allowed.wqes = self.wqes.tokens.max(0.0) as u32;
+            allowed.wqes = u32::try_from(tokens_u64(self.wqes.tokens)).unwrap_or(u32::MAX);
         }
         allowed
     }
@@ -170,6 +170,17 @@ impl RateDebt {
     pub(super) fn leave(&self, gate: RateGate) {
         *self.0.lock() = Some(gate);
     }
+}
+
+/// Whole tokens in a bucket: `as` from a float saturates (negative and NaN give 0), and a
+/// bucket holds at most its depth, a second's worth of a `u64` rate.
+#[expect(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "a float-to-integer `as` saturates: negative counts give 0, none wraps"
+)]
+fn tokens_u64(tokens: f64) -> u64 {
+    tokens as u64
 }
 
 #[cfg(test)]
@@ -237,7 +248,7 @@ mod tests {
             while taken < 16 && allowed.wqes > 0 && taken * wqe < allowed.bytes {
                 taken += 1;
             }
-            let taken = taken as u32;
+            let taken = u32::try_from(taken).unwrap();
             gate.spend(limit, u64::from(taken), u64::from(taken) * wqe);
             moved += u64::from(taken) * wqe;
         }

@@ -227,7 +227,9 @@ const COMMON_OPCODES: [Option<SendOpcode>; 256] = {
     let mut opcodes = [None; 256];
     let mut wire = 0;
     while wire < opcodes.len() {
-        opcodes[wire] = match SendOpcode::from_wire(wire as u8) {
+        #[expect(clippy::cast_possible_truncation, reason = "wire < opcodes.len(), 256")]
+        let byte = wire as u8;
+        opcodes[wire] = match SendOpcode::from_wire(byte) {
             Some(opcode) if !opcode.is_atomic() => Some(opcode),
             _ => None,
         };
@@ -310,8 +312,8 @@ pub fn parse_send<'w, 'h: 'w>(
     }
     let remote_addr = wqe.remote_addr.to_native();
     let payload = match payload {
-        WqePayload::Inline(len) => {
-            let len = len as usize;
+        WqePayload::Inline(wire_len) => {
+            let len = wire_len as usize;
             if !opcode.may_be_inline() {
                 return Err(WqeError::InlineOperation);
             }
@@ -319,11 +321,11 @@ pub fn parse_send<'w, 'h: 'w>(
                 || SEND_WQE_HEADER + len > rules.sq_stride
                 || len > inline.len()
             {
-                return Err(WqeError::InlineTooLong(len as u32));
+                return Err(WqeError::InlineTooLong(wire_len));
             }
             let inline = &mut inline[..len];
             if !slot.copy_bytes(SEND_WQE_HEADER, inline) {
-                return Err(WqeError::InlineTooLong(len as u32));
+                return Err(WqeError::InlineTooLong(wire_len));
             }
             Payload::Inline(inline)
         }

@@ -731,7 +731,8 @@ impl Device {
         }
         reply(WireCmEvent {
             event: Le32::from(queued.event),
-            status: Le32::from(queued.status as u32),
+            // The wire holds librdmacm's signed status as its two's complement bits.
+            status: Le32::from(queued.status.cast_unsigned()),
             new_id: Le32::from(new_handle),
             pending: Le32::from(u32::try_from(pending).unwrap_or(u32::MAX)),
             // What the host gave fits the wire: its lengths are bytes.

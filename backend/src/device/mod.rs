@@ -449,9 +449,9 @@ impl Device {
         // Live state (a link can go down), limits as checked at connection time.
         let a = self.host.context.query_port(self.host.port)?;
         reply(WirePortAttr {
-            state: a.state as u8,
-            max_mtu: a.max_mtu as u8,
-            active_mtu: a.active_mtu as u8,
+            state: host_byte("port state", a.state)?,
+            max_mtu: host_byte("port max MTU", a.max_mtu)?,
+            active_mtu: host_byte("port active MTU", a.active_mtu)?,
             link_layer: a.link_layer,
             phys_state: a.phys_state,
             active_width: a.active_width,
@@ -693,7 +693,10 @@ impl Device {
         validate::guest_range(mem, bitmap, bitmap_bytes)?;
         // Pollers take rung bits with atomic swaps on the backend's mapping of the bitmap.
         if mem
-            .get_slice(vm_memory::GuestAddress(bitmap), bitmap_bytes as usize)
+            .get_slice(
+                vm_memory::GuestAddress(bitmap),
+                usize::try_from(bitmap_bytes).map_err(|_| Refusal::Overflow("doorbell bitmap"))?,
+            )
             .is_err()
         {
             return Err(Refusal::BitmapNotContiguous.into());
@@ -709,4 +712,14 @@ impl Device {
 pub struct QpShape {
     qp_type: QpType,
     caps: QpCaps,
+}
+
+/// A value the host reports as a verbs enum (`ibv_port_state`, `ibv_mtu`), as the wire's byte
+/// holds it; a host value beyond a byte is an error of the host, never wrapped.
+fn host_byte(what: &str, value: u32) -> Result<u8, crate::hostverbs::Error> {
+    u8::try_from(value).map_err(|_| {
+        crate::hostverbs::Error::InvalidArgument(format!(
+            "the host's {what} {value} is not a verbs value"
+        ))
+    })
 }

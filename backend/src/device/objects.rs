@@ -93,8 +93,13 @@ impl Objects {
     pub fn new() -> Self {
         use std::hash::BuildHasher;
         let start = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "any 32 bits of a random hash are a random start"
+        )]
+        let start = start as u32;
         Objects {
-            last_handle: start as u32,
+            last_handle: start,
             ..Default::default()
         }
     }

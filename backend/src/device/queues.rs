@@ -138,6 +138,8 @@ impl Device {
             self.quotas.max_registered_bytes,
         )?;
         let expected = pages_needed(offset, length, shift).ok_or(Refusal::Overflow("MR range"))?;
+        let host_offset = usize::try_from(offset).map_err(|_| Refusal::Overflow("MR offset"))?;
+        let host_length = usize::try_from(length).map_err(|_| Refusal::Overflow("MR length"))?;
         let runs = mtt::resolve_page_list(mem, &req.pages, expected, &self.page_rules())?;
         let mr = if pd.pins_pages() {
             // Any mapping made lives only for the registration: the MR keeps the pages
@@ -149,16 +151,14 @@ impl Device {
                 (&runs, page_size),
                 populated,
                 faults,
-                |memory| {
-                    pd.reg_mr_pinned(memory, offset as usize, length as usize, virt_addr, access)
-                },
+                |memory| pd.reg_mr_pinned(memory, host_offset, host_length, virt_addr, access),
             )??
         } else {
             // A host that reaches the pages through this process (the loopback) keeps a
             // mapping of them of its own, from the same budget, for the MR's life.
             let mapping =
                 guest_mapping::GuestPagesMapping::new(&runs, page_size, &self.fault_domain)?;
-            pd.reg_mr_range(mapping, offset as usize, length as usize, virt_addr, access)?
+            pd.reg_mr_range(mapping, host_offset, host_length, virt_addr, access)?
         };
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
         let handle = self.objects.insert_mr(MrEntry {
@@ -277,7 +277,7 @@ impl Device {
         reply(CreateQpResponse {
             handle: Le32::from(handle),
             qp_num: Le32::from(qp_num),
-            notify_queue: Le16::from(notify_queue as u16),
+            notify_queue: wire_notify_queue(notify_queue),
             doorbell_bit: Le16::from(doorbell_bit),
             max_send_wr: Le32::from(caps.max_send_wr),
             max_recv_wr: Le32::from(caps.max_recv_wr),
@@ -342,7 +342,7 @@ impl Device {
             handle: Le32::from(handle),
             max_wr: Le32::from(max_wr),
             max_sge: Le32::from(max_sge),
-            notify_queue: Le16::from(notify_queue as u16),
+            notify_queue: wire_notify_queue(notify_queue),
             doorbell_bit: Le16::from(doorbell_bit),
         })
     }
@@ -423,4 +423,13 @@ impl Device {
         };
         reply(WireQpAttr::from(&guest_view))
     }
+}
+
+/// A notification queue's number as a create response holds it.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "the number is a handle modulo num_notify_queues, clamped to 1..=MAX_NOTIFY_QUEUES (64)"
+)]
+fn wire_notify_queue(queue: u32) -> Le16 {
+    Le16::from(queue as u16)
 }

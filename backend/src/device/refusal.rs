@@ -326,7 +326,7 @@ impl From<hostverbs::Error> for CommandError {
         };
         CommandError::Host {
             status,
-            errno: errno as u32,
+            errno: errno.unsigned_abs(),
             message: e.to_string(),
         }
     }

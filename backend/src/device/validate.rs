@@ -329,7 +329,12 @@ pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u3
         // link carries no more (`ibv_rc_pingpong -m 4096` on a 1500-byte link).
         let path_mtu = range("path MTU", a.path_mtu.into(), 1, IBV_MTU_4096)?;
         // Both are ibv_mtu values, 1 to 5.
-        attr.path_mtu = path_mtu.min(limits.port.active_mtu) as u8;
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "path_mtu is in 1..=IBV_MTU_4096 (5), checked just above"
+        )]
+        let path_mtu = path_mtu.min(limits.port.active_mtu) as u8;
+        attr.path_mtu = path_mtu;
     }
     if has(wire_mask::PORT) && a.port_num != 1 {
         return Err(Refusal::NoSuchPort(a.port_num));
@@ -360,32 +365,38 @@ pub fn modify_qp(req: &ModifyQpRequest, limits: &QpLimits) -> Result<(QpAttr, u3
         attr.pkey_index = index;
     }
     if has(wire_mask::TIMEOUT) {
-        attr.timeout = range("timeout", a.timeout.into(), 0, 31)? as u8;
+        range("timeout", a.timeout.into(), 0, 31)?;
+        attr.timeout = a.timeout;
     }
     if has(wire_mask::RETRY_CNT) {
-        attr.retry_cnt = range("retry count", a.retry_cnt.into(), 0, 7)? as u8;
+        range("retry count", a.retry_cnt.into(), 0, 7)?;
+        attr.retry_cnt = a.retry_cnt;
     }
     if has(wire_mask::RNR_RETRY) {
-        attr.rnr_retry = range("RNR retry", a.rnr_retry.into(), 0, 7)? as u8;
+        range("RNR retry", a.rnr_retry.into(), 0, 7)?;
+        attr.rnr_retry = a.rnr_retry;
     }
     if has(wire_mask::MIN_RNR_TIMER) {
-        attr.min_rnr_timer = range("minimum RNR timer", a.min_rnr_timer.into(), 0, 31)? as u8;
+        range("minimum RNR timer", a.min_rnr_timer.into(), 0, 31)?;
+        attr.min_rnr_timer = a.min_rnr_timer;
     }
     if has(wire_mask::MAX_QP_RD_ATOMIC) {
-        attr.max_rd_atomic = range(
+        range(
             "max_rd_atomic",
             a.max_rd_atomic.into(),
             0,
             limits.max_rd_atomic.min(255),
-        )? as u8;
+        )?;
+        attr.max_rd_atomic = a.max_rd_atomic;
     }
     if has(wire_mask::MAX_DEST_RD_ATOMIC) {
-        attr.max_dest_rd_atomic = range(
+        range(
             "max_dest_rd_atomic",
             a.max_dest_rd_atomic.into(),
             0,
             limits.max_dest_rd_atomic.min(255),
-        )? as u8;
+        )?;
+        attr.max_dest_rd_atomic = a.max_dest_rd_atomic;
     }
     if has(wire_mask::QKEY) {
         attr.qkey = a.qkey.to_native();

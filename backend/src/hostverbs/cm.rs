@@ -471,7 +471,8 @@ impl CmId {
         check("rdma_init_qp_attr", unsafe {
             rdma_init_qp_attr(raw, &mut attr, &mut mask)
         })?;
-        let mask = mask as u32;
+        // The mask is a set of ibv_qp_attr_mask bits, in a C int.
+        let mask = mask.cast_unsigned();
         let attr = QpAttr::from_ibv(&attr, mask).map_err(|state| Error::Verbs {
             call: "rdma_init_qp_attr",
             source: io::Error::other(format!("QP state {state} is not one of ibverbs'")),

@@ -242,7 +242,9 @@ impl CompletionQueue {
                 source: io::Error::from_raw_os_error(-n),
             });
         }
-        Ok(n as usize)
+        #[expect(clippy::cast_sign_loss, reason = "n >= 0, checked just above")]
+        let n = n as usize;
+        Ok(n)
     }
 
     /// Asks for one event on the CQ's channel at the next (solicited) completion.
@@ -284,7 +286,7 @@ impl CompletionQueue {
     pub fn depth(&self) -> u32 {
         match &self.raw {
             // SAFETY: the CQ is alive; `cqe` is set at creation and only changed by resize.
-            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).cqe.max(0) as u32 },
+            Raw::Verbs(raw) => u32::try_from(unsafe { (*raw.as_ptr()).cqe }).unwrap_or(0),
             Raw::Loopback(cq) => cq.depth(),
         }
     }

@@ -278,7 +278,8 @@ impl AsyncEvent {
             AsyncEvent::SrqLimitReached(raw.element)
         } else if is(IBV_EVENT_PORT_ACTIVE) || is(IBV_EVENT_PORT_ERR) {
             // The element is a C int port number, in the union's low bytes.
-            let port = (raw.element as u32 & 0xff) as u8;
+            #[expect(clippy::cast_possible_truncation, reason = "masked to its low byte")]
+            let port = (raw.element & 0xff) as u8;
             if is(IBV_EVENT_PORT_ACTIVE) {
                 AsyncEvent::PortActive(port)
             } else {
@@ -341,7 +342,8 @@ impl Context {
         }
         let mut present = Vec::new();
         let mut opened = None;
-        for i in 0..count as usize {
+        // A negative count (none the library returns with a list) is no devices.
+        for i in 0..usize::try_from(count).unwrap_or(0) {
             // SAFETY: `list` holds `count` valid device pointers until it is freed.
             let device = unsafe { *list.add(i) };
             // SAFETY: the device's name is a NUL-terminated string it owns.
@@ -435,7 +437,7 @@ impl Context {
         })?;
         // SAFETY: fw_ver is a NUL-terminated string inside the struct.
         let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) };
-        let clamp = |v: c_int| v.max(0) as u32;
+        let clamp = |v: c_int| u32::try_from(v).unwrap_or(0);
         Ok(DeviceAttr {
             fw_ver: fw_ver.to_string_lossy().into_owned(),
             node_guid: u64::from_be(attr.node_guid),
@@ -524,7 +526,7 @@ impl Context {
             state: attr.state,
             max_mtu: attr.max_mtu,
             active_mtu: attr.active_mtu,
-            gid_tbl_len: attr.gid_tbl_len.max(0) as u32,
+            gid_tbl_len: u32::try_from(attr.gid_tbl_len).unwrap_or(0),
             port_cap_flags: attr.port_cap_flags,
             max_msg_sz: attr.max_msg_sz,
             pkey_tbl_len: attr.pkey_tbl_len,

@@ -5,7 +5,6 @@ mod posting;
 mod srq;
 
 use std::io;
-use std::os::raw::c_int;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -150,7 +149,8 @@ impl QueuePair {
         let mut raw = ibv_qp_attr::from(attr);
         // SAFETY: the QP is alive and `raw` is a valid attribute struct.
         check("ibv_modify_qp", unsafe {
-            ibv_modify_qp(qp, &mut raw, mask as c_int)
+            // The mask is a set of ibv_qp_attr_mask bits, which the C API takes as an int.
+            ibv_modify_qp(qp, &mut raw, mask.cast_signed())
         })
     }
 
@@ -181,7 +181,7 @@ impl QueuePair {
             | qp_attr_mask::DEST_QPN;
         // SAFETY: the QP is alive; both out-pointers are valid.
         check("ibv_query_qp", unsafe {
-            ibv_query_qp(qp, &mut raw, mask as c_int, &mut init)
+            ibv_query_qp(qp, &mut raw, mask.cast_signed(), &mut init)
         })?;
         QpAttr::from_ibv(&raw, mask).map_err(|state| Error::Verbs {
             call: "ibv_query_qp",

@@ -317,7 +317,7 @@ impl Admission {
                 let _ = self.freed.read();
                 continue;
             }
-            let grace = REFUSAL_GRACE.as_millis() as i32;
+            let grace = i32::try_from(REFUSAL_GRACE.as_millis()).unwrap_or(i32::MAX);
             if wait_readable(&[self.freed.as_raw_fd()], grace)?[0] {
                 let _ = self.freed.read();
                 continue;

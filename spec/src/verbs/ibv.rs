@@ -48,10 +48,17 @@ const _: () = {
     assert!(qp_attr_mask::DEST_QPN == m::IBV_QP_DEST_QPN.0);
 };
 
+/// `AF_INET` as a socket address's family field holds it.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "AF_INET is 2, a sa_family_t (u16) holds it"
+)]
+const AF_INET_FAMILY: libc::sa_family_t = libc::AF_INET as libc::sa_family_t;
+
 /// An IPv4 address and port as the sockets API (and librdmacm) holds them.
 pub fn sockaddr_in(address: std::net::SocketAddrV4) -> libc::sockaddr_in {
     libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_family: AF_INET_FAMILY,
         sin_port: address.port().to_be(),
         sin_addr: libc::in_addr {
             s_addr: u32::from(*address.ip()).to_be(),
@@ -62,7 +69,7 @@ pub fn sockaddr_in(address: std::net::SocketAddrV4) -> libc::sockaddr_in {
 
 /// The IPv4 address and port in `sin`, if its family is IPv4.
 pub fn from_sockaddr_in(sin: &libc::sockaddr_in) -> Option<std::net::SocketAddrV4> {
-    (sin.sin_family == libc::AF_INET as libc::sa_family_t).then(|| {
+    (sin.sin_family == AF_INET_FAMILY).then(|| {
         std::net::SocketAddrV4::new(
             u32::from_be(sin.sin_addr.s_addr).into(),
             u16::from_be(sin.sin_port),
@@ -191,6 +198,12 @@ impl QpAttr {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    reason = "test values are small constants"
+)]
 mod tests {
     use super::*;
 

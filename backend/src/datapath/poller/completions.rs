@@ -125,6 +125,10 @@ impl Poller {
         // The event of an armed CQ fires with its next completion: arm it again.
         cq.armed.store(false, Ordering::Relaxed);
         let wcs = &self.wcs[..n];
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "n is at most want, at most BATCH (16)"
+        )]
         let moved = self.write_cqes(mapped, cq, progress, n as u32, |index| {
             let wc = &wcs[index];
             Cqe {
@@ -133,9 +137,9 @@ impl Poller {
                 byte_len: Le32::from(wc.byte_len()),
                 imm_data: Le32::from(wc.imm_data().unwrap_or(0)),
                 src_qp: Le32::from(wc.src_qp()),
-                status: wc.status() as u8,
-                opcode: wc.opcode() as u8,
-                wc_flags: wc.wc_flags() as u8,
+                status: wc_byte(wc.status()),
+                opcode: wc_byte(wc.opcode()),
+                wc_flags: wc_byte(wc.wc_flags()),
                 sl: wc.sl(),
                 pkey_index: Le16::from(wc.pkey_index()),
                 reserved: 0,
@@ -144,7 +148,7 @@ impl Poller {
         });
         for wc in &self.wcs[..moved as usize] {
             if wc.status() != 0 {
-                self.count_completion_error(wc.status() as u8);
+                self.count_completion_error(wc_byte(wc.status()));
             }
         }
         let received = self.wcs[..moved as usize].iter().filter(|wc| wc.is_recv());
@@ -187,4 +191,15 @@ impl Poller {
         let counts = &self.shared.completion_errors;
         counts[usize::from(status).min(counts.len() - 1)].fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// A work completion's status, opcode or flags as the CQE's byte holds them.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "verbs' values fit a byte: ibv_wc_status is below 32, ibv_wc_opcode at most 138, \
+              ibv_wc_flags' bits below 128"
+)]
+#[inline]
+fn wc_byte(value: u32) -> u8 {
+    value as u8
 }

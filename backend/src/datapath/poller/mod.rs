@@ -253,7 +253,12 @@ impl Poller {
             let refused = self.read_receives(slots, &srq.rules, progress.consumer, pending);
             let posted = self.post_receives(|wrs| srq.srq.post_recv(wrs));
             moved = posted > 0;
-            progress.consumer = progress.consumer.wrapping_add(posted as u32);
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "posted counts the WQEs of one batch, at most BATCH (16)"
+            )]
+            let posted_u32 = posted as u32;
+            progress.consumer = progress.consumer.wrapping_add(posted_u32);
             self.shared.wqes.fetch_add(posted as u64, Ordering::Relaxed);
             mapped.store(
                 RECORD,

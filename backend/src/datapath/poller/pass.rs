@@ -124,6 +124,11 @@ impl Poller {
         for area in self.shared.areas().places() {
             for queue in 0..self.shared.num_notify_queues {
                 let state = area.states + notify_state_offset(queue);
+                #[expect(
+                    clippy::cast_possible_truncation,
+                    reason = "the notify state's kicks is a 32-bit wire counter that wraps: \
+                              its low 32 bits are the count"
+                )]
                 let kicks = self.shared.kicks[queue as usize].load(Ordering::Relaxed) as u32;
                 // A guest that unmapped its notify area only loses its wake-ups.
                 let _ = store(&mem, flags, state + NotifyState::FLAGS, Ordering::SeqCst);

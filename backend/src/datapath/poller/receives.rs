@@ -102,7 +102,12 @@ impl Poller {
         if posted < self.recv.len() {
             qp.recv_cq.settle(self.recv.len() - posted);
         }
-        progress.rq_consumer = progress.rq_consumer.wrapping_add(posted as u32);
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "posted counts the WQEs of one batch, at most BATCH (16)"
+        )]
+        let posted_u32 = posted as u32;
+        progress.rq_consumer = progress.rq_consumer.wrapping_add(posted_u32);
         let mut refused_one = false;
         if let (true, Some((wr_id, error))) = (posted == self.recv.len(), refused) {
             let cqe = error_cqe(wr_id, qp.qp.qp_num(), error.status(), wc_opcode::RECV);

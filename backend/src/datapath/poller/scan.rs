@@ -55,10 +55,14 @@ impl DoorbellScan {
             while rung != 0 {
                 let bit = rung.trailing_zeros();
                 rung &= rung - 1;
-                bits.push(DoorbellBit {
-                    area,
-                    bit: (offset * 8) as u16 + bit as u16,
-                });
+                #[expect(
+                    clippy::cast_possible_truncation,
+                    reason = "offset + 8 is within the area's bitmap (checked when the words were \
+                              resolved), of at most MAX_DOORBELL_BITS (1 << 16) bits: \
+                              offset * 8 + bit is below 1 << 16"
+                )]
+                let bit = (offset * 8) as u16 + bit as u16;
+                bits.push(DoorbellBit { area, bit });
             }
         }
     }

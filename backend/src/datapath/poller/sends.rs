@@ -136,7 +136,12 @@ impl Poller {
         if !limits.is_unlimited() {
             (self.shared.rate_gate.lock()).spend(limits, posted as u64, bytes);
         }
-        progress.sq_consumer = progress.sq_consumer.wrapping_add(posted as u32);
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "posted counts the WQEs of one batch, at most BATCH (16)"
+        )]
+        let posted_u32 = posted as u32;
+        progress.sq_consumer = progress.sq_consumer.wrapping_add(posted_u32);
         let all_posted = posted == self.batch.len();
         let mut refused_one = false;
         if let (true, Some((wr_id, error))) = (all_posted, refused) {

@@ -23,7 +23,9 @@ use std::sync::{Arc, Mutex, Weak};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_spec::cm::{cm_event, ConnParam};
 
-use super::{errno, gid, lock, Device, Verb, MTU_4096, REMOTE_ATOMIC, REMOTE_READ, REMOTE_WRITE};
+use super::{
+    errno, gid, lock, Device, Verb, MTU_4096_BYTE, REMOTE_ATOMIC, REMOTE_READ, REMOTE_WRITE,
+};
 use crate::hostverbs::cm::CmIdInfo;
 use crate::hostverbs::{qp_attr_mask as mask, AhAttr, Error, Gid, QpAttr, QpState, Result};
 

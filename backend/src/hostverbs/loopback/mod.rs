@@ -29,6 +29,12 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 pub mod cm;
 pub mod faults;
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    reason = "test values are small constants"
+)]
 mod tests;
 mod transfer;
 mod verbs;
@@ -68,8 +74,13 @@ const MAX_INLINE: u32 = 256;
 const MAX_RD_ATOMIC: u32 = 128;
 /// What one message may carry, as rxe's port says.
 const MAX_MSG: u64 = 1 << 31;
+#[expect(clippy::cast_possible_truncation, reason = "MAX_MSG is 1 << 31")]
+const MAX_MSG_U32: u32 = MAX_MSG as u32;
 /// `ibv_mtu` 4096: UD messages are at most this long.
 const MTU_4096: u32 = 5;
+/// [`MTU_4096`] as a QP attribute's byte holds it.
+#[expect(clippy::cast_possible_truncation, reason = "MTU_4096 is 5")]
+const MTU_4096_BYTE: u8 = MTU_4096 as u8;
 const UD_MTU: u64 = 4096;
 /// Bytes of the GRH that heads every UD receive buffer.
 const GRH_LEN: usize = 40;
@@ -142,7 +153,7 @@ pub fn port_attr(port: u8) -> Result<PortAttr> {
         active_mtu: MTU_4096,
         gid_tbl_len: 1,
         port_cap_flags: 0,
-        max_msg_sz: MAX_MSG as u32,
+        max_msg_sz: MAX_MSG_U32,
         pkey_tbl_len: 1,
         lid: 0,
         active_width: 1,
@@ -317,7 +328,11 @@ impl Channel {
 
     /// Takes every pending event; returns how many there were.
     pub fn drain(&self) -> usize {
-        self.fd.read().map_or(0, |count| count as usize)
+        // An eventfd's count is at most u64::MAX - 1: beyond a usize, it is as many as a
+        // usize holds.
+        self.fd
+            .read()
+            .map_or(0, |count| usize::try_from(count).unwrap_or(usize::MAX))
     }
 }
 

@@ -282,7 +282,7 @@ impl State {
                 if request.signaled(qp) {
                     let success = ibv_wc_status::IBV_WC_SUCCESS;
                     let mut wc = send_completion(request, success, qpn);
-                    wc.0.byte_len = len as u32;
+                    wc.0.byte_len = wc_len(len);
                     qp.send_cq.push(wc, false);
                 }
             }
@@ -331,7 +331,7 @@ impl State {
         Some(Span {
             // In bounds: `offset + len` is within the registered part of the memory.
             at: mr.memory.as_ptr().wrapping_add(offset),
-            len: len as usize,
+            len: usize::try_from(len).ok()?,
         })
     }
 
@@ -478,7 +478,7 @@ impl State {
                 copy(local.iter(), [to]);
                 let mut wc = completion(recv.wr_id, ibv_wc_status::IBV_WC_SUCCESS, target);
                 wc.0.opcode = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
-                wc.0.byte_len = len as u32;
+                wc.0.byte_len = wc_len(len);
                 self.deliver(target, qpn, wc, Some(ops.imm), request.solicited);
                 Outcome::Done { len }
             }
@@ -520,7 +520,7 @@ impl State {
                 copy(from.iter(), to.iter());
                 let success = ibv_wc_status::IBV_WC_SUCCESS;
                 let mut wc = receive_completion(recv.wr_id, success, target);
-                wc.0.byte_len = (len + header) as u32;
+                wc.0.byte_len = wc_len(len + header);
                 if grh {
                     wc.0.wc_flags |= ibv_wc_flags::IBV_WC_GRH.0;
                 }
@@ -573,13 +573,19 @@ impl State {
     }
 }
 
+/// A completion's byte count: a message is at most `MAX_MSG` (1 << 31) bytes, which a u32
+/// holds; anything longer would read as `u32::MAX`, never wrapped.
+fn wc_len(len: u64) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
 /// The 40 bytes ahead of a UD message in its receive buffer. RoCEv2 over IPv4 (the loopback's
 /// GID): an IPv4 header in the last 20, as rxe writes it.
 fn grh_header(len: u64) -> [u8; GRH_LEN] {
     let mut grh = [0u8; GRH_LEN];
     let ip = &mut grh[20..];
     ip[0] = 0x45;
-    let total = (20 + 8 + 12 + len + 4).min(u64::from(u16::MAX)) as u16;
+    let total = u16::try_from(20 + 8 + 12 + len + 4).unwrap_or(u16::MAX);
     ip[2..4].copy_from_slice(&total.to_be_bytes());
     ip[8] = 64; // TTL
     ip[9] = 17; // UDP

@@ -16,6 +16,9 @@ pub use vrdma_spec::codec::{SendOp, SendOpcode, SendOperands};
 
 pub use vrdma_spec::verbs::{Payload, RecvWr, Sge};
 
+/// The most SGEs, and inline bytes, a batch holds: a c_int and a u32 count either.
+const CAPACITY_LIMIT: usize = 1 << 30;
+
 /// Destination of a UD send.
 #[derive(Clone, Copy, Debug)]
 pub struct UdDest<'a> {
@@ -156,6 +159,9 @@ impl SendBatch {
     /// Room for `requests` requests with `sges` gathered SGEs and `inline` bytes of inline payload
     /// among them.
     pub fn with_capacity(requests: usize, sges: usize, inline: usize) -> SendBatch {
+        // The counts handed to verbs fit their C types (an SGE count a c_int, an inline length
+        // a u32) because the room they come from does.
+        let (sges, inline) = (sges.min(CAPACITY_LIMIT), inline.min(CAPACITY_LIMIT));
         // SAFETY: all-zero is a valid ibv_send_wr (integers, null pointers, unions of those).
         let mut wrs: Box<[ibv_send_wr]> = (0..requests)
             .map(|_| unsafe { std::mem::zeroed() })
@@ -208,9 +214,14 @@ impl SendBatch {
             bytes += if raw.send_flags & inline != 0 {
                 u64::from(self.inline_sges[index].length)
             } else {
+                #[expect(
+                    clippy::cast_sign_loss,
+                    reason = "num_sge is the batch's own count, written by push from a usize"
+                )]
+                let count = raw.num_sge.max(0) as usize;
                 gathered
                     .by_ref()
-                    .take(raw.num_sge.max(0) as usize)
+                    .take(count)
                     .map(|sge| u64::from(sge.length))
                     .sum()
             };
@@ -275,9 +286,14 @@ impl SendBatch {
             Payload::Inline(data) if std::ptr::eq(data.as_ptr(), inline_at) => {
                 // An SGE of its own: `self.sges` stays lent to `make` for `'r`.
                 let sge = &mut self.inline_sges[self.len];
+                #[expect(
+                    clippy::cast_possible_truncation,
+                    reason = "inline data lies in the batch's inline room, at most CAPACITY_LIMIT"
+                )]
+                let length = data.len() as u32;
                 *sge = Sge {
                     addr: inline_at as u64,
-                    length: data.len() as u32, // at most the inline capacity
+                    length,
                     lkey: 0,
                 };
                 self.inline_used += data.len();
@@ -302,7 +318,12 @@ impl SendBatch {
         let raw = &mut self.wrs[self.len];
         self.len += 1;
         let sg_list = sg_list.cast::<ibv_sge>();
-        let num_sge = sge_count as c_int; // at most the batch's SGE capacity
+        #[expect(
+            clippy::cast_possible_truncation,
+            clippy::cast_possible_wrap,
+            reason = "the SGEs lie in the batch's SGE room, at most CAPACITY_LIMIT"
+        )]
+        let num_sge = sge_count as c_int;
         write_request(
             raw,
             (wr.wr_id, wr.opcode, flags),
@@ -352,12 +373,16 @@ impl SendBatch {
             .enumerate()
             .map(move |(index, raw)| {
                 let flags = SendFlags(raw.send_flags);
+                #[expect(
+                    clippy::cast_sign_loss,
+                    reason = "num_sge is the batch's own count, written by push from a usize"
+                )]
+                let num_sge = raw.num_sge as usize;
                 // SAFETY: `sg_list` points at `num_sge` SGEs of the batch's own (`sges`, or the
                 // request's entry of `inline_sges`), written when the request was pushed and
                 // unchanged until the batch is cleared, which needs `&mut self`.
-                let sges = unsafe {
-                    std::slice::from_raw_parts(raw.sg_list.cast::<Sge>(), raw.num_sge as usize)
-                };
+                let sges =
+                    unsafe { std::slice::from_raw_parts(raw.sg_list.cast::<Sge>(), num_sge) };
                 let payload = match sges {
                     [sge] if raw.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 != 0 => {
                         // SAFETY: an inline request's one SGE names its bytes in `inline`, the
@@ -447,8 +472,9 @@ impl SendBatch {
         let accepted = if bad.is_null() {
             0
         } else {
-            // SAFETY: `bad` points into `wrs`, per the verbs contract.
-            unsafe { bad.offset_from(base) as usize }
+            // SAFETY: `bad` points into `wrs`, per the verbs contract (at or after `base`:
+            // the offset is not negative).
+            unsafe { bad.offset_from(base) }.unsigned_abs()
         };
         Err(post_error("ibv_post_send", accepted, ret))
     }
@@ -582,8 +608,9 @@ pub(super) fn post_recv_chains(
             let accepted = if bad.is_null() {
                 0
             } else {
-                // SAFETY: `bad` points into `raw`, per the verbs contract.
-                unsafe { bad.offset_from(base) as usize }
+                // SAFETY: `bad` points into `raw`, per the verbs contract (at or after `base`:
+                // the offset is not negative).
+                unsafe { bad.offset_from(base) }.unsigned_abs()
             };
             return Err(post_error(call, posted + accepted, ret));
         }
@@ -593,4 +620,10 @@ pub(super) fn post_recv_chains(
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    reason = "test values are small constants"
+)]
 mod tests;

@@ -379,7 +379,7 @@ impl Id {
                 }
                 (QpState::Rtr, false, Some(remote)) => {
                     attr.ah_attr = device_ah();
-                    attr.path_mtu = MTU_4096 as u8;
+                    attr.path_mtu = MTU_4096_BYTE;
                     attr.dest_qp_num = remote.qp_num;
                     attr.rq_psn = remote.psn;
                     attr.max_dest_rd_atomic = slot.local.responder_resources;
@@ -438,7 +438,7 @@ impl Id {
                 Gid::default()
             },
             pkey: 0xffff,
-            path_mtu: if routed { MTU_4096 as u8 } else { 0 },
+            path_mtu: if routed { MTU_4096_BYTE } else { 0 },
             num_paths: routed.into(),
             device: bound.then(|| self.manager.name.clone()),
             port_num: bound.into(),
