@@ -318,12 +318,6 @@ impl Netlink {
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    reason = "test values are small constants"
-)]
 mod tests {
     use super::*;
 

@@ -146,12 +146,6 @@ fn populate(region: &GuestRegionMmap) -> std::io::Result<()> {
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    reason = "test values are small constants"
-)]
 mod tests {
     use super::*;
     use std::fs::File;

@@ -247,12 +247,6 @@ fn check_in_one_region<M: GuestMemoryBackend>(
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    reason = "test values are small constants"
-)]
 mod tests {
     use super::*;
     use crate::guest_faults::FaultDomain;

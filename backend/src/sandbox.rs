@@ -393,12 +393,6 @@ extern "C" fn disallowed_system_call(
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    reason = "test values are small constants"
-)]
 mod tests {
     use super::*;
 

@@ -28,12 +28,6 @@ mod rate;
 mod resize_cq;
 mod shared;
 #[cfg(test)]
-#[allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    reason = "test values are small constants"
-)]
 mod tests;
 pub mod wqe;
 

@@ -198,12 +198,6 @@ impl QpAttr {
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    reason = "test values are small constants"
-)]
 mod tests {
     use super::*;
 

@@ -29,12 +29,6 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 pub mod cm;
 pub mod faults;
 #[cfg(test)]
-#[allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    reason = "test values are small constants"
-)]
 mod tests;
 mod transfer;
 mod verbs;
