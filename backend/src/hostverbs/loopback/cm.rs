@@ -15,16 +15,16 @@
 //! holds fails to resolve as soon as it is asked (ADDR_ERROR, status -ETIMEDOUT, as when
 //! nobody answers ARP), and a destroyed peer is known at once (no CM timeouts).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, Weak};
 
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_spec::cm::{cm_event, ConnParam};
 
 use super::{
-    errno, gid, lock, Device, Verb, MTU_4096_BYTE, REMOTE_ATOMIC, REMOTE_READ, REMOTE_WRITE,
+    errno, gid, lock, Device, EventQueue, Verb, MTU_4096_BYTE, REMOTE_ATOMIC, REMOTE_READ,
+    REMOTE_WRITE,
 };
 use crate::hostverbs::cm::CmIdInfo;
 use crate::hostverbs::{qp_attr_mask as mask, AhAttr, Error, Gid, QpAttr, QpState, Result};
@@ -188,8 +188,7 @@ impl ConnectionManager {
 pub struct Channel {
     manager: &'static ConnectionManager,
     own: Ipv4Addr,
-    fd: EventFd,
-    queue: Mutex<VecDeque<Pending>>,
+    events: EventQueue<Pending>,
 }
 
 /// An event taken from a channel ([`Channel::take_event`]).
@@ -206,22 +205,18 @@ impl Channel {
     /// A channel on the loopback device `device` for the guest at `own`, which it registers
     /// in the device's address table until it is dropped.
     pub fn open(device: &str, own: Ipv4Addr) -> Result<Arc<Channel>> {
-        let fd = EventFd::new(EFD_NONBLOCK).map_err(|source| Error::Verbs {
-            call: "eventfd",
-            source,
-        })?;
+        let events = EventQueue::new()?;
         let manager = &Device::named(device).cm;
         *lock(&manager.state).addresses.entry(own).or_default() += 1;
         Ok(Arc::new(Channel {
             manager,
             own,
-            fd,
-            queue: Mutex::default(),
+            events,
         }))
     }
 
     pub fn fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
+        self.events.fd.as_raw_fd()
     }
 
     /// A new id on this channel, keyed `key`, UD if `udp` (else RC).
@@ -238,26 +233,11 @@ impl Channel {
         })
     }
 
-    fn push(&self, pending: Pending) {
-        lock(&self.queue).push_back(pending);
-        let _ = self.fd.write(1);
-    }
-
-    fn pop(&self) -> Option<Pending> {
-        if let Some(pending) = lock(&self.queue).pop_front() {
-            return Some(pending);
-        }
-        // Cleared before looking again: an event pushed after this read makes the fd
-        // readable again, one pushed before is found below.
-        let _ = self.fd.read();
-        lock(&self.queue).pop_front()
-    }
-
     /// The next event for an id that is still there; `None` when none waits. A request's
     /// new id is handed out with it, keyed 0 until [`Id::set_key`].
     pub fn take_event(self: &Arc<Self>) -> Option<Event> {
         loop {
-            let pending = self.pop()?;
+            let pending = self.events.take()?;
             let mut state = lock(&self.manager.state);
             let Some(slot) = state.slots.get_mut(&pending.slot) else {
                 continue;
@@ -333,7 +313,7 @@ fn deliver_pending(state: &ManagerState, pending: Pending) {
         .get(&pending.slot)
         .and_then(|s| s.channel.upgrade());
     if let Some(channel) = channel {
-        channel.push(pending);
+        channel.events.push(pending);
     }
 }
 

@@ -165,21 +165,32 @@ pub fn query_gid(port: u8, index: u32) -> Result<(Gid, GidType)> {
     Ok((gid(), GidType::RoceV2))
 }
 
-/// The asynchronous events of one context, behind a file descriptor that is readable while
-/// some are pending.
-struct EventQueue {
+/// Events behind a file descriptor that is readable while some are pending: a context's
+/// asynchronous events, a connection manager channel's events.
+struct EventQueue<T> {
     fd: EventFd,
-    queue: Mutex<VecDeque<AsyncEvent>>,
+    queue: Mutex<VecDeque<T>>,
 }
 
-impl EventQueue {
-    fn push(&self, event: AsyncEvent) {
+impl<T> EventQueue<T> {
+    fn new() -> Result<EventQueue<T>> {
+        let fd = EventFd::new(EFD_NONBLOCK).map_err(|source| Error::Verbs {
+            call: "eventfd",
+            source,
+        })?;
+        Ok(EventQueue {
+            fd,
+            queue: Mutex::default(),
+        })
+    }
+
+    fn push(&self, event: T) {
         lock(&self.queue).push_back(event);
         // A full counter (2^64 - 2 unread events) still leaves the fd readable.
         let _ = self.fd.write(1);
     }
 
-    fn take(&self) -> Option<AsyncEvent> {
+    fn take(&self) -> Option<T> {
         if let Some(event) = lock(&self.queue).pop_front() {
             return Some(event);
         }
@@ -197,7 +208,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// One open context of the loopback device.
 pub struct Context {
     device: &'static Device,
-    events: Arc<EventQueue>,
+    events: Arc<EventQueue<AsyncEvent>>,
 }
 
 impl Drop for Context {
@@ -209,15 +220,8 @@ impl Drop for Context {
 impl Context {
     /// A context of the loopback device `name` ([`is_loopback`]).
     pub fn open(name: &str) -> Result<Context> {
-        let fd = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::Verbs {
-            call: "eventfd",
-            source: e,
-        })?;
         let device = Device::named(name);
-        let events = Arc::new(EventQueue {
-            fd,
-            queue: Mutex::default(),
-        });
+        let events = Arc::new(EventQueue::new()?);
         device.state().contexts.push(Arc::clone(&events));
         Ok(Context { device, events })
     }
@@ -336,7 +340,7 @@ pub struct Cq {
     depth: AtomicU32,
     state: Mutex<CqState>,
     channel: Option<Arc<Channel>>,
-    events: Arc<EventQueue>,
+    events: Arc<EventQueue<AsyncEvent>>,
     device: &'static Device,
 }
 
@@ -592,7 +596,7 @@ type Table<V> = HashMap<u32, V, std::hash::BuildHasherDefault<NumberHasher>>;
 #[derive(Default)]
 struct State {
     /// The asynchronous events of every context alive.
-    contexts: Vec<Arc<EventQueue>>,
+    contexts: Vec<Arc<EventQueue<AsyncEvent>>>,
     /// PDs and CQs alive (the objects that have no table here).
     pds: usize,
     cqs: usize,
