@@ -289,11 +289,17 @@ pub struct QpSetup {
 }
 
 /// Whether a QP of `qp_type` may go from `from` to `to` with the attributes `attr_mask`
-/// names: the transitions and required attributes of the verbs specification, as rxe
-/// checks them.
+/// names.
 fn transition_allowed(qp_type: QpType, from: QpState, to: QpState, attr_mask: u32) -> bool {
+    required_attributes(qp_type, from, to).is_some_and(|required| attr_mask & required == required)
+}
+
+/// The attributes a QP of `qp_type` must be given to go from `from` to `to` (`None`: it
+/// cannot), as the verbs specification lists them and rxe checks them; what the loopback's
+/// connection manager hands out for each transition.
+pub(super) fn required_attributes(qp_type: QpType, from: QpState, to: QpState) -> Option<u32> {
     use QpState::*;
-    let required = match (from, to, qp_type) {
+    Some(match (from, to, qp_type) {
         (_, Reset | Err, _) => 0,
         (Reset, Init, QpType::Ud) => mask::PKEY_INDEX | mask::PORT | mask::QKEY,
         (Reset, Init, _) => mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS,
@@ -316,7 +322,6 @@ fn transition_allowed(qp_type: QpType, from: QpState, to: QpState, attr_mask: u3
                 | mask::MAX_QP_RD_ATOMIC
         }
         (Rtr, Rts, _) => mask::SQ_PSN,
-        _ => return false,
-    };
-    attr_mask & required == required
+        _ => return None,
+    })
 }

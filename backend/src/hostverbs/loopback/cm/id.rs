@@ -6,6 +6,8 @@ use std::net::SocketAddrV4;
 use vrdma_spec::cm::{cm_event, ConnParam};
 
 use super::*;
+use crate::hostverbs::loopback::verbs::required_attributes;
+use crate::hostverbs::QpType;
 
 impl Id {
     /// Runs `verb` on the id's slot, unless a failure is armed for it ([`Device::fail`]).
@@ -348,11 +350,17 @@ impl Id {
                 ..QpAttr::default()
             };
             let remote = slot.remote.filter(|_| slot.stage != Stage::Closed);
-            let mask = match (qp_state, slot.udp, remote) {
+            // The states the CM walks a QP through, each from the one before.
+            let from = match qp_state {
+                QpState::Init => QpState::Reset,
+                QpState::Rtr => QpState::Init,
+                QpState::Rts => QpState::Rtr,
+                _ => return Err(einval(CALL)),
+            };
+            match (qp_state, slot.udp, remote) {
                 (QpState::Init, true, _) => {
                     attr.port_num = 1;
                     attr.qkey = UDP_QKEY;
-                    mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::QKEY
                 }
                 (QpState::Init, false, _) => {
                     attr.port_num = 1;
@@ -370,13 +378,9 @@ impl Id {
                             attr.qp_access_flags |= REMOTE_READ | REMOTE_ATOMIC;
                         }
                     }
-                    mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS
                 }
-                (QpState::Rtr, true, _) => mask::STATE,
-                (QpState::Rts, true, _) => {
-                    attr.sq_psn = slot.local.psn;
-                    mask::STATE | mask::SQ_PSN
-                }
+                (QpState::Rtr, true, _) => {}
+                (QpState::Rts, true, _) => attr.sq_psn = slot.local.psn,
                 (QpState::Rtr, false, Some(remote)) => {
                     attr.ah_attr = device_ah();
                     attr.path_mtu = MTU_4096_BYTE;
@@ -384,13 +388,6 @@ impl Id {
                     attr.rq_psn = remote.psn;
                     attr.max_dest_rd_atomic = slot.local.responder_resources;
                     attr.min_rnr_timer = MIN_RNR_TIMER;
-                    mask::STATE
-                        | mask::AV
-                        | mask::PATH_MTU
-                        | mask::DEST_QPN
-                        | mask::RQ_PSN
-                        | mask::MAX_DEST_RD_ATOMIC
-                        | mask::MIN_RNR_TIMER
                 }
                 (QpState::Rts, false, Some(remote)) => {
                     attr.sq_psn = slot.local.psn;
@@ -398,16 +395,13 @@ impl Id {
                     attr.retry_cnt = slot.local.retry_count;
                     attr.rnr_retry = remote.rnr_retry_count;
                     attr.max_rd_atomic = slot.local.initiator_depth;
-                    mask::STATE
-                        | mask::SQ_PSN
-                        | mask::TIMEOUT
-                        | mask::RETRY_CNT
-                        | mask::RNR_RETRY
-                        | mask::MAX_QP_RD_ATOMIC
                 }
                 _ => return Err(einval(CALL)),
-            };
-            Ok((attr, mask))
+            }
+            let qp_type = if slot.udp { QpType::Ud } else { QpType::Rc };
+            let required = required_attributes(qp_type, from, qp_state)
+                .expect("the connection manager's transitions are the verbs specification's");
+            Ok((attr, mask::STATE | required))
         })
     }
 
