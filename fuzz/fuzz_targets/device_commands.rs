@@ -7,11 +7,14 @@
 //! every host object it made must be gone, whatever the requests were.
 #![no_main]
 
+#[path = "guest_memory.rs"]
+mod guest_memory;
+
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vrdma_backend::datapath::{PollerPool, RateLimits};
 use vrdma_backend::device::{Device, LocalPeers};
 use vrdma_backend::hostverbs::loopback;
@@ -54,37 +57,10 @@ struct Fixture {
     _pool: Arc<PollerPool>,
 }
 
-fn backing_file(len: u64) -> std::fs::File {
-    let path = std::env::temp_dir().join(format!("vrdma-fuzz-device-{}", std::process::id()));
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&path)
-        .expect("a file for guest memory");
-    std::fs::remove_file(&path).expect("unlink the guest memory file");
-    file.set_len(len).expect("size the guest memory file");
-    file
-}
-
 fn fixture() -> &'static Fixture {
     static FIXTURE: OnceLock<Fixture> = OnceLock::new();
     FIXTURE.get_or_init(|| {
-        let file = Arc::new(backing_file(LOW_LEN + HIGH_LEN));
-        let mem = GuestMemoryMmap::from_ranges_with_files([
-            (
-                GuestAddress(0),
-                LOW_LEN as usize,
-                Some(FileOffset::from_arc(Arc::clone(&file), 0)),
-            ),
-            (
-                GuestAddress(HIGH),
-                HIGH_LEN as usize,
-                Some(FileOffset::from_arc(file, LOW_LEN)),
-            ),
-        ])
-        .expect("guest memory");
+        let mem = guest_memory::file_backed(&[(0, LOW_LEN as usize), (HIGH, HIGH_LEN as usize)]);
         // Small quotas, so that inputs reach them.
         let quotas = Quotas {
             max_qp: 8,

@@ -3,12 +3,13 @@
 //! the file behind guest RAM.
 #![no_main]
 
+#[path = "guest_memory.rs"]
+mod guest_memory;
+
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use vm_memory::{
-    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
-};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vrdma_backend::mtt::{resolve_page_list, PageListRules};
 use vrdma_spec::mem::PageList;
 use vrdma_spec::read_wire;
@@ -20,32 +21,7 @@ const LIST_AREA_LEN: usize = 0x10000;
 /// Two regions of file-backed guest memory with a hole between them, as a VM's would be.
 fn memory() -> &'static GuestMemoryMmap {
     static MEMORY: OnceLock<GuestMemoryMmap> = OnceLock::new();
-    MEMORY.get_or_init(|| {
-        let path = std::env::temp_dir().join(format!("vrdma-fuzz-{}", std::process::id()));
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .expect("guest memory file");
-        let _ = std::fs::remove_file(&path);
-        file.set_len(8 << 20).expect("size the file");
-        let file = std::sync::Arc::new(file);
-        GuestMemoryMmap::from_ranges_with_files(&[
-            (
-                GuestAddress(0),
-                4 << 20,
-                Some(FileOffset::from_arc(file.clone(), 0)),
-            ),
-            (
-                GuestAddress(8 << 20),
-                4 << 20,
-                Some(FileOffset::from_arc(file, 4 << 20)),
-            ),
-        ])
-        .expect("guest memory")
-    })
+    MEMORY.get_or_init(|| guest_memory::file_backed(&[(0, 4 << 20), (8 << 20, 4 << 20)]))
 }
 
 fuzz_target!(|input: &[u8]| {
