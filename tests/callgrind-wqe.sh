@@ -43,12 +43,13 @@ instructions_per_wqe() { # BIN DEVICE PROVIDER WRITES DEPTH HOW (how the WQEs ar
       callgrind_annotate --inclusive=yes --tree=calling --show-percs=no --threshold=100 "$f"
     done 2>/dev/null)
     # Those made from the seam's poll (or from rdma-sys's ibv_poll_cq where that is not
-    # inlined, as in a debug build) are the provider's poll, the others its posts.
+    # inlined, as in a debug build), or into a host's poll, are the provider's poll, the
+    # others its posts.
     local split
     split=$(awk -v provider="$provider_lines" '
       $2 == "*" { in_provider = $0 ~ provider; polling = /ibv_poll_cq|::poll( \[|$)/ }
       $2 == ">" && $0 ~ provider && !in_provider {
-        gsub(",", "", $1); if (polling) polls += $1; else posts += $1 }
+        gsub(",", "", $1); if (polling || /::poll \(/) polls += $1; else posts += $1 }
       END { print posts + 0, polls + 0 }' <<<"$calls")
     read -r posts polls <<<"$split"
     provider=$((posts + polls))

@@ -1,31 +1,35 @@
-//! The host refuses: every host verb a control command calls fails once on the loopback
-//! host ([`loopback::Device::fail`]), and the guest gets HOST_ERROR (NO_RESOURCES for ENOMEM)
+//! The host refuses: every host verb a control command calls fails once (the backend's host
+//! wrapped by [`Faults`]), and the guest gets HOST_ERROR (NO_RESOURCES for ENOMEM)
 //! with the host's errno, nothing of the failed command stays behind on the host, and the
 //! same command succeeds when asked again. Posts the host takes only in part lose and double
 //! nothing; a QP the host fails reaches the guest as QP_FATAL with its work flushed; a port
 //! going down and up reaches every guest; a guest whose GID the host reassigned is told so.
-//! Loopback only: rxe cannot be made to fail on cue.
+//! The wrapper fails any host on cue; the test command runs these on the loopback host.
 
 use std::time::Duration;
 
-use vrdma_backend::hostverbs::loopback::{self, Verb};
+use std::sync::Arc;
+
+use vrdma_backend::hostverbs::faults::{Faults, Verb};
 use vrdma_guest::{
     access, qp_attr_mask as mask, wc_status, AhAttr, Device, DeviceEvent, Error, Payload, QpAttr,
     QpState, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge, Status,
 };
 use vrdma_tests::{
     host_resource_counts, start_backend, test_device_name, wait_for_guest_completions,
-    wait_for_host_counts, WritingGuest,
+    wait_for_host_counts, TestBackend, WritingGuest,
 };
 
-/// The test's own loopback device (the backend serves it in this process).
-fn host() -> &'static loopback::Device {
-    let name = test_device_name();
-    assert!(
-        loopback::is_loopback(&name),
-        "host failures are injected on the loopback host only, not {name}"
-    );
-    loopback::Device::named(&name)
+/// The faults of the test's own device (the backend serves it in this process): taken before
+/// the backend opens the device ([`start_faulty_backend`]), so that its contexts are wrapped.
+fn host() -> Arc<Faults> {
+    Faults::on(&test_device_name())
+}
+
+/// A backend on the test's device, whose host fails on demand.
+fn start_faulty_backend() -> TestBackend {
+    host();
+    start_backend()
 }
 
 /// Arms one failure of `verb` with `errno`, runs `command`, and checks the guest got `status`
@@ -55,7 +59,7 @@ fn refused_once<T>(
 
 #[test]
 fn every_host_refusal_of_a_control_command_reaches_the_guest_and_leaves_nothing() {
-    let backend = start_backend();
+    let backend = start_faulty_backend();
     let baseline = host_resource_counts();
     {
         let device = Device::attach(&backend.socket).unwrap();
@@ -134,7 +138,7 @@ fn every_host_refusal_of_a_control_command_reaches_the_guest_and_leaves_nothing(
 /// A refused resize leaves the CQ where it was: its old ring, its completions, its depth.
 #[test]
 fn a_cq_the_host_cannot_resize_keeps_its_ring_and_its_completions() {
-    let backend = start_backend();
+    let backend = start_faulty_backend();
     let baseline = host_resource_counts();
     {
         let guest = WritingGuest::on(Device::attach(&backend.socket).unwrap());
@@ -158,7 +162,7 @@ fn a_cq_the_host_cannot_resize_keeps_its_ring_and_its_completions() {
 /// stay in the guest's ring and go at the next pass, so each completes once, in order.
 #[test]
 fn sends_the_host_takes_only_in_part_are_neither_lost_nor_doubled() {
-    let backend = start_backend();
+    let backend = start_faulty_backend();
     let guest = WritingGuest::on(Device::attach(&backend.socket).unwrap());
     host().fail(Verb::PostSend, 3, libc::EIO);
     let page = 4096;
@@ -200,7 +204,7 @@ fn sends_the_host_takes_only_in_part_are_neither_lost_nor_doubled() {
 /// lands in its own receive.
 #[test]
 fn receives_the_host_takes_only_in_part_are_neither_lost_nor_doubled() {
-    let backend = start_backend();
+    let backend = start_faulty_backend();
     let device = Device::attach(&backend.socket).unwrap();
     let pd = device.alloc_pd().unwrap();
     let cq = device.create_cq(32).unwrap();
@@ -271,7 +275,7 @@ fn receives_the_host_takes_only_in_part_are_neither_lost_nor_doubled() {
 /// flushed, and its other objects keep working.
 #[test]
 fn a_qp_the_host_fails_reaches_the_guest_as_qp_fatal() {
-    let backend = start_backend();
+    let backend = start_faulty_backend();
     let baseline = host_resource_counts();
     {
         let guest = WritingGuest::on(Device::attach(&backend.socket).unwrap());
@@ -312,7 +316,7 @@ fn a_qp_the_host_fails_reaches_the_guest_as_qp_fatal() {
 fn a_port_going_down_and_up_reaches_every_guest() {
     const PORT_ACTIVE: u8 = 4;
     const PORT_DOWN: u8 = 1;
-    let backend = start_backend();
+    let backend = start_faulty_backend();
     let guests = [
         Device::attach(&backend.socket).unwrap(),
         Device::attach(&backend.socket).unwrap(),
@@ -334,11 +338,11 @@ fn a_port_going_down_and_up_reaches_every_guest() {
 /// reused): the guest is told its GID is gone, not shown another's.
 #[test]
 fn a_guest_whose_gid_the_host_reassigned_is_told_it_is_gone() {
-    let backend = start_backend();
+    let backend = start_faulty_backend();
     let device = Device::attach(&backend.socket).unwrap();
     let (gid, _) = device.query_gid(0).unwrap();
     let other = vrdma_backend::hostverbs::Gid::from(std::net::Ipv4Addr::new(10, 9, 8, 7));
-    host().replace_gid(other);
+    host().replace_gid(0, other);
     match device.query_gid(0) {
         Err(Error::Device {
             status: Status::HostError,
@@ -349,9 +353,10 @@ fn a_guest_whose_gid_the_host_reassigned_is_told_it_is_gone() {
     }
 }
 
-/// Every librdmacm call a CM command makes fails once on the loopback host: the guest gets
-/// HOST_ERROR with the errno, the id stays where it was (the same command then works), and
-/// when the guests go no id is left on the host.
+/// Every librdmacm call a CM command makes fails once: the guest gets HOST_ERROR with the
+/// errno, the id stays where it was (the same command then works), and when the guests go no
+/// id is left on the host. A path the connection manager routes from a GID not the guest's
+/// is refused too.
 #[test]
 fn every_host_refusal_of_a_cm_command_reaches_the_guest_and_leaves_no_id() {
     use std::net::SocketAddrV4;
@@ -359,6 +364,7 @@ fn every_host_refusal_of_a_cm_command_reaches_the_guest_and_leaves_no_id() {
     use vrdma_guest::ConnParam;
     use vrdma_tests::{expect_cm_event, start_backend_for_guest};
 
+    host();
     let (server_backend, client_backend) = (
         start_backend_for_guest("10.77.0.1/24"),
         start_backend_for_guest("10.77.0.2/24"),
@@ -410,7 +416,19 @@ fn every_host_refusal_of_a_cm_command_reaches_the_guest_and_leaves_no_id() {
         let request = expect_cm_event(&server, &listener, event::CONNECT_REQUEST);
         let accepted = request.new_id.expect("the request's id");
         let (_server_pd, _server_cq, server_qp) = rc_qp(&server);
-        for state in [QpState::Init, QpState::Rtr, QpState::Rts] {
+        accepted.move_qp(&server_qp, QpState::Init).unwrap();
+        // A path from a GID that is not the guest's is refused, not handed to the guest.
+        host().route_from_gid(Some(1));
+        match accepted.move_qp(&server_qp, QpState::Rtr) {
+            Err(Error::Device {
+                status: Status::HostError,
+                detail,
+                ..
+            }) if detail == libc::EADDRNOTAVAIL as u32 => {}
+            other => panic!("a path from another source GID: {other:?}"),
+        }
+        host().route_from_gid(None);
+        for state in [QpState::Rtr, QpState::Rts] {
             accepted.move_qp(&server_qp, state).unwrap();
         }
         host_error(Verb::CmAccept, &mut || accepted.accept(&server_qp, &param));

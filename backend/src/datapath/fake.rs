@@ -20,13 +20,16 @@ use vrdma_spec::ring::{
 use vrdma_spec::ByteValued;
 
 use super::doorbells::DoorbellBit;
-use super::host::{HostCompletionQueue, HostQueuePair};
 use super::poller::Poller;
 use super::queue_table::{Rung, ServedQueues};
 use super::shared::Shared;
 use super::wqe::{MrRange, QpRules};
 use super::*;
-use crate::hostverbs::{self, ObjectId, RecvWr, SendBatch, WorkCompletion};
+use crate::hostverbs::seam::{HostCq, HostQp};
+use crate::hostverbs::{
+    self, CompletionQueue, ObjectId, QpAttr, QpState, QpType, QueuePair, RecvWr, SendBatch,
+    WorkCompletion,
+};
 
 pub const PAGE: u64 = 4096;
 pub const SQ_RING: u64 = 0x10000;
@@ -66,6 +69,11 @@ pub struct FakeQp {
 pub static POST_CLOCK: AtomicU64 = AtomicU64::new(0);
 
 impl FakeQp {
+    /// The QP the data path posts to, over this fake.
+    pub fn host(fake: &Arc<FakeQp>) -> Arc<QueuePair> {
+        Arc::new(QueuePair::over_fake(Box::new(Arc::clone(fake)), QpType::Rc))
+    }
+
     fn record(&self, kind: &'static str, wr_ids: impl Iterator<Item = u64>) {
         let now = POST_CLOCK.fetch_add(1, Ordering::SeqCst);
         let mut posted = self.posted_at.lock().unwrap();
@@ -88,9 +96,28 @@ impl Default for FakeQp {
     }
 }
 
-impl HostQueuePair for FakeQp {
+impl HostQp for Arc<FakeQp> {
     fn qp_num(&self) -> u32 {
         QP_NUM
+    }
+
+    /// Only the move to the error state, which the data path makes, is taken.
+    fn modify(&self, attr: &QpAttr, _mask: u32) -> hostverbs::Result<()> {
+        match attr.qp_state {
+            QpState::Err => {
+                self.failed.store(true, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => Err(hostverbs::Error::InvalidArgument(
+                "a fake QP only fails".into(),
+            )),
+        }
+    }
+
+    fn query(&self) -> hostverbs::Result<QpAttr> {
+        Err(hostverbs::Error::InvalidArgument(
+            "a fake QP is not queried".into(),
+        ))
     }
 
     fn post_send(&self, batch: &mut SendBatch) -> hostverbs::Result<()> {
@@ -120,11 +147,6 @@ impl HostQueuePair for FakeQp {
             .extend(wrs.iter().map(|wr| wr.wr_id));
         Ok(())
     }
-
-    fn set_error(&self) -> hostverbs::Result<()> {
-        self.failed.store(true, Ordering::Relaxed);
-        Ok(())
-    }
 }
 
 /// A host CQ that hands out the completions a test queued, and counts its polls and arm
@@ -136,7 +158,14 @@ pub struct FakeCq {
     pub polls: AtomicUsize,
 }
 
-impl HostCompletionQueue for FakeCq {
+impl FakeCq {
+    /// The CQ the data path polls, over this fake.
+    pub fn host(fake: &Arc<FakeCq>) -> Arc<CompletionQueue> {
+        Arc::new(CompletionQueue::over_fake(Box::new(Arc::clone(fake))))
+    }
+}
+
+impl HostCq for Arc<FakeCq> {
     fn id(&self) -> ObjectId {
         1
     }
@@ -152,9 +181,23 @@ impl HostCompletionQueue for FakeCq {
         Ok(n)
     }
 
-    fn arm(&self) -> hostverbs::Result<()> {
+    fn req_notify(&self, _solicited_only: bool) -> hostverbs::Result<()> {
         self.arms.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn resize(&self, _depth: u32) -> hostverbs::Result<()> {
+        Err(hostverbs::Error::InvalidArgument(
+            "a fake CQ is not resized".into(),
+        ))
+    }
+
+    fn depth(&self) -> u32 {
+        u32::MAX
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -254,7 +297,7 @@ impl Rig {
         let cq_ring = GuestRing::new(cq_pages.clone(), 12, CQE_SHIFT, cq_depth);
         let cq_data = Arc::new(CqData::new(
             CQ_HANDLE,
-            Arc::clone(&cq) as _,
+            FakeCq::host(&cq),
             cq_ring,
             CQ_DOORBELL,
         ));
@@ -275,7 +318,7 @@ impl Rig {
         let rq = GuestRing::new(pages(RQ_RING, 16 * 64), 12, 6, 16);
         let qp_data = Arc::new(QpData::new(
             QP_HANDLE,
-            Arc::clone(&qp) as _,
+            FakeQp::host(&qp),
             rules,
             (sq, Some(rq)),
             QP_DOORBELL,

@@ -18,7 +18,6 @@ mod events;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fake;
 mod guest_access;
-pub mod host;
 mod mr_table;
 mod poller;
 mod pool;

@@ -10,8 +10,8 @@ use vrdma_spec::codec::ring_slot;
 use vrdma_spec::ring::{CqDoorbell, QpDoorbell, SrqDoorbell};
 
 use super::guest_access::Resolved;
-use super::host::{HostCompletionQueue, HostQueuePair, HostSharedReceiveQueue};
 use super::wqe::QpRules;
+use crate::hostverbs::{CompletionQueue, QueuePair, SharedReceiveQueue};
 
 /// A ring in guest memory: `depth` slots of `1 << stride_shift` bytes over guest pages.
 #[derive(Clone, Debug)]
@@ -114,7 +114,7 @@ pub(super) struct CqProgress {
 /// The data-path half of a CQ.
 pub struct CqData {
     pub handle: u32,
-    pub host: Arc<dyn HostCompletionQueue>,
+    pub host: Arc<CompletionQueue>,
     pub(super) doorbell: u64,
     pub(super) progress: Mutex<Visited<CqProgress>>,
     /// The host CQ is armed and has not completed anything since: arming it again before
@@ -172,12 +172,7 @@ impl CqData {
         spans_of::<CqDoorbell>(self.doorbell, std::iter::once(ring))
     }
 
-    pub fn new(
-        handle: u32,
-        host: Arc<dyn HostCompletionQueue>,
-        ring: GuestRing,
-        doorbell: u64,
-    ) -> Self {
+    pub fn new(handle: u32, host: Arc<CompletionQueue>, ring: GuestRing, doorbell: u64) -> Self {
         CqData {
             handle,
             host,
@@ -209,7 +204,7 @@ pub(super) struct QpProgress {
 /// The data-path half of a QP.
 pub struct QpData {
     pub handle: u32,
-    pub qp: Arc<dyn HostQueuePair>,
+    pub qp: Arc<QueuePair>,
     pub(super) rules: QpRules,
     /// `rules.takes_common_sends()`, decided once.
     pub(super) takes_common_sends: bool,
@@ -244,7 +239,7 @@ impl QpData {
 
     pub fn new(
         handle: u32,
-        qp: Arc<dyn HostQueuePair>,
+        qp: Arc<QueuePair>,
         rules: QpRules,
         (sq, rq): (GuestRing, Option<GuestRing>),
         doorbell: u64,
@@ -284,7 +279,7 @@ pub(super) struct SrqProgress {
 /// The data-path half of an SRQ.
 pub struct SrqData {
     pub handle: u32,
-    pub srq: Arc<dyn HostSharedReceiveQueue>,
+    pub srq: Arc<SharedReceiveQueue>,
     pub(super) rules: QpRules,
     pub(super) ring: GuestRing,
     pub(super) doorbell: u64,
@@ -322,7 +317,7 @@ impl SrqData {
 
     pub fn new(
         handle: u32,
-        srq: Arc<dyn HostSharedReceiveQueue>,
+        srq: Arc<SharedReceiveQueue>,
         rules: QpRules,
         ring: GuestRing,
         doorbell: u64,

@@ -354,7 +354,7 @@ fn a_pass_visits_only_the_queues_whose_doorbell_bits_are_set() {
     for bit in 1..=500u16 {
         let qp = QpData::new(
             0x1000 + u32::from(bit),
-            Arc::clone(&idle) as _,
+            FakeQp::host(&idle),
             objects.rules,
             (objects.sq.clone(), None),
             0xf000_0000,

@@ -4,11 +4,10 @@ use std::io;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use rdma_sys::*;
+use rdma_sys::ibv_access_flags;
 
-use super::{
-    last_error, loopback, verbs_object_is_thread_safe, Error, ProtectionDomain, Raw, Result,
-};
+use super::seam::HostMr;
+use super::{Error, ProtectionDomain, Result};
 
 /// Memory that stays mapped at one address for as long as the value lives, so that a host MR
 /// registered over it never outlives the mapping.
@@ -42,6 +41,14 @@ pub unsafe trait PinnedMemory: Send + Sync {
             std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), out.as_mut_ptr(), out.len())
         };
         Ok(())
+    }
+}
+
+/// Error from a system call that reports failure through errno.
+fn os_error(call: &'static str) -> Error {
+    Error::Verbs {
+        call,
+        source: io::Error::last_os_error(),
     }
 }
 
@@ -86,7 +93,7 @@ impl AnonymousMemory {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(last_error("mmap"));
+            return Err(os_error("mmap"));
         }
         Ok(AnonymousMemory {
             ptr: NonNull::new(ptr.cast()).expect("mmap returned NULL without failing"),
@@ -104,7 +111,7 @@ impl AnonymousMemory {
         };
         // SAFETY: the range is this value's own mapping; the advice changes no contents.
         if unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) } != 0 {
-            return Err(last_error("madvise"));
+            return Err(os_error("madvise"));
         }
         Ok(())
     }
@@ -132,8 +139,8 @@ impl Drop for AnonymousMemory {
 
 /// A host memory region.
 pub struct MemoryRegion {
-    /// libibverbs' MR, or the loopback's by its key (both its lkey and its rkey).
-    raw: Raw<ibv_mr, loopback::Handle>,
+    /// Dropped before the memory and the PD (fields drop in order), as the seam requires.
+    host: Box<dyn HostMr>,
     iova: u64,
     len: usize,
     /// The mapping registered over, kept while the MR lives; `None` for [`reg_mr_pinned`]
@@ -143,8 +150,6 @@ pub struct MemoryRegion {
     _memory: Option<Arc<dyn PinnedMemory>>,
     _pd: Arc<ProtectionDomain>,
 }
-
-verbs_object_is_thread_safe!(MemoryRegion);
 
 impl ProtectionDomain {
     /// Registers all of `memory` so that the NIC sees it at `iova` (`ibv_reg_mr_iova2`):
@@ -169,21 +174,10 @@ impl ProtectionDomain {
         iova: u64,
         access: u32,
     ) -> Result<MemoryRegion> {
-        let raw = match &self.raw {
-            Raw::Verbs(pd) => {
-                Raw::Verbs(register(pd.as_ptr(), &*memory, offset, len, iova, access)?)
-            }
-            Raw::Loopback(pd) => {
-                check_registration(&*memory, offset, len, iova)?;
-                let memory = Arc::clone(&memory);
-                let key = pd
-                    .device
-                    .reg_mr(pd.id, memory, (offset, len), iova, access)?;
-                Raw::Loopback(pd.with_id(key))
-            }
-        };
+        check_registration(&*memory, offset, len, iova)?;
+        let host = self.host.reg_mr(&memory, (offset, len), iova, access)?;
         Ok(MemoryRegion {
-            raw,
+            host,
             iova,
             len,
             _memory: Some(memory),
@@ -211,14 +205,17 @@ impl ProtectionDomain {
                 "an on-demand-paging MR does not pin its pages".into(),
             ));
         }
-        let Raw::Verbs(pd) = &self.raw else {
+        if !self.pins_pages() {
             return Err(Error::InvalidArgument(
-                "the loopback host pins no pages: register memory it may keep mapped".into(),
+                "the host pins no pages: register memory it may keep mapped".into(),
             ));
-        };
-        let raw = Raw::Verbs(register(pd.as_ptr(), memory, offset, len, iova, access)?);
+        }
+        check_registration(memory, offset, len, iova)?;
+        let host = self
+            .host
+            .reg_mr_pinned(memory, (offset, len), iova, access)?;
         Ok(MemoryRegion {
-            raw,
+            host,
             iova,
             len,
             _memory: None,
@@ -246,40 +243,12 @@ fn check_registration(
     Ok(())
 }
 
-/// Registers `len` bytes of `memory` from `offset` in the libibverbs PD `pd`, at `iova`.
-fn register(
-    pd: *mut ibv_pd,
-    memory: &dyn PinnedMemory,
-    offset: usize,
-    len: usize,
-    iova: u64,
-    access: u32,
-) -> Result<NonNull<ibv_mr>> {
-    check_registration(memory, offset, len, iova)?;
-    // SAFETY: the PD is alive (the caller's); `offset..offset + len` is inside the memory
-    // (checked above), mapped for the duration of the call (the caller holds it).
-    // Afterwards the MR either keeps the mapping (reg_mr_range) or, pinned, needs none
-    // (reg_mr_pinned).
-    NonNull::new(unsafe {
-        ibv_reg_mr_iova2(pd, memory.as_ptr().add(offset).cast(), len, iova, access)
-    })
-    .ok_or_else(|| last_error("ibv_reg_mr_iova2"))
-}
-
 impl MemoryRegion {
     pub fn lkey(&self) -> u32 {
-        match &self.raw {
-            // SAFETY: the MR is alive; lkey is set at registration and never changes.
-            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).lkey },
-            Raw::Loopback(mr) => mr.id,
-        }
+        self.host.lkey()
     }
     pub fn rkey(&self) -> u32 {
-        match &self.raw {
-            // SAFETY: the MR is alive; rkey is set at registration and never changes.
-            Raw::Verbs(raw) => unsafe { (*raw.as_ptr()).rkey },
-            Raw::Loopback(mr) => mr.id,
-        }
+        self.host.rkey()
     }
     /// The address work requests use for the first byte of the region.
     pub fn iova(&self) -> u64 {
@@ -290,20 +259,5 @@ impl MemoryRegion {
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-}
-
-impl Drop for MemoryRegion {
-    fn drop(&mut self) {
-        let raw = match &self.raw {
-            Raw::Verbs(raw) => raw.as_ptr(),
-            Raw::Loopback(key) => return key.device.dereg_mr(key.id),
-        };
-        // SAFETY: the MR was registered by `register` and is deregistered once; a mapping it
-        // keeps is dropped only after this.
-        let ret = unsafe { ibv_dereg_mr(raw) };
-        if ret != 0 {
-            log::error!("ibv_dereg_mr failed: {ret}");
-        }
     }
 }

@@ -91,7 +91,7 @@ impl Poller {
     /// that is not armed already (a CQ stays armed until a completion arrives on it).
     pub(in crate::datapath) fn arm_cqs(&self) {
         for cq in &self.cqs {
-            if !cq.armed.swap(true, Ordering::Relaxed) && cq.host.arm().is_err() {
+            if !cq.armed.swap(true, Ordering::Relaxed) && cq.host.req_notify(false).is_err() {
                 cq.armed.store(false, Ordering::Relaxed);
             }
         }

@@ -173,7 +173,7 @@ impl Poller {
             return 0;
         }
         qp.send_cq.expect(self.batch.len());
-        let posted = match qp.qp.post_send(&mut self.batch) {
+        let posted = match self.batch.post(&qp.qp) {
             Ok(()) => self.batch.len(),
             Err(hostverbs::Error::Post { posted, source, .. }) => {
                 if source.raw_os_error() != Some(libc::ENOMEM) {

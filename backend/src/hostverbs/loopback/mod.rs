@@ -27,16 +27,17 @@ use rdma_sys::{ibv_access_flags, ibv_wc_status};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 pub mod cm;
-pub mod faults;
+mod host;
 #[cfg(test)]
 mod tests;
 mod transfer;
 mod verbs;
 
-pub use faults::Verb;
 pub use verbs::QpSetup;
 
 use transfer::{receive_completion, Retries, Wait};
+
+use super::event_queue::EventQueue;
 
 use super::{
     qp_attr_mask as mask, AhAttr, AsyncEvent, DeviceAttr, Error, Gid, GidType, ObjectId, Payload,
@@ -78,9 +79,6 @@ const MTU_4096_BYTE: u8 = MTU_4096 as u8;
 const UD_MTU: u64 = 4096;
 /// Bytes of the GRH that heads every UD receive buffer.
 const GRH_LEN: usize = 40;
-/// `ibv_port_state` of a port taken down, and its physical state then.
-const PORT_DOWN: u32 = 1;
-const PHYS_STATE_DISABLED: u8 = 3;
 /// `rnr_retry` that means retrying for ever.
 const RNR_FOREVER: u8 = 7;
 
@@ -165,42 +163,6 @@ pub fn query_gid(port: u8, index: u32) -> Result<(Gid, GidType)> {
     Ok((gid(), GidType::RoceV2))
 }
 
-/// Events behind a file descriptor that is readable while some are pending: a context's
-/// asynchronous events, a connection manager channel's events.
-struct EventQueue<T> {
-    fd: EventFd,
-    queue: Mutex<VecDeque<T>>,
-}
-
-impl<T> EventQueue<T> {
-    fn new() -> Result<EventQueue<T>> {
-        let fd = EventFd::new(EFD_NONBLOCK).map_err(|source| Error::Verbs {
-            call: "eventfd",
-            source,
-        })?;
-        Ok(EventQueue {
-            fd,
-            queue: Mutex::default(),
-        })
-    }
-
-    fn push(&self, event: T) {
-        lock(&self.queue).push_back(event);
-        // A full counter (2^64 - 2 unread events) still leaves the fd readable.
-        let _ = self.fd.write(1);
-    }
-
-    fn take(&self) -> Option<T> {
-        if let Some(event) = lock(&self.queue).pop_front() {
-            return Some(event);
-        }
-        // Cleared before looking again: an event pushed after this read makes the fd
-        // readable again, one pushed before is found below.
-        let _ = self.fd.read();
-        lock(&self.queue).pop_front()
-    }
-}
-
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -226,42 +188,8 @@ impl Context {
         Ok(Context { device, events })
     }
 
-    pub fn async_fd(&self) -> RawFd {
-        self.events.fd.as_raw_fd()
-    }
-
-    pub fn take_async_event(&self) -> Option<AsyncEvent> {
-        self.events.take()
-    }
-
-    /// [`port_attr`] as the port is now ([`Device::set_port_active`]), unless a failure is
-    /// armed ([`Device::fail`]).
-    pub fn query_port(&self, port: u8) -> Result<PortAttr> {
-        let mut state = self.device.state();
-        state.refuse(Verb::QueryPort)?;
-        let attr = port_attr(port)?;
-        Ok(match state.port_down {
-            true => PortAttr {
-                state: PORT_DOWN,
-                phys_state: PHYS_STATE_DISABLED,
-                ..attr
-            },
-            false => attr,
-        })
-    }
-
-    /// [`query_gid`], with the GID [`Device::replace_gid`] put there, unless a failure is
-    /// armed ([`Device::fail`]).
-    pub fn query_gid(&self, port: u8, index: u32) -> Result<(Gid, GidType)> {
-        let mut state = self.device.state();
-        state.refuse(Verb::QueryGid)?;
-        let (gid, kind) = query_gid(port, index)?;
-        Ok((state.replaced_gid.unwrap_or(gid), kind))
-    }
-
     pub fn alloc_pd(&self) -> Result<Handle> {
         let mut state = self.device.state();
-        state.refuse(Verb::AllocPd)?;
         state.pds += 1;
         Ok(Handle {
             device: self.device,
@@ -269,16 +197,11 @@ impl Context {
         })
     }
 
-    pub fn dealloc_pd(&self) {
-        self.device.state().pds -= 1;
-    }
-
     pub fn create_cq(&self, depth: u32, channel: Option<Arc<Channel>>) -> Result<Arc<Cq>> {
         if depth == 0 || depth > MAX_CQE {
             return Err(errno("ibv_create_cq", libc::EINVAL));
         }
         let mut state = self.device.state();
-        state.refuse(Verb::CreateCq)?;
         state.cqs += 1;
         drop(state);
         Ok(Arc::new(Cq {
@@ -370,7 +293,6 @@ impl Cq {
     /// Holds up to `depth` completions from now on; EINVAL, changing nothing, if that is
     /// not a depth a CQ may have or the CQ holds more, as `ibv_resize_cq` on rxe.
     pub fn resize(&self, depth: u32) -> std::result::Result<(), i32> {
-        self.device.state().faults.check(Verb::ResizeCq)?;
         let state = lock(&self.state);
         if depth == 0 || depth > MAX_CQE || state.entries.len() > depth as usize {
             return Err(libc::EINVAL);
@@ -459,53 +381,6 @@ impl Device {
 
     fn state(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
-    }
-
-    /// Makes a call of `verb` fail with `errno` once `successes` more have succeeded (for
-    /// posts, counted by work request) ([`faults`]); failures armed for one verb fire in turn.
-    pub fn fail(&self, verb: Verb, successes: u32, errno: i32) {
-        self.state().faults.arm(verb, successes, errno);
-    }
-
-    /// Takes the port down or brings it up, as a cable pulled and put back: queries say so
-    /// and every context gets PORT_ERR or PORT_ACTIVE. Traffic goes on (this device has no
-    /// wire to lose); what is under test is what the backend tells its guests.
-    pub fn set_port_active(&self, active: bool) {
-        let mut state = self.state();
-        if state.port_down != active {
-            return;
-        }
-        state.port_down = !active;
-        let event = match active {
-            true => AsyncEvent::PortActive(1),
-            false => AsyncEvent::PortError(1),
-        };
-        for events in &state.contexts {
-            events.push(event);
-        }
-    }
-
-    /// Makes queries of the GID table's one entry answer `gid`, as a host's table does when
-    /// the address under an entry changes; traffic is unaffected.
-    pub fn replace_gid(&self, gid: Gid) {
-        self.state().replaced_gid = Some(gid);
-    }
-
-    /// Failures armed ([`Device::fail`]) that have not fired yet.
-    pub fn failures_pending(&self) -> usize {
-        self.state().faults.pending()
-    }
-
-    /// A fatal error of QP `qpn`, as a NIC reports one: the QP enters the error state (its
-    /// work flushed) and its context gets the QP_FATAL event. False if there is no such QP.
-    pub fn raise_qp_fatal(&self, qpn: u32) -> bool {
-        let mut state = self.state();
-        let Some(events) = state.qps.get(&qpn).map(|qp| Arc::clone(&qp.send_cq.events)) else {
-            return false;
-        };
-        state.fail_qp(qpn);
-        events.push(AsyncEvent::QpFailed(qpn));
-        true
     }
 
     /// The objects alive, by kind (`rdma resource show`'s names): what tests compare
@@ -609,11 +484,6 @@ struct State {
     ahs: Table<Ah>,
     /// QPs with sends waiting for a receive, oldest first.
     waiting: Vec<u32>,
-    faults: faults::Faults,
-    /// The port was taken down ([`Device::set_port_active`]).
-    port_down: bool,
-    /// What queries find in the GID table's one entry ([`Device::replace_gid`]).
-    replaced_gid: Option<Gid>,
 }
 
 struct Mr {
@@ -777,10 +647,13 @@ impl<'a> Request<'a> {
                 Payload::Sges(s) => OwnedOrBorrowed::Sges(s.into()),
                 Payload::Inline(d) => OwnedOrBorrowed::Inline(d.into()),
             },
-            ud: r
-                .ud
-                .as_ref()
-                .and_then(|ud| Some((ud.ah.loopback_id()?, ud.remote_qpn, ud.remote_qkey))),
+            ud: r.ud.as_ref().and_then(|ud| {
+                Some((
+                    u32::try_from(ud.ah.handle()).ok()?,
+                    ud.remote_qpn,
+                    ud.remote_qkey,
+                ))
+            }),
         }
     }
 
@@ -800,13 +673,6 @@ impl<'a> Request<'a> {
 }
 
 impl State {
-    /// Fails the call of `verb` with the errno of an armed failure that falls on it.
-    fn refuse(&mut self, verb: Verb) -> Result<()> {
-        self.faults
-            .check(verb)
-            .map_err(|code| errno(verb.call(), code))
-    }
-
     fn new_id(&mut self) -> u32 {
         self.next_id = self.next_id.wrapping_add(1).max(1);
         self.next_id

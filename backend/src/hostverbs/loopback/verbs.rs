@@ -13,7 +13,6 @@ impl Device {
         access: u32,
     ) -> Result<u32> {
         let mut state = self.state();
-        state.refuse(Verb::RegMr)?;
         let key = state.new_key();
         state.mrs.insert(
             key,
@@ -49,7 +48,6 @@ impl Device {
             return Err(errno("ibv_create_qp", libc::EINVAL));
         }
         let mut state = self.state();
-        state.refuse(Verb::CreateQp)?;
         if let Some(srq) = init.srq {
             if !state.srqs.contains_key(&srq) {
                 return Err(errno("ibv_create_qp", libc::EINVAL));
@@ -86,7 +84,6 @@ impl Device {
 
     pub fn modify_qp(&self, qpn: u32, attr: &QpAttr, attr_mask: u32) -> Result<()> {
         let mut state = self.state();
-        state.refuse(Verb::ModifyQp)?;
         let qp = state
             .qps
             .get_mut(&qpn)
@@ -120,8 +117,7 @@ impl Device {
     }
 
     pub fn query_qp(&self, qpn: u32) -> Result<QpAttr> {
-        let mut state = self.state();
-        state.refuse(Verb::QueryQp)?;
+        let state = self.state();
         let qp = state
             .qps
             .get(&qpn)
@@ -158,9 +154,6 @@ impl Device {
             if !ready || !allowed || sges > max_sge as usize {
                 return Err(post_refused(CALL, posted, libc::EINVAL));
             }
-            if let Err(code) = state.faults.check(Verb::PostSend) {
-                return Err(post_refused(CALL, posted, code));
-            }
             if waiting >= max_wr as usize {
                 return Err(post_refused(CALL, posted, libc::ENOMEM));
             }
@@ -193,7 +186,7 @@ impl Device {
                     Some(libc::EINVAL)
                 }
                 _ if qp.rq.len() >= qp.caps.max_recv_wr as usize => Some(libc::ENOMEM),
-                _ => state.faults.check(Verb::PostRecv).err(),
+                _ => None,
             };
             if let Some(code) = refused {
                 return Err(post_refused(CALL, posted, code));
@@ -216,7 +209,6 @@ impl Device {
             return Err(errno("ibv_create_srq", libc::EINVAL));
         }
         let mut state = self.state();
-        state.refuse(Verb::CreateSrq)?;
         let id = state.new_id();
         state.srqs.insert(
             id,
@@ -249,9 +241,6 @@ impl Device {
             if srq.queue.len() >= srq.max_wr as usize {
                 return Err(post_refused(CALL, posted, libc::ENOMEM));
             }
-            if let Err(code) = state.faults.check(Verb::PostSrqRecv) {
-                return Err(post_refused(CALL, posted, code));
-            }
             srq.queue.push_back(Recv::new(wr));
         }
         state.resume_waiting();
@@ -263,7 +252,6 @@ impl Device {
             return Err(errno("ibv_create_ah", libc::EINVAL));
         }
         let mut state = self.state();
-        state.refuse(Verb::CreateAh)?;
         let id = state.new_id();
         state.ahs.insert(
             id,

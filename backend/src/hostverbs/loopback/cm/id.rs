@@ -10,15 +10,14 @@ use crate::hostverbs::loopback::verbs::required_attributes;
 use crate::hostverbs::QpType;
 
 impl Id {
-    /// Runs `verb` on the id's slot, unless a failure is armed for it ([`Device::fail`]).
+    /// Runs `call` on the id's slot.
     fn with<T>(
         &self,
-        verb: Verb,
+        call: &'static str,
         f: impl FnOnce(&mut ManagerState, u64) -> Result<T>,
     ) -> Result<T> {
-        self.manager.refuse(verb)?;
         let mut state = lock(&self.manager.state);
-        state.slot(self.number, verb.call())?;
+        state.slot(self.number, call)?;
         f(&mut state, self.number)
     }
 
@@ -30,9 +29,8 @@ impl Id {
     }
 
     pub fn bind(&self, address: SocketAddrV4) -> Result<()> {
-        const VERB: Verb = Verb::CmBind;
-        const CALL: &str = VERB.call();
-        self.with(VERB, |state, n| {
+        const CALL: &str = "rdma_bind_addr";
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             if slot.stage != Stage::Idle {
                 return Err(einval(CALL));
@@ -49,9 +47,8 @@ impl Id {
     /// Binds the id to `src` if it is not bound, then resolves `dst`: ADDR_RESOLVED where a
     /// guest of the device holds it, ADDR_ERROR (the id stays bound) where none does.
     pub fn resolve_addr(&self, src: SocketAddrV4, dst: SocketAddrV4) -> Result<()> {
-        const VERB: Verb = Verb::CmResolveAddr;
-        const CALL: &str = VERB.call();
-        self.with(VERB, |state, n| {
+        const CALL: &str = "rdma_resolve_addr";
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             let (stage, udp) = (slot.stage, slot.udp);
             match stage {
@@ -79,9 +76,8 @@ impl Id {
     }
 
     pub fn resolve_route(&self) -> Result<()> {
-        const VERB: Verb = Verb::CmResolveRoute;
-        const CALL: &str = VERB.call();
-        self.with(VERB, |state, n| {
+        const CALL: &str = "rdma_resolve_route";
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             if slot.stage != Stage::AddrResolved {
                 return Err(einval(CALL));
@@ -94,9 +90,8 @@ impl Id {
 
     /// Listens with room for `backlog` requests nobody took yet; the next ones are rejected.
     pub fn listen(&self, backlog: u32) -> Result<()> {
-        const VERB: Verb = Verb::CmListen;
-        const CALL: &str = VERB.call();
-        self.with(VERB, |state, n| {
+        const CALL: &str = "rdma_listen";
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             if !matches!(slot.stage, Stage::Bound | Stage::Listening) {
                 return Err(einval(CALL));
@@ -123,9 +118,8 @@ impl Id {
 
     /// Sends a connection request to the resolved destination from the QP `qp_num`.
     pub fn connect(&self, param: &ConnParam, qp_num: u32) -> Result<()> {
-        const VERB: Verb = Verb::CmConnect;
-        const CALL: &str = VERB.call();
-        self.with(VERB, |state, n| {
+        const CALL: &str = "rdma_connect";
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             let (Stage::RouteResolved, Some(src), Some(dst)) = (slot.stage, slot.src, slot.dst)
             else {
@@ -191,9 +185,8 @@ impl Id {
     /// Accepts the request this id came from with the QP `qp_num`: CONNECT_RESPONSE at the
     /// connecting side (RC; ESTABLISHED follows its `establish`), or ESTABLISHED there (UD).
     pub fn accept(&self, param: &ConnParam, qp_num: u32) -> Result<()> {
-        const VERB: Verb = Verb::CmAccept;
-        const CALL: &str = VERB.call();
-        self.with(VERB, |state, n| {
+        const CALL: &str = "rdma_accept";
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             let (Stage::Requested, Some(peer), udp) = (slot.stage, slot.peer, slot.udp) else {
                 return Err(einval(CALL));
@@ -240,9 +233,8 @@ impl Id {
     /// Refuses the request this id came from (or, connecting, the answer it got): REJECTED
     /// (UD: UNREACHABLE) with `private_data` at the peer.
     pub fn reject(&self, private_data: &[u8]) -> Result<()> {
-        const VERB: Verb = Verb::CmReject;
-        const CALL: &str = VERB.call();
-        self.with(VERB, |state, n| {
+        const CALL: &str = "rdma_reject";
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             if !matches!(slot.stage, Stage::Requested | Stage::ConnectResponse) {
                 return Err(einval(CALL));
@@ -271,9 +263,8 @@ impl Id {
 
     /// The connecting side's RTU: the connection is up, ESTABLISHED at the accepting side.
     pub fn establish(&self) -> Result<()> {
-        const VERB: Verb = Verb::CmEstablish;
-        const CALL: &str = VERB.call();
-        self.with(VERB, |state, n| {
+        const CALL: &str = "rdma_establish";
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             if slot.stage != Stage::ConnectResponse {
                 return Err(einval(CALL));
@@ -294,9 +285,8 @@ impl Id {
     /// DREP), DREP on one the peer disconnected; where no connection is up, nothing is sent,
     /// as `rdma_disconnect` does then.
     pub fn disconnect(&self) -> Result<()> {
-        const VERB: Verb = Verb::CmDisconnect;
-        const CALL: &str = VERB.call();
-        self.with(VERB, |state, n| {
+        const CALL: &str = "rdma_disconnect";
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             match (slot.stage, slot.peer) {
                 (Stage::Idle | Stage::Bound | Stage::Listening, _) => Err(einval(CALL)),
@@ -337,10 +327,9 @@ impl Id {
     /// The attributes (and their mask) that move a QP of this id to `state`: INIT on any id
     /// bound to the device, RTR and RTS once the peer's QP is known.
     pub fn init_qp_attr(&self, qp_state: u32) -> Result<(QpAttr, u32)> {
-        const VERB: Verb = Verb::CmInitQpAttr;
-        const CALL: &str = VERB.call();
+        const CALL: &str = "rdma_init_qp_attr";
         let qp_state = QpState::try_from(qp_state).map_err(|_| einval(CALL))?;
-        self.with(VERB, |state, n| {
+        self.with(CALL, |state, n| {
             let slot = state.slot(n, CALL)?;
             if matches!(slot.stage, Stage::Idle | Stage::Listening | Stage::Closed) {
                 return Err(einval(CALL));
