@@ -4,7 +4,8 @@
 //! same command succeeds when asked again. Posts the host takes only in part lose and double
 //! nothing; a QP the host fails reaches the guest as QP_FATAL with its work flushed; a port
 //! going down and up reaches every guest; a guest whose GID the host reassigned is told so.
-//! The wrapper fails any host on cue; the test command runs these on the loopback host.
+//! The wrapper fails any host on cue: the test command runs these on the loopback host, and
+//! the control commands' refusals on rxe too.
 
 use std::time::Duration;
 
@@ -59,6 +60,17 @@ fn refused_once<T>(
 
 #[test]
 fn every_host_refusal_of_a_control_command_reaches_the_guest_and_leaves_nothing() {
+    every_host_refusal_of_a_control_command();
+}
+
+/// The same over libibverbs: the faults wrap any host.
+#[test]
+#[ignore = "needs rdma_rxe: run by tests/run-all.sh inside the VM harness"]
+fn every_libibverbs_refusal_of_a_control_command_reaches_the_guest_and_leaves_nothing() {
+    every_host_refusal_of_a_control_command();
+}
+
+fn every_host_refusal_of_a_control_command() {
     let backend = start_faulty_backend();
     let baseline = host_resource_counts();
     {

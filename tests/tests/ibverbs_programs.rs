@@ -387,7 +387,12 @@ fn try_client_server(
     while !ready.iter().any(|said| first.contains(said)) {
         let mut line = String::new();
         if server_out.read_line(&mut line).unwrap() == 0 {
-            panic!("{what}: server did not start: {first:?}");
+            let mut said = String::new();
+            if let Some(mut stderr) = server_process.stderr.take() {
+                let _ = stderr.read_to_string(&mut said);
+            }
+            let status = server_process.wait();
+            panic!("{what}: server did not start ({status:?}): {first:?} {said:?}");
         }
         first.push_str(&line);
     }

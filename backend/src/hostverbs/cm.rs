@@ -9,19 +9,11 @@ use std::sync::Arc;
 
 pub use vrdma_spec::cm::ConnParam;
 
+pub use super::seam::{CmIdInfo, PortSpace};
 use super::seam::{HostCmChannel, HostCmId};
-use super::{faults, ibverbs, loopback, AhAttr, Gid, QpAttr, Result};
+use super::{faults, ibverbs, loopback, AhAttr, QpAttr, Result};
 
 pub use ibverbs::prepare_connection_manager as prepare;
-
-/// librdmacm's port spaces the device serves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PortSpace {
-    /// RC QPs.
-    Tcp,
-    /// UD QPs.
-    Udp,
-}
 
 /// One event taken from the channel, copied out and acknowledged.
 pub struct CmEvent {
@@ -89,22 +81,6 @@ impl CmChannel {
             ud_ah: event.ud_ah,
         })
     }
-}
-
-/// The addresses and route of an id.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct CmIdInfo {
-    pub src: Option<SocketAddrV4>,
-    pub dst: Option<SocketAddrV4>,
-    pub sgid: Gid,
-    pub dgid: Gid,
-    pub pkey: u16,
-    /// ibv_mtu of the first path; 0 without one.
-    pub path_mtu: u8,
-    pub num_paths: u8,
-    /// The host device the id is bound to, once it is.
-    pub device: Option<String>,
-    pub port_num: u8,
 }
 
 /// A connection-manager id. Dropping it destroys it (a connected id disconnects first).

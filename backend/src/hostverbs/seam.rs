@@ -18,11 +18,11 @@ use std::net::SocketAddrV4;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use super::cm::{CmIdInfo, ConnParam, PortSpace};
 use super::{
     AhAttr, AsyncEvent, DeviceAttr, Gid, GidType, ObjectId, PinnedMemory, PortAttr, QpAttr, QpCaps,
     QpInit, RecvWr, Result, SendBatch, WorkCompletion,
 };
+use vrdma_spec::cm::ConnParam;
 
 /// An open host device.
 pub trait HostContext: Send + Sync {
@@ -173,4 +173,29 @@ pub trait HostCmId: Send + Sync {
     /// The attributes (and their mask) that move a QP of this id to `state`.
     fn init_qp_attr(&self, state: u32) -> Result<(QpAttr, u32)>;
     fn info(&self) -> CmIdInfo;
+}
+
+/// librdmacm's port spaces the device serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PortSpace {
+    /// RC QPs.
+    Tcp,
+    /// UD QPs.
+    Udp,
+}
+
+/// The addresses and route of an id.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CmIdInfo {
+    pub src: Option<SocketAddrV4>,
+    pub dst: Option<SocketAddrV4>,
+    pub sgid: Gid,
+    pub dgid: Gid,
+    pub pkey: u16,
+    /// ibv_mtu of the first path; 0 without one.
+    pub path_mtu: u8,
+    pub num_paths: u8,
+    /// The host device the id is bound to, once it is.
+    pub device: Option<String>,
+    pub port_num: u8,
 }

@@ -6,9 +6,10 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use super::{Faults, Verb};
-use crate::hostverbs::cm::{CmIdInfo, ConnParam, PortSpace};
+use crate::hostverbs::seam::{CmIdInfo, PortSpace};
 use crate::hostverbs::seam::{HostCmChannel, HostCmEvent, HostCmId};
 use crate::hostverbs::{qp_attr_mask, QpAttr, Result};
+use vrdma_spec::cm::ConnParam;
 
 pub(super) struct Channel {
     pub(super) inner: Box<dyn HostCmChannel>,

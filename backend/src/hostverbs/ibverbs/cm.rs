@@ -12,9 +12,10 @@ use rdma_sys::*;
 use vrdma_spec::verbs::ibv::{from_sockaddr_in, sockaddr_in};
 
 use super::{check, last_error, set_nonblocking};
-use crate::hostverbs::cm::{CmIdInfo, ConnParam, PortSpace};
+use crate::hostverbs::seam::{CmIdInfo, PortSpace};
 use crate::hostverbs::seam::{HostCmChannel, HostCmEvent, HostCmId};
 use crate::hostverbs::{AhAttr, Error, Gid, QpAttr, Result};
+use vrdma_spec::cm::ConnParam;
 
 /// Does once what librdmacm does the first time a process resolves a route and that a
 /// confined process may not: it connects to the ibacm service's socket, if one is there (its

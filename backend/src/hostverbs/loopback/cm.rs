@@ -25,7 +25,7 @@ use vrdma_spec::cm::{cm_event, ConnParam};
 use super::{
     errno, gid, lock, Device, EventQueue, MTU_4096_BYTE, REMOTE_ATOMIC, REMOTE_READ, REMOTE_WRITE,
 };
-use crate::hostverbs::cm::CmIdInfo;
+use crate::hostverbs::seam::CmIdInfo;
 use crate::hostverbs::{qp_attr_mask as mask, AhAttr, Error, Gid, QpAttr, QpState, Result};
 
 /// `IB_CM_REJ_INVALID_SERVICE_ID`: nobody listens on the port.

@@ -6,12 +6,13 @@ use std::net::SocketAddrV4;
 use std::os::fd::RawFd;
 
 use super::*;
-use crate::hostverbs::cm::{CmIdInfo, ConnParam, PortSpace};
+use crate::hostverbs::seam::{CmIdInfo, PortSpace};
 use crate::hostverbs::seam::{
     HostAh, HostChannel, HostCmChannel, HostCmEvent, HostCmId, HostContext, HostCq, HostMr, HostPd,
     HostQp, HostSrq,
 };
 use crate::hostverbs::{AhAttr, QpInit};
+use vrdma_spec::cm::ConnParam;
 
 /// An object of another host handed to the loopback: a mistake of the caller, refused.
 fn other_host(call: &'static str) -> Error {
