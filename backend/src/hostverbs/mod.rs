@@ -58,6 +58,12 @@ pub enum Error {
 }
 
 impl Error {
+    /// An object of one host handed to a call of another (a loopback CQ to a libibverbs
+    /// QP): a mistake of the caller, refused.
+    pub(crate) fn other_host(call: &'static str) -> Error {
+        Error::InvalidArgument(format!("{call}: objects of two hosts mixed"))
+    }
+
     /// The errno a failed verbs call reported, if any.
     pub fn errno(&self) -> Option<i32> {
         match self {

@@ -19,11 +19,6 @@ use crate::hostverbs::{
     QpCaps, QpInit, RecvWr, Result, SendBatch, WorkCompletion,
 };
 
-/// An object of another host handed to the wrapper: a mistake of the caller, refused.
-fn other_host(call: &'static str) -> Error {
-    Error::InvalidArgument(format!("{call}: objects of two hosts mixed"))
-}
-
 fn epoll_error(source: io::Error) -> Error {
     Error::Verbs {
         call: "epoll over the async event fds",
@@ -171,7 +166,7 @@ impl HostPd for Pd {
             None => None,
             Some(srq) => match srq.as_any().downcast_ref::<Srq>() {
                 Some(srq) => Some(&*srq.inner),
-                None => return Err(other_host("ibv_create_qp")),
+                None => return Err(Error::other_host("ibv_create_qp")),
             },
         };
         let (send_cq, recv_cq) = (inner_cq(send_cq)?, inner_cq(recv_cq)?);
@@ -242,7 +237,7 @@ impl HostCq for Cq {
 fn inner_cq(cq: &dyn HostCq) -> Result<&dyn HostCq> {
     match cq.as_any().downcast_ref::<Cq>() {
         Some(cq) => Ok(&*cq.inner),
-        None => Err(other_host("ibv_create_qp")),
+        None => Err(Error::other_host("ibv_create_qp")),
     }
 }
 

@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 
 use rdma_sys::*;
 
-use super::{check, last_error, other_host, set_nonblocking, verbs_object_is_thread_safe};
+use super::{check, last_error, set_nonblocking, verbs_object_is_thread_safe};
 use crate::hostverbs::seam::{HostChannel, HostCq};
 use crate::hostverbs::{Error, ObjectId, Result, WorkCompletion};
 
@@ -23,7 +23,7 @@ pub(super) fn create(
         None => std::ptr::null_mut(),
         Some(channel) => match channel.as_any().downcast_ref::<Channel>() {
             Some(channel) => channel.raw.as_ptr(),
-            None => return Err(other_host("ibv_create_cq")),
+            None => return Err(Error::other_host("ibv_create_cq")),
         },
     };
     // SAFETY: the context (and the channel, if any) are alive and outlive the CQ (see the

@@ -45,11 +45,6 @@ fn check(call: &'static str, ret: c_int) -> Result<()> {
     }
 }
 
-/// An object of another host handed to a call of this one: a mistake of the caller, refused.
-fn other_host(call: &'static str) -> Error {
-    Error::InvalidArgument(format!("{call}: objects of two hosts mixed"))
-}
-
 fn set_nonblocking(fd: RawFd, what: &'static str) -> Result<()> {
     // SAFETY: fcntl on a descriptor the caller's verbs object owns, integer arguments only.
     let ok = unsafe {

@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 use rdma_sys::*;
 
 use super::cq::Cq;
-use super::{check, last_error, other_host, verbs_object_is_thread_safe};
+use super::{check, last_error, verbs_object_is_thread_safe};
 use crate::hostverbs::seam::{HostAh, HostCq, HostQp, HostSrq};
 use crate::hostverbs::{
     qp_attr_mask, AhAttr, Error, ObjectId, QpAttr, QpCaps, QpInit, QpType, RecvWr, Result,
@@ -23,7 +23,7 @@ fn verbs_cq(cq: &dyn HostCq) -> Result<*mut ibv_cq> {
     cq.as_any()
         .downcast_ref::<Cq>()
         .map(|cq| cq.raw.as_ptr())
-        .ok_or_else(|| other_host("ibv_create_qp"))
+        .ok_or_else(|| Error::other_host("ibv_create_qp"))
 }
 
 pub(super) fn create_qp(
@@ -40,7 +40,7 @@ pub(super) fn create_qp(
         None => std::ptr::null_mut(),
         Some(srq) => match srq.as_any().downcast_ref::<Srq>() {
             Some(srq) => srq.raw.as_ptr(),
-            None => return Err(other_host("ibv_create_qp")),
+            None => return Err(Error::other_host("ibv_create_qp")),
         },
     };
     attr.qp_type = match init.qp_type {

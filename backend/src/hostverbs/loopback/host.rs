@@ -14,11 +14,6 @@ use crate::hostverbs::seam::{
 use crate::hostverbs::{AhAttr, QpInit};
 use vrdma_spec::cm::ConnParam;
 
-/// An object of another host handed to the loopback: a mistake of the caller, refused.
-fn other_host(call: &'static str) -> Error {
-    Error::InvalidArgument(format!("{call}: objects of two hosts mixed"))
-}
-
 impl HostContext for Context {
     fn async_fd(&self) -> RawFd {
         self.events.fd.as_raw_fd()
@@ -54,7 +49,7 @@ impl HostContext for Context {
             None => None,
             Some(channel) => match channel.as_any().downcast_ref::<Arc<Channel>>() {
                 Some(channel) => Some(Arc::clone(channel)),
-                None => return Err(other_host("ibv_create_cq")),
+                None => return Err(Error::other_host("ibv_create_cq")),
             },
         };
         Ok(Box::new(Context::create_cq(self, depth, channel)?))
@@ -157,13 +152,13 @@ impl HostPd for Pd {
             cq.as_any()
                 .downcast_ref::<Arc<Cq>>()
                 .cloned()
-                .ok_or_else(|| other_host("ibv_create_qp"))
+                .ok_or_else(|| Error::other_host("ibv_create_qp"))
         };
         let srq = match srq {
             None => None,
             Some(srq) => match srq.as_any().downcast_ref::<Srq>() {
                 Some(srq) => Some(srq.0.id),
-                None => return Err(other_host("ibv_create_qp")),
+                None => return Err(Error::other_host("ibv_create_qp")),
             },
         };
         let setup = QpSetup {
