@@ -39,8 +39,9 @@
 #              address of its own): an unprivileged user's unmodified rping on vrdma's
 #              librdmacm, the client of a native rping server here, then the server of a
 #              native client
-#     held     `virsh destroy` while a guest-lib program in the VM holds a QP and more: the
-#              backend releases every host object the VM had
+#     held     `virsh suspend` and `virsh resume` while a guest-lib program in the VM holds a
+#              QP and more: the backend shows the VM paused, then running, and keeps every
+#              object; then `virsh destroy`: the backend releases every host object the VM had
 # The parts are split for time: a nested VM is emulated inside an emulated guest, where
 # booting alone takes minutes and each process started costs seconds.
 # Prints one `pci-e2e: CHECK ok|FAILED (N s)` line per check; exits 1 if any failed.
@@ -522,7 +523,34 @@ destroy_under_a_program() {
   echo "pci-e2e: host objects before the VM: $baseline; with its program: $held"
   virsh -q -c qemu:///system destroy "$domain" >/dev/null && objects_released
 }
+# libvirt's suspend and resume (QEMU's stop and cont) while the program holds its objects:
+# the backend shows the VM paused, then running, with the same QPs, and keeps every host
+# object (SPEC.md §9).
+# wait_state STATE: until the VM's state as vrdmactl shows it is STATE; prints it with its QPs.
+wait_state() {
+  local start=$SECONDS states
+  until states=$(guest_states) && [[ "$states" == "$1 "* ]]; do
+    [ $((SECONDS - start)) -lt 60 ] || { echo "pci-e2e: the VM's state stayed [$states]" >&2; return 1; }
+    sleep 0.5
+  done
+  echo "$states"
+}
+suspend_under_a_program() {
+  wait_line "$exchange/held.from-vm" '^qpn=' 600 >/dev/null || { show_logs held; return 1; }
+  local before during after held
+  before=$(guest_states) held=$(host_objects)
+  [[ "$before" == running* ]] || { echo "pci-e2e: the VM's state before: [$before]" >&2; return 1; }
+  virsh -q -c qemu:///system suspend "$domain" >/dev/null || return 1
+  during=$(wait_state paused) || return 1
+  sleep 2
+  virsh -q -c qemu:///system resume "$domain" >/dev/null || return 1
+  after=$(wait_state running) || return 1
+  echo "pci-e2e: vrdmactl shows the VM [$before], suspended [$during], resumed [$after]"
+  [ "$after" = "$before" ] && [ "${during/paused/running}" = "$before" ] && [ "$(host_objects)" = "$held" ]
+}
 check_held() {
+  check "virsh suspend and resume while a program in the VM holds a QP: paused, then running, every object kept" \
+    suspend_under_a_program
   check "virsh destroy while a program in the VM holds a QP: the backend releases all it held" \
     destroy_under_a_program
 }
