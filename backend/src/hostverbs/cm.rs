@@ -13,7 +13,7 @@ pub use super::seam::{CmIdInfo, PortSpace};
 use super::seam::{HostCmChannel, HostCmId};
 use super::{faults, ibverbs, loopback, AhAttr, QpAttr, Result};
 
-pub use ibverbs::prepare_connection_manager as prepare;
+pub use super::ibverbs::cm::prepare;
 
 /// One event taken from the channel, copied out and acknowledged.
 pub struct CmEvent {

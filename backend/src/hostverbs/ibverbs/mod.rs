@@ -22,8 +22,6 @@ use super::{
     QpType, Result,
 };
 
-pub use cm::prepare as prepare_connection_manager;
-
 /// Error from a call that reports failure through errno (NULL or -1 returns).
 fn last_error(call: &'static str) -> Error {
     Error::Verbs {

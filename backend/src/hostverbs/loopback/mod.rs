@@ -188,15 +188,6 @@ impl Context {
         Ok(Context { device, events })
     }
 
-    pub fn alloc_pd(&self) -> Result<Handle> {
-        let mut state = self.device.state();
-        state.pds += 1;
-        Ok(Handle {
-            device: self.device,
-            id: state.new_id(),
-        })
-    }
-
     pub fn create_cq(&self, depth: u32, channel: Option<Arc<Channel>>) -> Result<Arc<Cq>> {
         if depth == 0 || depth > MAX_CQE {
             return Err(errno("ibv_create_cq", libc::EINVAL));
