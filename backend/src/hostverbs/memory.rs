@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use rdma_sys::ibv_access_flags;
 
-use super::seam::HostMr;
+use super::seam::{HostMr, Registration};
 use super::{Error, ProtectionDomain, Result};
 
 /// Memory that stays mapped at one address for as long as the value lives, so that a host MR
@@ -175,7 +175,13 @@ impl ProtectionDomain {
         access: u32,
     ) -> Result<MemoryRegion> {
         check_registration(&*memory, offset, len, iova)?;
-        let host = self.host.reg_mr(&memory, (offset, len), iova, access)?;
+        let at = Registration {
+            offset,
+            len,
+            iova,
+            access,
+        };
+        let host = self.host.reg_mr(&memory, at)?;
         Ok(MemoryRegion {
             host,
             iova,
@@ -211,9 +217,13 @@ impl ProtectionDomain {
             ));
         }
         check_registration(memory, offset, len, iova)?;
-        let host = self
-            .host
-            .reg_mr_pinned(memory, (offset, len), iova, access)?;
+        let at = Registration {
+            offset,
+            len,
+            iova,
+            access,
+        };
+        let host = self.host.reg_mr_pinned(memory, at)?;
         Ok(MemoryRegion {
             host,
             iova,

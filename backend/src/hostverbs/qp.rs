@@ -6,7 +6,7 @@ mod srq;
 
 use std::sync::Arc;
 
-use super::seam::HostQp;
+use super::seam::{HostQp, QpQueues};
 use super::{CompletionQueue, ProtectionDomain, Result};
 
 pub use ah::AddressHandle;
@@ -26,6 +26,24 @@ pub struct QpInit<'a> {
     pub srq: Option<&'a Arc<SharedReceiveQueue>>,
     /// Every send WR completes with a CQE, whatever its `signaled`.
     pub sq_sig_all: bool,
+}
+
+impl QpInit<'static> {
+    /// An RC QP of one WR and one SGE each way, with `max_inline_data`.
+    pub fn smallest_rc(max_inline_data: u32) -> Self {
+        QpInit {
+            qp_type: QpType::Rc,
+            caps: QpCaps {
+                max_send_wr: 1,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data,
+            },
+            srq: None,
+            sq_sig_all: false,
+        }
+    }
 }
 
 /// A host queue pair.
@@ -53,10 +71,12 @@ impl ProtectionDomain {
         recv_cq: &Arc<CompletionQueue>,
         init: &QpInit<'_>,
     ) -> Result<QueuePair> {
-        let srq = init.srq.map(|srq| srq.host());
-        let (host, caps) = self
-            .host
-            .create_qp(send_cq.host(), recv_cq.host(), srq, init)?;
+        let queues = QpQueues {
+            send_cq: send_cq.host(),
+            recv_cq: recv_cq.host(),
+            srq: init.srq.map(|srq| srq.host()),
+        };
+        let (host, caps) = self.host.create_qp(queues, init)?;
         Ok(QueuePair {
             host,
             qp_type: init.qp_type,

@@ -49,36 +49,40 @@ pub trait HostContext: Send + Sync {
 pub trait HostPd: Send + Sync {
     /// Whether a registration pins the pages it covers ([`HostPd::reg_mr_pinned`] works).
     fn pins_pages(&self) -> bool;
-    /// Registers `range` (offset, length) of `memory` at `iova`; the caller keeps `memory`
-    /// mapped while the MR lives. The range is checked by the caller.
-    fn reg_mr(
-        &self,
-        memory: &Arc<dyn PinnedMemory>,
-        range: (usize, usize),
-        iova: u64,
-        access: u32,
-    ) -> Result<Box<dyn HostMr>>;
+    /// Registers `at` of `memory`; the caller keeps `memory` mapped while the MR lives. The
+    /// range is checked by the caller.
+    fn reg_mr(&self, memory: &Arc<dyn PinnedMemory>, at: Registration) -> Result<Box<dyn HostMr>>;
     /// As [`HostPd::reg_mr`], with the pages pinned by the host, so that `memory` may be
     /// unmapped once this returns.
-    fn reg_mr_pinned(
-        &self,
-        memory: &dyn PinnedMemory,
-        range: (usize, usize),
-        iova: u64,
-        access: u32,
-    ) -> Result<Box<dyn HostMr>>;
-    /// A QP over `send_cq` and `recv_cq` (and `srq`, for `init.srq`), with the caps the host
-    /// granted.
-    fn create_qp(
-        &self,
-        send_cq: &dyn HostCq,
-        recv_cq: &dyn HostCq,
-        srq: Option<&dyn HostSrq>,
-        init: &QpInit<'_>,
-    ) -> Result<(Box<dyn HostQp>, QpCaps)>;
+    fn reg_mr_pinned(&self, memory: &dyn PinnedMemory, at: Registration)
+        -> Result<Box<dyn HostMr>>;
+    /// A QP over `queues`, with the caps the host granted.
+    fn create_qp(&self, queues: QpQueues<'_>, init: &QpInit<'_>) -> Result<NewQp>;
     fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Box<dyn HostSrq>>;
     fn create_ah(&self, attr: &AhAttr) -> Result<Box<dyn HostAh>>;
 }
+
+/// Where a registration lies: `len` bytes from `offset` into the memory registered, seen by
+/// the NIC at `iova`, with `access` (`ibv_access_flags`).
+#[derive(Clone, Copy, Debug)]
+pub struct Registration {
+    pub offset: usize,
+    pub len: usize,
+    pub iova: u64,
+    pub access: u32,
+}
+
+/// The queues a new QP is made over: the same host's as the PD's.
+#[derive(Clone, Copy)]
+pub struct QpQueues<'a> {
+    pub send_cq: &'a dyn HostCq,
+    pub recv_cq: &'a dyn HostCq,
+    /// For `init.srq`: its host SRQ.
+    pub srq: Option<&'a dyn HostSrq>,
+}
+
+/// A host QP and the caps the host granted.
+pub type NewQp = (Box<dyn HostQp>, QpCaps);
 
 /// A completion event channel.
 pub trait HostChannel: Send + Sync {

@@ -16,7 +16,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vrdma_backend::hostverbs::{self, AnonymousMemory, PinnedMemory, QpCaps, QpInit, QpType};
+use vrdma_backend::hostverbs::{self, AnonymousMemory, PinnedMemory, QpInit};
 use vrdma_guest::{access, CompletionQueue, Device, DirectOptions, ProtectionDomain, QueuePair};
 use vrdma_tests::{
     connect_guest_qp, open_test_device, size_from_env, RcEndpoint, FULL_ACCESS, PORT,
@@ -288,22 +288,6 @@ fn reg_dereg_reg<T>(register: impl Fn() -> T) -> [Duration; 3] {
     [reg, dereg, again]
 }
 
-/// An RC QP of one WR and one SGE each way, as the scaling guests create.
-fn smallest_rc_qp() -> QpInit<'static> {
-    QpInit {
-        qp_type: QpType::Rc,
-        caps: QpCaps {
-            max_send_wr: 1,
-            max_recv_wr: 1,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        srq: None,
-        sq_sig_all: false,
-    }
-}
-
 /// What `count` QPs created through the host verbs layer, as the backend creates them, cost.
 struct NativeScale {
     /// The growth of this process's heap (RssAnon, KiB) per QP: the host provider's share.
@@ -338,7 +322,7 @@ impl NativeQps {
         NativeQps {
             pd: context.alloc_pd().unwrap(),
             cq: context.create_cq(64, None).unwrap(),
-            init: smallest_rc_qp(),
+            init: QpInit::smallest_rc(0),
         }
     }
 }

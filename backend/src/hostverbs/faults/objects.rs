@@ -12,11 +12,12 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use super::{FailableQp, Faults, Verb, PHYS_STATE_DISABLED, PORT_DOWN};
 use crate::hostverbs::event_queue::EventQueue;
 use crate::hostverbs::seam::{
-    HostAh, HostChannel, HostContext, HostCq, HostMr, HostPd, HostQp, HostSrq,
+    HostAh, HostChannel, HostContext, HostCq, HostMr, HostPd, HostQp, HostSrq, NewQp, QpQueues,
+    Registration,
 };
 use crate::hostverbs::{
     AhAttr, AsyncEvent, DeviceAttr, Error, Gid, GidType, ObjectId, PinnedMemory, PortAttr, QpAttr,
-    QpCaps, QpInit, RecvWr, Result, SendBatch, WorkCompletion,
+    QpInit, RecvWr, Result, SendBatch, WorkCompletion,
 };
 
 fn epoll_error(source: io::Error) -> Error {
@@ -132,45 +133,35 @@ impl HostPd for Pd {
         self.inner.pins_pages()
     }
 
-    fn reg_mr(
-        &self,
-        memory: &Arc<dyn PinnedMemory>,
-        range: (usize, usize),
-        iova: u64,
-        access: u32,
-    ) -> Result<Box<dyn HostMr>> {
+    fn reg_mr(&self, memory: &Arc<dyn PinnedMemory>, at: Registration) -> Result<Box<dyn HostMr>> {
         self.faults.refuse(Verb::RegMr)?;
-        self.inner.reg_mr(memory, range, iova, access)
+        self.inner.reg_mr(memory, at)
     }
 
     fn reg_mr_pinned(
         &self,
         memory: &dyn PinnedMemory,
-        range: (usize, usize),
-        iova: u64,
-        access: u32,
+        at: Registration,
     ) -> Result<Box<dyn HostMr>> {
         self.faults.refuse(Verb::RegMr)?;
-        self.inner.reg_mr_pinned(memory, range, iova, access)
+        self.inner.reg_mr_pinned(memory, at)
     }
 
-    fn create_qp(
-        &self,
-        send_cq: &dyn HostCq,
-        recv_cq: &dyn HostCq,
-        srq: Option<&dyn HostSrq>,
-        init: &QpInit<'_>,
-    ) -> Result<(Box<dyn HostQp>, QpCaps)> {
+    fn create_qp(&self, queues: QpQueues<'_>, init: &QpInit<'_>) -> Result<NewQp> {
         self.faults.refuse(Verb::CreateQp)?;
-        let srq = match srq {
+        let srq = match queues.srq {
             None => None,
             Some(srq) => match srq.as_any().downcast_ref::<Srq>() {
                 Some(srq) => Some(&*srq.inner),
                 None => return Err(Error::other_host("ibv_create_qp")),
             },
         };
-        let (send_cq, recv_cq) = (inner_cq(send_cq)?, inner_cq(recv_cq)?);
-        let (qp, caps) = self.inner.create_qp(send_cq, recv_cq, srq, init)?;
+        let inner = QpQueues {
+            send_cq: inner_cq(queues.send_cq)?,
+            recv_cq: inner_cq(queues.recv_cq)?,
+            srq,
+        };
+        let (qp, caps) = self.inner.create_qp(inner, init)?;
         let qp: Arc<dyn HostQp> = Arc::from(qp);
         let qpn = qp.qp_num();
         let entry = FailableQp {

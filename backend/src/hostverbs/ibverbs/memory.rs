@@ -5,29 +5,26 @@ use std::ptr::NonNull;
 use rdma_sys::*;
 
 use super::{last_error, verbs_object_is_thread_safe};
-use crate::hostverbs::seam::HostMr;
+use crate::hostverbs::seam::{HostMr, Registration};
 use crate::hostverbs::{PinnedMemory, Result};
 
-/// Registers `len` bytes of `memory` from `offset` in `pd`, seen by the NIC at `iova`. The
-/// range was checked by the caller.
+/// Registers `at` of `memory` in `pd`. The range was checked by the caller.
 pub(super) fn register(
     pd: NonNull<ibv_pd>,
     memory: &dyn PinnedMemory,
-    (offset, len): (usize, usize),
-    iova: u64,
-    access: u32,
+    at: Registration,
 ) -> Result<Box<dyn HostMr>> {
-    // SAFETY: the PD is alive; `offset..offset + len` is inside the memory (checked by the
+    // SAFETY: the PD is alive; `at.offset..at.offset + at.len` is inside the memory (checked by the
     // caller, `ProtectionDomain::reg_mr_range` or `reg_mr_pinned`), mapped for the duration
     // of the call. Afterwards the MR either keeps the mapping (the wrapper holds it) or,
     // pinned, needs none.
     let raw = NonNull::new(unsafe {
         ibv_reg_mr_iova2(
             pd.as_ptr(),
-            memory.as_ptr().add(offset).cast(),
-            len,
-            iova,
-            access,
+            memory.as_ptr().add(at.offset).cast(),
+            at.len,
+            at.iova,
+            at.access,
         )
     })
     .ok_or_else(|| last_error("ibv_reg_mr_iova2"))?;

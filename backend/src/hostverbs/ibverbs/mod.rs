@@ -12,14 +12,16 @@ use std::io;
 use std::os::fd::RawFd;
 use std::os::raw::c_int;
 use std::ptr::NonNull;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rdma_sys::*;
 
-use super::seam::{HostAh, HostChannel, HostContext, HostCq, HostMr, HostPd, HostQp, HostSrq};
+use super::seam::{
+    HostAh, HostChannel, HostContext, HostCq, HostMr, HostPd, HostSrq, NewQp, QpQueues,
+    Registration,
+};
 use super::{
-    AhAttr, AsyncEvent, DeviceAttr, Error, Gid, GidType, PinnedMemory, PortAttr, QpCaps, QpInit,
-    QpType, Result,
+    AhAttr, AsyncEvent, DeviceAttr, Error, Gid, GidType, PinnedMemory, PortAttr, QpInit, Result,
 };
 
 /// Error from a call that reports failure through errno (NULL or -1 returns).
@@ -239,19 +241,12 @@ impl Context {
         let cq = self.create_cq(1, None)?;
         let mut granted = 0;
         for asked in [4096, 2048, 1024, 512, 256, 128, 64, 32] {
-            let init = QpInit {
-                qp_type: QpType::Rc,
-                caps: QpCaps {
-                    max_send_wr: 1,
-                    max_recv_wr: 1,
-                    max_send_sge: 1,
-                    max_recv_sge: 1,
-                    max_inline_data: asked,
-                },
+            let on_cq = QpQueues {
+                send_cq: &*cq,
+                recv_cq: &*cq,
                 srq: None,
-                sq_sig_all: false,
             };
-            if let Ok((qp, caps)) = pd.create_qp(&*cq, &*cq, None, &init) {
+            if let Ok((qp, caps)) = pd.create_qp(on_cq, &QpInit::smallest_rc(asked)) {
                 granted = caps.max_inline_data;
                 drop(qp);
                 break;
@@ -404,34 +399,20 @@ impl HostPd for Pd {
         true
     }
 
-    fn reg_mr(
-        &self,
-        memory: &std::sync::Arc<dyn PinnedMemory>,
-        range: (usize, usize),
-        iova: u64,
-        access: u32,
-    ) -> Result<Box<dyn HostMr>> {
-        memory::register(self.raw, &**memory, range, iova, access)
+    fn reg_mr(&self, memory: &Arc<dyn PinnedMemory>, at: Registration) -> Result<Box<dyn HostMr>> {
+        memory::register(self.raw, &**memory, at)
     }
 
     fn reg_mr_pinned(
         &self,
         memory: &dyn PinnedMemory,
-        range: (usize, usize),
-        iova: u64,
-        access: u32,
+        at: Registration,
     ) -> Result<Box<dyn HostMr>> {
-        memory::register(self.raw, memory, range, iova, access)
+        memory::register(self.raw, memory, at)
     }
 
-    fn create_qp(
-        &self,
-        send_cq: &dyn HostCq,
-        recv_cq: &dyn HostCq,
-        srq: Option<&dyn HostSrq>,
-        init: &QpInit<'_>,
-    ) -> Result<(Box<dyn HostQp>, QpCaps)> {
-        qp::create_qp(self.raw, (send_cq, recv_cq), srq, init)
+    fn create_qp(&self, queues: QpQueues<'_>, init: &QpInit<'_>) -> Result<NewQp> {
+        qp::create_qp(self.raw, queues, init)
     }
 
     fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Box<dyn HostSrq>> {

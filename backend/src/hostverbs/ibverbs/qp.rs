@@ -9,10 +9,9 @@ use rdma_sys::*;
 
 use super::cq::Cq;
 use super::{check, last_error, verbs_object_is_thread_safe};
-use crate::hostverbs::seam::{HostAh, HostCq, HostQp, HostSrq};
+use crate::hostverbs::seam::{HostAh, HostCq, HostQp, HostSrq, NewQp, QpQueues};
 use crate::hostverbs::{
-    qp_attr_mask, AhAttr, Error, ObjectId, QpAttr, QpCaps, QpInit, QpType, RecvWr, Result,
-    SendBatch,
+    qp_attr_mask, AhAttr, Error, ObjectId, QpAttr, QpInit, QpType, RecvWr, Result, SendBatch,
 };
 
 /// Receive requests chained into one post call; bounds the stack space a post needs.
@@ -28,15 +27,14 @@ fn verbs_cq(cq: &dyn HostCq) -> Result<*mut ibv_cq> {
 
 pub(super) fn create_qp(
     pd: NonNull<ibv_pd>,
-    (send_cq, recv_cq): (&dyn HostCq, &dyn HostCq),
-    srq: Option<&dyn HostSrq>,
+    queues: QpQueues<'_>,
     init: &QpInit<'_>,
-) -> Result<(Box<dyn HostQp>, QpCaps)> {
+) -> Result<NewQp> {
     // SAFETY: all-zero is a valid ibv_qp_init_attr (null pointers and integers).
     let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-    attr.send_cq = verbs_cq(send_cq)?;
-    attr.recv_cq = verbs_cq(recv_cq)?;
-    attr.srq = match srq {
+    attr.send_cq = verbs_cq(queues.send_cq)?;
+    attr.recv_cq = verbs_cq(queues.recv_cq)?;
+    attr.srq = match queues.srq {
         None => std::ptr::null_mut(),
         Some(srq) => match srq.as_any().downcast_ref::<Srq>() {
             Some(srq) => srq.raw.as_ptr(),

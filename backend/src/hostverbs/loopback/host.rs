@@ -9,7 +9,7 @@ use super::*;
 use crate::hostverbs::seam::{CmIdInfo, PortSpace};
 use crate::hostverbs::seam::{
     HostAh, HostChannel, HostCmChannel, HostCmEvent, HostCmId, HostContext, HostCq, HostMr, HostPd,
-    HostQp, HostSrq,
+    HostQp, HostSrq, NewQp, QpQueues, Registration,
 };
 use crate::hostverbs::{AhAttr, QpInit};
 use vrdma_spec::cm::ConnParam;
@@ -120,46 +120,26 @@ impl HostPd for Pd {
         false
     }
 
-    fn reg_mr(
-        &self,
-        memory: &Arc<dyn PinnedMemory>,
-        range: (usize, usize),
-        iova: u64,
-        access: u32,
-    ) -> Result<Box<dyn HostMr>> {
+    fn reg_mr(&self, memory: &Arc<dyn PinnedMemory>, at: Registration) -> Result<Box<dyn HostMr>> {
         let pd = self.0;
-        let key = pd
-            .device
-            .reg_mr(pd.id, Arc::clone(memory), range, iova, access)?;
+        let key = pd.device.reg_mr(pd.id, Arc::clone(memory), at)?;
         Ok(Box::new(Mr(pd.with_id(key))))
     }
 
-    fn reg_mr_pinned(
-        &self,
-        _memory: &dyn PinnedMemory,
-        _range: (usize, usize),
-        _iova: u64,
-        _access: u32,
-    ) -> Result<Box<dyn HostMr>> {
+    fn reg_mr_pinned(&self, _: &dyn PinnedMemory, _: Registration) -> Result<Box<dyn HostMr>> {
         Err(Error::InvalidArgument(
             "the loopback host pins no pages: register memory it may keep mapped".into(),
         ))
     }
 
-    fn create_qp(
-        &self,
-        send_cq: &dyn HostCq,
-        recv_cq: &dyn HostCq,
-        srq: Option<&dyn HostSrq>,
-        init: &QpInit<'_>,
-    ) -> Result<(Box<dyn HostQp>, QpCaps)> {
+    fn create_qp(&self, queues: QpQueues<'_>, init: &QpInit<'_>) -> Result<NewQp> {
         let cq = |cq: &dyn HostCq| {
             cq.as_any()
                 .downcast_ref::<Arc<Cq>>()
                 .cloned()
                 .ok_or_else(|| Error::other_host("ibv_create_qp"))
         };
-        let srq = match srq {
+        let srq = match queues.srq {
             None => None,
             Some(srq) => match srq.as_any().downcast_ref::<Srq>() {
                 Some(srq) => Some(srq.0.id),
@@ -173,7 +153,7 @@ impl HostPd for Pd {
             sq_sig_all: init.sq_sig_all,
         };
         let pd = self.0;
-        let (send_cq, recv_cq) = (cq(send_cq)?, cq(recv_cq)?);
+        let (send_cq, recv_cq) = (cq(queues.send_cq)?, cq(queues.recv_cq)?);
         let (qpn, caps) = pd.device.create_qp(pd.id, (&send_cq, &recv_cq), setup)?;
         Ok((Box::new(Qp(pd.with_id(qpn))), caps))
     }

@@ -2,16 +2,10 @@
 //! state machine, posts, SRQs and AHs, each under the device's lock.
 
 use super::*;
+use crate::hostverbs::seam::Registration;
 
 impl Device {
-    pub fn reg_mr(
-        &self,
-        pd: u32,
-        memory: Arc<dyn PinnedMemory>,
-        (offset, len): (usize, usize),
-        iova: u64,
-        access: u32,
-    ) -> Result<u32> {
+    pub fn reg_mr(&self, pd: u32, memory: Arc<dyn PinnedMemory>, at: Registration) -> Result<u32> {
         let mut state = self.state();
         let key = state.new_key();
         state.mrs.insert(
@@ -19,10 +13,10 @@ impl Device {
             Mr {
                 pd,
                 memory,
-                offset,
-                len: len as u64,
-                iova,
-                access,
+                offset: at.offset,
+                len: at.len as u64,
+                iova: at.iova,
+                access: at.access,
             },
         );
         Ok(key)
