@@ -22,6 +22,10 @@
 #     leaver   a program of vrdmad punches holes in, truncates and unmaps all the memory it
 #              shared and exits while a peer here RDMA-WRITEs into it: a sentinel in the VM
 #              finds no frame written; another program of vrdmad keeps working
+#     cm       rdma_cm through the guest service over the device (the backend gives the VM an
+#              address of its own): an unprivileged user's unmodified rping on vrdma's
+#              librdmacm, the client of an rping server here (vrdma's librdmacm, attached to
+#              the backend beside the VM), then the server of a client here
 #     paused   QEMU `stop` and `cont` three times under a guest-lib program's checked round
 #              trips with a peer here: the program finishes with no error, the device keeps
 #              every object (vrdmactl shows the VM paused, then running, with its QPs)
@@ -34,11 +38,9 @@
 #     native   an unmodified ibv_rc_pingpong through vrdma's libibverbs, attached to the
 #              device directly, pairs with a native ibv_rc_pingpong on rxe0 (guest-lib's own
 #              RDMA WRITE+READ over the PCI device is checked in the loopback-served VM, and
-#              with native peers on rxe0 in the rxe tier: a nested VM costs minutes a check)
-#     cm       rdma_cm through the guest service over the device (the backend gives the VM an
-#              address of its own): an unprivileged user's unmodified rping on vrdma's
-#              librdmacm, the client of a native rping server here, then the server of a
-#              native client
+#              with native peers on rxe0 in the rxe tier: a nested VM costs minutes a check;
+#              rdma_cm over the device is checked in the loopback-served VM, and with native
+#              peers through the guest service on rxe0 in the rxe tier)
 #     held     `virsh suspend` and `virsh resume` while a guest-lib program in the VM holds a
 #              QP and more: the backend shows the VM paused, then running, and keeps every
 #              object; then `virsh destroy`: the backend releases every host object the VM had
@@ -55,14 +57,18 @@ source "$repo/tests/listening.sh"
 bin=$(cd "$1" && pwd)
 device=${2:-}
 case "$device" in
-  loopback) parts=${VRDMA_PCI_PARTS:-service,pinned,leaver,paused,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
-    domain= launch=() native_address= vm_address= own_address=() ;;
+  loopback) parts=${VRDMA_PCI_PARTS:-service,cm,pinned,leaver,paused,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
+    domain= launch=()
+    # The VM's address; its rdma_cm peer here shares it (--shared-gid), on other ports.
+    peer_address=192.168.77.60 vm_address=192.168.77.60
+    own_address=(--guest-ip "$vm_address/24") ;;
   rxe0)
     [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
-    parts=${VRDMA_PCI_PARTS:-native,cm,held} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20}
+    parts=${VRDMA_PCI_PARTS:-native,held} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20}
     domain=vrdma-nested launch=(--libvirt "$domain")
-    # The rxe guest's address (tests/vm/guest-init.sh) and the VM's own, for rdma_cm.
-    native_address=192.168.77.1 vm_address=192.168.77.60
+    # The rxe guest's address (tests/vm/guest-init.sh) and the VM's own, for rdma_cm (part
+    # cm, run on its own only: VRDMA_PCI_PARTS=cm).
+    peer_address=192.168.77.1 vm_address=192.168.77.60
     own_address=(--guest-ip "$vm_address/24") ;;
   *) echo "usage: $0 BIN_DIR loopback|rxe0" >&2; exit 2 ;;
 esac
@@ -319,17 +325,27 @@ check_service() {
     service_restarted
 }
 
-# The VM's rping client, then its server (see tests/pci-guest.sh), with native peers here.
-rping_with_native() {
+# rdma_cm's peer here: rping natively on rxe0, or on the loopback host through vrdma's
+# librdmacm, attached to the VM's socket beside it (the backend's one address, other ports).
+peer_rping=(rping)
+[ "$device" = loopback ] && peer_rping=(env VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs"
+  "$repo/guest-lib/ibverbs/vrdma-run" --device "$socket" -- rping)
+# The VM's rping client, then its server (see tests/pci-guest.sh), with peers here.
+rping_with_peer() {
   local server ok=0 line
-  timeout 900 rping -s -a "$native_address" -p 18530 -C 5 >"$work/rping-server.out" 2>&1 &
+  timeout 900 "${peer_rping[@]}" -s -a "$peer_address" -p 18530 -C 5 >"$work/rping-server.out" 2>&1 &
   server=$!
   line=$(wait_line "$exchange/cm.vm" '^client ' 900) && [ "$line" = "client 0" ] &&
     [ "$(grep -c 'ping data:' "$exchange/rping-client.out")" = 5 ] || { ok=1; kill "$server"; }
   wait "$server" || ok=1
-  # The VM's server, once it listens (the backend's id for it is on rxe0 here).
-  if [ "$ok" = 0 ] && wait_until_cm_listening 18531 600; then
-    timeout 60 rping -c -a "$vm_address" -p 18531 -C 5 -v >"$work/rping-client.out" 2>&1
+  # The VM's server, once it listens: `rdma resource` lists the backend's id for it on rxe0;
+  # the loopback host's ids are the backend's own, so the client tries again until then.
+  if [ "$ok" = 0 ] && { [ "$device" = loopback ] || wait_until_cm_listening 18531 600; }; then
+    for _ in $(seq 60); do
+      timeout 60 "${peer_rping[@]}" -c -a "$vm_address" -p 18531 -C 5 -v >"$work/rping-client.out" 2>&1 && break
+      [ "$device" = loopback ] && ! vm_lost || break
+      sleep 1
+    done
   fi
   [ "$(grep -c 'ping data:' "$work/rping-client.out" 2>/dev/null)" = 5 ] || ok=1
   line=$(wait_line "$exchange/cm.vm" '^server ' 300) && [ "$line" = "server 0" ] || ok=1
@@ -339,8 +355,8 @@ rping_with_native() {
   }
 }
 check_cm() {
-  check "rdma_cm in the VM: an unprivileged user's rping (vrdma's librdmacm, vrdmad) <-> native rping, both ways" \
-    rping_with_native
+  check "rdma_cm in the VM: an unprivileged user's rping (vrdma's librdmacm, vrdmad) <-> rping here ($device), both ways" \
+    rping_with_peer
 }
 
 # pin_check MODE SESSION SECONDS: pin-check MODE here against the VM's target program of
@@ -563,7 +579,7 @@ cp -r "$bin/guest-endpoint" "$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-
 # 1.5 GiB: part pinned registers 256 MiB beside memory it fragments.
 VRDMA_NOTIFY_QUEUES=1 "$repo/tests/vm/run.sh" --no-rxe --mem 1536 --timeout 2400 --run-in "$runs" \
   --vrdma "$socket" "${launch[@]}" -- "$repo/tests/pci-guest.sh" "$bin" "$round_trips" "$unprivileged" "$parts" \
-  "${vm_address:+$native_address $vm_address}" \
+  "$peer_address $vm_address" \
   >"$logs/vm.log" 2>&1 &
 vm=$!
 until exchange=$(ls -d "$runs"/run.* 2>/dev/null); do

@@ -17,8 +17,8 @@
 #            restart under a waiting program: how that program ended and whether the next
 #            one works (restart.vm)
 #   cm       the guest service, and through it rping on vrdma's librdmacm as an unprivileged
-#            user: the client of a native server outside the VM at the first of CM_ADDRESSES,
-#            then the server of a native client there on the second (cm.vm: `client RC`,
+#            user: the client of a server outside the VM at the first of CM_ADDRESSES,
+#            then the server of a client there on the second (cm.vm: `client RC`,
 #            `server RC`)
 #   reopen   a backend restart under the running VM (session reopen)
 #   native   an unmodified ibv_rc_pingpong through vrdma's libibverbs attached to the PCI
@@ -35,7 +35,7 @@
 # usage: tests/pci-guest.sh BIN_DIR ROUND_TRIPS UNPRIVILEGED_DIR PARTS [CM_ADDRESSES]
 #   UNPRIVILEGED_DIR holds copies of guest-endpoint, vrdma-run and vrdma-ibverbs/ that any
 #   user may run (the checkout may lie below a folder only its owner may enter)
-#   CM_ADDRESSES "NATIVE OWN": the native peer's address and the device's own (the backend's
+#   CM_ADDRESSES "PEER OWN": the peer's address and the device's own (the backend's
 #   --guest-ip), for rdma_cm
 set -uo pipefail
 exchange=${VRDMA_VM_RUN_DIR:?run me inside the VM harness} bin=$1 round_trips=$2
@@ -341,9 +341,9 @@ part_service() {
   stop_service
 }
 
-# rping_pairs NATIVE OWN: rping as uid 65534 through the service, the client of the native
-# server at NATIVE (started again until that server listens), then a server on OWN for a
-# native client; their exit codes go to cm.vm.
+# rping_pairs PEER OWN: rping as uid 65534 through the service, the client of the server
+# outside at PEER (started again until that server listens), then a server on OWN for a
+# client outside; their exit codes go to cm.vm.
 rping_pairs() {
   local rc
   for _ in $(seq 100); do
@@ -359,8 +359,7 @@ rping_pairs() {
   mark "rping server ended"
 }
 
-# rdma_cm's rping through the guest service (for the nested VM: the part service checks the
-# service itself, on the loopback-served VM).
+# rdma_cm's rping through the guest service.
 part_cm() {
   start_service vrdmad.log
   # shellcheck disable=SC2086 # two addresses

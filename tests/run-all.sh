@@ -83,7 +83,7 @@ VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENC
   VRDMA_BENCH_TESTS="write_lat write_bw" VRDMA_BENCH_PINNED_TESTS=read_lat \
   tests/vm/run.sh -- tests/bench-guest.sh "$PWD/target/debug"
 
-step "a nested VM with the vrdma PCI device started by libvirt, served through rxe0 in the rxe guest (about 10 minutes: the nested boot takes 3)"
+step "a nested VM with the vrdma PCI device started by libvirt, served through rxe0 in the rxe guest (about 7 minutes: the nested boot takes 3)"
 tests/vm/run.sh -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
 
 step "the packages installed on a clean Debian system booted with systemd (its root made once: about a minute)"
