@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Runs every vrdma check and test: formatting, clippy, unit tests and the loopback-host
 # integration tests on this machine, a VM with a vrdma PCI device served by the loopback host
-# (tests/pci-e2e.sh), then the integration tests that need real RDMA inside a QEMU guest with
-# rdma_rxe (tests/vm/), the cross-host tests (two such guests joined by an emulated Ethernet
-# link, tests/cross-host.sh), a benchmark smoke run, a nested VM with the vrdma PCI device
-# inside the rxe guest (started by libvirt), and the Debian packages installed on a clean
-# system booted with systemd (tests/install-check.sh). Installs what it needs on first use (tests/vm/setup.sh, and the patched
+# (tests/pci-e2e.sh), then in one boot of a QEMU guest with rdma_rxe (tests/vm/,
+# tests/rxe-tier.sh) the integration tests that need real RDMA, a smoke run of the benchmarks
+# there and a nested VM with the vrdma PCI device (started by libvirt), then the cross-host
+# tests (two such guests joined by an emulated Ethernet link, tests/cross-host.sh), a smoke run
+# of the benchmarks on this machine, and the Debian packages installed on a clean system
+# booted with systemd (tests/install-check.sh). Installs what it needs on first use (tests/vm/setup.sh, and the patched
 # QEMU of tests/vm/qemu/build.sh); caches under target/.
 #   VRDMA_VM_NO_RXE=1  boot the guest without rdma_rxe: the RDMA tests must then fail.
 set -euo pipefail
@@ -13,14 +14,44 @@ cd "$(dirname "$0")/.."
 
 # Each step's header says when it started, so a slow step shows in the log; the summary
 # at the end lists how long each took.
-step() { printf '\n=== [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
+VRDMA_RUN_ALL_START=$(date +%s)
+export VRDMA_RUN_ALL_START
+source tests/steps.sh
+
+# What only later steps need (the patched QEMU, the fuzz targets, the clean install's root) is
+# built in the background at the lowest priority, on the core the steps before leave idle
+# (cargo test keeps about one busy); the step that needs it awaits it. Each runs in a session
+# of its own, so that an early failure ends it with everything it started.
+background=()
+in_background() { # LOG COMMAND...
+  local log=$1
+  shift
+  setsid nice -n 19 "$@" >"$log" 2>&1 </dev/null &
+  background+=($!)
+}
+end_background() {
+  local job
+  for job in "${background[@]}"; do kill -- "-$job" 2>/dev/null || true; done
+}
+await() { # NAME PID LOG
+  wait "$2" && return 0
+  echo "run-all: $1 failed (log: $3):" >&2
+  tail -n 30 "$3" >&2
+  return 1
+}
 
 run_all() {
 set -euo pipefail # the caller turns errexit off around the pipeline; keep it on in here
+trap end_background EXIT
 
-step "setup (packages, kernel, initramfs; the PCI device's QEMU: ~5 minutes the first time)"
+step "setup (packages, kernel, initramfs); then, in the background, the PCI device's QEMU (~5 minutes of build the first time), the fuzz targets' build and the clean install's Debian root"
 tests/vm/setup.sh >/dev/null
-tests/vm/qemu/build.sh >/dev/null
+in_background target/qemu-build.log tests/vm/qemu/build.sh
+qemu_build=$!
+in_background target/fuzz-build.log fuzz/run.sh --brief --build-only
+fuzz_build=$!
+in_background target/clean-root.log tests/vm/clean-root.sh
+clean_root=$!
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -48,8 +79,12 @@ cargo test --workspace --locked
 step "the Debian packages (of the debug build): their contents, scripts and dependencies checked"
 tests/packages.sh
 
-step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in docs/testing.md)"
+step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in docs/testing.md): their build awaited"
+await "the fuzz targets' build" "$fuzz_build" target/fuzz-build.log
 fuzz/run.sh --brief "${VRDMA_FUZZ_SECONDS:-4}"
+
+step "the patched QEMU: its build awaited"
+await "the QEMU build (tests/vm/qemu/build.sh)" "$qemu_build" target/qemu-build.log
 
 step "a VM with the vrdma PCI device, served by the loopback host on this machine (about a minute)"
 tests/pci-e2e.sh "$PWD/target/debug" loopback
@@ -65,9 +100,10 @@ for line in sys.stdin:
         print(m["executable"])')
 [ ${#binaries[@]} -gt 0 ] || { echo "run-all: no integration test binaries were built" >&2; exit 1; }
 
-step "integration tests that need real RDMA (QEMU guest, rdma_rxe)"
-# 6 GiB: the quota stress test's 64 guests hold ~3 GiB of the backend and the host provider.
-tests/vm/run.sh --mem 6144 -- tests/guest-tests.sh "${binaries[@]}"
+step "the rxe guest (QEMU, rdma_rxe) boots, for the steps that need real RDMA (tests/rxe-tier.sh)"
+# One boot for the three; each prints its own header. 6 GiB: the quota stress test's 64
+# guests hold ~3 GiB of the backend and the host provider.
+tests/vm/run.sh --mem 6144 --timeout 3600 -- tests/rxe-tier.sh "$PWD/target/debug" "${binaries[@]}"
 
 step "two hosts: vrdma guests over RoCEv2 across an emulated link, then the cross-host benchmark's smoke run (about 3 minutes)"
 # One boot of the two hosts for both; the benchmark runs even when a check failed.
@@ -75,18 +111,12 @@ VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 tests/vm/two-hosts.sh -- bash 
   'tests/cross-host.sh "$1" "$1/rdma_check"; checks=$?; tests/bench-cross-host.sh "$1" && exit $checks' \
   two-hosts "$PWD/target/debug"
 
-step "benchmark smoke run (few iterations; numbers are not checked)"
+step "the benchmarks on this machine, a smoke run (the relay's cost, rate limits; numbers are not checked)"
 VRDMA_BENCH_ROUND_TRIPS=2000 VRDMA_BENCH_WQES=20000 target/debug/relay-bench
 VRDMA_BENCH_RATE_MESSAGES=60 VRDMA_BENCH_LAT_ITERS=200 tests/bench-rate.sh target/debug
-VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENCH_GUESTS=8 \
-  VRDMA_BENCH_MR_MIB=64 VRDMA_BENCH_CALLGRIND_WRITES=100 VRDMA_BENCH_CM_CONNECTIONS=10 \
-  VRDMA_BENCH_TESTS="write_lat write_bw" VRDMA_BENCH_PINNED_TESTS=read_lat \
-  tests/vm/run.sh -- tests/bench-guest.sh "$PWD/target/debug"
 
-step "a nested VM with the vrdma PCI device started by libvirt, served through rxe0 in the rxe guest (about 7 minutes: the nested boot takes 3)"
-tests/vm/run.sh -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
-
-step "the packages installed on a clean Debian system booted with systemd (its root made once: about a minute)"
+step "the packages installed on a clean Debian system booted with systemd (about a minute; its root made in the background)"
+await "the clean root (tests/vm/clean-root.sh)" "$clean_root" target/clean-root.log
 tests/install-check.sh target/debug/debs/*.deb
 step "done"
 }
