@@ -21,12 +21,15 @@ source tests/steps.sh
 # What only later steps need (the patched QEMU, the fuzz targets, the clean install's root) is
 # built in the background at the lowest priority, on the core the steps before leave idle
 # (cargo test keeps about one busy); the step that needs it awaits it. Each runs in a session
-# of its own, so that an early failure ends it with everything it started.
+# of its own, so that an early failure ends it with everything it started; where the kernel
+# groups a session's processes for the scheduler (autogroup), that group is given the lowest
+# priority too, or it would share the cores equally with the steps.
 background=()
 in_background() { # LOG COMMAND...
   local log=$1
   shift
-  setsid nice -n 19 "$@" >"$log" 2>&1 </dev/null &
+  setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$@"' background "$@" \
+    >"$log" 2>&1 </dev/null &
   background+=($!)
 }
 end_background() {
