@@ -18,43 +18,12 @@ VRDMA_RUN_ALL_START=$(date +%s)
 export VRDMA_RUN_ALL_START
 source tests/steps.sh
 
-# What only later steps need (the patched QEMU, the fuzz targets, the clean install's root) is
-# built in the background at the lowest priority, on the core the steps before leave idle
-# (cargo test keeps about one busy); the step that needs it awaits it. Each runs in a session
-# of its own, so that an early failure ends it with everything it started; where the kernel
-# groups a session's processes for the scheduler (autogroup), that group is given the lowest
-# priority too, or it would share the cores equally with the steps.
-background=()
-in_background() { # LOG COMMAND...
-  local log=$1
-  shift
-  setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$@"' background "$@" \
-    >"$log" 2>&1 </dev/null &
-  background+=($!)
-}
-end_background() {
-  local job
-  for job in "${background[@]}"; do kill -- "-$job" 2>/dev/null || true; done
-}
-await() { # NAME PID LOG
-  wait "$2" && return 0
-  echo "run-all: $1 failed (log: $3):" >&2
-  tail -n 30 "$3" >&2
-  return 1
-}
-
 run_all() {
 set -euo pipefail # the caller turns errexit off around the pipeline; keep it on in here
-trap end_background EXIT
 
-step "setup (packages, kernel, initramfs); then, in the background, the PCI device's QEMU (~5 minutes of build the first time), the fuzz targets' build and the clean install's Debian root"
+step "setup (packages, kernel, initramfs; the PCI device's QEMU: ~5 minutes the first time)"
 tests/vm/setup.sh >/dev/null
-in_background target/qemu-build.log tests/vm/qemu/build.sh
-qemu_build=$!
-in_background target/fuzz-build.log fuzz/run.sh --brief --build-only
-fuzz_build=$!
-in_background target/clean-root.log tests/vm/clean-root.sh
-clean_root=$!
+tests/vm/qemu/build.sh >/dev/null
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -82,12 +51,8 @@ cargo test --workspace --locked
 step "the Debian packages (of the debug build): their contents, scripts and dependencies checked"
 tests/packages.sh
 
-step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in docs/testing.md): their build awaited"
-await "the fuzz targets' build" "$fuzz_build" target/fuzz-build.log
+step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in docs/testing.md)"
 fuzz/run.sh --brief "${VRDMA_FUZZ_SECONDS:-4}"
-
-step "the patched QEMU: its build awaited"
-await "the QEMU build (tests/vm/qemu/build.sh)" "$qemu_build" target/qemu-build.log
 
 step "a VM with the vrdma PCI device, served by the loopback host on this machine (about a minute)"
 tests/pci-e2e.sh "$PWD/target/debug" loopback
@@ -118,8 +83,7 @@ step "the benchmarks on this machine, a smoke run (the relay's cost, rate limits
 VRDMA_BENCH_ROUND_TRIPS=2000 VRDMA_BENCH_WQES=20000 target/debug/relay-bench
 VRDMA_BENCH_RATE_MESSAGES=60 VRDMA_BENCH_LAT_ITERS=200 tests/bench-rate.sh target/debug
 
-step "the packages installed on a clean Debian system booted with systemd (about a minute; its root made in the background)"
-await "the clean root (tests/vm/clean-root.sh)" "$clean_root" target/clean-root.log
+step "the packages installed on a clean Debian system booted with systemd (its root made once: about a minute)"
 tests/install-check.sh target/debug/debs/*.deb
 step "done"
 }

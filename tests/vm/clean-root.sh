@@ -5,13 +5,14 @@
 # that the clean root lacks (under target/vm/clean-deps/): the guest that boots the root has
 # no network, so apt resolves and installs from that folder. The root is never booted
 # writable: the guest puts a tmpfs over it (tests/vm/run.sh --root).
-# usage: tests/vm/clean-root.sh [DEB...]   (prints the root's path; with no DEB, makes the root only)
+# usage: tests/vm/clean-root.sh DEB...   (prints the root's path)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cache=$repo/target/vm
 root=$cache/clean-root deps=$cache/clean-deps
 log() { echo "clean-root: $*" >&2; }
 fail() { log "ERROR: $1"; log "fix: $2"; exit 1; }
+[ $# -gt 0 ] || { echo "usage: $0 DEB..." >&2; exit 2; }
 mkdir -p "$cache"
 debs=()
 for deb in "$@"; do debs+=("$(realpath "$deb")"); done # apt takes a file for a path only
@@ -36,11 +37,6 @@ if [ "$(cat "$root/.complete" 2>/dev/null)" != "$include" ]; then
   # No machine id yet, as on a fresh install.
   rm -f "$root/etc/machine-id" && touch "$root/etc/machine-id"
   echo "$include" >"$root/.complete"
-fi
-
-if [ $# -eq 0 ]; then
-  echo "$root"
-  exit 0
 fi
 
 # The packages' dependencies the root lacks, downloaded as apt would on it (its dpkg status
