@@ -174,13 +174,7 @@ impl ProtectionDomain {
         iova: u64,
         access: u32,
     ) -> Result<MemoryRegion> {
-        check_registration(&*memory, offset, len, iova)?;
-        let at = Registration {
-            offset,
-            len,
-            iova,
-            access,
-        };
+        let at = checked_registration(&*memory, offset, len, iova, access)?;
         let host = self.host.reg_mr(&memory, at)?;
         Ok(MemoryRegion {
             host,
@@ -216,13 +210,7 @@ impl ProtectionDomain {
                 "the host pins no pages: register memory it may keep mapped".into(),
             ));
         }
-        check_registration(memory, offset, len, iova)?;
-        let at = Registration {
-            offset,
-            len,
-            iova,
-            access,
-        };
+        let at = checked_registration(memory, offset, len, iova, access)?;
         let host = self.host.reg_mr_pinned(memory, at)?;
         Ok(MemoryRegion {
             host,
@@ -234,13 +222,15 @@ impl ProtectionDomain {
     }
 }
 
-/// Whether `len` bytes of `memory` from `offset` may be registered at `iova`.
-fn check_registration(
+/// `len` bytes of `memory` from `offset`, registered at `iova` with `access`, once checked to
+/// lie inside `memory` and to fit the IOVA space: the only ranges a host is given.
+fn checked_registration(
     memory: &dyn PinnedMemory,
     offset: usize,
     len: usize,
     iova: u64,
-) -> Result<()> {
+    access: u32,
+) -> Result<Registration> {
     if len == 0 {
         return Err(Error::InvalidArgument("cannot register zero bytes".into()));
     }
@@ -250,7 +240,12 @@ fn check_registration(
             "IOVA {iova:#x} + {len} overflows"
         )));
     }
-    Ok(())
+    Ok(Registration {
+        offset,
+        len,
+        iova,
+        access,
+    })
 }
 
 impl MemoryRegion {

@@ -14,9 +14,9 @@ pub(super) fn register(
     memory: &dyn PinnedMemory,
     at: Registration,
 ) -> Result<Box<dyn HostMr>> {
-    // SAFETY: the PD is alive; `at.offset..at.offset + at.len` is inside the memory (checked by the
-    // caller, `ProtectionDomain::reg_mr_range` or `reg_mr_pinned`), mapped for the duration
-    // of the call. Afterwards the MR either keeps the mapping (the wrapper holds it) or,
+    // SAFETY: the PD is alive; `at.offset..at.offset + at.len` is inside the memory (checked
+    // by the caller, `ProtectionDomain::reg_mr_range` or `reg_mr_pinned`), mapped for the
+    // duration of the call. Afterwards the MR either keeps the mapping (the wrapper holds it) or,
     // pinned, needs none.
     let raw = NonNull::new(unsafe {
         ibv_reg_mr_iova2(
