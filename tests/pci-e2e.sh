@@ -332,18 +332,19 @@ peer_rping=(rping)
   "$repo/guest-lib/ibverbs/vrdma-run" --device "$socket" -- rping)
 # The VM's rping client, then its server (see tests/pci-guest.sh), with peers here.
 rping_with_peer() {
-  local server ok=0 line
+  local server ok=0 line tries=1 try
   timeout 900 "${peer_rping[@]}" -s -a "$peer_address" -p 18530 -C 5 >"$work/rping-server.out" 2>&1 &
   server=$!
   line=$(wait_line "$exchange/cm.vm" '^client ' 900) && [ "$line" = "client 0" ] &&
     [ "$(grep -c 'ping data:' "$exchange/rping-client.out")" = 5 ] || { ok=1; kill "$server"; }
   wait "$server" || ok=1
   # The VM's server, once it listens: `rdma resource` lists the backend's id for it on rxe0;
-  # the loopback host's ids are the backend's own, so the client tries again until then.
+  # the loopback host's ids are the backend's own, so there the client tries again until then.
+  [ "$device" = loopback ] && tries=60
   if [ "$ok" = 0 ] && { [ "$device" = loopback ] || wait_until_cm_listening 18531 600; }; then
-    for _ in $(seq 60); do
+    for ((try = 1; try <= tries; try++)); do
       timeout 60 "${peer_rping[@]}" -c -a "$vm_address" -p 18531 -C 5 -v >"$work/rping-client.out" 2>&1 && break
-      [ "$device" = loopback ] && ! vm_lost || break
+      vm_lost && break
       sleep 1
     done
   fi
