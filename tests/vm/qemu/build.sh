@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Builds the QEMU the nested-VM tests run: Debian's QEMU 10.0 source with
 # vhost-user-rdma.patch (the generic vhost-user PCI device made user-creatable and virtio id 42
-# given a name), x86_64 system emulator only, TCG, no firmware, no debug information (a fifth
-# less build time, and this build is on the path of every fresh clone's test command).
-# Idempotent: the result is cached under target/qemu/ and rebuilt only when this script or the
-# patch change.
+# given a name), x86_64 system emulator only, TCG, the devices of tests/vm/qemu/devices.mak,
+# no firmware, no debug information (each a fifth or more less build time: this build is on the
+# path of every fresh clone's test command).
+# Idempotent: the result is cached under target/qemu/ and rebuilt only when this script, the
+# patch or the device list change.
 # Prints the path of the built qemu-system-x86_64.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../../.." && pwd)
 cache="$repo/target/qemu"
 patch="$repo/tests/vm/qemu/vhost-user-rdma.patch"
+devices="$repo/tests/vm/qemu/devices.mak"
 binary="$cache/build/qemu-system-x86_64"
 mkdir -p "$cache"
 
@@ -18,7 +20,7 @@ log() { echo "qemu-build: $*" >&2; }
 
 "$repo/tests/vm/setup.sh" >/dev/null # packages, including the build dependencies
 
-inputs=$(sha256sum "$0" "$patch" | awk '{print $1}' | tr '\n' ' ')
+inputs=$(sha256sum "$0" "$patch" "$devices" | awk '{print $1}' | tr '\n' ' ')
 if [ -x "$binary" ] && [ "$(cat "$cache/stamp" 2>/dev/null)" = "$inputs" ]; then
   echo "$binary"
   exit 0
@@ -53,11 +55,13 @@ rm -rf "$cache/src" "$cache/build"
 mkdir -p "$cache/src"
 tar -xf "$cache/download/$tarball" -C "$cache/src" --strip-components=1
 patch -d "$cache/src" -p1 --quiet <"$patch"
+cp "$devices" "$cache/src/configs/devices/x86_64-softmmu/vrdma-test.mak"
 mkdir -p "$cache/build"
 (
   cd "$cache/build"
   "$cache/src/configure" --python="$cache/venv/bin/python3" --target-list=x86_64-softmmu \
-    --without-default-features --enable-tcg --enable-vhost-user --enable-virtfs --enable-attr \
+    --without-default-features --without-default-devices --with-devices-x86_64=vrdma-test \
+    --enable-tcg --enable-vhost-user --enable-virtfs --enable-attr \
     --enable-cap-ng --enable-fdt=system --disable-docs --disable-install-blobs \
     --disable-debug-info --disable-qom-cast-debug
   ninja qemu-system-x86_64
