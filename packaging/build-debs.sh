@@ -12,14 +12,14 @@
 #            packages of the build it tests, and spares CI a release build of its own
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-profile=release cargo_flags=(--release) link_flags=(--release)
+profile=release link_flags=(--release)
 if [ "${1:-}" = --debug ]; then
-  profile=debug cargo_flags=() link_flags=()
+  profile=debug link_flags=()
   shift
 fi
 out=$(mkdir -p "${1:-$repo/target/debs}" && cd "${1:-$repo/target/debs}" && pwd)
 cd "$repo"
-cargo build "${cargo_flags[@]}" --locked -p vrdma-backend -p vrdmad --bins >&2
+# The workspace's build (link.sh makes it), vrdma's libibverbs.so.1 and librdmacm.so.1 beside it.
 lib_dir=$(guest-lib/ibverbs/link.sh "${link_flags[@]}")
 version=$(awk -F'"' '/^version/ { print $2; exit }' Cargo.toml)
 arch=$(dpkg --print-architecture)

@@ -7,8 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests/vm/setup.sh >/dev/null
-cargo build --release --locked -p vrdma-backend -p vrdma-tests -p vrdmad --bins
-cargo build --release --locked -p vrdma-guest --example vrdma-perf
+# The workspace's release build, and vrdma's libibverbs.so.1 linked from it.
 guest-lib/ibverbs/link.sh --release >/dev/null
 mkdir -p target/bench
 # The relay on this machine's real cores, on the loopback host (no NIC, no emulation), each

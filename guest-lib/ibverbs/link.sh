@@ -5,6 +5,11 @@
 # dynamic loader accepts it in place of the system's for programs and provider libraries.
 # (rustc cannot attach symbol versions to a cdylib, hence the separate link.)
 #
+# It builds the whole workspace first (libraries, programs, examples), the one selection every
+# build of the test command and the demo makes: cargo enables a dependency's features for the
+# packages and targets a build selects, so a narrower build (this crate alone) would compile
+# the crates it shares with the others once more, differently.
+#
 # usage: guest-lib/ibverbs/link.sh [--release]
 # Prints the directory holding libibverbs.so.1. Needs libibverbs-dev (tests/vm/setup.sh
 # installs it), cc, nm and objdump.
@@ -22,7 +27,7 @@ log() { echo "vrdma-ibverbs: $*" >&2; }
 system_lib="$(pkg-config --variable=libdir libibverbs 2>/dev/null)/libibverbs.so.1"
 [ -e "$system_lib" ] || { log "no system libibverbs.so.1 to take symbol versions from: apt-get install libibverbs-dev"; exit 1; }
 
-(cd "$repo" && cargo build -q -p vrdma-ibverbs "${cargo_flags[@]}") >&2
+(cd "$repo" && cargo build --workspace --lib --bins --examples "${cargo_flags[@]}") >&2
 archive="$repo/target/$profile/libvrdma_ibverbs.a"
 out="$repo/target/$profile/vrdma-ibverbs"
 mkdir -p "$out"
