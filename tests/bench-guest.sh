@@ -150,9 +150,13 @@ rxe_lib='\[.*libibverbs'
 instructions_per_wqe "$bin" rxe0 "$rxe_lib" "$writes" 128 "taken in batches of up to 16 per pass" ||
   failures=$((failures + 1))
 # One in flight: every pass pays its fixed costs for one WQE, and the CQs are visited again
-# while its completion is on its way (the count swings with timing between runs).
-instructions_per_wqe "$bin" rxe0 "$rxe_lib" "$((writes / 4))" 1 "one in flight, so one per pass" ||
-  failures=$((failures + 1))
+# while its completion is on its way (the count swings with timing between runs). The smoke
+# run leaves it out (VRDMA_BENCH_CALLGRIND_ONE_IN_FLIGHT=0): the machinery is the row above's,
+# and a backend under valgrind takes half a minute to start in the emulated guest.
+if [ "${VRDMA_BENCH_CALLGRIND_ONE_IN_FLIGHT:-1}" = 1 ]; then
+  instructions_per_wqe "$bin" rxe0 "$rxe_lib" "$((writes / 4))" 1 "one in flight, so one per pass" ||
+    failures=$((failures + 1))
+fi
 # Connection set-up through rdma_cm (SPEC.md §13): rdma-core's unmodified cmtime, natively and
 # through vrdma's librdmacm.so.1, each vrdma end a guest with an address of its own.
 cm_connections=${VRDMA_BENCH_CM_CONNECTIONS:-50}

@@ -16,7 +16,8 @@ step "integration tests that need real RDMA (rdma_rxe in the guest)"
 
 step "the benchmarks in the rxe guest, a smoke run (few iterations; numbers are not checked)"
 VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENCH_GUESTS=8 \
-  VRDMA_BENCH_MR_MIB=64 VRDMA_BENCH_CALLGRIND_WRITES=100 VRDMA_BENCH_CM_CONNECTIONS=10 \
+  VRDMA_BENCH_MR_MIB=64 VRDMA_BENCH_CALLGRIND_WRITES=100 VRDMA_BENCH_CALLGRIND_ONE_IN_FLIGHT=0 \
+  VRDMA_BENCH_CM_CONNECTIONS=10 \
   VRDMA_BENCH_TESTS="write_lat write_bw" VRDMA_BENCH_PINNED_TESTS=read_lat \
   "$repo/tests/bench-guest.sh" "$bin" || status=1
 
