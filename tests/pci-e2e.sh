@@ -344,7 +344,7 @@ rping_with_peer() {
   if [ "$ok" = 0 ] && { [ "$device" = loopback ] || wait_until_cm_listening 18531 600; }; then
     for ((try = 1; try <= tries; try++)); do
       timeout 60 "${peer_rping[@]}" -c -a "$vm_address" -p 18531 -C 5 -v >"$work/rping-client.out" 2>&1 && break
-      vm_lost && break
+      [ "$try" -lt "$tries" ] && ! vm_lost || break
       sleep 1
     done
   fi

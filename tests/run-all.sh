@@ -41,7 +41,7 @@ git ls-files -z '*.sh' .ci/run | xargs -0 shellcheck -S warning
 
 step "build the binaries, link vrdma's libibverbs.so.1 (for the unmodified-program tests)"
 # Before any test: integration tests run the backend binary and these programs as processes.
-# link.sh builds the workspace (every later build selects as it does: nothing compiles twice).
+# link.sh builds the workspace as cargo test and the packages do next: they compile nothing again.
 guest-lib/ibverbs/link.sh >/dev/null
 cc -Wall -Werror -O1 -o target/debug/rdma_check tests/c/rdma_check.c -libverbs
 

@@ -1,5 +1,6 @@
 # The devices the vrdma test VMs need of the patched QEMU (tests/vm/qemu/build.sh passes this
-# file with --without-default-devices: a third less to compile than every x86 device). Kconfig
+# file with --without-default-devices: 1343 build steps instead of 1593, a fifth less build
+# time than with every x86 device). Kconfig
 # adds what these select: the pc machine's chipset, IDE, PS/2, ISA serial, RTC, ACPI, fw_cfg.
 # The pc machine (i440fx), which the VMs run directly (tests/vm/run.sh) and under libvirt.
 CONFIG_I440FX=y
