@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Boots a VM with a vrdma PCI device that a backend here serves, and checks guest-lib programs
 # in it (tests/pci-guest.sh, whose parts are named below) against peers here:
-#   DEVICE loopback, on this machine (no RDMA, no nesting: the backend's loopback host):
+#   DEVICE loopback, on this machine (no RDMA, no nesting: the backend's loopback host), the
+#   VM started by a real libvirtd (tests/vm/libvirtd.sh) from the documented domain
+#   (backend/libvirt/vrdma-vm.xml):
 #     service  the guest service (vrdmad) over the PCI device: an unprivileged user's program
 #              through it makes checked round trips and RDMA WRITE+READ with a guest-lib program
 #              attached directly to the same backend, ringing the device through a doorbell
@@ -26,24 +28,23 @@
 #              address of its own): an unprivileged user's unmodified rping on vrdma's
 #              librdmacm, the client of an rping server here (vrdma's librdmacm, attached to
 #              the backend beside the VM), then the server of a client here
-#     paused   QEMU `stop` and `cont` three times under a guest-lib program's checked round
-#              trips with a peer here: the program finishes with no error, the device keeps
-#              every object (vrdmactl shows the VM paused, then running, with its QPs)
+#     paused   `virsh suspend` and `virsh resume` (QEMU's stop and cont) three times under a
+#              guest-lib program's checked round trips with a peer here: the program finishes
+#              with no error, the device keeps every object (vrdmactl shows the VM paused,
+#              then running, with its QPs)
 #     reopen   a backend restart under the running VM: guest-lib reports the device reset,
 #              opens the device again and creates a QP
-#   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one,
-#   started by a real libvirtd from the documented domain (backend/libvirt/vrdma-vm.xml): real
-#   RDMA through the PCI device; once the VM is destroyed, every host object it had is released
-#   (`rdma resource`):
+#     held     `virsh destroy` while a guest-lib program in the VM holds a QP and more: the
+#              backend closes the VM's connection and releases every object it had
+#   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one: real
+#   RDMA through the PCI device; once the VM has shut down, every host object it had is
+#   released (`rdma resource`):
 #     native   an unmodified ibv_rc_pingpong through vrdma's libibverbs, attached to the
 #              device directly, pairs with a native ibv_rc_pingpong on rxe0 (guest-lib's own
 #              RDMA WRITE+READ over the PCI device is checked in the loopback-served VM, and
 #              with native peers on rxe0 in the rxe tier: a nested VM costs minutes a check;
 #              rdma_cm over the device is checked in the loopback-served VM, and with native
 #              peers through the guest service on rxe0 in the rxe tier)
-#     held     `virsh suspend` and `virsh resume` while a guest-lib program in the VM holds a
-#              QP and more: the backend shows the VM paused, then running, and keeps every
-#              object; then `virsh destroy`: the backend releases every host object the VM had
 # The parts are split for time: a nested VM is emulated inside an emulated guest, where
 # booting alone takes minutes and each process started costs seconds.
 # Prints one `pci-e2e: CHECK ok|FAILED (N s)` line per check; exits 1 if any failed.
@@ -57,15 +58,17 @@ source "$repo/tests/listening.sh"
 bin=$(cd "$1" && pwd)
 device=${2:-}
 case "$device" in
-  loopback) parts=${VRDMA_PCI_PARTS:-service,cm,pinned,leaver,paused,reopen} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
-    domain= launch=()
+  loopback) parts=${VRDMA_PCI_PARTS:-service,cm,pinned,leaver,paused,reopen,held} round_trips=${VRDMA_PCI_ROUND_TRIPS:-100}
+    # Started by libvirt from the documented domain (backend/libvirt/vrdma-vm.xml), which
+    # suspends, resumes and destroys it (parts paused and held).
+    domain=vrdma-loopback launch=(--libvirt "$domain")
     # The VM's address; its rdma_cm peer here shares it (--shared-gid), on other ports.
     peer_address=192.168.77.60 vm_address=192.168.77.60
     own_address=(--guest-ip "$vm_address/24") ;;
   rxe0)
     [ -n "${VRDMA_VM_RUN_DIR:-}" ] || { echo "pci-e2e.sh: rxe0 is in the rxe guest: run me there (tests/vm/run.sh)" >&2; exit 2; }
-    parts=${VRDMA_PCI_PARTS:-native,held} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20}
-    domain=vrdma-nested launch=(--libvirt "$domain")
+    parts=${VRDMA_PCI_PARTS:-native} round_trips=${VRDMA_PCI_ROUND_TRIPS:-20}
+    domain= launch=()
     # The rxe guest's address (tests/vm/guest-init.sh) and the VM's own, for rdma_cm (part
     # cm, run on its own only: VRDMA_PCI_PARTS=cm).
     peer_address=192.168.77.1 vm_address=192.168.77.60
@@ -78,9 +81,8 @@ esac
 work=$(mktemp -d /tmp/vrdma-pci-e2e.XXXXXX)
 chmod 0755 "$work"
 socket=$work/vrdma.sock logs=$work/logs unprivileged=$work/unprivileged runs=$work/runs
-admin=$work/admin.sock monitor=$work/monitor.sock
-# The VM run here directly is paused and resumed through QEMU's monitor (part paused).
-[ "$device" = loopback ] && launch=(--monitor "$monitor")
+admin=$work/admin.sock
+virsh=(virsh -q -c "$("$repo/tests/vm/libvirtd.sh" uri)")
 mkdir -p "$logs" "$unprivileged" "$runs"
 failures=0
 
@@ -401,28 +403,11 @@ check_leaver() {
     left_badly
 }
 
-# --- part paused: QEMU stop and cont under a program's traffic (SPEC.md §9).
-# hmp COMMAND: runs a command on QEMU's human monitor.
-hmp() {
-  python3 - "$monitor" "$1" <<'PY'
-import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])
-def prompt():
-    seen = b""
-    while not seen.endswith(b"(qemu) "):
-        chunk = s.recv(4096)
-        if not chunk:
-            break
-        seen += chunk
-prompt()
-s.sendall(sys.argv[2].encode() + b"\n")
-prompt()
-PY
-}
+# --- part paused: libvirt's suspend and resume (QEMU's stop and cont) under a program's
+# traffic (SPEC.md §9).
 # Every connection's state and QPs as `vrdmactl list` shows them (the VM's, and its peer's
 # attached here), sorted.
-guest_states() { "$bin/vrdmactl" --socket "$admin" list | awk 'NR > 1 { print $3, $4 }' | sort | tr '\n' ' '; }
+guest_states() { "$bin/vrdmactl" --socket "$admin" list | awk 'NR > 1 && $1 ~ /^[0-9]+$/ { print $3, $4 }' | sort | tr '\n' ' '; }
 # Three pauses of 2 s, 2 s apart, once the pair's VM side is under way; each line of
 # $work/pauses.log: the guests' states and QPs before the stop, during it, after the cont;
 # and whether the pair had finished by the last cont (it must not: it runs until told).
@@ -434,10 +419,10 @@ pause_three_times() {
   for i in 1 2 3; do
     local before during after
     before=$(guest_states)
-    hmp stop
+    "${virsh[@]}" suspend "$domain" >/dev/null
     sleep 2
     during=$(guest_states)
-    hmp cont
+    "${virsh[@]}" resume "$domain" >/dev/null
     after=$(guest_states)
     echo "pause $i: before [$before] during [$during] after [$after]" >>"$work/pauses.log"
     [ "$i" = 3 ] || sleep 2
@@ -463,7 +448,7 @@ paused_under_traffic() {
   return "$ok"
 }
 check_paused() {
-  check "QEMU stop/cont three times (2 s each) under a program's checked round trips (until 2 s after the last): no error, every object kept" \
+  check "virsh suspend/resume three times (2 s each) under a program's checked round trips (until 2 s after the last): no error, every object kept" \
     paused_under_traffic
 }
 
@@ -531,49 +516,36 @@ objects_released() {
   done
 }
 
-# --- part held: the VM is destroyed (libvirt) while its program holds host objects.
+# --- part held: libvirt destroys the VM (kills its QEMU) while a program in it holds a QP
+# and more: the backend closes the VM's connection and releases every object it had.
+released_lines() { grep -c " objects released; " "$logs/backend.log" || true; }
 destroy_under_a_program() {
   wait_line "$exchange/held.from-vm" '^qpn=' 600 >/dev/null || { show_logs held; return 1; }
-  local held
-  held=$(host_objects)
-  [ "$held" != "$baseline" ] || { echo "pci-e2e: the VM's program holds no host object" >&2; return 1; }
-  echo "pci-e2e: host objects before the VM: $baseline; with its program: $held"
-  virsh -q -c qemu:///system destroy "$domain" >/dev/null && objects_released
-}
-# libvirt's suspend and resume (QEMU's stop and cont) while the program holds its objects:
-# the backend shows the VM paused, then running, with the same QPs, and keeps every host
-# object (SPEC.md §9).
-# wait_state STATE: until the VM's state as vrdmactl shows it is STATE; prints it with its QPs.
-wait_state() {
-  local start=$SECONDS states
-  until states=$(guest_states) && [[ "$states" == "$1 "* ]]; do
-    [ $((SECONDS - start)) -lt 60 ] || { echo "pci-e2e: the VM's state stayed [$states]" >&2; return 1; }
+  local held released start=$SECONDS line
+  held=$(guest_states) released=$(released_lines)
+  [[ "$held" == running* ]] || { echo "pci-e2e: the VM's state before: [$held]" >&2; return 1; }
+  "${virsh[@]}" destroy "$domain" >/dev/null || return 1
+  until [ "$(released_lines)" -gt "$released" ]; do
+    [ $((SECONDS - start)) -lt 30 ] || { echo "pci-e2e: the backend did not close the VM's connection" >&2; return 1; }
     sleep 0.5
   done
-  echo "$states"
-}
-suspend_under_a_program() {
-  wait_line "$exchange/held.from-vm" '^qpn=' 600 >/dev/null || { show_logs held; return 1; }
-  local before during after held
-  before=$(guest_states) held=$(host_objects)
-  [[ "$before" == running* ]] || { echo "pci-e2e: the VM's state before: [$before]" >&2; return 1; }
-  virsh -q -c qemu:///system suspend "$domain" >/dev/null || return 1
-  during=$(wait_state paused) || return 1
-  sleep 2
-  virsh -q -c qemu:///system resume "$domain" >/dev/null || return 1
-  after=$(wait_state running) || return 1
-  echo "pci-e2e: vrdmactl shows the VM [$before], suspended [$during], resumed [$after]"
-  [ "$after" = "$before" ] && [ "${during/paused/running}" = "$before" ] && [ "$(host_objects)" = "$held" ]
+  line=$(grep " objects released; " "$logs/backend.log" | tail -n 1)
+  echo "pci-e2e: vrdmactl showed the VM [$held]; destroyed, the backend said: ${line#*connection }"
+  [ -z "$(guest_states)" ] && [[ "$line" =~ closed,\ [1-9][0-9]*\ objects\ released ]]
 }
 check_held() {
-  check "virsh suspend and resume while a program in the VM holds a QP: paused, then running, every object kept" \
-    suspend_under_a_program
   check "virsh destroy while a program in the VM holds a QP: the backend releases all it held" \
     destroy_under_a_program
 }
 
 start_backend || exit 1
 [ "$device" = rxe0 ] && baseline=$(host_objects)
+# libvirtd, started here (unless one of the tests' runs already) so that it outlives the VM:
+# the domain's end is read from it.
+if [ -n "$domain" ]; then
+  libvirtd_was=$("$repo/tests/vm/libvirtd.sh" start) || exit 1
+  [ "$libvirtd_was" = started ] && trap '"$repo/tests/vm/libvirtd.sh" stop' EXIT
+fi
 cp -r "$bin/guest-endpoint" "$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" \
   "$unprivileged/" && chmod -R a+rX "$unprivileged" || exit 1
 # The VM can write only to its own run folder (below $runs): that is the exchange.
@@ -599,7 +571,7 @@ vm_ok() {
 vm_destroyed() {
   wait "$vm"
   grep -q "domain $domain is shut off (destroyed)" "$logs/vm.log" &&
-    ! virsh -q -c qemu:///system dominfo "$domain" >/dev/null 2>&1 ||
+    ! "${virsh[@]}" dominfo "$domain" >/dev/null 2>&1 ||
     { echo "--- the VM's log" >&2; tail -n 30 "$logs/vm.log" >&2; return 1; }
 }
 if [[ ",$parts," == *,held,* ]]; then

@@ -21,7 +21,7 @@ VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENC
   VRDMA_BENCH_TESTS="write_lat write_bw" VRDMA_BENCH_PINNED_TESTS=read_lat \
   "$repo/tests/bench-guest.sh" "$bin" || status=1
 
-step "a nested VM with the vrdma PCI device started by libvirt, served through rxe0 in the rxe guest (7 to 12 minutes: the nested boot takes 3 to 6)"
+step "a nested VM with the vrdma PCI device, served through rxe0 in the rxe guest (6 to 10 minutes: the nested boot takes 3 to 6)"
 "$repo/tests/pci-e2e.sh" "$bin" rxe0 || status=1
 
 exit "$status"

@@ -4,7 +4,7 @@
 # there unchanged. Prints the command's output and exits with its exit code.
 #
 # usage: tests/vm/run.sh [--no-rxe] [--mem MIB] [--cpus N] [--timeout SECONDS] [--vrdma SOCKET]
-#                        [--monitor SOCKET] [--libvirt NAME] [--host-net ADDRESS/PREFIX,PORT,PEER_PORT]
+#                        [--libvirt NAME] [--host-net ADDRESS/PREFIX,PORT,PEER_PORT]
 #                        [--root DIR] [--run-in DIR] -- COMMAND [ARG...]
 #   --no-rxe        boot without loading rdma_rxe (also VRDMA_VM_NO_RXE=1): RDMA tests must
 #                   then fail
@@ -12,8 +12,9 @@
 #   --vrdma SOCKET  give the guest a vrdma PCI device served by the backend listening on
 #                   SOCKET (with the QEMU that tests/vm/qemu/build.sh builds); the guest is
 #                   then a nested one when run.sh itself runs inside a harness guest
-#   --monitor SOCKET  QEMU's human monitor on the Unix socket SOCKET (stop, cont, ...), for
-#                   a caller that pauses the guest
+#   --libvirt NAME  start the guest (which needs --vrdma) as the libvirt domain NAME, made from
+#                   the documented one (backend/libvirt/vrdma-vm.xml), for a caller that
+#                   suspends, resumes or destroys it with virsh -c "$(tests/vm/libvirtd.sh uri)"
 #   --host-net ADDRESS/PREFIX,PORT,PEER_PORT
 #                   give the guest a network card (eth0, with ADDRESS) whose frames travel as
 #                   UDP datagrams from 127.0.0.1:PORT to 127.0.0.1:PEER_PORT, where another
@@ -32,7 +33,7 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 rxe=$([ "${VRDMA_VM_NO_RXE:-0}" = 1 ] && echo 0 || echo 1) mem=3072 limit=${VRDMA_VM_TIMEOUT:-1800}
-vrdma_socket= host_net= cpus= runs_in= keep_run=0 libvirt_domain= clean_root= monitor=
+vrdma_socket= host_net= cpus= runs_in= keep_run=0 libvirt_domain= clean_root=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-rxe) rxe=0; shift ;;
@@ -40,7 +41,6 @@ while [ $# -gt 0 ]; do
     --cpus) cpus=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
     --vrdma) vrdma_socket=$2; shift 2 ;;
-    --monitor) monitor=$2; shift 2 ;;
     --libvirt) libvirt_domain=$2; shift 2 ;;
     --root) clean_root=$(cd "$2" && pwd); shift 2 ;;
     --host-net) host_net=$2; shift 2 ;;
@@ -50,10 +50,10 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] [--monitor SOCKET] [--libvirt NAME] [--host-net ...] [--root DIR] [--run-in DIR] -- COMMAND [ARG...]" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [--no-rxe] [--mem MIB] [--cpus N] [--timeout S] [--vrdma SOCKET] [--libvirt NAME] [--host-net ...] [--root DIR] [--run-in DIR] -- COMMAND [ARG...]" >&2; exit 2; }
 if [ -n "$libvirt_domain" ]; then
-  [ -n "$vrdma_socket" ] && [ -n "${VRDMA_VM_RUN_DIR:-}" ] && [ -z "$host_net" ] ||
-    { echo "run.sh: --libvirt starts a VM with --vrdma inside a harness guest (and no --host-net)" >&2; exit 2; }
+  [ -n "$vrdma_socket" ] && [ -z "$host_net" ] && [ -z "$clean_root" ] ||
+    { echo "run.sh: --libvirt starts a VM with --vrdma (and no --host-net or --root)" >&2; exit 2; }
   [[ "$libvirt_domain" =~ ^[A-Za-z0-9_.-]+$ ]] ||
     { echo "run.sh: --libvirt takes a domain name of letters, digits, '.', '_' and '-', not '$libvirt_domain'" >&2; exit 2; }
 fi
@@ -72,7 +72,6 @@ if [ -n "$vrdma_socket" ]; then
     -chardev "socket,id=vrdma0,path=$vrdma_socket,reconnect-ms=1000"
     -device "vhost-user-device-pci,chardev=vrdma0,virtio-id=42,num_vqs=$queues,config_size=128,modern-pio-notify=on")
 fi
-[ -z "$monitor" ] || qemu+=(-monitor "unix:$monitor,server=on,wait=off")
 
 nic=(-nic none) net_arg=
 if [ -n "$host_net" ]; then
@@ -142,29 +141,34 @@ console_filter() {
     -e '/^SeaBIOS (version/d; s/^Booting from ROM\.*//; /reboot: Power down/d'
 }
 
-# The guest as a libvirt domain: its console is a file, followed until the domain is shut off.
+# The guest as a libvirt domain, defined from the documented one (backend/libvirt/vrdma-vm.xml)
+# in the tests' own libvirtd (tests/vm/libvirtd.sh; stopped again if started here): its
+# console is a file, followed until the domain is shut off.
 start_with_libvirt() {
-  "$repo/tests/vm/libvirtd.sh"
+  # Globals: the EXIT trap reads them.
+  libvirtd_was=$("$repo/tests/vm/libvirtd.sh" start)
+  virsh=(virsh -q -c "$("$repo/tests/vm/libvirtd.sh" uri)")
   "$repo/tests/vm/libvirt-domain.py" "$repo/backend/libvirt/vrdma-vm.xml" "$libvirt_domain" \
     "$mem" "$cpus" "$patched" "$vrdma_socket" "$queues" "$cache/kernel/vmlinuz" "$cache/initrd.gz" \
     "$kernel_args" "$run" "$run/console.log" >"$run/domain.xml"
   : >"$run/console.log"
-  virsh -q -c qemu:///system define "$run/domain.xml" >/dev/null
   # errexit holds in the trap too: each step goes on whatever the one before it did.
-  trap 'virsh -q -c qemu:///system destroy "$libvirt_domain" >/dev/null 2>&1 || true
-    virsh -q -c qemu:///system undefine "$libvirt_domain" >/dev/null 2>&1 || true
+  trap '"${virsh[@]}" destroy "$libvirt_domain" >/dev/null 2>&1 || true
+    "${virsh[@]}" undefine "$libvirt_domain" >/dev/null 2>&1 || true
+    [ "$libvirtd_was" != started ] || "$repo/tests/vm/libvirtd.sh" stop || true
     [ "$keep_run" = 1 ] || rm -rf "$run"' EXIT
-  virsh -q -c qemu:///system start "$libvirt_domain" >/dev/null
+  "${virsh[@]}" define "$run/domain.xml" >/dev/null
+  "${virsh[@]}" start "$libvirt_domain" >/dev/null
   tail -n +1 -F "$run/console.log" 2>/dev/null > >(console_filter) &
   local console=$! start=$SECONDS
-  until [ "$(virsh -q -c qemu:///system domstate "$libvirt_domain" 2>/dev/null)" = "shut off" ]; do
+  until [ "$("${virsh[@]}" domstate "$libvirt_domain" 2>/dev/null)" = "shut off" ]; do
     if [ $((SECONDS - start)) -ge "$limit" ]; then
-      virsh -q -c qemu:///system destroy "$libvirt_domain" >/dev/null 2>&1 || true
+      "${virsh[@]}" destroy "$libvirt_domain" >/dev/null 2>&1 || true
       break
     fi
     sleep 1
   done
-  echo "run.sh: domain $libvirt_domain is $(virsh -q -c qemu:///system domstate --reason "$libvirt_domain" 2>&1)"
+  echo "run.sh: domain $libvirt_domain is $("${virsh[@]}" domstate --reason "$libvirt_domain" 2>&1)"
   sleep 1 # the console's last lines
   kill "$console" 2>/dev/null || true
 }
