@@ -135,6 +135,13 @@ case "$run" in *[[:space:]]*) echo "run.sh: the repository path must not contain
 # which under emulation taxes each page read over 9p and each packet rxe sends or receives
 # (native ib_send_lat in the guest: about 400 us with it, 220 us without).
 kernel_args="console=ttyS0 quiet loglevel=3 panic=-1 tsc=reliable cryptomgr.notests no_timer_check audit=0 mitigations=off init_on_alloc=0 vrdma.results=$run vrdma.rxe=$rxe $net_arg${clean_root:+ vrdma.root=$clean_root}"
+# A nested guest (emulation inside emulation) also skips the boot work that costs it the most
+# and a test guest does not use (initcall_debug, in seconds of its uptime): the jitter entropy
+# source's self-test (13), the builtin modules' parameters in sysfs (6), the PS/2 keyboard and
+# mouse (8), the kernel's certificates, which only sign modules it does not insist on (5), the
+# tracing's enum maps (5), a key-derivation self-test (3), the thermal class (2), encrypted keys (1).
+[ -z "${VRDMA_VM_RUN_DIR:-}" ] ||
+  kernel_args+=" initcall_blacklist=jent_mod_init,param_sysfs_builtin_init,i8042_init,mousedev_init,load_system_certificate_list,trace_eval_init,crypto_kdf108_init,thermal_init,init_encrypted"
 # What the guest prints on its console, without terminal escapes and firmware chatter.
 console_filter() {
   sed -u -e 's/\r//g; s/\x1b[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' \
