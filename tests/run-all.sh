@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Runs every vrdma check and test: formatting, clippy, unit tests and the loopback-host
 # integration tests on this machine, a VM with a vrdma PCI device served by the loopback host
-# (tests/pci-e2e.sh), then in one boot of a QEMU guest with rdma_rxe (tests/vm/,
-# tests/rxe-tier.sh) the integration tests that need real RDMA, a smoke run of the benchmarks
-# there and a nested VM with the vrdma PCI device (started by libvirt), then the cross-host
-# tests (two such guests joined by an emulated Ethernet link, tests/cross-host.sh), a smoke run
-# of the benchmarks on this machine, and the Debian packages installed on a clean system
-# booted with systemd (tests/install-check.sh). Installs what it needs on first use (tests/vm/setup.sh, and the patched
-# QEMU of tests/vm/qemu/build.sh); caches under target/.
+# and started by libvirt (tests/pci-e2e.sh), then in one boot of a QEMU guest with rdma_rxe
+# (tests/vm/, tests/rxe-tier.sh) the integration tests that need real RDMA, a smoke run of the
+# benchmarks there and a nested VM with the vrdma PCI device, then the cross-host tests (two
+# such guests joined by an emulated Ethernet link, tests/cross-host.sh), a smoke run of the
+# benchmarks on this machine, and the Debian packages installed on a clean system booted with
+# systemd (tests/install-check.sh). Installs what it needs on first use (tests/vm/setup.sh,
+# the patched QEMU of tests/vm/qemu/build.sh, the clean system of tests/vm/clean-root.sh);
+# caches under target/.
 #   VRDMA_VM_NO_RXE=1  boot the guest without rdma_rxe: the RDMA tests must then fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,9 +22,17 @@ source tests/steps.sh
 run_all() {
 set -euo pipefail # the caller turns errexit off around the pipeline; keep it on in here
 
-step "setup (packages, kernel, initramfs; the PCI device's QEMU: ~5 minutes the first time)"
+step "setup (packages, kernel, initramfs)"
 tests/vm/setup.sh >/dev/null
-tests/vm/qemu/build.sh >/dev/null
+# What only the VM steps need is made in the background at the lowest priority, in the time
+# the cargo steps below leave a core idle (linking, a crate the rest waits for): the PCI
+# device's QEMU (minutes of compiling the first time) and the clean system the packages are
+# installed on. The first VM step waits for it. Its own process group, ended with the command.
+setsid nice -n 19 bash -c 'tests/vm/qemu/build.sh >/dev/null && tests/vm/clean-root.sh >/dev/null' \
+  >target/vm-prepare.log 2>&1 &
+prepare=$!
+# (Until setsid has made the group, the process alone is all there is to end.)
+trap 'kill -- -$prepare 2>/dev/null || kill $prepare 2>/dev/null || true' EXIT
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -54,7 +63,11 @@ tests/packages.sh
 step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in docs/testing.md)"
 fuzz/run.sh --brief "${VRDMA_FUZZ_SECONDS:-4}"
 
-step "a VM with the vrdma PCI device, served by the loopback host on this machine (about a minute)"
+step "the background preparation ends: the PCI device's QEMU, the clean system (at once if cached)"
+wait "$prepare" || { cat target/vm-prepare.log; echo "run-all: preparing the VMs failed" >&2; exit 1; }
+cat target/vm-prepare.log
+
+step "a VM with the vrdma PCI device, served by the loopback host on this machine (about two minutes)"
 tests/pci-e2e.sh "$PWD/target/debug" loopback
 
 step "build the integration tests"
@@ -83,7 +96,7 @@ step "the benchmarks on this machine, a smoke run (the relay's cost, rate limits
 VRDMA_BENCH_ROUND_TRIPS=2000 VRDMA_BENCH_WQES=20000 target/debug/relay-bench
 VRDMA_BENCH_RATE_MESSAGES=60 VRDMA_BENCH_LAT_ITERS=200 tests/bench-rate.sh target/debug
 
-step "the packages installed on a clean Debian system booted with systemd (its root made once: about a minute)"
+step "the packages installed on a clean Debian system booted with systemd"
 tests/install-check.sh target/debug/debs/*.deb
 step "done"
 }

@@ -5,14 +5,14 @@
 # that the clean root lacks (under target/vm/clean-deps/): the guest that boots the root has
 # no network, so apt resolves and installs from that folder. The root is never booted
 # writable: the guest puts a tmpfs over it (tests/vm/run.sh --root).
-# usage: tests/vm/clean-root.sh DEB...   (prints the root's path)
+# usage: tests/vm/clean-root.sh [DEB...]   (prints the root's path; without DEBs it makes only
+#        the root, which needs no package built)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cache=$repo/target/vm
 root=$cache/clean-root deps=$cache/clean-deps
 log() { echo "clean-root: $*" >&2; }
 fail() { log "ERROR: $1"; log "fix: $2"; exit 1; }
-[ $# -gt 0 ] || { echo "usage: $0 DEB..." >&2; exit 2; }
 mkdir -p "$cache"
 debs=()
 for deb in "$@"; do debs+=("$(realpath "$deb")"); done # apt takes a file for a path only
@@ -42,6 +42,7 @@ fi
 # The packages' dependencies the root lacks, downloaded as apt would on it (its dpkg status
 # file stands in for the machine's), into a local source; done again when the packages'
 # dependencies or the root change.
+[ ${#debs[@]} -gt 0 ] || { echo "$root"; exit 0; }
 want=$({ echo "$include"; for deb in "${debs[@]}"; do dpkg-deb -f "$deb" Package Depends; done; } |
   sha256sum | cut -d' ' -f1)
 if [ "$(cat "$deps/.for" 2>/dev/null)" != "$want" ]; then
