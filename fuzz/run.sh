@@ -29,13 +29,14 @@ cargo build --manifest-path "$here/Cargo.toml" --locked --profile "$profile" --b
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] ||
   mapfile -t targets < <(sed -n 's/^name = "\(.*\)"$/\1/p' "$here/Cargo.toml" | grep -v '^vrdma-fuzz$')
-failed=0
-for target in "${targets[@]}"; do
-  corpus="$here/../target/fuzz/corpus/$target" artifacts="$here/../target/fuzz/artifacts/$target"
+# One target per core at a time (a libFuzzer process is one thread); their lines are printed
+# once all have ended, in the order of the targets.
+run_target() {
+  local target=$1 corpus="$here/../target/fuzz/corpus/$1" artifacts="$here/../target/fuzz/artifacts/$1"
   mkdir -p "$corpus" "$artifacts" "$here/corpus/$target"
-  limit=(-max_total_time="$seconds")
+  local limit=(-max_total_time="$seconds")
   [ -n "${VRDMA_FUZZ_RUNS:-}" ] && limit=(-runs="$VRDMA_FUZZ_RUNS")
-  log="$here/../target/fuzz/$target.log"
+  local log="$here/../target/fuzz/$target.log" runs cov
   if "$CARGO_TARGET_DIR/$triple/$profile/$target" "$corpus" "$here/corpus/$target" \
     "${limit[@]}" -artifact_prefix="$artifacts/" -print_final_stats=1 >"$log" 2>&1; then
     runs=$(awk '/stat::number_of_executed_units/ {print $2}' "$log")
@@ -44,7 +45,20 @@ for target in "${targets[@]}"; do
   else
     echo "fuzz: $target FAILED (log: $log):"
     grep -m1 -A4 'panicked\|ERROR: libFuzzer' "$log" || tail -n 20 "$log"
-    failed=$((failed + 1))
+    return 1
   fi
+}
+lines=$(mktemp -d)
+trap 'rm -rf "$lines"' EXIT
+failed=0 running=0
+for target in "${targets[@]}"; do
+  if [ "$running" -ge "$(nproc)" ]; then
+    wait -n || failed=$((failed + 1))
+    running=$((running - 1))
+  fi
+  run_target "$target" >"$lines/$target" &
+  running=$((running + 1))
 done
+for ((; running > 0; running--)); do wait -n || failed=$((failed + 1)); done
+for target in "${targets[@]}"; do cat "$lines/$target"; done
 [ "$failed" -eq 0 ]
