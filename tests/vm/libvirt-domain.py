@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prints the libvirt domain tests/vm/run.sh --libvirt starts: backend/libvirt/vrdma-vm.xml,
 the documented domain, made into the test guest's. Its name, memory, vCPUs, emulator and
-vrdma socket are replaced; the domain type becomes qemu (TCG: the test guest has no KVM); the
+vrdma socket are replaced; the domain type becomes qemu (TCG: the test machines have no KVM); the
 guest is not restarted when it reboots; the disk gives way to the harness's kernel, initramfs and kernel command line, the machine's root
 and the run folder shared over 9p (as run.sh gives them to QEMU itself), and the serial
 console goes to a file.

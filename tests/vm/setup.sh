@@ -44,7 +44,7 @@ packages=(rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
   valgrind
   # the test command's check of the shell scripts (tests/run-all.sh)
   shellcheck
-  # libvirt, which starts the nested VM in the rxe guest (tests/vm/libvirtd.sh)
+  # libvirt, which starts the VM the loopback host serves (tests/vm/libvirtd.sh, tests/pci-e2e.sh)
   libvirt-daemon-system libvirt-clients
   # the clean Debian system the packages are installed on (tests/vm/clean-root.sh)
   debootstrap)
