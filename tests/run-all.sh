@@ -27,9 +27,11 @@ tests/vm/setup.sh >/dev/null
 # What only the VM steps need is made in the background at the lowest priority, in the time
 # the cargo steps below leave a core idle (linking, a crate the rest waits for): the PCI
 # device's QEMU (minutes of compiling the first time) and the clean system the packages are
-# installed on. The first VM step waits for it. Its own process group, ended with the command.
-setsid nice -n 19 bash -c 'tests/vm/qemu/build.sh >/dev/null && tests/vm/clean-root.sh >/dev/null' \
-  >target/vm-prepare.log 2>&1 &
+# installed on. The first VM step waits for it. Its own session (a process group ended with
+# the command), which the kernel also schedules as a group of its own (autogroup): that
+# group's priority is lowered too, else nice would only rank the job against itself.
+setsid nice -n 19 bash -c '{ echo 19 >/proc/self/autogroup; } 2>/dev/null
+  tests/vm/qemu/build.sh >/dev/null && tests/vm/clean-root.sh >/dev/null' >target/vm-prepare.log 2>&1 &
 prepare=$!
 # (Until setsid has made the group, the process alone is all there is to end.)
 trap 'kill -- -$prepare 2>/dev/null || kill $prepare 2>/dev/null || true' EXIT
