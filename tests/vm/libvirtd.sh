@@ -24,7 +24,9 @@ case "${1:-}" in
       for domain in $(virsh -q -c "$uri" list --name); do virsh -q -c "$uri" destroy "$domain" >/dev/null || true; done
     fi
     kill "$pid" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    # Gone, or a zombie its parent (whoever adopted it) has not reaped yet.
+    alive() { [ -n "$(awk '$1 == "State:" && $2 != "Z"' "/proc/$pid/status" 2>/dev/null)" ]; }
+    for _ in $(seq 100); do alive || break; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
     [ ! -f "$state/made-run-libvirt" ] || rmdir /run/libvirt 2>/dev/null || true
     rm -rf "$state"

@@ -167,8 +167,9 @@ start_with_libvirt() {
   "${virsh[@]}" define "$run/domain.xml" >/dev/null
   "${virsh[@]}" start "$libvirt_domain" >/dev/null
   tail -n +1 -F "$run/console.log" 2>/dev/null > >(console_filter) &
-  local console=$! start=$SECONDS
-  until [ "$("${virsh[@]}" domstate "$libvirt_domain" 2>/dev/null)" = "shut off" ]; do
+  local console=$! start=$SECONDS state
+  # (Also ended when libvirtd no longer answers: the domain went with it.)
+  while state=$("${virsh[@]}" domstate "$libvirt_domain" 2>/dev/null) && [ "$state" != "shut off" ]; do
     if [ $((SECONDS - start)) -ge "$limit" ]; then
       "${virsh[@]}" destroy "$libvirt_domain" >/dev/null 2>&1 || true
       break
