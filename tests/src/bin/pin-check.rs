@@ -57,10 +57,12 @@ fn main() {
     std::process::exit(if ok { 0 } else { 1 });
 }
 
-/// A program in the VM, driven line by line through the files of its session.
+/// A program in the VM, driven line by line through the files of its session (NAME.to-vm,
+/// NAME.from-vm; its exit code lands in NAME.vm-rc).
 struct Session {
     to_vm: PathBuf,
     from_vm: PathBuf,
+    exit_code: PathBuf,
     read: usize,
 }
 
@@ -76,9 +78,14 @@ impl TargetLines for Session {
 
 impl Session {
     fn new(to_vm: &str, from_vm: &str) -> Session {
+        let exit_code = match from_vm.strip_suffix(".from-vm") {
+            Some(name) => PathBuf::from(format!("{name}.vm-rc")),
+            None => panic!("{from_vm} is no session's NAME.from-vm"),
+        };
         Session {
             to_vm: PathBuf::from(to_vm),
             from_vm: PathBuf::from(from_vm),
+            exit_code,
             read: 0,
         }
     }
@@ -92,14 +99,22 @@ impl Session {
         writeln!(file, "{line}").expect("write to the session");
     }
 
-    /// The program's next line (waiting for it: the VM is emulated, and its file shared).
+    /// The program's next line (waiting for it: the VM is emulated, and its file shared), or
+    /// a panic at once when the program has ended without printing it.
     fn receive(&mut self) -> String {
         let deadline = Instant::now() + Duration::from_secs(900);
         loop {
-            let lines = read_lines(&self.from_vm);
-            if let Some(line) = lines.get(self.read) {
+            // The exit code first: a line printed before the program ended is read after it.
+            let ended = std::fs::read_to_string(&self.exit_code).ok();
+            if let Some(line) = read_lines(&self.from_vm).get(self.read) {
                 self.read += 1;
                 return line.clone();
+            }
+            if let Some(code) = ended {
+                panic!(
+                    "the program in the VM ended (exit code {}) before its next line",
+                    code.trim()
+                );
             }
             assert!(Instant::now() < deadline, "no line from the VM");
             std::thread::sleep(Duration::from_millis(100));
