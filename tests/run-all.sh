@@ -69,7 +69,7 @@ step "the background preparation ends: the PCI device's QEMU, the clean system (
 wait "$prepare" || { cat target/vm-prepare.log; echo "run-all: preparing the VMs failed" >&2; exit 1; }
 cat target/vm-prepare.log
 
-step "a VM with the vrdma PCI device, served by the loopback host on this machine (about two minutes)"
+step "a VM with the vrdma PCI device, served by the loopback host on this machine (2 to 4 minutes)"
 tests/pci-e2e.sh "$PWD/target/debug" loopback
 
 step "build the integration tests"

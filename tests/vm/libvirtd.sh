@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real libvirtd of the tests' own, for VMs started through libvirt (tests/vm/run.sh --libvirt
-# NAME), on this machine or inside the rxe guest. It sees the machine's configuration only
+# NAME), on this machine or in a test guest. It sees the machine's configuration only
 # through copies: libvirt's configuration, state and runtime folders are mounted over the
 # originals in a mount namespace of its own, all below $state (where its log is), so it
 # neither touches nor meets a libvirtd the machine may run; clients reach it at the URI that
