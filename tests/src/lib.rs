@@ -665,6 +665,103 @@ pub fn wait_for_host_counts_within(
     }
 }
 
+/// Watches a process that should soon say it is ready: if it has not within the given time,
+/// prints to stderr where its threads and this test process's (where in-process backends run)
+/// are, user stacks (gdb, when installed) and kernel ones, so that a hang shows where it is.
+/// Dropping the watch ends it.
+pub struct HangWatch(Option<std::sync::mpsc::Sender<()>>);
+
+impl HangWatch {
+    /// Watches `pid` and its descendants (a `timeout` running the program, say), described
+    /// as `what` in the report.
+    pub fn start(pid: u32, after: Duration, what: String) -> HangWatch {
+        let (ready, watch) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if watch.recv_timeout(after) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                let mut pids = vec![pid];
+                let mut next = 0;
+                while next < pids.len() {
+                    pids.extend(child_pids(pids[next]));
+                    next += 1;
+                }
+                pids.push(std::process::id());
+                eprintln!("{what}: not ready after {after:?}; where its processes and this test's threads are:");
+                for pid in pids {
+                    eprintln!("{}", thread_stacks(pid));
+                }
+            }
+        });
+        HangWatch(Some(ready))
+    }
+}
+
+impl Drop for HangWatch {
+    fn drop(&mut self) {
+        // The sender's end (a disconnect) tells the watching thread to stop.
+        self.0.take();
+    }
+}
+
+/// The processes whose parent is `pid`.
+fn child_pids(pid: u32) -> Vec<u32> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten();
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|children| {
+            children
+                .split_whitespace()
+                .filter_map(|child| child.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// Each thread of `pid`: its name and kernel stack (as root) and, when gdb is installed, its
+/// user stack. gdb writes to a file: it stops every thread of the process it attaches to,
+/// which for this process includes the one that would read a pipe.
+fn thread_stacks(pid: u32) -> String {
+    let command = std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+        .unwrap_or_default()
+        .replace('\0', " ");
+    let mut report = format!("== process {pid}: {command}\n");
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten();
+    for task in tasks.flatten() {
+        let read = |name: &str| std::fs::read_to_string(task.path().join(name)).unwrap_or_default();
+        report += &format!(
+            "thread {} {} in {}\n{}",
+            task.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("wchan"),
+            read("stack")
+        );
+    }
+    let file = std::env::temp_dir().join(format!("vrdma-stacks-{pid}.txt"));
+    let traced = std::process::Command::new("timeout")
+        .args(["60", "gdb", "-q", "-batch", "-p", &pid.to_string()])
+        .args(["-ex", "thread apply all bt"])
+        .stdin(std::process::Stdio::null())
+        .stdout(
+            std::fs::File::create(&file)
+                .map(std::process::Stdio::from)
+                .unwrap_or(std::process::Stdio::null()),
+        )
+        .stderr(std::process::Stdio::null())
+        .status();
+    match traced {
+        Ok(status) if status.success() => {
+            report += &std::fs::read_to_string(&file).unwrap_or_default();
+        }
+        other => report += &format!("(no user stacks: gdb {other:?})\n"),
+    }
+    let _ = std::fs::remove_file(&file);
+    report
+}
+
 /// CPU time (user + system) the process (or thread: `PID/task/TID`) `pid` has used.
 pub fn cpu_time(pid: impl std::fmt::Display) -> Duration {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();

@@ -17,7 +17,7 @@ use vrdma_backend::hostverbs::{loopback, Context};
 use vrdma_tests::{
     spawn_backend_process, start_backend, start_backend_on, test_device_name,
     vrdma_library_dir as library_dir, vrdma_run_script as vrdma_run, wait_until_listening,
-    CProgram, ServiceProcess, UnprivilegedCopies,
+    CProgram, HangWatch, ServiceProcess, UnprivilegedCopies,
 };
 
 /// Runs `program` under a time limit, with `env` set and vrdma's library in place; never
@@ -378,6 +378,12 @@ fn try_client_server(
     // The pingpongs print their address once the QP is ready, perftest and ucx_perftest
     // that they wait for the client: then the client may start.
     let mut server_out = BufReader::new(server_process.stdout.take().unwrap());
+    // Before `timeout` (peer_command) ends it, a server that hangs shows where.
+    let watch = HangWatch::start(
+        server_process.id(),
+        Duration::from_secs(75),
+        format!("{what}: the server"),
+    );
     let mut first = String::new();
     let ready = [
         "local address",
@@ -396,6 +402,7 @@ fn try_client_server(
         }
         first.push_str(&line);
     }
+    drop(watch);
     // Ready, they say, but they may not listen yet; the client then says why it could not
     // connect.
     wait_until_listening(port);
