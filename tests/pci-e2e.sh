@@ -495,6 +495,8 @@ pingpong_with_native() {
   kill "$relay" 2>/dev/null
   pkill -f "tail -c \+1 -F -s 1 $up"
   grep -q ' iters in ' "$work/pingpong.out" && grep -q ' iters in ' "$exchange/pingpong.from-vm" || ok=1
+  # How long the VM's program took for its round trips, apart from starting.
+  grep -h ' iters in ' "$exchange/pingpong.from-vm" | sed 's/^/pci-e2e: in the VM, ibv_rc_pingpong: /'
   [ "$ok" = 0 ] || {
     tail -n 5 "$work/pingpong.out" >&2
     show_logs pingpong

@@ -372,9 +372,12 @@ part_reopen() { session reopen -- reopen pci; }
 part_native() {
   # The pingpong's peer address is 127.0.0.1 here: a one-connection listener copies the
   # socket into pingpong.up and pingpong.down into the socket.
-  busybox nc -l -p 18515 -e sh -c 'busybox tail -c +1 -F -s 1 "$2" & exec cat >>"$1"' \
-    relay "$exchange/pingpong.up" "$exchange/pingpong.down" &
+  # The connection comes once the program has its device open and its QP made: marked.
+  busybox nc -l -p 18515 -e sh -c 'read -r up _ </proc/uptime; echo "$up s pingpong connected" >>"$3"
+    busybox tail -c +1 -F -s 1 "$2" & exec cat >>"$1"' \
+    relay "$exchange/pingpong.up" "$exchange/pingpong.down" "$exchange/timeline.vm" &
   pause 1
+  mark "pingpong starts"
   VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" --device pci -- \
     ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 50 -p 18515 127.0.0.1 \
     >"$exchange/pingpong.from-vm" 2>"$exchange/pingpong.vm-err"

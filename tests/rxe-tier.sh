@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command's steps that need rdma_rxe, in one boot of the rxe guest (tests/run-all.sh
-# runs this in it through tests/vm/run.sh): the integration tests, a smoke run of the
-# benchmarks that run in the guest, and the nested VM with the vrdma PCI device. Each step runs
-# whatever the ones before did; exits 1 if any failed.
+# runs this in it through tests/vm/run.sh): the integration tests and a smoke run of the
+# benchmarks that run in the guest. Each step runs whatever the one before did; exits 1 if
+# either failed.
 # usage: tests/rxe-tier.sh BIN_DIR TEST_BINARY...
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,8 +20,5 @@ VRDMA_BENCH_LAT_ITERS=50 VRDMA_BENCH_BW_ITERS=100 VRDMA_BENCH_QPS=256 VRDMA_BENC
   VRDMA_BENCH_CM_CONNECTIONS=10 \
   VRDMA_BENCH_TESTS="write_lat write_bw" VRDMA_BENCH_PINNED_TESTS=read_lat \
   "$repo/tests/bench-guest.sh" "$bin" || status=1
-
-step "a nested VM with the vrdma PCI device, served through rxe0 in the rxe guest (6 to 10 minutes: the nested boot takes 3 to 6)"
-"$repo/tests/pci-e2e.sh" "$bin" rxe0 || status=1
 
 exit "$status"
