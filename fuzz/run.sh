@@ -5,6 +5,7 @@
 # (LLVM's sancov pass) is reachable through stable rustc flags, as cargo-fuzz passes them
 # when no sanitizer is asked for; integer overflow and debug assertions are on.
 #   fuzz/run.sh [--brief] [SECONDS_PER_TARGET] [TARGET...]   (default 30 s, every target)
+#   fuzz/run.sh [--brief] --build-only                         (build every target, run none)
 #   --brief  build with less optimisation (profile brief), for runs of a few seconds
 #   VRDMA_FUZZ_RUNS=N  stop each target after N executions instead of after SECONDS
 # A crash fails the run and leaves its input under target/fuzz/artifacts/TARGET/; add it to
@@ -14,6 +15,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 profile=release
 if [ "${1:-}" = --brief ]; then
   profile=brief
+  shift
+fi
+build_only=0
+if [ "${1:-}" = --build-only ]; then
+  build_only=1
   shift
 fi
 seconds=${1:-30}
@@ -26,6 +32,7 @@ export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-co
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
 cargo build --manifest-path "$here/Cargo.toml" --locked --profile "$profile" --bins --target "$triple"
+[ "$build_only" = 0 ] || exit 0
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] ||
   mapfile -t targets < <(sed -n 's/^name = "\(.*\)"$/\1/p' "$here/Cargo.toml" | grep -v '^vrdma-fuzz$')

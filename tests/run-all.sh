@@ -2,10 +2,10 @@
 # Runs every vrdma check and test: formatting, clippy, unit tests and the loopback-host
 # integration tests on this machine; in one boot of a QEMU guest with rdma_rxe (tests/vm/,
 # tests/rxe-tier.sh) the integration tests that need real RDMA and a smoke run of the
-# benchmarks there; a nested VM with the vrdma PCI device in a second boot of that guest, and
-# beside it a VM with the device served by the loopback host and started by libvirt
-# (tests/pci-e2e.sh) and the Debian packages installed on a clean system booted with systemd
-# (tests/install-check.sh); then the cross-host tests (two rxe guests joined by an emulated
+# benchmarks there; the fuzz targets briefly; a VM with the vrdma PCI device served by the
+# loopback host and started by libvirt (tests/pci-e2e.sh), then one nested in a second boot
+# of the rxe guest; the Debian packages installed on a clean system booted with systemd
+# (tests/install-check.sh); the cross-host tests (two rxe guests joined by an emulated
 # Ethernet link, tests/cross-host.sh) and a smoke run of the benchmarks on this machine.
 # Installs what it needs on first use (tests/vm/setup.sh, the patched QEMU of
 # tests/vm/qemu/build.sh, the clean system of tests/vm/clean-root.sh); caches under target/.
@@ -24,14 +24,17 @@ set -euo pipefail # the caller turns errexit off around the pipeline; keep it on
 
 step "setup (packages, kernel, initramfs)"
 tests/vm/setup.sh >/dev/null
-# What only the later VM steps need is made in the background at the lowest priority, in the
-# time the cargo steps and the rxe guest below leave a core idle: the PCI device's QEMU
-# (minutes of compiling the first time) and the clean system the packages are installed on.
-# The steps that need them wait for it. Its own session (a process group ended with
-# the command), which the kernel also schedules as a group of its own (autogroup): that
-# group's priority is lowered too, else nice would only rank the job against itself.
+# What only the later steps need is made in the background at the lowest priority, in the
+# time the cargo steps and the rxe guest below leave a core idle (the machine has two, and
+# every step keeps them busy but the rxe guest's, which mostly waits on emulated RDMA): the
+# PCI device's QEMU (minutes of compiling the first time), the clean system the packages are
+# installed on, and the fuzz targets (their own build, instrumented). The steps that need
+# them wait for it. Its own session (a process group ended with the command), which the
+# kernel also schedules as a group of its own (autogroup): that group's priority is lowered
+# too, else nice would only rank the job against itself.
 setsid nice -n 19 bash -c '{ echo 19 >/proc/self/autogroup; } 2>/dev/null
-  tests/vm/qemu/build.sh >/dev/null && tests/vm/clean-root.sh >/dev/null' >target/vm-prepare.log 2>&1 &
+  tests/vm/qemu/build.sh >/dev/null && tests/vm/clean-root.sh >/dev/null &&
+  fuzz/run.sh --brief --build-only' >target/vm-prepare.log 2>&1 &
 prepare=$!
 # (Until setsid has made the group, the process alone is all there is to end.)
 trap 'kill -- -$prepare 2>/dev/null || kill $prepare 2>/dev/null || true' EXIT
@@ -62,9 +65,6 @@ cargo test --workspace --locked
 step "the Debian packages (of the debug build): their contents, scripts and dependencies checked"
 tests/packages.sh
 
-step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in docs/testing.md)"
-fuzz/run.sh --brief "${VRDMA_FUZZ_SECONDS:-4}"
-
 step "build the integration tests"
 mapfile -t binaries < <(cargo test -p vrdma-tests --tests --no-run --locked --message-format=json 2>/dev/null |
   python3 -c '
@@ -81,34 +81,22 @@ step "the rxe guest (QEMU, rdma_rxe) boots, for the steps that need real RDMA (t
 # hold ~3 GiB of the backend and the host provider.
 tests/vm/run.sh --mem 6144 --timeout 3600 -- tests/rxe-tier.sh "$PWD/target/debug" "${binaries[@]}"
 
-step "the background preparation ends: the PCI device's QEMU, the clean system (at once if cached)"
-wait "$prepare" || { cat target/vm-prepare.log; echo "run-all: preparing the VMs failed" >&2; exit 1; }
+step "the background preparation ends: the PCI device's QEMU, the clean system, the fuzz targets' build"
+wait "$prepare" || { cat target/vm-prepare.log; echo "run-all: the background preparation failed" >&2; exit 1; }
 cat target/vm-prepare.log
 
-# The nested VM keeps one core busy for minutes (its vCPU, emulated inside the rxe guest's)
-# and leaves the other mostly idle: the two VM steps after it run meanwhile. Its output comes
-# as one block after theirs.
-# (In a session of its own, like the preparation, so that the command's end ends all of it.)
-nested_log=target/nested-vm.log
-step "a nested VM with the vrdma PCI device, served through rxe0 in a second boot of the rxe guest, beside the next two steps (8 to 14 minutes: the nested boot takes 4 to 8)" >"$nested_log"
-setsid tests/vm/run.sh --mem 4096 --timeout 2700 -- tests/pci-e2e.sh "$PWD/target/debug" rxe0 >>"$nested_log" 2>&1 &
-nested=$!
-trap 'kill -- -$prepare -$nested 2>/dev/null || kill $prepare $nested 2>/dev/null || true' EXIT
+step "fuzz targets, briefly, over their corpora (fuzz/run.sh; the long runs are in docs/testing.md)"
+fuzz/run.sh --brief "${VRDMA_FUZZ_SECONDS:-4}"
 
-step "a VM with the vrdma PCI device, served by the loopback host on this machine (3 to 5 minutes)"
-pci_status=0
-tests/pci-e2e.sh "$PWD/target/debug" loopback || pci_status=$?
+step "a VM with the vrdma PCI device, served by the loopback host on this machine (2 to 4 minutes)"
+tests/pci-e2e.sh "$PWD/target/debug" loopback
+
+step "a nested VM with the vrdma PCI device, served through rxe0 in a second boot of the rxe guest (6 to 10 minutes: the nested boot takes 3 to 6)"
+# A boot of its own: the patched QEMU it needs is built while the rxe guest's tests run.
+tests/vm/run.sh --mem 4096 --timeout 2700 -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
 
 step "the packages installed on a clean Debian system booted with systemd"
-install_status=0
-tests/install-check.sh target/debug/debs/*.deb || install_status=$?
-step_ends
-
-nested_status=0
-wait "$nested" || nested_status=$?
-cat "$nested_log"
-step_ends
-[ "$pci_status$install_status$nested_status" = 000 ] || exit 1
+tests/install-check.sh target/debug/debs/*.deb
 
 step "two hosts: vrdma guests over RoCEv2 across an emulated link, then the cross-host benchmark's smoke run (about 3 minutes)"
 # One boot of the two hosts for both; the benchmark runs even when a check failed.
@@ -131,11 +119,10 @@ status=${PIPESTATUS[0]}
 set -e
 # One closing line for every runner above: the totals of their "test result:" lines and of
 # the PCI-device VM, cross-host and clean-install checks.
-# Each section's time, from the step headers' start times (a step run beside others is
-# listed after them).
+# Each section's time, from the step headers' start times.
 awk '/^=== \[[0-9]+m[0-9]+s\] / { match($0, /\[[0-9]+m[0-9]+s\]/); t = substr($0, RSTART + 1, RLENGTH - 3);
        split(t, ms, "m"); now = ms[1] * 60 + ms[2]; if (name != "") printf "section %4ds  %s\n", now - start, name;
-       name = substr($0, RSTART + RLENGTH + 1); start = now; if (name == "(the step above ends)") name = "" }' "$log"
+       name = substr($0, RSTART + RLENGTH + 1); start = now }' "$log"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
      /^(\[[ab]\] )?(pci-e2e|cross-host|install): .* ok( \([0-9]+ s\))?$/ { p++ }
      /^(\[[ab]\] )?(pci-e2e|cross-host|install): .* FAILED( \([0-9]+ s\))?$/ { f++ }
