@@ -25,16 +25,18 @@ set -euo pipefail # the caller turns errexit off around the pipeline; keep it on
 step "setup (packages, kernel, initramfs)"
 tests/vm/setup.sh >/dev/null
 # What only the later steps need is made in the background at the lowest priority, in the
-# time the cargo steps and the rxe guest below leave a core idle (the machine has two, and
-# every step keeps them busy but the rxe guest's, which mostly waits on emulated RDMA): the
-# PCI device's QEMU (minutes of compiling the first time), the clean system the packages are
-# installed on, and the fuzz targets (their own build, instrumented). The steps that need
-# them wait for it. Its own session (a process group ended with the command), which the
-# kernel also schedules as a group of its own (autogroup): that group's priority is lowered
-# too, else nice would only rank the job against itself.
+# time the cargo steps and the rxe guest below leave idle (the machine has two cores; the
+# cargo steps keep both busy but for their gaps, the rxe guest about one and a quarter):
+# the PCI device's QEMU (minutes of compiling the first time), then the fuzz targets (their
+# own build, instrumented), and meanwhile the clean system the packages are installed on
+# (mostly downloads). The steps that need them wait for it. Its own session (a process group
+# ended with the command), which the kernel also schedules as a group of its own
+# (autogroup): that group's priority is lowered too, else nice would only rank the job
+# against itself.
 setsid nice -n 19 bash -c '{ echo 19 >/proc/self/autogroup; } 2>/dev/null
-  tests/vm/qemu/build.sh >/dev/null && tests/vm/clean-root.sh >/dev/null &&
-  fuzz/run.sh --brief --build-only' >target/vm-prepare.log 2>&1 &
+  tests/vm/clean-root.sh >/dev/null & root=$!
+  tests/vm/qemu/build.sh >/dev/null && fuzz/run.sh --brief --build-only && wait $root' \
+  >target/vm-prepare.log 2>&1 &
 prepare=$!
 # (Until setsid has made the group, the process alone is all there is to end.)
 trap 'kill -- -$prepare 2>/dev/null || kill $prepare 2>/dev/null || true' EXIT
