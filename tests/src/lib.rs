@@ -668,8 +668,10 @@ pub fn wait_for_host_counts_within(
 /// Watches a process that should soon say it is ready: if it has not within the given time,
 /// prints to stderr where its threads and this test process's (where in-process backends run)
 /// are, user stacks (gdb, when installed) and kernel ones, so that a hang shows where it is.
-/// Dropping the watch ends it.
-pub struct HangWatch(Option<std::sync::mpsc::Sender<()>>);
+/// Dropping the watch ends it: its watching thread hears the channel close.
+pub struct HangWatch {
+    _ready: std::sync::mpsc::Sender<()>,
+}
 
 impl HangWatch {
     /// Watches `pid` and its descendants (a `timeout` running the program, say), described
@@ -691,24 +693,21 @@ impl HangWatch {
                 }
             }
         });
-        HangWatch(Some(ready))
+        HangWatch { _ready: ready }
     }
 }
 
-impl Drop for HangWatch {
-    fn drop(&mut self) {
-        // The sender's end (a disconnect) tells the watching thread to stop.
-        self.0.take();
-    }
-}
-
-/// The processes whose parent is `pid`.
-fn child_pids(pid: u32) -> Vec<u32> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+/// The thread folders (`/proc/PID/task/TID`) of `pid`; none when it is gone.
+fn task_dirs(pid: u32) -> impl Iterator<Item = std::fs::DirEntry> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
         .into_iter()
-        .flatten();
-    tasks
         .flatten()
+        .flatten()
+}
+
+/// The processes whose parent is `pid` (started by any of its threads).
+pub fn child_pids(pid: u32) -> Vec<u32> {
+    task_dirs(pid)
         .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
         .flat_map(|children| {
             children
@@ -727,10 +726,7 @@ fn thread_stacks(pid: u32) -> String {
         .unwrap_or_default()
         .replace('\0', " ");
     let mut report = format!("== process {pid}: {command}\n");
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .into_iter()
-        .flatten();
-    for task in tasks.flatten() {
+    for task in task_dirs(pid) {
         let read = |name: &str| std::fs::read_to_string(task.path().join(name)).unwrap_or_default();
         report += &format!(
             "thread {} {} in {}\n{}",

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use vrdma_backend::hostverbs::loopback;
 use vrdma_tests::{
-    host_resource_counts, spawn_backend_process, start_backend_for_guest, test_device_name,
-    vrdma_library_dir as library_dir, vrdma_run_script, wait_until_listening, BackendProcess,
-    CProgram, ServiceProcess,
+    child_pids, host_resource_counts, spawn_backend_process, start_backend_for_guest,
+    test_device_name, vrdma_library_dir as library_dir, vrdma_run_script, wait_until_listening,
+    BackendProcess, CProgram, ServiceProcess,
 };
 
 const HOST: &str = "192.168.77.1";
@@ -580,11 +580,11 @@ fn a_guest_killed_mid_connection_leaves_nothing_and_its_peer_sees_the_disconnect
 /// The process `parent` started that runs `program` (`timeout` runs `vrdma-run`, which
 /// execs the program).
 fn child_running(parent: u32, program: &str) -> Option<i32> {
-    let children =
-        std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
-    children.split_whitespace().find_map(|pid| {
+    child_pids(parent).into_iter().find_map(|pid| {
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-        (comm.trim() == program).then(|| pid.parse().ok()).flatten()
+        (comm.trim() == program)
+            .then(|| i32::try_from(pid).ok())
+            .flatten()
     })
 }
 
