@@ -36,17 +36,14 @@
 #              opens the device again and creates a QP
 #     held     `virsh destroy` while a guest-lib program in the VM holds a QP and more: the
 #              backend closes the VM's connection and releases every object it had
-#   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one: real
-#   RDMA through the PCI device; once the VM has shut down, every host object it had is
-#   released (`rdma resource`):
+#   DEVICE rxe0, inside the rxe guest (tests/vm/run.sh), which makes the VM a nested one (run
+#   under KVM there: tests/vm/run.sh): real RDMA through the PCI device; once the VM has shut
+#   down, every host object it had is released (`rdma resource`):
 #     native   an unmodified ibv_rc_pingpong through vrdma's libibverbs, attached to the
 #              device directly, pairs with a native ibv_rc_pingpong on rxe0 (guest-lib's own
 #              RDMA WRITE+READ over the PCI device is checked in the loopback-served VM, and
-#              with native peers on rxe0 in the rxe tier: a nested VM costs minutes a check;
-#              rdma_cm over the device is checked in the loopback-served VM, and with native
-#              peers through the guest service on rxe0 in the rxe tier)
-# The parts are split for time: a nested VM is emulated inside an emulated guest, where
-# booting alone takes minutes and each process started costs seconds.
+#              with native peers on rxe0 in the rxe tier; so is rdma_cm, the latter through
+#              the guest service)
 # Prints one `pci-e2e: CHECK ok|FAILED (N s)` line per check; exits 1 if any failed.
 # usage: tests/pci-e2e.sh BIN_DIR loopback|rxe0   (BIN_DIR holds vhost-user-rdma, vrdmad,
 #            guest-endpoint, vrdma-ibverbs/libibverbs.so.1)
@@ -177,7 +174,7 @@ pair() {
   "$@" <"$work/$name.in" >"$work/$name.out" 2>"$work/$name.err" &
   peer=$!
   exec 7>"$work/$name.in"
-  # The first session also waits for the VM to boot (minutes for a nested one).
+  # The first session also waits for the VM to boot.
   if mine=$(wait_line "$work/$name.out" '^qpn=' 120) && theirs=$(wait_line "$from" '^qpn=' 900); then
     echo "$mine" >>"$to"
     echo "$theirs" >&7

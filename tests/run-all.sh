@@ -93,9 +93,9 @@ fuzz/run.sh --brief "${VRDMA_FUZZ_SECONDS:-4}"
 step "a VM with the vrdma PCI device, served by the loopback host on this machine (2 to 4 minutes)"
 tests/pci-e2e.sh "$PWD/target/debug" loopback
 
-step "a nested VM with the vrdma PCI device, served through rxe0 in a second boot of the rxe guest (6 to 10 minutes: the nested boot takes 3 to 6)"
+step "a nested VM with the vrdma PCI device, served through rxe0 in a second boot of the rxe guest (KVM there; about a minute)"
 # A boot of its own: the patched QEMU it needs is built while the rxe guest's tests run.
-tests/vm/run.sh --mem 4096 --timeout 2700 -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
+tests/vm/run.sh --mem 4096 --timeout 1200 -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
 
 step "the packages installed on a clean Debian system booted with systemd"
 tests/install-check.sh target/debug/debs/*.deb

@@ -61,7 +61,7 @@ mkdir -p "$cache/build"
   cd "$cache/build"
   "$cache/src/configure" --python="$cache/venv/bin/python3" --target-list=x86_64-softmmu \
     --without-default-features --without-default-devices --with-devices-x86_64=vrdma-test \
-    --enable-tcg --enable-vhost-user --enable-virtfs --enable-attr \
+    --enable-tcg --enable-kvm --enable-vhost-user --enable-virtfs --enable-attr \
     --enable-cap-ng --enable-fdt=system --disable-docs --disable-install-blobs \
     --disable-debug-info --disable-qom-cast-debug
   ninja qemu-system-x86_64
