@@ -21,8 +21,8 @@
 #            then the server of a client there on the second (cm.vm: `client RC`,
 #            `server RC`)
 #   reopen   a backend restart under the running VM (session reopen)
-#   native   an unmodified ibv_rc_pingpong on vrdma's libibverbs (as vrdma-run --device pci
-#            runs it) attached to the PCI device directly, against a native peer outside;
+#   native   an unmodified ibv_rc_pingpong through vrdma-run --device pci (vrdma's
+#            libibverbs attached to the PCI device directly), against a native peer outside;
 #            this VM has no network, so its TCP address exchange is relayed through
 #            pingpong.up / pingpong.down
 #   held     guest-lib attached to the PCI device makes its objects (QP and all), says its QP
@@ -45,13 +45,13 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 source "$repo/tests/listening.sh"
 
 # A descriptor that never has input: `read -t` on it waits without starting a process. Every
-# process started here costs seconds (this VM is emulated inside an emulated guest) and takes
-# them from the program under test on the VM's one vCPU.
+# process started here costs time under emulation and takes it from the program under test on
+# the VM's one vCPU.
 exec {never}<> <(:)
 pause() { read -rt "$1" -u "$never" || true; }
 
 # mark WHAT: the VM's uptime and WHAT, a line of timeline.vm (tests/pci-e2e.sh prints it: where
-# a nested VM's minutes go).
+# the VM's minutes go).
 mark() {
   local up
   read -r up _ </proc/uptime
@@ -373,18 +373,11 @@ part_reopen() { session reopen -- reopen pci; }
 part_native() {
   # The pingpong's peer address is 127.0.0.1 here: a one-connection listener copies the
   # socket into pingpong.up and pingpong.down into the socket.
-  # The connection comes once the program has its device open and its QP made: marked.
-  busybox nc -l -p 18515 -e sh -c 'read -r up _ </proc/uptime; echo "$up s pingpong connected" >>"$3"
-    busybox tail -c +1 -F -s 1 "$2" & exec cat >>"$1"' \
-    relay "$exchange/pingpong.up" "$exchange/pingpong.down" "$exchange/timeline.vm" &
+  busybox nc -l -p 18515 -e sh -c 'busybox tail -c +1 -F -s 1 "$2" & exec cat >>"$1"' \
+    relay "$exchange/pingpong.up" "$exchange/pingpong.down" &
   pause 1
-  mark "pingpong starts"
-  # What vrdma-run would set, without its shell and `id`: seconds each here. 16 receives
-  # posted at a time, not the pingpong's 500: each post may kick the device (a port write,
-  # which the nested QEMU emulates inside the emulated guest) while the backend's poller
-  # sleeps between this VM's slow posts.
-  LD_LIBRARY_PATH="$bin/vrdma-ibverbs" VRDMA_DEVICE=pci \
-    ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 50 -r 16 -p 18515 127.0.0.1 \
+  VRDMA_IBVERBS_DIR="$bin/vrdma-ibverbs" "$repo/guest-lib/ibverbs/vrdma-run" --device pci -- \
+    ibv_rc_pingpong -d vrdma0 -g 0 -c -s 4096 -n 50 -p 18515 127.0.0.1 \
     >"$exchange/pingpong.from-vm" 2>"$exchange/pingpong.vm-err"
   echo $? >"$exchange/pingpong.vm-rc"
 }
