@@ -481,7 +481,7 @@ check_reopen() {
 pingpong_with_native() {
   local up="$exchange/pingpong.up" down="$exchange/pingpong.down" server relay ok=0
   : >"$down"
-  stdbuf -oL timeout 900 ibv_rc_pingpong -d rxe0 -g 1 -c -s 4096 -n 50 -p 18515 \
+  beside_vm stdbuf -oL timeout 900 ibv_rc_pingpong -d rxe0 -g 1 -c -s 4096 -n 50 -p 18515 \
     >"$work/pingpong.out" 2>&1 &
   server=$!
   wait_until_listening 18515 60 || ok=1
@@ -493,7 +493,7 @@ pingpong_with_native() {
   pkill -f "tail -c \+1 -F -s 1 $up"
   grep -q ' iters in ' "$work/pingpong.out" && grep -q ' iters in ' "$exchange/pingpong.from-vm" || ok=1
   # How long the VM's program took for its round trips, apart from starting.
-  grep -h ' iters in ' "$exchange/pingpong.from-vm" | sed 's/^/pci-e2e: in the VM, ibv_rc_pingpong: /'
+  grep -hs ' iters in ' "$exchange/pingpong.from-vm" | sed 's/^/pci-e2e: in the VM, ibv_rc_pingpong: /'
   [ "$ok" = 0 ] || {
     tail -n 5 "$work/pingpong.out" >&2
     show_logs pingpong
