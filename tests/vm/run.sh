@@ -142,8 +142,8 @@ case "$run" in *[[:space:]]*) echo "run.sh: the repository path must not contain
 # The emulated TSC comes from the host's clock and is the same on every vCPU.
 #
 # The kernel arguments after tsc=reliable skip boot work that costs an emulated guest seconds
-# (measured with initcall_debug): the crypto self-tests, the
-# timer check, audit, and the CPU vulnerability mitigations (a test guest runs only the tests).
+# (measured with initcall_debug): the crypto self-tests, the timer check, audit, and the CPU
+# vulnerability mitigations (a test guest runs only the tests).
 # init_on_alloc=0: Debian's kernel zeroes every page and heap object it allocates (hardening),
 # which under emulation taxes each page read over 9p and each packet rxe sends or receives
 # (native ib_send_lat in the guest: about 400 us with it, 220 us without).
