@@ -1,6 +1,7 @@
 //! The vhost-user face of the device: virtqueue plumbing around [`Device`], and a server that
 //! gives every front-end connection a device (and host context) of its own.
 
+mod handover;
 mod server;
 
 pub use server::*;
@@ -9,12 +10,14 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserProtocolFeatures,
+};
 pub use vhost::vhost_user::Listener;
-use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringT};
+use vhost_user_backend::{ShutdownHandle, VhostUserBackendMut, VhostUserDaemon, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -81,6 +84,26 @@ pub struct RdmaBackend {
     kicks: KickThrottle,
     /// The front end asked for the device's features, as every front end does first.
     greeted: Arc<Greeting>,
+    /// The socket's saved device states and this connection's own reference, to hand its
+    /// device to a successor or take one (SPEC.md §11.1); set when the connection starts.
+    handover: Option<(Arc<handover::Handovers>, Weak<RwLock<RdmaBackend>>)>,
+    /// The token of this connection's saved device state, until its front end starts the
+    /// device again or a successor takes it.
+    saved: Option<handover::Token>,
+    /// This connection's device went to a successor; it holds a fresh one, never used.
+    handed_over: bool,
+    /// A device state being loaded: the front end writes it here until CHECK_DEVICE_STATE.
+    loading: Mutex<Option<std::fs::File>>,
+    /// The connection whose device this one takes at its next request (checked and marked
+    /// handed over by CHECK_DEVICE_STATE, which may not change this connection).
+    adopting: Mutex<Option<Arc<RwLock<RdmaBackend>>>>,
+    /// Whether the device may start: a connection accepted past the socket's limit is a
+    /// successor, which may only take a device over unless a connection ends first (then
+    /// this turns true); why it is refused otherwise.
+    admitted: (Arc<AtomicBool>, String),
+    /// How the connection is named in logs, and the handle that ends it (set when it
+    /// starts): a fault in the memory of a device it takes over ends it.
+    end: Option<(String, ShutdownHandle)>,
 }
 
 /// Whether a connection's front end has spoken; its watchdog ([`close_if_silent`]) sleeps on
@@ -195,7 +218,107 @@ impl RdmaBackend {
             control_queue: None,
             kicks: KickThrottle::default(),
             greeted: Arc::default(),
+            handover: None,
+            saved: None,
+            handed_over: false,
+            loading: Mutex::default(),
+            adopting: Mutex::default(),
+            admitted: (Arc::new(AtomicBool::new(true)), String::new()),
+            end: None,
         })
+    }
+
+    /// Whether the device state is on its way to another connection, or from one.
+    fn migrating(&self) -> bool {
+        self.saved.is_some()
+            || self.handed_over
+            || self
+                .adopting
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
+    }
+
+    /// Takes the device CHECK_DEVICE_STATE found for this connection, if any: the
+    /// connection it came from keeps this connection's own fresh device, and a fault in
+    /// either's guest memory ends the connection that now holds it.
+    fn settle_handover(&mut self) {
+        let adopting = self
+            .adopting
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let Some(from) = adopting else { return };
+        let mut from = from.write().unwrap_or_else(|e| e.into_inner());
+        std::mem::swap(&mut self.device, &mut from.device);
+        self.admitted.0.store(true, Ordering::Release);
+        for backend in [&*self, &*from] {
+            if let Some((name, handle)) = &backend.end {
+                let handle = handle.clone();
+                backend
+                    .device
+                    .fault_domain()
+                    .serve(name.clone(), Box::new(move || handle.shutdown()));
+            }
+        }
+        let name = self.end.as_ref().map_or("a connection", |(name, _)| name);
+        log::info!(
+            "{name}: took over the guest's device from {} ({} objects)",
+            from.end
+                .as_ref()
+                .map_or("its predecessor", |(name, _)| name),
+            self.device.object_count()
+        );
+    }
+
+    /// Ends a successor that starts a device of its own while the socket serves as many
+    /// connections as it may (SPEC.md §11.1): it is refused, as a front end past the limit
+    /// always was, only later.
+    fn refuse_successor(&self) {
+        log::warn!("a front end connected and was refused: {}", self.admitted.1);
+        if let Some((_, handle)) = &self.end {
+            handle.shutdown();
+        }
+    }
+
+    /// CHECK_DEVICE_STATE after a load: the device the state names becomes this
+    /// connection's at its next request ([`RdmaBackend::settle_handover`]).
+    fn take_loaded_device(&self) -> io::Result<()> {
+        let loading = self
+            .loading
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let Some(file) = loading else {
+            return Ok(()); // a save: the state was written whole
+        };
+        let Some((handovers, this)) = &self.handover else {
+            return Err(io::Error::other("the connection is not served yet"));
+        };
+        let from = handovers.take(file)?;
+        if std::ptr::eq(Arc::as_ptr(&from), this.as_ptr()) {
+            return Err(io::Error::other("a connection cannot take its own device"));
+        }
+        {
+            // Never this connection's own lock (above), and a connection that saved a state
+            // never loads one, so no two connections wait for each other here.
+            let mut from = from.write().unwrap_or_else(|e| e.into_inner());
+            if from.saved.take().is_none() {
+                return Err(io::Error::other(
+                    "the device state loaded names a device its front end runs again",
+                ));
+            }
+            from.handed_over = true;
+        }
+        *self.adopting.lock().unwrap_or_else(|e| e.into_inner()) = Some(from);
+        Ok(())
+    }
+
+    /// Whether the front end runs the device's control queue now.
+    fn running(&self) -> bool {
+        self.control_queue
+            .as_ref()
+            .is_some_and(|queue| queue.get_ref().get_queue().ready())
     }
 
     /// Checks the regions of `table` that were not in the last accepted one
@@ -367,6 +490,17 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn acked_features(&mut self, features: u64) {
+        // Every start of the device sends SET_FEATURES: a successor's start, or the old
+        // front end's own after a migration that failed.
+        self.settle_handover();
+        if let (Some(token), Some((handovers, _))) = (self.saved.take(), &self.handover) {
+            handovers.withdraw(&token);
+            log::info!("the front end starts the device it saved: its saved state is withdrawn");
+        }
+        if !self.admitted.0.load(Ordering::Acquire) {
+            self.refuse_successor();
+            return;
+        }
         self.device.set_acked_features(features);
     }
 
@@ -376,9 +510,11 @@ impl VhostUserBackendMut for RdmaBackend {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::RESET_DEVICE
+            | VhostUserProtocolFeatures::DEVICE_STATE
     }
 
     fn reset_device(&mut self) {
+        self.settle_handover();
         self.device.reset();
         self.control_broken = false;
     }
@@ -388,6 +524,7 @@ impl VhostUserBackendMut for RdmaBackend {
     /// says when it resets keeps its objects across a stop; for any other, a stopped control
     /// queue means the driver is gone, and its objects go too (Device::queues_stopped).
     fn stop_vring(&mut self, queue_index: u32) -> io::Result<()> {
+        self.settle_handover();
         if queue_index == u32::from(CONTROL_QUEUE) {
             self.device.queues_stopped();
             self.control_broken = false;
@@ -404,6 +541,7 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn update_memory(&mut self, unchecked: GuestMemory) -> io::Result<()> {
+        self.settle_handover();
         // vhost-user-backend has put the new table in its own memory (`unchecked`), which
         // nothing of the device reads: a table with a region the backend cannot safely touch,
         // or more regions than the quota (each costs a descriptor and a mapping), is refused
@@ -439,6 +577,66 @@ impl VhostUserBackendMut for RdmaBackend {
         Ok(())
     }
 
+    /// A front end replacing itself under a running guest (SPEC.md §11.1): save, on the
+    /// stopped connection, writes a token naming its device; load, on a new connection that
+    /// has not started a device, reads one (at CHECK_DEVICE_STATE, once the front end has
+    /// written it) and takes that device.
+    fn set_device_state_fd(
+        &mut self,
+        direction: VhostTransferStateDirection,
+        phase: VhostTransferStatePhase,
+        file: std::fs::File,
+    ) -> io::Result<Option<std::fs::File>> {
+        self.settle_handover();
+        let refused = |why: &str| Err(io::Error::other(format!("device state refused: {why}")));
+        if phase != VhostTransferStatePhase::STOPPED {
+            return refused("only a stopped device's state is transferred");
+        }
+        let Some((handovers, this)) = self.handover.clone() else {
+            return refused("the connection is not served yet");
+        };
+        match direction {
+            VhostTransferStateDirection::SAVE => {
+                if self.running() {
+                    return refused("the device's queues run (stop them first: GET_VRING_BASE)");
+                }
+                if self.handed_over || self.migrating() && self.saved.is_none() {
+                    return refused("this connection's device is handed over, or it takes one");
+                }
+                if let Some(earlier) = self.saved.take() {
+                    handovers.withdraw(&earlier);
+                }
+                self.saved = Some(handovers.save(this, file)?);
+                log::info!(
+                    "{}: device state saved for a successor ({} objects)",
+                    self.end.as_ref().map_or("a connection", |(name, _)| name),
+                    self.device.object_count()
+                );
+            }
+            VhostTransferStateDirection::LOAD => {
+                let started = self.control_queue.is_some()
+                    || self.device.object_count() > 0
+                    || !self.accepted_regions.is_empty();
+                if started || self.migrating() {
+                    return refused(
+                        "a device is taken over only by a connection that has not started one, nor saved or taken one (load before SET_MEM_TABLE and the queues)",
+                    );
+                }
+                *self.loading.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(file);
+            }
+        }
+        Ok(None)
+    }
+
+    fn check_device_state(&self) -> io::Result<()> {
+        self.take_loaded_device().inspect_err(|e| {
+            log::warn!(
+                "{}: {e}",
+                self.end.as_ref().map_or("a connection", |(name, _)| name)
+            );
+        })
+    }
+
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         // One worker thread (the default queues_per_thread), started once per backend.
         self.worker_exit
@@ -456,6 +654,10 @@ impl VhostUserBackendMut for RdmaBackend {
     ) -> io::Result<()> {
         if evset != EventSet::IN {
             return Err(io::Error::other(format!("unexpected event set {evset:?}")));
+        }
+        self.settle_handover();
+        if !self.admitted.0.load(Ordering::Acquire) {
+            return Ok(()); // a successor's queues run only once it has a device
         }
         if !self.event_sink_set {
             // The first event of a connection is a control request; from then on the data

@@ -133,6 +133,16 @@ pub trait Transport: Send + Sync {
             "only a direct attachment has kick descriptors to renew".into(),
         ))
     }
+
+    /// Hands the device to a new connection of this front end, as a hypervisor replacing
+    /// itself under a running guest does (SPEC.md §11.1): the queues stop, the device state
+    /// is saved, a new connection loads it and starts the queues where they stopped, and the
+    /// old connection closes. Only a vhost-user front end can.
+    fn replace_front_end(&self) -> Result<()> {
+        Err(Error::InvalidArgument(
+            "only a direct attachment is a vhost-user front end".into(),
+        ))
+    }
 }
 
 impl dyn Transport + '_ {

@@ -493,6 +493,13 @@ impl Device {
         self.inner.transport()?.renew_kick_descriptors()
     }
 
+    /// Hands the device to a new vhost-user connection of this process, as a hypervisor
+    /// replacing itself under a running VM does (SPEC.md §11.1): every object, ring and
+    /// pending completion carries over; for tests of the device's hand-over.
+    pub fn replace_front_end(&self) -> Result<()> {
+        self.inner.transport()?.replace_front_end()
+    }
+
     /// Lets this driver add memory regions past the limit the device states (a direct
     /// attachment): for conformance tests of the device, which must refuse them.
     pub fn lift_memory_region_limit(&self) -> Result<()> {

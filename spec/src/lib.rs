@@ -25,6 +25,7 @@ pub mod cm;
 pub mod codec;
 pub mod config;
 pub mod ctrl;
+pub mod handover;
 pub mod mem;
 pub mod ring;
 pub mod service;

@@ -53,6 +53,10 @@ pub enum GuestState {
     /// Its front end stopped the queues (the VM is paused, or being moved) and has not
     /// started them again; a driver that says when it resets keeps its objects meanwhile.
     Paused,
+    /// Its device is being handed between two of its front end's connections (SPEC.md
+    /// §11.1): saved by the old one, or taken by the new one, or handed over (the old
+    /// connection then holds nothing and waits for its front end to close it).
+    Migrating,
 }
 
 impl std::fmt::Display for GuestState {
@@ -60,6 +64,7 @@ impl std::fmt::Display for GuestState {
         f.write_str(match self {
             GuestState::Starting => "starting",
             GuestState::Running => "running",
+            GuestState::Migrating => "migrating",
             GuestState::Paused => "paused",
         })
     }

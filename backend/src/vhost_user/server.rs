@@ -22,6 +22,7 @@ impl Managed for RwLock<RdmaBackend> {
     fn report(&self, guest: u64) -> GuestReport {
         let backend = self.read().unwrap_or_else(|e| e.into_inner());
         let state = match &backend.control_queue {
+            _ if backend.migrating() => GuestState::Migrating,
             None => GuestState::Starting,
             Some(queue) if queue.get_ref().get_queue().ready() => GuestState::Running,
             Some(_) => GuestState::Paused,
@@ -129,6 +130,8 @@ pub struct PreparedSocket {
     first: RdmaBackend,
     /// What its guest's sends owe their rate limits, from one connection to the next.
     rate_debt: Arc<RateDebt>,
+    /// Device states saved on it for a successor connection (SPEC.md §11.1).
+    handovers: Arc<super::handover::Handovers>,
 }
 
 impl Serving {
@@ -161,6 +164,7 @@ impl Serving {
             listener: listen()?,
             first,
             rate_debt: Arc::default(),
+            handovers: Arc::default(),
         })
     }
 
@@ -173,14 +177,25 @@ impl Serving {
             mut listener,
             first,
             rate_debt,
+            handovers,
         } = socket;
         let mut backend = Arc::new(RwLock::new(first));
         let admission = Arc::new(Admission::new(&config)?);
         loop {
-            if !admission.wait_for_room(&listener, stop)? || !wait_for_front_end(&listener, stop)? {
+            let room = admission.wait_for_room(&listener, stop)?;
+            if room == Room::Stop || !wait_for_front_end(&listener, stop)? {
                 self.registry.disconnect(&name);
                 admission.wait_until_empty()?;
                 return Ok(());
+            }
+            {
+                let mut next = backend.write().unwrap_or_else(|e| e.into_inner());
+                next.handover = Some((Arc::clone(&handovers), Arc::downgrade(&backend)));
+                if room == Room::Successor {
+                    next.admitted.0.store(false, Ordering::Release);
+                    next.admitted.1.clone_from(&admission.reason);
+                    admission.await_successor(Arc::clone(&next.admitted.0));
+                }
             }
             let connection = self.connections.fetch_add(1, Ordering::Relaxed) + 1;
             // One connection failing to start (no threads, descriptors or memory left) must
@@ -262,6 +277,19 @@ pub(super) fn wait_readable(
     }
 }
 
+/// What [`Admission::wait_for_room`] found.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Room {
+    /// A connection may be served.
+    Free,
+    /// A connection may be accepted as a successor (SPEC.md §11.1): it may take over the
+    /// device of one that is served, and is refused if it starts one of its own while they
+    /// all remain.
+    Successor,
+    /// Serving stops.
+    Stop,
+}
+
 /// How many guest connections the backend serves at once, and the refusal of the ones past
 /// that. Every connection of a backend sends from one GID, and a peer that shares a GID can
 /// inject packets into another's RC connections (it sends from the address they accept); so
@@ -276,6 +304,9 @@ struct Admission {
     live: AtomicUsize,
     /// Written when a connection ends: a room may be free.
     freed: EventFd,
+    /// The admission of the successor accepted past the limit, if one is: it turns true
+    /// once a connection ends (the successor then is one of the limit).
+    successor: Mutex<Option<Arc<AtomicBool>>>,
 }
 
 impl Admission {
@@ -296,22 +327,23 @@ impl Admission {
             reason,
             live: AtomicUsize::new(0),
             freed: EventFd::new(EFD_NONBLOCK)?,
+            successor: Mutex::default(),
         })
     }
 
     /// Returns once a connection may be accepted. A front end that connects while the
-    /// backend is full is refused (accepted and closed at once, with a log line) unless a
-    /// connection ends within [`REFUSAL_GRACE`]: one that just disconnected may still be
-    /// releasing its objects (a program often opens the device again right after a short
-    /// first connection).
-    /// False, at once, when `stop` is written.
-    fn wait_for_room(&self, listener: &Listener, stop: Option<&EventFd>) -> Result<bool, Error> {
+    /// backend is full waits [`REFUSAL_GRACE`] for a connection to end: one that just
+    /// disconnected may still be releasing its objects (a program often opens the device
+    /// again right after a short first connection). Then it is accepted as the successor
+    /// if there is none, or else refused (accepted and closed at once, with a log line).
+    /// [`Room::Stop`], at once, when `stop` is written.
+    fn wait_for_room(&self, listener: &Listener, stop: Option<&EventFd>) -> Result<Room, Error> {
         let mut watched = vec![listener.as_raw_fd(), self.freed.as_raw_fd()];
         watched.extend(stop.map(|stop| stop.as_raw_fd()));
         while self.live.load(Ordering::Acquire) >= self.limit {
             let ready = wait_readable(&watched, -1)?;
             if ready.get(2) == Some(&true) {
-                return Ok(false);
+                return Ok(Room::Stop);
             }
             if !ready[0] {
                 let _ = self.freed.read();
@@ -322,12 +354,30 @@ impl Admission {
                 let _ = self.freed.read();
                 continue;
             }
+            if self.lock_successor().is_none() {
+                return Ok(Room::Successor);
+            }
             if let Ok(Some(refused)) = listener.accept() {
                 drop(refused);
                 log::warn!("a front end connected and was refused: {}", self.reason);
             }
         }
-        Ok(true)
+        Ok(Room::Free)
+    }
+
+    fn lock_successor(&self) -> std::sync::MutexGuard<'_, Option<Arc<AtomicBool>>> {
+        self.successor.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes the successor about to be accepted, by its admission flag (true at once if a
+    /// connection ended since [`Admission::wait_for_room`] looked).
+    fn await_successor(&self, admitted: Arc<AtomicBool>) {
+        let mut successor = self.lock_successor();
+        if self.live.load(Ordering::Acquire) < self.limit {
+            admitted.store(true, Ordering::Release);
+        } else {
+            *successor = Some(admitted);
+        }
     }
 
     fn connected(&self) {
@@ -344,7 +394,13 @@ impl Admission {
     }
 
     fn disconnected(&self) {
-        self.live.fetch_sub(1, Ordering::AcqRel);
+        let live = self.live.fetch_sub(1, Ordering::AcqRel) - 1;
+        if live <= self.limit {
+            // The successor (if it has not ended itself) is one of the limit now.
+            if let Some(successor) = self.lock_successor().take() {
+                successor.store(true, Ordering::Release);
+            }
+        }
         let _ = self.freed.write(1);
     }
 }
@@ -413,6 +469,17 @@ fn start_connection(
             // Before the last reference goes: no report holds the device after this.
             reported.remove(connection);
             let state = serving.read().unwrap_or_else(|e| e.into_inner());
+            if state.handed_over {
+                // Its device is a successor's (SPEC.md §11.1), which takes it at its next
+                // request if it has not yet: nothing of it is this connection's to count.
+                state.stop_workers();
+                drop(state);
+                drop(daemon);
+                drop(serving);
+                log::info!("connection {connection}: closed, its device handed to a successor");
+                room.disconnected();
+                return;
+            }
             let objects = state.device.object_count();
             let stats = state.device.data_path().stats();
             let refusals = state.device.refusals().summary();
@@ -451,6 +518,10 @@ fn start_connection(
     daemon.start(listener).map_err(Error::Daemon)?;
     // Counted before the next accept looks at the count.
     admission.connected();
+    if let Some(handle) = daemon.shutdown_handle() {
+        backend.write().unwrap_or_else(|e| e.into_inner()).end =
+            Some((format!("connection {connection} (guest {name})"), handle));
+    }
     let disconnect = daemon.shutdown_handle();
     if let Some(handle) = daemon.shutdown_handle() {
         close_if_silent(connection, &backend, handshake_timeout, handle);
