@@ -3,7 +3,8 @@
 # integration tests on this machine; in one boot of a QEMU guest with rdma_rxe (tests/vm/,
 # tests/rxe-tier.sh) the integration tests that need real RDMA and a smoke run of the
 # benchmarks there; the fuzz targets briefly; a VM with the vrdma PCI device served by the
-# loopback host and started by libvirt (tests/pci-e2e.sh), then one nested in a second boot
+# loopback host and started by libvirt (tests/pci-e2e.sh), one whose QEMU is replaced while it
+# runs (tests/replace-qemu.sh), then one nested in a second boot
 # of the rxe guest; the Debian packages installed on a clean system booted with systemd
 # (tests/install-check.sh); the cross-host tests (two rxe guests joined by an emulated
 # Ethernet link, tests/cross-host.sh) and a smoke run of the benchmarks on this machine.
@@ -93,6 +94,9 @@ fuzz/run.sh --brief "${VRDMA_FUZZ_SECONDS:-4}"
 step "a VM with the vrdma PCI device, served by the loopback host on this machine (2 to 4 minutes)"
 tests/pci-e2e.sh "$PWD/target/debug" loopback
 
+step "QEMU replaced under a running VM with the vrdma PCI device (cpr-transfer), served by the loopback host on this machine (under a minute)"
+tests/replace-qemu.sh "$PWD/target/debug"
+
 step "a nested VM with the vrdma PCI device, served through rxe0 in a second boot of the rxe guest (KVM there; about a minute)"
 # A boot of its own: the patched QEMU it needs is built while the rxe guest's tests run.
 tests/vm/run.sh --mem 4096 --timeout 1200 -- tests/pci-e2e.sh "$PWD/target/debug" rxe0
@@ -126,7 +130,7 @@ awk '/^=== \[[0-9]+m[0-9]+s\] / { match($0, /\[[0-9]+m[0-9]+s\]/); t = substr($0
        split(t, ms, "m"); now = ms[1] * 60 + ms[2]; if (name != "") printf "section %4ds  %s\n", now - start, name;
        name = substr($0, RSTART + RLENGTH + 1); start = now }' "$log"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
-     /^(\[[ab]\] )?(pci-e2e|cross-host|install): .* ok( \([0-9]+ s\))?$/ { p++ }
-     /^(\[[ab]\] )?(pci-e2e|cross-host|install): .* FAILED( \([0-9]+ s\))?$/ { f++ }
+     /^(\[[ab]\] )?(pci-e2e|replace-qemu|cross-host|install): .* ok( \([0-9]+ s\))?$/ { p++ }
+     /^(\[[ab]\] )?(pci-e2e|replace-qemu|cross-host|install): .* FAILED( \([0-9]+ s\))?$/ { f++ }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"

@@ -271,6 +271,21 @@ impl RdmaBackend {
         );
     }
 
+    /// Whether this connection may start a device: at once, unless it is a successor that
+    /// took no device, which waits up to [`REFUSAL_GRACE`] for a connection to end (one that
+    /// just closed may still be releasing its objects: a program often opens the device again
+    /// right after a short first connection).
+    fn wait_for_admission(&self) -> bool {
+        let deadline = std::time::Instant::now() + REFUSAL_GRACE;
+        while !self.admitted.0.load(Ordering::Acquire) {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        true
+    }
+
     /// Ends a successor that starts a device of its own while the socket serves as many
     /// connections as it may (SPEC.md §11.1): it is refused, as a front end past the limit
     /// always was, only later.
@@ -497,7 +512,7 @@ impl VhostUserBackendMut for RdmaBackend {
             handovers.withdraw(&token);
             log::info!("the front end starts the device it saved: its saved state is withdrawn");
         }
-        if !self.admitted.0.load(Ordering::Acquire) {
+        if !self.wait_for_admission() {
             self.refuse_successor();
             return;
         }

@@ -6,7 +6,8 @@
 # Kernel command line: vrdma.results=PATH (required), vrdma.rxe=0 to leave rdma_rxe out,
 # vrdma.net=ADDRESS/PREFIX to put ADDRESS on the network card eth0 and rdma_rxe on eth0,
 # vrdma.root=PATH to boot the machine's folder PATH (a clean system, tests/vm/clean-root.sh)
-# with systemd instead of running the command in the machine's root (see boot_clean_root).
+# with systemd instead of running the command in the machine's root (see boot_clean_root),
+# vrdma.standalone=1 to run /standalone/run from the initramfs and mount nothing (see below).
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
@@ -15,12 +16,14 @@ results=
 want_rxe=1
 net=
 clean_root=
+standalone=0
 for arg in $(cat /proc/cmdline); do
   case "$arg" in
     vrdma.results=*) results=${arg#vrdma.results=} ;;
     vrdma.rxe=*) want_rxe=${arg#vrdma.rxe=} ;;
     vrdma.net=*) net=${arg#vrdma.net=} ;;
     vrdma.root=*) clean_root=${arg#vrdma.root=} ;;
+    vrdma.standalone=*) standalone=${arg#vrdma.standalone=} ;;
   esac
 done
 
@@ -34,6 +37,16 @@ for m in $(cat $lists); do
   case "$m" in *-rdma_rxe.ko) [ "$want_rxe" = 1 ] || continue ;; esac
   insmod "/modules/$m" || echo "guest-init: insmod $m failed"
 done
+
+# A guest QEMU may migrate mounts nothing of the machine (QEMU blocks migration while a 9p
+# share is mounted): its command is /standalone/run, from an archive appended to the
+# initramfs (tests/replace-qemu.sh), and its output and exit code go to the console.
+if [ "$standalone" = 1 ]; then
+  ip link set lo up
+  /standalone/run
+  echo "standalone: exit $?"
+  poweroff -f
+fi
 
 opts=trans=virtio,version=9p2000.L,msize=512000
 # The root is cached in the guest's page cache: without it every exec reads its binary and

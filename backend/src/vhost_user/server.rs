@@ -332,10 +332,11 @@ impl Admission {
     }
 
     /// Returns once a connection may be accepted. A front end that connects while the
-    /// backend is full waits [`REFUSAL_GRACE`] for a connection to end: one that just
-    /// disconnected may still be releasing its objects (a program often opens the device
-    /// again right after a short first connection). Then it is accepted as the successor
-    /// if there is none, or else refused (accepted and closed at once, with a log line).
+    /// backend is full is accepted as the successor if there is none; else it waits
+    /// [`REFUSAL_GRACE`] for a connection to end (one that just disconnected may still be
+    /// releasing its objects: a program often opens the device again right after a short
+    /// first connection), and is refused (accepted and closed at once, with a log line) if
+    /// none does.
     /// [`Room::Stop`], at once, when `stop` is written.
     fn wait_for_room(&self, listener: &Listener, stop: Option<&EventFd>) -> Result<Room, Error> {
         let mut watched = vec![listener.as_raw_fd(), self.freed.as_raw_fd()];
@@ -349,13 +350,16 @@ impl Admission {
                 let _ = self.freed.read();
                 continue;
             }
+            // A successor is accepted at once: a hypervisor replacing itself waits for it
+            // with the VM stopped. It waits for room only if it starts a device of its own
+            // (RdmaBackend::wait_for_admission).
+            if self.lock_successor().is_none() {
+                return Ok(Room::Successor);
+            }
             let grace = i32::try_from(REFUSAL_GRACE.as_millis()).unwrap_or(i32::MAX);
             if wait_readable(&[self.freed.as_raw_fd()], grace)?[0] {
                 let _ = self.freed.read();
                 continue;
-            }
-            if self.lock_successor().is_none() {
-                return Ok(Room::Successor);
             }
             if let Ok(Some(refused)) = listener.accept() {
                 drop(refused);

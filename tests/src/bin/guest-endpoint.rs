@@ -12,8 +12,9 @@
 //!                                    `reopened qpn=N`
 //!        guest-endpoint ping DEVICE N  as `rc`, then N SEND/RECV round trips as the initiator:
 //!                                    each message carries a checksum the peer verifies and
-//!                                    echoes; prints `done N kicks=K`. N = 0: round trips
-//!                                    until a line on stdin (after the peer's)
+//!                                    echoes; prints `done N kicks=K longest_round_trip_us=L`.
+//!                                    N = 0: round trips until a line on stdin (after the
+//!                                    peer's)
 //!        guest-endpoint pong DEVICE N  as `rc`, then echoes N messages, verifying each; N = 0:
 //!                                    until the initiator's last message
 //!        guest-endpoint target DEVICE BYTES  a passive peer with a BYTES-long registered
@@ -165,7 +166,14 @@ fn main() {
                 "pong" => endpoint.pong(count),
                 _ => 0,
             };
-            if mode != "rc" {
+            if mode == "ping" {
+                // The longest round trip: how long the peer stopped answering, at most.
+                println!(
+                    "done {done} kicks={} longest_round_trip_us={}",
+                    device.kicks_sent(),
+                    endpoint.longest_us.load(Ordering::Relaxed)
+                );
+            } else if mode == "pong" {
                 println!("done {done} kicks={}", device.kicks_sent());
             }
             // Keep everything alive until the test closes stdin.
@@ -181,6 +189,8 @@ struct Endpoint<'a> {
     buffer: &'a SharedBuffer,
     lkey: u32,
     addr: u64,
+    /// The longest round trip `ping` made, in microseconds.
+    longest_us: std::sync::atomic::AtomicU64,
 }
 
 /// Where messages are sent from and received into.
@@ -200,6 +210,7 @@ impl<'a> Endpoint<'a> {
             buffer,
             lkey: mr.lkey(),
             addr: mr.addr(),
+            longest_us: std::sync::atomic::AtomicU64::default(),
         }
     }
 
@@ -276,11 +287,14 @@ impl<'a> Endpoint<'a> {
         let mut count_done = 0;
         while count_done < count && !stop.load(Ordering::Relaxed) {
             let i = count_done;
+            let start = std::time::Instant::now();
             self.post_recv(i);
             let message = ping_message(i);
             self.send(i, &message);
             let (echo, _) = self.receive(i);
             assert!(echo == message, "round trip {i}: the echo differs");
+            let took = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
+            self.longest_us.fetch_max(took, Ordering::Relaxed);
             count_done += 1;
         }
         let count = count_done;

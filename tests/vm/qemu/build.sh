@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the QEMU the nested-VM tests run: Debian's QEMU 10.0 source with
-# vhost-user-rdma.patch (the generic vhost-user PCI device made user-creatable and virtio id 42
-# given a name), x86_64 system emulator only, TCG, the devices of tests/vm/qemu/devices.mak,
+# vhost-user-rdma.patch (the generic vhost-user PCI device made user-creatable, migratable with
+# its back end's state, and reconnecting; virtio id 42 given a name), x86_64 system emulator only, TCG, the devices of tests/vm/qemu/devices.mak,
 # no firmware, no debug information (each a fifth or more less build time: this build is on the
 # path of every fresh clone's test command).
 # Idempotent: the result is cached under target/qemu/ and rebuilt only when this script, the
