@@ -12,11 +12,21 @@
 # took the device over and the old one closed holding nothing; once the VM has shut down,
 # its connection ends. Prints QEMU's own downtime and the longest round trip
 # the peer saw (how long the program saw its peer stop).
-# usage: tests/replace-qemu.sh BIN_DIR   (BIN_DIR holds vhost-user-rdma and guest-endpoint)
+# usage: tests/replace-qemu.sh BIN_DIR [replace|pause|none]
+#   BIN_DIR holds vhost-user-rdma, vrdmactl and guest-endpoint. The event is what happens to the
+#   VM under the round trips: its QEMU replaced (the default, the test), a pause of 2 s (QEMU's
+#   stop and cont), or nothing (the baseline): the demo measures all three (BENCHMARKS.md).
+#   The last line but one is `replace-qemu: measured event=E vm_stopped_ms=S
+#   longest_round_trip_ms=L round_trips=N`.
 set -uo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 bin=$(cd "$1" && pwd)
+event=${2:-replace}
+case "$event" in
+  replace | pause | none) ;;
+  *) echo "usage: $0 BIN_DIR [replace|pause|none]" >&2; exit 2 ;;
+esac
 cache=$("$repo/tests/vm/setup.sh") || exit 1
 qemu=$("$repo/tests/vm/qemu/build.sh") || exit 1
 work=$(mktemp -d /tmp/vrdma-replace.XXXXXX)
@@ -29,7 +39,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-check="QEMU replaced (cpr-transfer) under a VM's program making checked round trips with a peer here"
+case "$event" in
+  replace) check="QEMU replaced (cpr-transfer) under a VM's program making checked round trips with a peer here" ;;
+  pause) check="a VM paused for 2 s under its program's checked round trips with a peer here" ;;
+  none) check="a VM's program making checked round trips with a peer here" ;;
+esac
 fail() {
   echo "replace-qemu: $*"
   for log in backend.log ping.out console-old.log console-new.log qemu-old.log qemu-new.log; do
@@ -51,10 +65,12 @@ wait_line() {
   return 1
 }
 
-# qmp SOCKET COMMAND_JSON: runs one QMP command; prints its return value as JSON.
+# qmp SOCKET COMMAND_JSON...: runs QMP commands (a number between two is seconds to wait);
+# prints the last one's return value as JSON, and for several commands, on stderr, the
+# milliseconds from the first one's answer to the last one's.
 qmp() {
   python3 - "$@" <<'PY'
-import json, socket, sys
+import json, socket, sys, time
 conn = socket.socket(socket.AF_UNIX)
 conn.connect(sys.argv[1])
 stream = conn.makefile("rw")
@@ -64,13 +80,22 @@ def answer():
         if "event" not in message:
             return message
 answer()  # the greeting
-for command in ({"execute": "qmp_capabilities"}, json.loads(sys.argv[2])):
+first = None
+for step in ['{"execute": "qmp_capabilities"}'] + sys.argv[2:]:
+    if step.replace(".", "").isdigit():
+        time.sleep(float(step))
+        continue
+    command = json.loads(step)
     stream.write(json.dumps(command) + "\n")
     stream.flush()
     reply = answer()
     if "error" in reply:
         sys.exit(f"qmp: {command['execute']}: {reply['error']['desc']}")
+    if command["execute"] != "qmp_capabilities" and first is None:
+        first = time.monotonic()
 print(json.dumps(reply["return"]))
+if len(sys.argv) > 3:
+    print(round((time.monotonic() - first) * 1000), file=sys.stderr)
 PY
 }
 
@@ -132,42 +157,55 @@ wait_line "$work/console-old.log" '^state=' 60 "$old" >/dev/null || fail "the pr
 sleep 3 # round trips under way
 before=$("$bin/vrdmactl" --socket "$admin" list 2>&1)
 
-# The new QEMU reads the cpr channel (the memfd) before it makes its devices; then its
-# device connects to the backend and loads the device state from the migration stream.
-start_qemu new -incoming "unix:$work/main.sock" \
-  -incoming "{\"channel-type\":\"cpr\",\"addr\":{\"transport\":\"socket\",\"type\":\"unix\",\"path\":\"$work/cpr.sock\"}}"
-new=${pids[-1]}
-wait_line "$work/qemu-new.log" . 1 >/dev/null # nothing yet: it waits for the cpr channel
-for _ in $(seq 50); do [ -S "$work/cpr.sock" ] && break; sleep 0.1; done
-qmp "$work/qmp-old.sock" '{"execute":"migrate-set-parameters","arguments":{"mode":"cpr-transfer"}}' >/dev/null ||
-  fail "cpr-transfer refused"
-qmp "$work/qmp-old.sock" "{\"execute\":\"migrate\",\"arguments\":{\"channels\":[
-  {\"channel-type\":\"main\",\"addr\":{\"transport\":\"socket\",\"type\":\"unix\",\"path\":\"$work/main.sock\"}},
-  {\"channel-type\":\"cpr\",\"addr\":{\"transport\":\"socket\",\"type\":\"unix\",\"path\":\"$work/cpr.sock\"}}]}}" >/dev/null ||
-  fail "migrate refused"
-status=
-for _ in $(seq 600); do
-  status=$(qmp "$work/qmp-old.sock" '{"execute":"query-migrate"}') || break
-  case "$status" in *'"status": "completed"'* | *'"status": "failed"'* | *'"status": "cancelled"'*) break ;; esac
-  sleep 0.2
-done
-case "$status" in *'"status": "completed"'*) ;; *) fail "the migration did not complete: $status" ;; esac
-downtime=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1]).get("downtime", "?"))' "$status")
-qmp "$work/qmp-old.sock" '{"execute":"quit"}' >/dev/null
-wait "$old" 2>/dev/null
-sleep 3 # round trips on the new QEMU
+stopped_ms=0
+if [ "$event" = replace ]; then
+  # The new QEMU reads the cpr channel (the memfd) before it makes its devices; then its
+  # device connects to the backend and loads the device state from the migration stream.
+  start_qemu new -incoming "unix:$work/main.sock" \
+    -incoming "{\"channel-type\":\"cpr\",\"addr\":{\"transport\":\"socket\",\"type\":\"unix\",\"path\":\"$work/cpr.sock\"}}"
+  new=${pids[-1]}
+  for _ in $(seq 50); do [ -S "$work/cpr.sock" ] && break; sleep 0.1; done
+  qmp "$work/qmp-old.sock" '{"execute":"migrate-set-parameters","arguments":{"mode":"cpr-transfer"}}' >/dev/null ||
+    fail "cpr-transfer refused"
+  qmp "$work/qmp-old.sock" "{\"execute\":\"migrate\",\"arguments\":{\"channels\":[
+    {\"channel-type\":\"main\",\"addr\":{\"transport\":\"socket\",\"type\":\"unix\",\"path\":\"$work/main.sock\"}},
+    {\"channel-type\":\"cpr\",\"addr\":{\"transport\":\"socket\",\"type\":\"unix\",\"path\":\"$work/cpr.sock\"}}]}}" >/dev/null ||
+    fail "migrate refused"
+  status=
+  for _ in $(seq 600); do
+    status=$(qmp "$work/qmp-old.sock" '{"execute":"query-migrate"}' 2>/dev/null) || break
+    case "$status" in *'"status": "completed"'* | *'"status": "failed"'* | *'"status": "cancelled"'*) break ;; esac
+    sleep 0.2
+  done
+  case "$status" in *'"status": "completed"'*) ;; *) fail "the migration did not complete: $status" ;; esac
+  downtime=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1]).get("downtime", "?"))' "$status")
+  qmp "$work/qmp-old.sock" '{"execute":"quit"}' >/dev/null
+  wait "$old" 2>/dev/null
+  stopped_ms=$downtime
+elif [ "$event" = pause ]; then
+  stopped_ms=$(qmp "$work/qmp-old.sock" '{"execute":"stop"}' 2 '{"execute":"cont"}' 2>&1 >/dev/null) ||
+    fail "stop or cont refused: $stopped_ms"
+fi
+[ "$event" = replace ] || new=$old
+sleep 3 # round trips after the event
 after=$("$bin/vrdmactl" --socket "$admin" list 2>&1)
 
 echo stop >&7
 done_line=$(wait_line "$work/ping.out" '^done ' 120) || fail "the peer's round trips did not finish"
 exec 7>&-
 wait "$ping" || fail "the peer here failed"
-wait_line "$work/console-new.log" '^standalone: exit' 120 "$new" >/dev/null || fail "the program in the VM did not end"
-grep -q '^standalone: exit 0' "$work/console-new.log" || fail "the program in the VM failed"
+console=$work/console-old.log
+[ "$event" = replace ] && console=$work/console-new.log
+wait_line "$console" '^standalone: exit' 120 "$new" >/dev/null || fail "the program in the VM did not end"
+grep -q '^standalone: exit 0' "$console" || fail "the program in the VM failed"
 wait "$new" 2>/dev/null
-taker=$(wait_line "$work/backend.log" "took over the guest's device" 5) || fail "no connection took the device over"
-taker=$(echo "$taker" | sed -n 's/.*\] \(connection [0-9]*\) .*/\1/p')
-grep -q "closed, its device handed to a successor" "$work/backend.log" || fail "the old connection did not close empty"
+if [ "$event" = replace ]; then
+  taker=$(wait_line "$work/backend.log" "took over the guest's device" 5) || fail "no connection took the device over"
+  taker=$(echo "$taker" | sed -n 's/.*\] \(connection [0-9]*\) .*/\1/p')
+  grep -q "closed, its device handed to a successor" "$work/backend.log" || fail "the old connection did not close empty"
+else
+  taker="connection 2"
+fi
 # The program destroys its objects as it exits; whatever it left, the connection's end frees.
 wait_line "$work/backend.log" "$taker: closed, [0-9]* objects released" 30 >/dev/null ||
   fail "the VM's connection did not end"
@@ -181,5 +219,5 @@ round_trips=$(echo "$done_line" | awk '{print $2}')
 longest_us=$(echo "$done_line" | sed -n 's/.*longest_round_trip_us=\([0-9]*\).*/\1/p')
 echo "$before" | sed 's/^/replace-qemu: vrdmactl list before: /'
 echo "$after" | sed 's/^/replace-qemu: vrdmactl list after:  /'
-echo "replace-qemu: $round_trips round trips; QEMU's downtime $downtime ms; the longest round trip $((longest_us / 1000)) ms"
+echo "replace-qemu: measured event=$event vm_stopped_ms=$stopped_ms longest_round_trip_ms=$((longest_us / 1000)) round_trips=$round_trips"
 echo "replace-qemu: $check ok ($SECONDS s)"

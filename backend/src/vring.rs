@@ -129,6 +129,15 @@ impl VringT<Memory> for Vring {
     }
 
     fn set_kick(&self, file: Option<File>) {
+        // The queue is looked at once for every kick descriptor it gets, as if kicked (QEMU's
+        // notifiers start signalled too): a device taken over from another connection
+        // (SPEC.md §11.1) may hold events for the buffers posted before, and a driver asleep
+        // waiting for one kicks nothing.
+        if let Some(kick) = &file {
+            if let Err(e) = io::Write::write(&mut &*kick, &1u64.to_ne_bytes()) {
+                log::warn!("cannot look at a queue given a kick descriptor: {e}");
+            }
+        }
         let running = self.0.get_ref().get_queue().ready();
         self.0.set_kick(file);
         if running {

@@ -13,8 +13,12 @@ use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::VhostBackend;
 use vrdma_guest::spec::handover::SavedState;
 use vrdma_guest::spec::ByteValued;
+use vrdma_guest::{
+    access, Device, DeviceEvent, Payload, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge,
+};
 use vrdma_tests::{
-    spawn_backend_process, wait_for_backend_log, wait_for_guest_completions, WritingGuest,
+    connect_guest_qp, spawn_backend_process, start_backend, wait_for_backend_log,
+    wait_for_guest_completions, WritingGuest,
 };
 
 fn socket(name: &str) -> PathBuf {
@@ -67,6 +71,57 @@ fn a_device_handed_to_a_new_connection_keeps_its_objects_and_completions() {
     drop(guest);
     backend.kill().unwrap();
     backend.wait().unwrap();
+}
+
+/// A program asleep waiting for a completion event across the hand-over is woken by the
+/// event its peer's SEND raises on the new connection, though it kicks nothing there: the
+/// device looks at every queue a connection starts (the event queue's buffers among them),
+/// so an event never waits on the old connection's stopped queue.
+#[test]
+fn an_event_raised_after_the_hand_over_wakes_a_program_that_kicks_nothing() {
+    let backend = start_backend();
+    let target = backend.socket.to_str().expect("a UTF-8 socket path");
+    let sender = Device::open(target).unwrap();
+    let sleeper = Device::open(target).unwrap();
+    let (index, gid) = sender.gid().unwrap();
+    let (sender_pd, sleeper_pd) = (sender.alloc_pd().unwrap(), sleeper.alloc_pd().unwrap());
+    let (sender_cq, sleeper_cq) = (sender.create_cq(4).unwrap(), sleeper.create_cq(4).unwrap());
+    let sender_qp = QueuePair::builder(QpType::Rc, &sender_cq)
+        .max_inline_data(16)
+        .build(&sender_pd)
+        .unwrap();
+    let sleeper_qp = QueuePair::builder(QpType::Rc, &sleeper_cq)
+        .build(&sleeper_pd)
+        .unwrap();
+    connect_guest_qp(&sender_qp, index as u8, gid, sleeper_qp.qp_num()).unwrap();
+    connect_guest_qp(&sleeper_qp, index as u8, gid, sender_qp.qp_num()).unwrap();
+    let buffer = sleeper.alloc_buffer(4096).unwrap();
+    let mr = sleeper_pd.reg_mr(&buffer, access::LOCAL_WRITE).unwrap();
+    let sge = Sge {
+        addr: buffer.addr(),
+        length: 64,
+        lkey: mr.lkey(),
+    };
+    sleeper_qp
+        .post_recv(&[RecvWr {
+            wr_id: 1,
+            sges: &[sge],
+        }])
+        .unwrap();
+    sleeper_cq.req_notify(false).unwrap();
+    sleeper.replace_front_end().unwrap();
+    sender_qp
+        .post_send(&[SendWr::new(2, SendOp::Send, Payload::Inline(b"wake up"))])
+        .unwrap();
+    let event = sleeper
+        .wait_event(std::time::Duration::from_secs(30))
+        .unwrap();
+    assert_eq!(event, Some(DeviceEvent::CqCompletion(sleeper_cq.handle())));
+    let done = wait_for_guest_completions(&sleeper_cq, 1);
+    assert_eq!((done[0].wr_id, done[0].byte_len), (1, 7));
+    let mut landed = [0u8; 7];
+    buffer.read(0, &mut landed).unwrap();
+    assert_eq!(&landed, b"wake up");
 }
 
 /// A successor that loads a state the backend never saved (forged, or cut short) is refused
