@@ -228,6 +228,11 @@ impl RdmaBackend {
         })
     }
 
+    /// The connection's name in log lines.
+    fn name(&self) -> &str {
+        self.end.as_ref().map_or("a connection", |(name, _)| name)
+    }
+
     /// Whether the device state is on its way to another connection, or from one.
     fn migrating(&self) -> bool {
         self.saved.is_some()
@@ -261,12 +266,10 @@ impl RdmaBackend {
                     .serve(name.clone(), Box::new(move || handle.shutdown()));
             }
         }
-        let name = self.end.as_ref().map_or("a connection", |(name, _)| name);
         log::info!(
-            "{name}: took over the guest's device from {} ({} objects)",
-            from.end
-                .as_ref()
-                .map_or("its predecessor", |(name, _)| name),
+            "{}: took over the guest's device from {} ({} objects)",
+            self.name(),
+            from.name(),
             self.device.object_count()
         );
     }
@@ -510,7 +513,10 @@ impl VhostUserBackendMut for RdmaBackend {
         self.settle_handover();
         if let (Some(token), Some((handovers, _))) = (self.saved.take(), &self.handover) {
             handovers.withdraw(&token);
-            log::info!("the front end starts the device it saved: its saved state is withdrawn");
+            log::info!(
+                "{}: its front end starts the device it saved: the saved state is withdrawn",
+                self.name()
+            );
         }
         if !self.wait_for_admission() {
             self.refuse_successor();
@@ -624,7 +630,7 @@ impl VhostUserBackendMut for RdmaBackend {
                 self.saved = Some(handovers.save(this, file)?);
                 log::info!(
                     "{}: device state saved for a successor ({} objects)",
-                    self.end.as_ref().map_or("a connection", |(name, _)| name),
+                    self.name(),
                     self.device.object_count()
                 );
             }
@@ -644,12 +650,8 @@ impl VhostUserBackendMut for RdmaBackend {
     }
 
     fn check_device_state(&self) -> io::Result<()> {
-        self.take_loaded_device().inspect_err(|e| {
-            log::warn!(
-                "{}: {e}",
-                self.end.as_ref().map_or("a connection", |(name, _)| name)
-            );
-        })
+        self.take_loaded_device()
+            .inspect_err(|e| log::warn!("{}: {e}", self.name()))
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {

@@ -39,7 +39,10 @@ impl Handovers {
         getrandom(&mut token)?;
         // 32 bytes into an empty pipe: written at once (the front end reads once we answer).
         file.write_all(SavedState::new(token).as_slice())?;
-        self.table().insert(token, connection);
+        let mut table = self.table();
+        // States of connections that ended untaken go: the table holds live ones only.
+        table.retain(|_, saved| saved.strong_count() > 0);
+        table.insert(token, connection);
         Ok(token)
     }
 

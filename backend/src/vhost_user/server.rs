@@ -211,6 +211,9 @@ impl Serving {
                 ),
             );
             if let Err(e) = started {
+                if room == Room::Successor {
+                    admission.forget_successor();
+                }
                 log::error!("connection {connection}: cannot be served: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(100));
             }
@@ -382,6 +385,11 @@ impl Admission {
         } else {
             *successor = Some(admitted);
         }
+    }
+
+    /// The successor noted never connected: the next front end past the limit may be one.
+    fn forget_successor(&self) {
+        self.lock_successor().take();
     }
 
     fn connected(&self) {
