@@ -104,6 +104,9 @@ pub struct RdmaBackend {
     /// How the connection is named in logs, and the handle that ends it (set when it
     /// starts): a fault in the memory of a device it takes over ends it.
     end: Option<(String, ShutdownHandle)>,
+    /// What the guest's sends owe their rate limits, for a successor to take once it is
+    /// admitted to start a device of its own: by then the connection before it has left it.
+    owed: Option<Arc<RateDebt>>,
 }
 
 /// Whether a connection's front end has spoken; its watchdog ([`close_if_silent`]) sleeps on
@@ -225,6 +228,7 @@ impl RdmaBackend {
             adopting: Mutex::default(),
             admitted: (Arc::new(AtomicBool::new(true)), String::new()),
             end: None,
+            owed: None,
         })
     }
 
@@ -257,6 +261,7 @@ impl RdmaBackend {
         let mut from = from.write().unwrap_or_else(|e| e.into_inner());
         std::mem::swap(&mut self.device, &mut from.device);
         self.admitted.0.store(true, Ordering::Release);
+        self.owed = None; // the device's own sends owe what they owe
         for backend in [&*self, &*from] {
             if let Some((name, handle)) = &backend.end {
                 let handle = handle.clone();
@@ -521,6 +526,9 @@ impl VhostUserBackendMut for RdmaBackend {
         if !self.wait_for_admission() {
             self.refuse_successor();
             return;
+        }
+        if let Some(owed) = self.owed.take() {
+            self.device.data_path().take_rate_debt(&owed);
         }
         self.device.set_acked_features(features);
     }

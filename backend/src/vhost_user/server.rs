@@ -451,13 +451,16 @@ fn start_connection(
     (listener, handshake_timeout): (&mut Listener, std::time::Duration),
     (admission, registry, rate_debt): (Arc<Admission>, Arc<Registry>, Arc<RateDebt>),
 ) -> Result<(), Error> {
-    // The guest's sends start with what its last connection owed their rate limits.
-    backend
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .device
-        .data_path()
-        .take_rate_debt(&rate_debt);
+    // The guest's sends start with what its last connection owed their rate limits; a
+    // successor's, once it is admitted (its predecessor leaves the debt as it ends).
+    {
+        let mut next = backend.write().unwrap_or_else(|e| e.into_inner());
+        if next.admitted.0.load(Ordering::Acquire) {
+            next.device.data_path().take_rate_debt(&rate_debt);
+        } else {
+            next.owed = Some(Arc::clone(&rate_debt));
+        }
+    }
     // The thread that tears the connection down exists before the connection is accepted, so
     // an accepted connection always has one.
     let (daemon_tx, daemon_rx) = std::sync::mpsc::channel::<VhostUserDaemon<_>>();
