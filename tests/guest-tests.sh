@@ -2,8 +2,9 @@
 # Runs inside the test guest: of every test binary given, the tests that need rxe (those
 # marked #[ignore = "needs rdma_rxe..."]); the rest ran under `cargo test` on the loopback
 # host already. The binaries whose subject is the host's verbs layer or connection manager
-# itself (hostverbs, control_path, cm) run whole: on rxe0 their tests drive libibverbs and
-# librdmacm, which the loopback host stands in for. A failing binary fails the suite, so a missing rxe device fails it. Each
+# itself (hostverbs, control_path, cm), or host objects handed between connections
+# (handover), run whole: on rxe0 their tests drive libibverbs and librdmacm, which the
+# loopback host stands in for. A failing binary fails the suite, so a missing rxe device fails it. Each
 # test's line says how long it took, so the slow ones show in CI's log.
 set -uo pipefail
 [ -d "/sys/class/infiniband/${VRDMA_TEST_DEVICE:-rxe0}" ] ||
@@ -25,7 +26,7 @@ timed() {
 status=0
 for binary in "$@"; do
   case $(basename "$binary") in
-  hostverbs-* | control_path-* | cm-*) which=--include-ignored ;;
+  hostverbs-* | control_path-* | cm-* | handover-*) which=--include-ignored ;;
   *) which=--ignored ;;
   esac
   echo "guest-tests: running $(basename "$binary") $which against ${VRDMA_TEST_DEVICE:-rxe0}"

@@ -391,9 +391,10 @@ impl Transport for DirectTransport {
     }
 
     fn replace_front_end(&self) -> Result<()> {
-        let mut frontend = self.frontend.lock().unwrap_or_else(|e| e.into_inner());
         // No region comes or goes meanwhile: the new connection gets the table as it is.
+        // (Taken before the front end, as `announce` and `forget` take them.)
         let _regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut frontend = self.frontend.lock().unwrap_or_else(|e| e.into_inner());
         let vrings = self.vrings.lock().unwrap_or_else(|e| e.into_inner());
         let vhost = |what| move |source| Error::VhostUser { what, source };
         let mut bases = Vec::with_capacity(vrings.len());
