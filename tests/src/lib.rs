@@ -813,6 +813,17 @@ pub fn connect_to_itself(
     connect_guest_qp(qp, 0, gid, qp.qp_num())
 }
 
+/// A socket path under the temp directory for a test's own backend process, named `name` and
+/// this process.
+pub fn socket_named(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("vrdma-{name}-{}.sock", std::process::id()))
+}
+
+/// A guest attached to the backend on `socket` that checks it is still served.
+pub fn served_guest(socket: &std::path::Path) -> WritingGuest {
+    WritingGuest::open(socket.to_str().expect("a UTF-8 socket path"))
+}
+
 /// A guest that checks it is still served: two QPs of its own connected to each other, and an
 /// RDMA WRITE between two pages of its MR whose bytes are checked where they land.
 pub struct WritingGuest {

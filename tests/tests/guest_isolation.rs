@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -16,24 +16,15 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo};
 use vrdma_guest::spec::config::features;
 use vrdma_guest::{Device, Error, Payload, QpType, QueuePair, SendOp, SendWr, Sge};
 use vrdma_tests::{
-    connect_guest_qp, connect_to_itself, cpu_time, spawn_backend_process, wait_for_backend_log,
-    wait_for_guest_completions, BackendProcess, WritingGuest,
+    connect_guest_qp, connect_to_itself, cpu_time, served_guest, socket_named,
+    spawn_backend_process, wait_for_backend_log, wait_for_guest_completions, BackendProcess,
+    WritingGuest,
 };
 
 const PAGE: u64 = 4096;
 const HUGE_PAGE: u64 = 2 << 20;
 /// VHOST_USER_F_PROTOCOL_FEATURES.
 const PROTOCOL_FEATURES: u64 = 1 << 30;
-
-fn socket(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("vrdma-{name}-{}.sock", std::process::id()))
-}
-
-/// A guest attached to the backend on `socket` that checks it is still served (the victim,
-/// which keeps working throughout, or a newcomer).
-fn served_guest(socket: &Path) -> WritingGuest {
-    WritingGuest::open(socket.to_str().expect("a UTF-8 socket path"))
-}
 
 /// A front end of its own making, past vhost-user's feature negotiation, ready to send a
 /// memory table.
@@ -123,7 +114,7 @@ fn assert_alive(backend: &mut Child) {
 fn memory_the_backend_could_fault_on_is_refused_and_every_guest_is_served_on() {
     // Counts the free huge pages: no other test changes the pool meanwhile.
     let _pool = HUGE_PAGE_POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let socket = socket("sigbus");
+    let socket = socket_named("sigbus");
     let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let victim = served_guest(&socket);
     victim.still_served(1);
@@ -201,7 +192,7 @@ fn memory_the_backend_could_fault_on_is_refused_and_every_guest_is_served_on() {
 /// has gone.
 #[test]
 fn a_second_guest_on_an_unshared_gid_is_refused_and_served_once_the_first_is_gone() {
-    let socket = socket("one-gid");
+    let socket = socket_named("one-gid");
     let mut backend = spawn_backend_process(&socket, &[]);
     let victim = served_guest(&socket);
     victim.still_served(1);
@@ -229,7 +220,7 @@ fn a_second_guest_on_an_unshared_gid_is_refused_and_served_once_the_first_is_gon
 /// connection (ibv_get_device_guid's, say) and the next one never collide.
 #[test]
 fn a_guest_that_reconnects_at_once_is_served_on_an_unshared_gid() {
-    let socket = socket("reconnect");
+    let socket = socket_named("reconnect");
     let backend = spawn_backend_process(&socket, &[]);
     let deadline = Instant::now() + Duration::from_secs(120);
     for i in 0..20 {
@@ -294,7 +285,7 @@ fn cpu_while_served(pid: u32, quiet: &WritingGuest) -> (Duration, Duration, Dura
 /// cost.
 #[test]
 fn a_driver_ringing_every_doorbell_in_a_loop_costs_the_backend_little() {
-    let socket = socket("storm");
+    let socket = socket_named("storm");
     let backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let pid = backend.id();
     let quiet = served_guest(&socket);
@@ -350,7 +341,7 @@ fn a_driver_ringing_every_doorbell_in_a_loop_costs_the_backend_little() {
 /// it: guests holding CQs, QPs and armed CQs cost no wake-ups at all.
 #[test]
 fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
-    let socket = socket("idle");
+    let socket = socket_named("idle");
     let backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let pid = backend.id();
     let guests: Vec<_> = (0..4)
@@ -389,7 +380,7 @@ fn an_idle_backend_sleeps_however_many_cqs_its_guests_hold() {
 /// control queue answers and doorbells are heard through the renewed descriptors.
 #[test]
 fn kick_descriptors_renewed_on_running_queues_are_taken() {
-    let socket = socket("renew-kick");
+    let socket = socket_named("renew-kick");
     let backend = spawn_backend_process(&socket, &[]);
     let guest = served_guest(&socket);
     guest.still_served(1);
@@ -414,7 +405,7 @@ fn kick_descriptors_renewed_on_running_queues_are_taken() {
 /// with the control path's refusals: at most 10 lines a second, the rest counted.
 #[test]
 fn a_guest_failing_qps_in_a_loop_logs_within_its_budget() {
-    let socket = socket("qp-loop");
+    let socket = socket_named("qp-loop");
     let backend = spawn_backend_process(&socket, &[]);
     const FAILED: u64 = 100;
     let elapsed = {
@@ -464,7 +455,7 @@ fn a_guest_failing_qps_in_a_loop_logs_within_its_budget() {
 /// may hold at start: a limit that cannot hold them is refused, saying what to change.
 #[test]
 fn a_descriptor_limit_that_cannot_hold_every_guest_is_refused_at_start() {
-    let socket = socket("descriptors");
+    let socket = socket_named("descriptors");
     // 100,000 guests at their quotas need more descriptors than any process may have.
     let refused =
         vrdma_tests::backend_refuses(&socket, &["--shared-gid", "--max-guests", "100000"]);
@@ -483,7 +474,7 @@ fn a_descriptor_limit_that_cannot_hold_every_guest_is_refused_at_start() {
 #[test]
 #[ignore = "needs rdma_rxe: backends claim a GID of a host device (each loopback device is its process's own)"]
 fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
-    let (first_socket, second_socket) = (socket("gid-first"), socket("gid-second"));
+    let (first_socket, second_socket) = (socket_named("gid-first"), socket_named("gid-second"));
     let mut first = spawn_backend_process(&first_socket, &[]);
     let refused = vrdma_tests::backend_refuses(&second_socket, &[]);
     assert!(
@@ -515,7 +506,7 @@ fn a_second_backend_on_the_same_gid_is_refused_unless_all_share_it() {
 #[test]
 fn a_qp_cannot_connect_to_another_guests_qp_that_is_connected_elsewhere() {
     use vrdma_guest::{QpState, Status};
-    let socket = socket("foreign-qp");
+    let socket = socket_named("foreign-qp");
     let backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let victim = served_guest(&socket);
     let attacker = Device::attach(&socket).unwrap();
@@ -688,7 +679,7 @@ fn a_guest_that_punches_its_huge_pages_ends_only_its_own_connection() {
     use vrdma_guest::spec::ctrl::{Opcode, RegMrRequest};
     use vrdma_guest::spec::mem::{PageList, PageListForm};
     use vrdma_guest::spec::Le32;
-    let socket = socket("punched");
+    let socket = socket_named("punched");
     let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let victim = served_guest(&socket);
     victim.still_served(1);
@@ -853,7 +844,7 @@ fn a_memory_table_is_checked_before_any_queue_reads_it() {
     use std::sync::atomic::{AtomicBool, Ordering};
     /// VIRTIO_RING_F_EVENT_IDX.
     const EVENT_IDX: u64 = 1 << 29;
-    let socket = socket("table-race");
+    let socket = socket_named("table-race");
     let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let victim = served_guest(&socket);
     let gpa = 1 << 32;
@@ -897,7 +888,7 @@ fn a_memory_table_is_checked_before_any_queue_reads_it() {
 /// size read after it can only have grown.
 #[test]
 fn a_file_shrunk_and_sealed_while_it_is_checked_is_never_accepted() {
-    let socket = socket("seal-race");
+    let socket = socket_named("seal-race");
     let mut backend = spawn_backend_process(&socket, &["--shared-gid"]);
     let gpa = 1 << 32;
     let mut accepted = 0;
@@ -953,7 +944,7 @@ fn a_file_shrunk_and_sealed_while_it_is_checked_is_never_accepted() {
 /// features; a silent one is closed and the guest's front end is served.
 #[test]
 fn a_silent_connection_does_not_keep_the_guest_out() {
-    let socket = socket("silent");
+    let socket = socket_named("silent");
     let backend = spawn_backend_process(&socket, &["--handshake-timeout-ms", "300"]);
     let silent = std::os::unix::net::UnixStream::connect(&socket).unwrap();
     // The guest's front end comes while the silent one holds the room: it waits for it.
@@ -971,7 +962,7 @@ fn a_silent_connection_does_not_keep_the_guest_out() {
 /// connection for that long. It now ends when the front end speaks.
 #[test]
 fn a_front_end_that_speaks_leaves_no_handshake_watchdog_behind() {
-    let socket = socket("greeted");
+    let socket = socket_named("greeted");
     let backend = spawn_backend_process(&socket, &["--handshake-timeout-ms", "60000"]);
     let guest = served_guest(&socket);
     guest.still_served(1);

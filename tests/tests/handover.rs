@@ -3,7 +3,7 @@
 //! every object, ring position and completion, and nothing else may take it.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use vhost::vhost_user::message::{
     VhostTransferStateDirection, VhostTransferStatePhase, VhostUserHeaderFlag,
@@ -17,17 +17,9 @@ use vrdma_guest::{
     access, Device, DeviceEvent, Payload, QpType, QueuePair, RecvWr, SendOp, SendWr, Sge,
 };
 use vrdma_tests::{
-    connect_guest_qp, spawn_backend_process, start_backend, wait_for_backend_log,
-    wait_for_guest_completions, WritingGuest,
+    connect_guest_qp, served_guest, socket_named, spawn_backend_process, start_backend,
+    wait_for_backend_log, wait_for_guest_completions,
 };
-
-fn socket(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("vrdma-{name}-{}.sock", std::process::id()))
-}
-
-fn served_guest(socket: &Path) -> WritingGuest {
-    WritingGuest::open(socket.to_str().expect("a UTF-8 socket path"))
-}
 
 /// A backend that serves one guest at a time, as it runs for a VM: the new connection is
 /// accepted past that limit as the successor, takes the device, and goes on with it. Each of
@@ -36,7 +28,7 @@ fn served_guest(socket: &Path) -> WritingGuest {
 /// close holding nothing.
 #[test]
 fn a_device_handed_to_a_new_connection_keeps_its_objects_and_completions() {
-    let socket = socket("handover");
+    let socket = socket_named("handover");
     let mut backend = spawn_backend_process(&socket, &[]);
     let guest = served_guest(&socket);
     guest.still_served(1);
@@ -128,7 +120,7 @@ fn an_event_raised_after_the_hand_over_wakes_a_program_that_kicks_nothing() {
 /// at CHECK_DEVICE_STATE, takes nothing, and the guest's device goes on where it is.
 #[test]
 fn a_forged_device_state_takes_nothing() {
-    let socket = socket("handover-forged");
+    let socket = socket_named("handover-forged");
     let mut backend = spawn_backend_process(&socket, &[]);
     let guest = served_guest(&socket);
     guest.still_served(1);
